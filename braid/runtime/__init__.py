@@ -1,0 +1,1 @@
+"""The serving runtime: engine, scheduler, KV cache, executor, models."""

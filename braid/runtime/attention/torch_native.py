@@ -1,0 +1,120 @@
+"""Attention in plain torch (`scaled_dot_product_attention`) over the paged KV cache.
+
+Runs on CPU and CUDA. Extend (prefill on top of a cached prefix) goes request by request: each
+request's keys are gathered through the request-to-token table and its new tokens attend to the
+prefix and causally among themselves. Decode is one batched call: the keys of all requests are
+gathered into a padded [batch, kv_heads, max_len, head_dim] block with a length mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from braid.runtime.attention import register_backend
+from braid.runtime.attention.base import AttentionBackend
+from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
+from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _ExtendMeta:
+    # Per request: (token slice start, end, kv slots of the whole sequence, mask or None).
+    items: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass
+class _DecodeMeta:
+    slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
+    mask: torch.Tensor  # [batch, 1, 1, max_len] True where the key is visible
+
+
+@register_backend("torch_native")
+class TorchNativeBackend(AttentionBackend):
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def _visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= q_pos - k_pos < self.sliding_window
+        return mask
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        table = self.req_to_token.table
+        device = table.device
+        rows = batch.req_pool_indices.tolist()
+        if batch.mode is ForwardMode.DECODE:
+            seq_lens = batch.seq_lens
+            max_len = int(seq_lens.max())
+            slots = table[batch.req_pool_indices, :max_len]
+            k_pos = torch.arange(max_len, device=device)[None, :]
+            mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])
+            slots = torch.where(mask, slots, 0)
+            batch.attn_metadata = _DecodeMeta(slots=slots, mask=mask[:, None, None, :])
+            return
+        items = []
+        start = 0
+        for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
+            total = prefix + n
+            slots = table[row, :total]
+            mask = None
+            window_hit = self.sliding_window is not None and total > self.sliding_window
+            if prefix or window_hit:
+                q_pos = torch.arange(prefix, total, device=device)[:, None]
+                k_pos = torch.arange(total, device=device)[None, :]
+                mask = self._visible(q_pos, k_pos)
+            items.append((start, start + n, slots, mask))
+            start += n
+        batch.attn_metadata = _ExtendMeta(items=items)
+
+    def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., kv_heads, L, D] -> [..., heads, L, D], each KV head serving `groups` query heads.
+        return x if self.groups == 1 else x.repeat_interleave(self.groups, dim=-3)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_buf = self.kv_pool.k[layer_id]
+        v_buf = self.kv_pool.v[layer_id]
+        meta = batch.attn_metadata
+        if batch.mode is ForwardMode.DECODE:
+            kk = self._expand_kv(k_buf[meta.slots].permute(0, 2, 1, 3))
+            vv = self._expand_kv(v_buf[meta.slots].permute(0, 2, 1, 3))
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), kk, vv, attn_mask=meta.mask, scale=self.scale
+            )
+            return o.reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
+        for start, end, slots, mask in meta.items:
+            qi = q[start:end].transpose(0, 1)
+            ki = self._expand_kv(k_buf[slots].transpose(0, 1))
+            vi = self._expand_kv(v_buf[slots].transpose(0, 1))
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale
+            )
+            out[start:end] = oi.transpose(0, 1)
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,118 @@
+"""KV memory: the token-to-KV pool, its page allocator, and the request-to-token table.
+
+Layout: KV slots are grouped in pages of `page_size` slots; slot `s` lives in page
+`s // page_size`. Page 0 is never handed out: its slots are the padding target that batched
+kernels may read or write harmlessly. A request's KV is the list of pages it holds; the
+request-to-token table maps (request slot, position) to the KV slot of that token, which is
+what attention reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Hands out whole pages of KV slots. Free pages are kept in a LIFO list (hot pages reused)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"KV pool needs at least 2 pages, got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # Page 0 is the padding page; the usable capacity is pages 1 .. num_pages-1.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` pages, or None (and nothing taken) when fewer than `n` are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def free_page_set(self) -> set[int]:
+        return set(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape [num_pages * page_size, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.allocator = PageAllocator(num_pages, page_size)
+        slots = num_pages * page_size
+        # torch.empty: zero-filling would touch every byte of a pool that may be many GB. Slots
+        # are written before they are read, except the padding page, which must hold finite
+        # values (a masked-out key still enters the matmul), so it alone is zeroed.
+        self.k = [
+            torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.v = [
+            torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        for buf in self.k + self.v:
+            buf[:page_size].zero_()
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v
+
+
+class ReqToTokenPool:
+    """A [max_requests, max_context] table of KV slot indices, one row per running request."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+        self.size = max_requests
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)

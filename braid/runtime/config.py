@@ -1,0 +1,83 @@
+"""`EngineConfig`: every knob of the runtime, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings. `None` means "size it from the model and the machine".
+
+    - `kv_tokens`: KV pool capacity in tokens; else `mem_fraction_static` of memory (on CUDA:
+      of total GPU memory, weights included, as SGLang; on CPU: of available RAM).
+    - `context_length`: longest sequence (prompt + output); defaults to the model's, capped
+      by the KV capacity.
+    - `max_running_requests`: requests decoded together; `max_prefill_tokens`: new tokens one
+      prefill batch may hold (a longer single prompt still runs, alone).
+    - `generation_config`: "auto" takes default sampling values from the model's
+      generation_config.json (as vLLM does); "braid" uses braid's own defaults.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    kv_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    page_size: int = 1
+    max_running_requests: int | None = None
+    max_prefill_tokens: int | None = None
+    context_length: int | None = None
+    seed: int = 0
+    generation_config: str = "auto"
+    attention_backend: str | None = None
+    load_format: str = "auto"
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
+        frac = self.mem_fraction_static
+        if frac is not None and not 0 < frac < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac!r}")
+        if self.generation_config not in ("auto", "braid"):
+            raise ValueError(
+                f"generation_config must be 'auto' or 'braid', got {self.generation_config!r}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self, model_dtype: str | None) -> torch.dtype:
+        """float32 on CPU for "auto" (CPU half-precision matmuls are slow and less exact);
+        on CUDA the model's 16-bit dtype, or bfloat16."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        if model_dtype in ("bfloat16", "float16"):
+            return _DTYPES[model_dtype]
+        return torch.bfloat16

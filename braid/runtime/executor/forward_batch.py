@@ -1,0 +1,49 @@
+"""What one model forward needs: the tokens, their positions, and where their KV goes.
+
+A `ForwardBatch` is built by the scheduler for one step and passed down through the model to
+the attention backend; per-forward attention state lives in its `attn_metadata`, never in a
+module global.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one forward. Lengths are per request, in batch order.
+
+    `input_ids`, `positions` and `out_cache_loc` have one entry per new token (the requests'
+    new tokens laid end to end). `seq_lens` is each request's length *after* this forward;
+    `prefix_lens` how many of its tokens already had KV before it. `logits_indices` selects the
+    rows of the hidden states whose logits are wanted.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    logits_indices: torch.Tensor
+    attn_metadata: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,182 @@
+"""Batched logit processing and sampling: one set of tensor operations for the whole batch.
+
+Order (vLLM's): min-tokens suppression, logit bias, repetition / frequency / presence
+penalties, then greedy argmax or temperature, top-k, top-p, min-p and a draw. Work a batch does
+not ask for is skipped (no sort without top-k/top-p, no penalty counts without penalties).
+
+Draws are made with counter-based noise: the noise for (seed, step, token) is a hash of those
+three numbers, so a request's samples depend only on its own seed and position, never on the
+batch it lands in or on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from braid.runtime.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    # murmur3's finaliser on int64 tensors holding 32-bit values (products wrap, then mask).
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 in (0, 1), a pure function of (seed, step, token index)."""
+    row = _fmix32((seeds + steps * 0x9E3779B9) & _MASK32)
+    cols = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _MASK32
+    x = _fmix32(row[:, None] ^ cols[None, :])
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def fold_seed(seed: int) -> int:
+    """A 32-bit stream id for any Python int seed."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+@dataclass
+class SamplingInput:
+    """What the sampler needs to know about one request this step."""
+
+    params: SamplingParams
+    seed: int  # 32-bit stream id (see fold_seed)
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached
+
+
+@dataclass
+class SampleResult:
+    next_ids: torch.Tensor  # [B] int64
+    # Present only when some request asked for logprobs: raw-model log-probabilities.
+    logprobs: torch.Tensor | None = None  # [B] of the chosen tokens
+    ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = most likely)
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+def _padded(seqs: list[Sequence[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    out = torch.full((len(seqs), width), pad, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, : len(s)] = torch.as_tensor(s, dtype=torch.int64)
+    return out.to(device)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def _counts(self, seqs: list[Sequence[int]]) -> torch.Tensor:
+        ids = _padded(seqs, self.vocab_size, self.device)
+        counts = torch.zeros(len(seqs), self.vocab_size + 1, device=self.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+        return counts[:, : self.vocab_size]
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
+        ps = [r.params for r in reqs]
+        dev = self.device
+        if any(p.frequency_penalty or p.presence_penalty for p in ps):
+            out_counts = self._counts([r.output_ids for r in reqs])
+            freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+            logits -= freq * out_counts + pres * (out_counts > 0)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            seen = self._counts([list(r.prompt_ids) + list(r.output_ids) for r in reqs]) > 0
+            rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
+            penalised = torch.where(logits > 0, logits / rep, logits * rep)
+            logits.copy_(torch.where(seen, penalised, logits))
+
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
+        rows, cols, vals = [], [], []
+        for i, r in enumerate(reqs):
+            for tok, bias in (r.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(tok)
+                vals.append(bias)
+        if rows:
+            logits.index_put_(
+                (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
+                torch.tensor(vals, device=self.device, dtype=logits.dtype),
+                accumulate=True,
+            )
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.params.min_tokens:
+                rows.extend([i] * len(r.stop_ids))
+                cols.extend(r.stop_ids)
+        if rows:
+            logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = (
+                float("-inf")
+            )
+
+    def sample(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> SampleResult:
+        """Choose one token per row of `logits` ([B, vocab], float32)."""
+        ps = [r.params for r in reqs]
+        want_logprobs = any(p.logprobs is not None for p in ps)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = logits.clone()
+        self._apply_bias_and_min_tokens(logits, reqs)
+        self._apply_penalties(logits, reqs)
+
+        greedy_ids = logits.argmax(dim=-1)
+        greedy = [p.greedy for p in ps]
+        if all(greedy):
+            next_ids = greedy_ids
+        else:
+            next_ids = self._draw(logits, reqs, ps, greedy_ids, greedy)
+        result = SampleResult(next_ids=next_ids)
+        if raw_logprobs is not None:
+            self._fill_logprobs(result, raw_logprobs, ps)
+        return result
+
+    def _draw(self, logits, reqs, ps, greedy_ids, greedy) -> torch.Tensor:
+        dev = self.device
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=dev)
+        logits = logits / temps[:, None]
+        use_top_k = any(p.top_k > 0 for p in ps)
+        use_top_p = any(p.top_p < 1.0 for p in ps)
+        if use_top_k or use_top_p:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            if use_top_k:
+                ks = torch.tensor(
+                    [p.top_k if p.top_k > 0 else self.vocab_size for p in ps], device=dev
+                )
+                pos = torch.arange(self.vocab_size, device=dev)[None, :]
+                sorted_logits.masked_fill_(pos >= ks[:, None], float("-inf"))
+            if use_top_p:
+                probs = sorted_logits.softmax(dim=-1)
+                before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+                top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+                sorted_logits.masked_fill_(before > top_p, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in ps):
+            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
+        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        noise = -torch.log(hash_uniform(seeds, steps, self.vocab_size))
+        drawn = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=dev), greedy_ids, drawn)
+
+    def _fill_logprobs(self, result: SampleResult, raw: torch.Tensor, ps) -> None:
+        chosen = raw.gather(1, result.next_ids[:, None])
+        result.logprobs = chosen[:, 0]
+        result.ranks = (raw > chosen).sum(dim=-1) + 1
+        k = max(p.logprobs or 0 for p in ps)
+        if k:
+            top = raw.topk(k, dim=-1)
+            result.top_ids, result.top_logprobs = top.indices, top.values

@@ -1,0 +1,1 @@
+"""Messages between the runtime's parts, one dataclass each, grouped by destination."""

@@ -1,0 +1,36 @@
+"""Messages the scheduler sends out after each step, towards detokenization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenLogprob:
+    """A token's raw-model log-probability, its rank, and the `top` alternatives
+    as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class TokenOut:
+    """What one request gained in one step.
+
+    `finish_reason` is None while it runs, then "stop" (an EOS or stop token: `stop_token` says
+    which stop token, None for EOS), "length", or "abort" (`error` says why if it failed).
+    `prompt_logprobs` comes once, with the first token, when asked for (None for position 0).
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+    stop_token: int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -1,0 +1,142 @@
+"""The Llama family: Llama 2/3.x, SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
+
+braid's own implementation: fused QKV and gate-up projections, attention through the
+pluggable backend over the paged KV cache, tied embeddings where the config asks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from braid.runtime.attention.base import AttentionBackend
+from braid.runtime.executor.forward_batch import ForwardBatch
+from braid.runtime.layers.activation import silu_and_mul
+from braid.runtime.layers.embedding import LMHead, VocabEmbedding
+from braid.runtime.layers.linear import Linear
+from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.rotary import RotaryEmbedding
+from braid.runtime.models import register_model
+from braid.runtime.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(cfg.q_size, {None: cfg.hidden_size}, bias=cfg.o_bias, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, {"gate": inter, "up": inter}, bias=cfg.mlp_bias, dtype=dtype
+        )
+        self.down_proj = Linear(inter, {None: cfg.hidden_size}, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, positions, batch, attn):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, batch, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, batch.positions, batch, attn)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (braid's fused parameter, shard)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+    # checkpoint keys that hold no weights (precomputed rotary tables in old checkpoints)
+    ignored_key_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, max_positions)
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
+        )
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Logits (float32) for the rows `batch.logits_indices` selects."""
+        h = self.model(batch, attn)
+        return self.lm_head(h[batch.logits_indices]).float()

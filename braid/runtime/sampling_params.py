@@ -1,0 +1,173 @@
+"""`SamplingParams`: how to sample one request, validated once and shared by every entry point.
+
+Field names and defaults follow vLLM's `SamplingParams`, so code written for it runs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Largest number of top log-probabilities one token may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one prompt; invalid values raise `ValueError` naming the field.
+
+    `temperature=0` means greedy. `top_k` of 0 or -1 turns top-k off. `max_tokens=None` generates
+    until a stop condition or the context length. `stop` strings end generation on the detokenized
+    text; `stop_token_ids` end it on a token (even with `ignore_eos`). `seed` makes the request's
+    samples the same whatever batch it lands in. `logprobs=k` returns, for every generated token,
+    its log-probability and the `k` most likely alternatives; `prompt_logprobs=k` does the same
+    for the prompt. `logit_bias` maps token ids to a bias added to their logits.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        err = self._first_error()
+        if err:
+            raise ValueError(err)
+        # Normalise containers so the object is hashable-ish and never aliases caller state.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None:
+            object.__setattr__(
+                self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+            )
+
+    def _first_error(self) -> str | None:  # noqa: C901 - one flat list of checks reads best
+        if not _is_int(self.n) or self.n < 1:
+            return f"n must be an integer >= 1, got {self.n!r}"
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            return f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return (
+                f"min_tokens ({self.min_tokens}) must not be greater than "
+                f"max_tokens ({self.max_tokens})"
+            )
+        if not _is_number(self.temperature) or self.temperature < 0:
+            return f"temperature must be a non-negative number, got {self.temperature!r}"
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not _is_int(self.top_k) or self.top_k < -1:
+            return f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}"
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            return f"min_p must be in [0, 1], got {self.min_p!r}"
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            return f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}"
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                return f"{name} must be in [-2, 2], got {v!r}"
+        if self.seed is not None and not _is_int(self.seed):
+            return f"seed must be an integer or None, got {self.seed!r}"
+        stop = self.stop
+        if stop is not None:
+            items = [stop] if isinstance(stop, str) else stop
+            if not isinstance(items, (list, tuple)) or not all(
+                isinstance(s, str) and s for s in items
+            ):
+                return f"stop must be a non-empty string or a list of them, got {stop!r}"
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                return (
+                    "stop_token_ids must be a list of non-negative integers, "
+                    f"got {self.stop_token_ids!r}"
+                )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be a bool, got {getattr(self, name)!r}"
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                return f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                return f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    return f"logit_bias keys must be token ids, got {k!r}"
+                if tok < 0:
+                    return f"logit_bias keys must be non-negative token ids, got {k!r}"
+                if not _is_number(v) or not -100 <= v <= 100:
+                    return f"logit_bias values must be in [-100, 100], got {v!r} for token {k}"
+        return None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise `ValueError` if a token id in these params is outside the model's vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary ({vocab_size})")
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias: token {t} is outside the vocabulary ({vocab_size})")
+
+
+# Fields a model's generation_config.json may set as defaults (the ones vLLM takes from it).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def defaults_from_generation_config(gen_config: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams defaults that a model's generation_config.json asks for."""
+    out = {}
+    for src, dst in GENERATION_CONFIG_FIELDS.items():
+        if gen_config.get(src) is not None:
+            out[dst] = gen_config[src]
+    return out

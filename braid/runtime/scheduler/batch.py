@@ -1,0 +1,109 @@
+"""Building the `ForwardBatch` of one step: assigning KV slots to new tokens and laying out the
+tensors of a prefill (extend) or decode batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
+from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.scheduler.request import Req
+
+
+@dataclass
+class StepPlan:
+    """A forward batch and, per request, which row of the returned logits is its last token
+    (and, for prompt-logprob requests, the slice of rows covering its prompt)."""
+
+    reqs: list[Req]
+    batch: ForwardBatch
+    last_rows: list[int]
+    prompt_rows: dict[int, tuple[int, int]]  # batch index -> (first row, end row)
+
+
+def assign_slots(
+    req: Req, new_len: int, allocator: PageAllocator, table: ReqToTokenPool
+) -> list[int]:
+    """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
+    them in its row of the request-to-token table. The caller has budgeted the pages."""
+    ps = allocator.page_size
+    need = allocator.pages_for(new_len) - len(req.pages)
+    if need > 0:
+        pages = allocator.alloc(need)
+        assert pages is not None, "admission budget violated: no free KV pages"
+        req.pages.extend(pages)
+    slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
+    table.table[req.pool_row, req.kv_len : new_len] = torch.tensor(slots, dtype=torch.int64)
+    return slots
+
+
+def build_extend(
+    reqs: list[Req], allocator: PageAllocator, table: ReqToTokenPool, device: torch.device
+) -> StepPlan:
+    ids: list[int] = []
+    positions: list[int] = []
+    locs: list[int] = []
+    prefix_lens, extend_lens, last_rows = [], [], []
+    logits_rows: list[int] = []
+    prompt_rows: dict[int, tuple[int, int]] = {}
+    for i, r in enumerate(reqs):
+        start, end = r.kv_len, r.seq_len
+        locs += assign_slots(r, end, allocator, table)
+        base = len(ids)
+        ids += [r.token_at(p) for p in range(start, end)]
+        positions += range(start, end)
+        prefix_lens.append(start)
+        extend_lens.append(end - start)
+        if r.params.prompt_logprobs is not None and start == 0:
+            prompt_rows[i] = (len(logits_rows), len(logits_rows) + end - start)
+            logits_rows += range(base, base + end - start)
+        else:
+            logits_rows.append(base + end - start - 1)
+        last_rows.append(len(logits_rows) - 1)
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor([r.pool_row for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=device),
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+    )
+    return StepPlan(reqs, batch, last_rows, prompt_rows)
+
+
+def build_decode(
+    reqs: list[Req], allocator: PageAllocator, table: ReqToTokenPool, device: torch.device
+) -> StepPlan:
+    ps = allocator.page_size
+    rows, positions, locs = [], [], []
+    for r in reqs:
+        pos = r.kv_len  # the last sampled token, whose KV is written now
+        if pos // ps >= len(r.pages):
+            pages = allocator.alloc(1)
+            assert pages is not None, "admission budget violated: no free KV pages"
+            r.pages.extend(pages)
+        rows.append(r.pool_row)
+        positions.append(pos)
+        locs.append(r.pages[pos // ps] * ps + pos % ps)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+    locs_t = torch.tensor(locs, dtype=torch.int64, device=device)
+    table.table[rows_t, pos_t] = locs_t
+    n = len(reqs)
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        positions=pos_t,
+        out_cache_loc=locs_t,
+        req_pool_indices=rows_t,
+        seq_lens=pos_t + 1,
+        prefix_lens=positions,
+        extend_lens=[1] * n,
+        logits_indices=torch.arange(n, device=device),
+    )
+    return StepPlan(reqs, batch, list(range(n)), {})

@@ -1,0 +1,92 @@
+"""Incremental detokenization of one output stream, with stop strings applied on the text.
+
+Text is produced as tokens arrive, never emitting a half-decoded multi-byte character: a
+token whose bytes do not yet complete a character is held until they do. A few prompt tokens
+are kept as context so that the first generated token gets its leading space right.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens kept as decoding context (enough for any tokenizer's merges at the boundary).
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.num_output_tokens = 0
+        self.text = ""
+        self.stop_reason: str | None = None
+        self._checked_len = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append generated tokens; returns the text they add (possibly empty). After a stop
+        string is found, `stop_reason` is set, `text` is cut there, and nothing more is added."""
+        if self.stopped:
+            return ""
+        before = len(self.text)
+        for tid in token_ids:
+            self._ids.append(tid)
+            self.num_output_tokens += 1
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+            if self.stop and self.num_output_tokens >= self.min_tokens and self._check_stop():
+                break
+        return self.text[before:]
+
+    def _check_stop(self) -> bool:
+        # A new match must end in text added since the last check.
+        start = max(0, self._checked_len - self._max_stop + 1)
+        self._checked_len = len(self.text)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stop_reason = s
+        return True
+
+    def stream_safe_len(self) -> int:
+        """How much of `text` may be streamed now: while running, a tail that could be the
+        start of a stop string is held back."""
+        if self.stopped or not self.stop:
+            return len(self.text)
+        for k in range(min(self._max_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return len(self.text) - k
+        return len(self.text)

@@ -1,0 +1,53 @@
+"""Loading a Hugging Face tokenizer and rendering chat conversations with its template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")
+        if not isinstance(m["role"], str):
+            raise ValueError(f"messages[{i}].role must be a string")
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own."""
+    _check_messages(messages)
+    template = chat_template or tokenizer.chat_template
+    if not template:
+        raise ValueError(
+            "this model's tokenizer has no chat template: pass chat_template=... or use "
+            "generate() with plain prompts"
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template,
+            tools=tools,
+        )
+    except Exception as e:  # jinja errors have many types; all mean "bad conversation"
+        raise ValueError(f"chat template failed on these messages: {e}") from e
