@@ -118,7 +118,7 @@ class Scheduler:
         if admitted:
             return build_extend(admitted, self.allocator, self.table, self.device)
         if self.running:
-            return build_decode(self.running, self.allocator, self.table, self.device)
+            return build_decode(list(self.running), self.allocator, self.table, self.device)
         return None
 
     def _admit(self) -> list[Req]:

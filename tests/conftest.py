@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random models of every supported architecture (built from a
+transformers config and saved with save_pretrained, so transformers is the reference), and the
+embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from braid.runtime.models.source import resolve_model
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _tiny_config(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=False)
+    if arch == "llama3":
+        return tf.LlamaConfig(
+            **TINY,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        )
+    if arch == "mistral":
+        return tf.MistralConfig(**TINY, sliding_window=24, head_dim=16)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TINY, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+def build_tiny_model(arch: str, path: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: build_tiny_model(a, root / a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    import braid
+
+    llm = braid.LLM(smollm2_dir, kv_tokens=8192, show_progress=False)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: bool = True) -> list[int]:
+    """Transformers' greedy continuation of one prompt (the fidelity reference)."""
+    x = torch.tensor([ids])
+    kwargs = {}
+    if not eos:
+        kwargs = dict(eos_token_id=None, min_new_tokens=max_new_tokens)
+    with torch.inference_mode():
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist()

@@ -1,0 +1,118 @@
+"""Bad input raises ValueError naming the problem, and the engine keeps serving with no KV
+slot lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(n=0), "n"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(frequency_penalty=3.0), "frequency_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(logprobs=100), "logprobs"),
+        (dict(seed="x"), "seed"),
+        (dict(logit_bias={"a": 1.0}), "logit_bias"),
+        (dict(logit_bias={1: 1000.0}), "logit_bias"),
+        (dict(temperature=True), "temperature"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def _assert_all_kv_free(llm):
+    sched = llm.scheduler
+    sched.check_invariants()
+    assert not sched.running and not sched.waiting
+    assert sched.allocator.free_pages == sched.allocator.capacity_pages
+
+
+@pytest.mark.parametrize(
+    "prompts, params, match",
+    [
+        ("", None, "empty"),
+        ([[]], None, "empty"),
+        ([], None, "empty"),
+        (["ok", ""], None, "prompt 1"),
+        ([[1, 2, 10**9]], None, "vocabulary"),
+        ([[1] * 9000], None, "context length"),
+        (["hello"], SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+        (["hello"], SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+        (["a", "b"], [SamplingParams()], "sampling_params"),
+        ([3.5], None, "prompt 0"),
+    ],
+)
+def test_bad_requests_fail_cleanly_and_engine_keeps_serving(smollm2, prompts, params, match):
+    with pytest.raises(ValueError, match=match):
+        smollm2.generate(prompts, params, use_tqdm=False)
+    _assert_all_kv_free(smollm2)
+    ok = smollm2.generate(["2 + 2 ="], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 3
+    _assert_all_kv_free(smollm2)
+
+
+def test_small_kv_pool_caps_the_context(tiny_model_dirs):
+    """A pool smaller than the model's context caps the context: a prompt that cannot fit is
+    rejected, and generation stops at the cap with finish_reason "length"."""
+    import braid
+
+    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=64, show_progress=False) as llm:
+        assert llm.runner.context_length == 64
+        with pytest.raises(ValueError, match="context length"):
+            llm.generate([[1] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
+        out = llm.generate([[1] * 40], SamplingParams(max_tokens=100), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 24
+        assert out[0].outputs[0].finish_reason == "length"
+        _assert_all_kv_free(llm)
+
+
+def test_bad_chat_messages(smollm2):
+    for messages, match in [
+        ([], "non-empty"),
+        ([{"content": "no role"}], "role"),
+        ("just a string", "non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            smollm2.chat(messages, use_tqdm=False)
+    _assert_all_kv_free(smollm2)
+
+
+def test_failure_mid_generation_frees_every_slot(tiny_model_dirs):
+    """A forward that raises (an OOM, a kernel error) ends the call with the error and leaves
+    no KV held; the engine then serves the next call."""
+    import braid
+
+    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
+        real_forward = llm.runner.forward
+        calls = {"n": 0}
+
+        def failing_forward(batch):
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise RuntimeError("injected failure")
+            return real_forward(batch)
+
+        llm.runner.forward = failing_forward
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=10), use_tqdm=False)
+        _assert_all_kv_free(llm)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 5
+        _assert_all_kv_free(llm)

@@ -1,0 +1,89 @@
+"""The batched sampler on hand-made logits: each filter keeps exactly the tokens it should."""
+
+from __future__ import annotations
+
+import torch
+
+from braid import SamplingParams
+from braid.runtime.executor.sampler import Sampler, SamplingInput, hash_uniform
+
+V = 16
+
+
+def _inp(seed=1, prompt=(1,), output=(), stop=(), **kw) -> SamplingInput:
+    return SamplingInput(SamplingParams(**kw), seed, list(prompt), list(output), list(stop))
+
+
+def _draws(logits_row, n=300, **kw):
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.tensor([logits_row] * n, dtype=torch.float32)
+    reqs = [_inp(seed=s, **kw) for s in range(n)]
+    return set(sampler.sample(logits, reqs).next_ids.tolist())
+
+
+ROW = [float(x) for x in torch.linspace(3.0, -3.0, V)]  # token 0 most likely, 15 least
+
+
+def test_top_k_keeps_the_k_most_likely():
+    assert _draws(ROW, temperature=1.0, top_k=3) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor(ROW).softmax(-1)
+    cum = probs.cumsum(-1)
+    keep = int((cum < 0.8).sum()) + 1  # tokens needed to reach 0.8
+    drawn = _draws(ROW, n=600, temperature=1.0, top_p=0.8)
+    assert drawn <= set(range(keep)) and len(drawn) == keep
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor(ROW).softmax(-1)
+    allowed = {i for i in range(V) if probs[i] >= 0.3 * probs[0]}
+    assert _draws(ROW, temperature=1.0, min_p=0.3) == allowed
+
+
+def test_temperature_zero_is_argmax_whatever_the_seed():
+    assert _draws(ROW, temperature=0.0) == {0}
+
+
+def test_penalties_follow_their_formulas():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.tensor([ROW], dtype=torch.float32)
+    out_ids = [0, 0, 5]
+    req = _inp(prompt=[7], output=out_ids, frequency_penalty=0.5, presence_penalty=0.25)
+    got = logits.clone()
+    sampler._apply_penalties(got, [req])
+    want = logits.clone()
+    want[0, 0] -= 2 * 0.5 + 0.25
+    want[0, 5] -= 1 * 0.5 + 0.25
+    assert torch.allclose(got, want)
+
+    req = _inp(prompt=[7], output=[0, 15], repetition_penalty=2.0)
+    got = logits.clone()
+    sampler._apply_penalties(got, [req])
+    want = logits.clone()
+    want[0, 0] /= 2.0  # positive logit: divided
+    want[0, 15] *= 2.0  # negative logit: multiplied
+    want[0, 7] = want[0, 7] / 2.0 if want[0, 7] > 0 else want[0, 7] * 2.0  # prompt counts too
+    assert torch.allclose(got, want)
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.tensor([ROW, ROW], dtype=torch.float32)
+    reqs = [
+        _inp(output=[3], stop=[0], temperature=0.0, min_tokens=2),  # 1 < 2: token 0 banned
+        _inp(output=[3, 4], stop=[0], temperature=0.0, min_tokens=2),  # reached: allowed
+    ]
+    assert sampler.sample(logits, reqs).next_ids.tolist() == [1, 0]
+
+
+def test_noise_depends_only_on_seed_step_and_token():
+    seeds = torch.tensor([5, 9, 5])
+    steps = torch.tensor([0, 0, 3])
+    u = hash_uniform(seeds, steps, 1000)
+    assert torch.equal(u[0], hash_uniform(torch.tensor([5]), torch.tensor([0]), 1000)[0])
+    assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert 0 < u.min() and u.max() < 1
+    # Roughly uniform: mean near 1/2.
+    assert abs(hash_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096).mean() - 0.5) < 0.01

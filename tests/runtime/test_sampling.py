@@ -1,0 +1,174 @@
+"""Sampling behaviour on the real SmolLM2 model: greedy equivalences, seeds, stops, n, logprobs,
+penalties and biases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import braid
+from braid import SamplingParams
+
+PROMPT = "Once upon a time, in a small village,"
+
+
+def _one(llm, prompt, **kw):
+    return llm.generate([prompt], SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_top_k_1_equals_greedy(smollm2):
+    greedy = _one(smollm2, PROMPT, temperature=0.0, max_tokens=16)
+    top1 = _one(smollm2, PROMPT, temperature=0.9, top_k=1, max_tokens=16)
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_seeded_request_is_the_same_alone_and_batched(smollm2):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
+    alone = smollm2.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=24)
+    batch = smollm2.generate(
+        ["Hi", PROMPT, "The weather today is", "1, 2, 3,"],
+        [others, sp, others, SamplingParams(temperature=0.0, max_tokens=5)],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = _one(smollm2, PROMPT, temperature=1.0, top_p=0.9, seed=43, max_tokens=16)
+    assert other_seed.token_ids != alone
+
+
+def test_stop_string_cuts_the_text(smollm2):
+    full = _one(smollm2, PROMPT, temperature=0.0, max_tokens=30)
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = full.text.index(stop)
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=30, stop=[stop])
+    assert out.text == full.text[:cut]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < len(full.token_ids)
+    kept = _one(
+        smollm2, PROMPT, temperature=0.0, max_tokens=30, stop=stop, include_stop_str_in_output=True
+    )
+    assert kept.text == full.text[: cut + len(stop)]
+
+
+def test_stop_token_ids_end_generation_on_the_token(smollm2):
+    full = _one(smollm2, PROMPT, temperature=0.0, max_tokens=20, ignore_eos=True)
+    target = full.token_ids[6]
+    first = full.token_ids.index(target)
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=20, stop_token_ids=[target])
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", target)
+
+
+def test_eos_and_length_finish_reasons(smollm2):
+    chat = smollm2.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0.0, max_tokens=64),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.stop_reason is None
+    assert chat.token_ids[-1] in smollm2.scheduler.eos_token_ids
+    assert "<|im_end|>" not in chat.text
+    short = _one(smollm2, PROMPT, temperature=0.0, max_tokens=3)
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_min_tokens_suppresses_eos(smollm2):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    natural = smollm2.chat(msgs, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
+    k = len(natural[0].outputs[0].token_ids)
+    longer = smollm2.chat(
+        msgs, SamplingParams(temperature=0.0, max_tokens=k + 10, min_tokens=k + 5), use_tqdm=False
+    )[0].outputs[0]
+    assert len(longer.token_ids) >= k + 5
+    eos = smollm2.scheduler.eos_token_ids
+    assert not eos & set(longer.token_ids[: k + 4])
+
+
+def test_n_returns_n_distinct_samples(smollm2):
+    out = smollm2.generate(
+        [PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False
+    )[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 12 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    again = smollm2.generate(
+        [PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False
+    )[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_logit_bias_forces_a_token(smollm2):
+    tid = smollm2.tokenizer.encode(" banana")[0]
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=5, logit_bias={tid: 100.0})
+    assert out.token_ids == [tid] * 5
+
+
+def test_logprobs_are_consistent(smollm2):
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=8, logprobs=3)
+    assert len(out.logprobs) == 8
+    total = 0.0
+    for tok, pos in zip(out.token_ids, out.logprobs):
+        assert pos[tok].rank == 1  # greedy picks the most likely token
+        assert len(pos) == 3
+        ranks = sorted(lp.rank for lp in pos.values())
+        assert ranks == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in pos.values())
+        total += pos[tok].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+    assert out.logprobs[0][out.token_ids[0]].decoded_token == smollm2.tokenizer.decode(
+        [out.token_ids[0]]
+    )
+
+
+def test_prompt_logprobs_match_transformers(smollm2, hf_smollm2):
+    ids = smollm2.tokenizer.encode(PROMPT)
+    out = smollm2.generate(
+        [ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    for j in range(1, len(ids)):
+        got = out.prompt_logprobs[j][ids[j]].logprob
+        assert got == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-4)
+
+
+def test_repetition_penalty_matches_transformers(smollm2, hf_smollm2):
+    ids = smollm2.tokenizer.encode(PROMPT)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = hf_smollm2.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.5,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
+    out = smollm2.generate(
+        [ids],
+        SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.5, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == ref
+
+
+def test_default_sampling_params_follow_generation_config(tiny_model_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model_dirs["llama"], path)
+    (path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.25, "top_p": 0.5, "top_k": 7})
+    )
+    with braid.LLM(path, kv_tokens=256, show_progress=False) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_p, d.top_k) == (0.25, 0.5, 7)
+    with braid.LLM(path, kv_tokens=256, generation_config="braid", show_progress=False) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_p, d.top_k) == (1.0, 1.0, 0)
