@@ -63,6 +63,19 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
+        from braid.runtime.models import supported_architectures
+
+        if arch not in supported_architectures():
+            raise ValueError(
+                f"architecture {arch!r} is not supported (supported: {supported_architectures()})"
+            )
+        try:
+            return cls._parse(arch, d)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    @classmethod
+    def _parse(cls, arch: str, d: dict[str, Any]) -> ModelConfig:
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
