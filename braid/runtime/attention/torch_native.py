@@ -28,7 +28,7 @@ class _ExtendMeta:
 @dataclass
 class _DecodeMeta:
     slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
-    mask: torch.Tensor  # [batch, 1, 1, max_len] True where the key is visible
+    hidden: torch.Tensor  # [batch, 1, 1, max_len] True where the key is NOT visible
 
 
 @register_backend("torch_native")
@@ -68,7 +68,7 @@ class TorchNativeBackend(AttentionBackend):
             k_pos = torch.arange(max_len, device=device)[None, :]
             mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])
             slots = torch.where(mask, slots, 0)
-            batch.attn_metadata = _DecodeMeta(slots=slots, mask=mask[:, None, None, :])
+            batch.attn_metadata = _DecodeMeta(slots=slots, hidden=~mask[:, None, None, :])
             return
         items = []
         start = 0
@@ -102,12 +102,16 @@ class TorchNativeBackend(AttentionBackend):
         v_buf = self.kv_pool.v[layer_id]
         meta = batch.attn_metadata
         if batch.mode is ForwardMode.DECODE:
-            kk = self._expand_kv(k_buf[meta.slots].permute(0, 2, 1, 3))
-            vv = self._expand_kv(v_buf[meta.slots].permute(0, 2, 1, 3))
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kk, vv, attn_mask=meta.mask, scale=self.scale
-            )
-            return o.reshape(q.shape[0], -1)
+            # GQA as a batched matmul over [batch, kv_heads, groups, ...]: the KV heads are
+            # not copied out once per query head.
+            b = q.shape[0]
+            qg = q.view(b, self.num_kv_heads, self.groups, self.head_dim)
+            kk = k_buf[meta.slots].permute(0, 2, 3, 1)  # [b, kv_heads, head_dim, L]
+            vv = v_buf[meta.slots].permute(0, 2, 1, 3)  # [b, kv_heads, L, head_dim]
+            scores = torch.matmul(qg, kk).mul_(self.scale)
+            scores.masked_fill_(meta.hidden, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1), vv)
+            return o.reshape(b, -1)
         out = torch.empty_like(q)
         for start, end, slots, mask in meta.items:
             qi = q[start:end].transpose(0, 1)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.runtime.layers.linear import select_linear_fn
 from braid.runtime.layers.norm import default_weight_loader
 
 
@@ -40,6 +41,7 @@ class LMHead(nn.Module):
             )
             self.weight.weight_loader = default_weight_loader
             self.weight.shard_names = (None,)
+        self._linear = select_linear_fn(self.weight.device, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weight)
+        return self._linear(h, self.weight, None)

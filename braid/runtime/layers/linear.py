@@ -6,9 +6,40 @@ tensor names the block it fills, and loading checks the shape of every block.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@functools.cache
+def _onednn_works() -> bool:
+    try:
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        return torch.allclose(_onednn_linear(x, w, None), F.linear(x, w), atol=1e-5)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def select_linear_fn(device: torch.device, dtype: torch.dtype) -> LinearFn:
+    """The matmul for a weight on `device` in `dtype`, chosen once per layer.
+
+    On CPU in float32, oneDNN's linear is used where torch has it: measured on the 2-core
+    development machine it runs the LM head (49152 x 576) about 2x faster than the BLAS
+    `F.linear` path at batch 1 and 16. Elsewhere, `F.linear`.
+    """
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if _onednn_works():
+            return _onednn_linear
+    return F.linear
 
 
 class Linear(nn.Module):
@@ -43,6 +74,7 @@ class Linear(nn.Module):
             if p is not None:
                 p.weight_loader = self._load_shard
                 p.shard_names = tuple(shards)
+        self._linear = select_linear_fn(self.weight.device, dtype)
 
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
         if shard not in self.offsets:
@@ -56,4 +88,4 @@ class Linear(nn.Module):
         param.data[start : start + size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.weight, self.bias)

@@ -15,13 +15,13 @@ from braid.runtime.layers.activation import silu_and_mul
 from braid.runtime.layers.embedding import LMHead, VocabEmbedding
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
-from braid.runtime.layers.rotary import RotaryEmbedding
+from braid.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from braid.runtime.models import register_model
 from braid.runtime.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = cfg.num_heads
@@ -39,12 +39,11 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-        self.rotary = rotary
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
@@ -55,7 +54,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)
         return self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
 
 
@@ -73,20 +72,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, positions, batch, attn):
+    def forward(self, x, residual, cos_sin, batch, attn):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, batch, attn)
+        h = self.self_attn(h, cos_sin, batch, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -95,19 +94,18 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.lookup(batch.positions)
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, batch.positions, batch, attn)
+            h, residual = layer(h, residual, cos_sin, batch, attn)
         h, _ = self.norm(h, residual)
         return h
 

@@ -1,0 +1,178 @@
+"""Offline throughput: braid's `LLM.generate` vs transformers' `generate`, same model, same
+prompts, same fixed output lengths (`ignore_eos`), greedy, in one run.
+
+    python benchmarks/offline_throughput.py                      # CPU, embedded SmolLM2, fp32
+    python benchmarks/offline_throughput.py --model CONFIG_DIR --load-format dummy --dtype bfloat16
+
+For each batch size B, both engines get the same B prompts of --input-len random tokens and
+produce --output-len tokens each; transformers runs them as one padded-free batch of B (all
+prompts have the same length). Prints a table and writes JSON under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import braid  # noqa: E402
+from braid.runtime.models.source import resolve_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info(device: str) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    else:
+        try:
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return info
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the low ids, which are special tokens in most vocabularies.
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_braid(llm, prompts, output_len: int, device: str) -> float:
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sync(device)
+    dt = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return dt
+
+
+def run_hf(model, prompts, output_len: int, device: str) -> float:
+    x = torch.tensor(prompts, device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    sync(device)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == x.shape[1] + output_len
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (best is kept)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default: results/offline_throughput_<device>.json)")
+    args = ap.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = resolve_model(args.model)
+    t0 = time.perf_counter()
+    llm = braid.LLM(model_dir, dtype=args.dtype, load_format=args.load_format, show_progress=False)
+    load_s = time.perf_counter() - t0
+    vocab = llm.model_config.vocab_size
+    torch_dtype = llm.runner.dtype
+
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if args.load_format == "dummy":
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+        hf = hf.to(device).eval()
+
+    rows = []
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    warm = make_prompts(2, 8, vocab, seed=0)
+    run_braid(llm, warm, 2, device)
+    if hf is not None:
+        run_hf(hf, warm, 2, device)
+    for bs in sizes:
+        prompts = make_prompts(bs, args.input_len, vocab, seed=bs)
+        tokens = bs * args.output_len
+        b = min(run_braid(llm, prompts, args.output_len, device) for _ in range(args.repeats))
+        row = {"batch_size": bs, "braid_s": b, "braid_tok_s": tokens / b}
+        if hf is not None:
+            h = min(run_hf(hf, prompts, args.output_len, device) for _ in range(args.repeats))
+            row.update(hf_s=h, hf_tok_s=tokens / h, speedup=h / b)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print(f"\nmodel {model_dir.name} ({torch_dtype}, {device}), input {args.input_len}, output {args.output_len}")
+    print(f"braid load time: {load_s:.2f} s")
+    print(f"{'batch':>5} | {'braid tok/s':>11} | {'transformers tok/s':>18} | {'speedup':>7}")
+    for r in rows:
+        hf_col = f"{r['hf_tok_s']:18.1f}" if "hf_tok_s" in r else f"{'-':>18}"
+        sp = f"{r['speedup']:7.2f}" if "speedup" in r else f"{'-':>7}"
+        print(f"{r['batch_size']:>5} | {r['braid_tok_s']:11.1f} | {hf_col} | {sp}")
+
+    result = {
+        "benchmark": "offline_throughput",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/offline_throughput.py", *sys.argv[1:]]),
+        "model": model_dir.name,
+        "dtype": str(torch_dtype),
+        "device": device,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "braid_load_s": load_s,
+        "machine": machine_info(device),
+        "rows": rows,
+    }
+    out = Path(args.out) if args.out else RESULTS / f"offline_throughput_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
