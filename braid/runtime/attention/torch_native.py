@@ -3,7 +3,7 @@
 Runs on CPU and CUDA. Extend (prefill on top of a cached prefix) goes request by request: each
 request's keys are gathered through the request-to-token table and its new tokens attend to the
 prefix and causally among themselves. Decode is one batched call: the keys of all requests are
-gathered into a padded [batch, kv_heads, max_len, head_dim] block with a length mask.
+gathered into a padded [batch, max_len, kv_heads, head_dim] block with a length mask.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class _ExtendMeta:
 @dataclass
 class _DecodeMeta:
     slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
-    hidden: torch.Tensor  # [batch, 1, 1, max_len] True where the key is NOT visible
+    mask: torch.Tensor  # [batch, 1, 1, max_len] True where the key is visible
 
 
 @register_backend("torch_native")
@@ -68,7 +68,7 @@ class TorchNativeBackend(AttentionBackend):
             k_pos = torch.arange(max_len, device=device)[None, :]
             mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])
             slots = torch.where(mask, slots, 0)
-            batch.attn_metadata = _DecodeMeta(slots=slots, hidden=~mask[:, None, None, :])
+            batch.attn_metadata = _DecodeMeta(slots=slots, mask=mask[:, None, None, :])
             return
         items = []
         start = 0
@@ -85,10 +85,6 @@ class TorchNativeBackend(AttentionBackend):
             start += n
         batch.attn_metadata = _ExtendMeta(items=items)
 
-    def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
-        # [..., kv_heads, L, D] -> [..., heads, L, D], each KV head serving `groups` query heads.
-        return x if self.groups == 1 else x.repeat_interleave(self.groups, dim=-3)
-
     def forward(
         self,
         q: torch.Tensor,
@@ -101,24 +97,29 @@ class TorchNativeBackend(AttentionBackend):
         k_buf = self.kv_pool.k[layer_id]
         v_buf = self.kv_pool.v[layer_id]
         meta = batch.attn_metadata
+        # index_select, not advanced indexing: several times faster on CPU. SDPA's own GQA
+        # (enable_gqa) avoids copying each KV head out once per query head.
         if batch.mode is ForwardMode.DECODE:
-            # GQA as a batched matmul over [batch, kv_heads, groups, ...]: the KV heads are
-            # not copied out once per query head.
-            b = q.shape[0]
-            qg = q.view(b, self.num_kv_heads, self.groups, self.head_dim)
-            kk = k_buf[meta.slots].permute(0, 2, 3, 1)  # [b, kv_heads, head_dim, L]
-            vv = v_buf[meta.slots].permute(0, 2, 1, 3)  # [b, kv_heads, L, head_dim]
-            scores = torch.matmul(qg, kk).mul_(self.scale)
-            scores.masked_fill_(meta.hidden, float("-inf"))
-            o = torch.matmul(scores.softmax(dim=-1), vv)
+            b, max_len = meta.slots.shape
+            flat = meta.slots.reshape(-1)
+            kk = k_buf.index_select(0, flat).view(b, max_len, self.num_kv_heads, -1)
+            vv = v_buf.index_select(0, flat).view(b, max_len, self.num_kv_heads, -1)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                kk.transpose(1, 2),
+                vv.transpose(1, 2),
+                attn_mask=meta.mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
             return o.reshape(b, -1)
         out = torch.empty_like(q)
         for start, end, slots, mask in meta.items:
-            qi = q[start:end].transpose(0, 1)
-            ki = self._expand_kv(k_buf[slots].transpose(0, 1))
-            vi = self._expand_kv(v_buf[slots].transpose(0, 1))
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)
+            ki = k_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            vi = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
-            out[start:end] = oi.transpose(0, 1)
+            out[start:end] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
