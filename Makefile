@@ -30,6 +30,7 @@ demo: setup
 	$(PY) examples/offline_batch.py
 
 test: setup
+	$(VENV)/bin/ruff check braid tests benchmarks examples
 	$(PY) -m pytest -q -m "not gpu" tests
 
 lint: setup
@@ -37,7 +38,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check braid tests benchmarks examples
 
 bench: setup
-	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/load_time.py
+	$(PY) benchmarks/offline_throughput.py --batch-sizes 1,16 --input-len 128 --output-len 64
 
 clean-venv:
 	rm -rf $(VENV)

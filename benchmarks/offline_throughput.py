@@ -108,7 +108,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (best is kept)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON path (default: results/offline_throughput_<device>.json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default: results/offline_throughput_<device>.json)"
+    )
     args = ap.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +126,9 @@ def main() -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if args.load_format == "dummy":
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+            hf = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model_dir), dtype=torch_dtype
+            )
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
         hf = hf.to(device).eval()
@@ -146,7 +150,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\nmodel {model_dir.name} ({torch_dtype}, {device}), input {args.input_len}, output {args.output_len}")
+    print(
+        f"\nmodel {model_dir.name} ({torch_dtype}, {device}), "
+        f"input {args.input_len}, output {args.output_len}"
+    )
     print(f"braid load time: {load_s:.2f} s")
     print(f"{'batch':>5} | {'braid tok/s':>11} | {'transformers tok/s':>18} | {'speedup':>7}")
     for r in rows:

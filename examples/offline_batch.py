@@ -1,6 +1,6 @@
 """Offline batched generation, vLLM-style, on braid's embedded model (SmolLM2-135M-Instruct).
 
-    python examples/offline_batch.py [--model PATH]
+python examples/offline_batch.py [--model PATH]
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
         for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

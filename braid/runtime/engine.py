@@ -1,8 +1,8 @@
 """`LLM` (also `Engine`): load a model and run offline batches, with vLLM's API.
 
-    llm = braid.LLM()                       # the embedded SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], braid.SamplingParams(temperature=0.8, top_p=0.95))
-    print(outs[0].outputs[0].text)
+llm = braid.LLM()                       # the embedded SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], braid.SamplingParams(temperature=0.8, top_p=0.95))
+print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -161,7 +161,10 @@ class LLM:
     # ---- set-up helpers -----------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        for src in (self.generation_config.get("eos_token_id"), self.model_config.raw.get("eos_token_id")):
+        for src in (
+            self.generation_config.get("eos_token_id"),
+            self.model_config.raw.get("eos_token_id"),
+        ):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, list):
@@ -254,7 +257,9 @@ class LLM:
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
                 return [list(prompts)]
             return list(prompts)
-        raise ValueError(f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}"
+        )
 
     def _tokenize(self, prompt: PromptInput, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -292,7 +297,10 @@ class LLM:
             if not all(isinstance(p, SamplingParams) for p in sampling_params):
                 raise ValueError("sampling_params: every item must be a SamplingParams")
             return list(sampling_params)
-        raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {type(sampling_params).__name__}")
+        raise ValueError(
+            "sampling_params must be SamplingParams or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
 
     def _check(self, i: int, ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -351,7 +359,9 @@ class LLM:
             for req in requests:
                 for s in req.samples:
                     self.scheduler.handle(
-                        GenerateReq(s.rid, req.prompt_ids, req.params, self._seed(req.params, s.index))
+                        GenerateReq(
+                            s.rid, req.prompt_ids, req.params, self._seed(req.params, s.index)
+                        )
                     )
                     by_rid[s.rid] = (req, s)
             with tqdm(

@@ -62,7 +62,9 @@ def test_smollm2_matches_transformers_alone_and_batched(smollm2, hf_smollm2):
     ids = [tok.encode(p) for p in SMOL_PROMPTS]
     chat = tok.encode(
         tok.apply_chat_template(
-            [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": "What is 2+2?"}],
+            tokenize=False,
+            add_generation_prompt=True,
         ),
         add_special_tokens=False,
     )

@@ -64,9 +64,13 @@ def test_fused_projections_hold_the_checkpoint_weights(tiny_model_dirs):
         assert llm.runner.model.lm_head.weight is llm.runner.model.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+@pytest.mark.parametrize(
+    "dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
 def test_half_precision_dtypes_load_and_run(tiny_model_dirs, dtype, torch_dtype):
-    with braid.LLM(tiny_model_dirs["llama"], dtype=dtype, kv_tokens=128, show_progress=False) as llm:
+    with braid.LLM(
+        tiny_model_dirs["llama"], dtype=dtype, kv_tokens=128, show_progress=False
+    ) as llm:
         assert all(p.dtype == torch_dtype for p in llm.runner.model.parameters())
         assert llm.runner.kv_pool.k[0].dtype == torch_dtype
         out = llm.generate([[1, 2, 3]], braid.SamplingParams(max_tokens=4), use_tqdm=False)

@@ -15,11 +15,21 @@ def test_allocator_never_hands_out_the_padding_page_and_conserves_pages():
     assert a.alloc(1) is None and a.free_pages == 0
     a.free(got[:3])
     assert a.free_pages == 3 and a.alloc(4) is None
-    assert a.pages_for(0) == 0 and a.pages_for(1) == 1 and a.pages_for(4) == 1 and a.pages_for(5) == 2
+    assert (
+        a.pages_for(0) == 0 and a.pages_for(1) == 1 and a.pages_for(4) == 1 and a.pages_for(5) == 2
+    )
 
 
 def test_kv_pool_padding_page_is_zero_and_store_writes_slots():
-    pool = KVPool(2, num_pages=5, page_size=2, kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVPool(
+        2,
+        num_pages=5,
+        page_size=2,
+        kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert torch.count_nonzero(pool.k[0][:2]) == 0 and torch.count_nonzero(pool.v[1][:2]) == 0
     k = torch.randn(3, 2, 4)
     v = torch.randn(3, 2, 4)

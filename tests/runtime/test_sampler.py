@@ -86,4 +86,7 @@ def test_noise_depends_only_on_seed_step_and_token():
     assert not torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
     assert 0 < u.min() and u.max() < 1
     # Roughly uniform: mean near 1/2.
-    assert abs(hash_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096).mean() - 0.5) < 0.01
+    assert (
+        abs(hash_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096).mean() - 0.5)
+        < 0.01
+    )

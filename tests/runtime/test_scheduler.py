@@ -24,7 +24,10 @@ def tiny(tiny_model_dirs):
 def test_more_requests_than_slots_give_the_same_tokens_as_alone(tiny):
     prompts = [[i + 1] * (3 + 4 * i) for i in range(5)]
     params = [SamplingParams(max_tokens=4 + 3 * i, **GREEDY) for i in range(5)]
-    alone = [tiny.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [
+        tiny.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+        for p, sp in zip(prompts, params)
+    ]
     together = tiny.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in together] == alone
     assert [len(t) for t in alone] == [4, 7, 10, 13, 16]

@@ -119,7 +119,13 @@ class TorchNativeBackend(AttentionBackend):
             ki = k_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             vi = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+                qi,
+                ki,
+                vi,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
             )
             out[start:end] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)

@@ -118,9 +118,9 @@ class Sampler:
                 rows.extend([i] * len(r.stop_ids))
                 cols.extend(r.stop_ids)
         if rows:
-            logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = (
-                float("-inf")
-            )
+            logits[
+                torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+            ] = float("-inf")
 
     def sample(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> SampleResult:
         """Choose one token per row of `logits` ([B, vocab], float32)."""

@@ -13,7 +13,9 @@ from braid.runtime.layers.norm import default_weight_loader
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = default_weight_loader
         self.weight.shard_names = (None,)
 

@@ -66,7 +66,9 @@ class Linear(nn.Module):
             self.offsets[name] = (start, size)
             start += size
         self.out_features = start
-        self.weight = nn.Parameter(torch.empty(start, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(start, in_features, dtype=dtype), requires_grad=False
+        )
         self.bias = (
             nn.Parameter(torch.empty(start, dtype=dtype), requires_grad=False) if bias else None
         )

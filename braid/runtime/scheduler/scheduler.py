@@ -15,7 +15,7 @@ from collections import deque
 import torch
 
 from braid.runtime.executor.model_runner import ModelRunner
-from braid.runtime.executor.sampler import SampleResult, Sampler
+from braid.runtime.executor.sampler import Sampler, SampleResult
 from braid.runtime.ipc.to_detokenizer import TokenLogprob, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
@@ -144,7 +144,9 @@ class Scheduler:
             self.running.append(req)
         return admitted
 
-    def _process(self, plan: StepPlan, result: SampleResult, logits: torch.Tensor) -> list[TokenOut]:
+    def _process(
+        self, plan: StepPlan, result: SampleResult, logits: torch.Tensor
+    ) -> list[TokenOut]:
         next_ids = result.next_ids.tolist()
         logprobs = self._token_logprobs(result) if result.logprobs is not None else None
         outs = []

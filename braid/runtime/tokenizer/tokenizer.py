@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The model's tokenizer. With a tokenizer.json (which defines the whole pipeline) it is
+    loaded directly as a fast tokenizer: AutoTokenizer would first import the model's config
+    machinery, which costs over a second at every start."""
     try:
+        if (Path(path) / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
