@@ -24,7 +24,11 @@ class EngineConfig:
     - `context_length`: longest sequence (prompt + output); defaults to the model's, capped
       by the KV capacity.
     - `max_running_requests`: requests decoded together; `max_prefill_tokens`: new tokens one
-      prefill batch may hold (a longer single prompt still runs, alone).
+      prefill batch may hold.
+    - `chunked_prefill_size`: a prompt with more new tokens than this is prefilled in chunks
+      across steps (None: 8192 on CUDA, 4096 on CPU; -1: off, a long prompt runs alone).
+    - `schedule_policy`: "lpm" (longest cached prefix first, shared prefixes computed once)
+      or "fcfs". `disable_radix_cache`: no prefix caching (for A/B measurement).
     - `generation_config`: "auto" takes default sampling values from the model's
       generation_config.json (as vLLM does); "braid" uses braid's own defaults.
     """
@@ -38,6 +42,9 @@ class EngineConfig:
     max_running_requests: int | None = None
     max_prefill_tokens: int | None = None
     context_length: int | None = None
+    chunked_prefill_size: int | None = None
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
     seed: int = 0
     generation_config: str = "auto"
     attention_backend: str | None = None
@@ -53,6 +60,13 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        cps = self.chunked_prefill_size
+        if cps is not None and (not isinstance(cps, int) or (cps < 1 and cps != -1)):
+            raise ValueError(f"chunked_prefill_size must be a positive integer or -1, got {cps!r}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(
+                f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}"
+            )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
         frac = self.mem_fraction_static
@@ -72,6 +86,14 @@ class EngineConfig:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def effective_chunked_prefill_size(self) -> int | None:
+        if self.chunked_prefill_size == -1:
+            return None
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 8192 if self.torch_device.type == "cuda" else 4096
 
     def torch_dtype(self, model_dtype: str | None) -> torch.dtype:
         """float32 on CPU for "auto" (CPU half-precision matmuls are slow and less exact);

@@ -110,6 +110,9 @@ class LLM:
         generation_config: str = "auto",
         page_size: int = 1,
         max_prefill_tokens: int | None = None,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str = "lpm",
+        disable_radix_cache: bool = False,
         mem_fraction_static: float | None = None,
         device: str | None = None,
         attention_backend: str | None = None,
@@ -126,6 +129,9 @@ class LLM:
             page_size=page_size,
             max_running_requests=max_running_requests,
             max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            schedule_policy=schedule_policy,
+            disable_radix_cache=disable_radix_cache,
             context_length=context_length,
             seed=seed,
             generation_config=generation_config,
@@ -151,6 +157,9 @@ class LLM:
             self.runner,
             eos_token_ids=self._eos_ids(),
             max_prefill_tokens=max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[device_type],
+            chunked_prefill_size=self.config.effective_chunked_prefill_size,
+            schedule_policy=schedule_policy,
+            disable_radix_cache=disable_radix_cache,
         )
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -226,6 +235,15 @@ class LLM:
                 raise ValueError("messages: the rendered conversation is empty")
             items.append((text, ids))
         return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm)
+
+    def stats(self) -> dict[str, float]:
+        """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
+        prefill tokens computed, steps, retractions, evicted tokens."""
+        return self.scheduler.stats.as_dict()
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; only possible while nothing runs (returns False then)."""
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         """Free the model and KV memory. The engine cannot be used afterwards."""

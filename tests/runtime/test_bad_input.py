@@ -38,10 +38,12 @@ def test_sampling_params_reject_bad_values(kwargs, field):
 
 
 def _assert_all_kv_free(llm):
+    """Nothing runs, and every KV page is either free or in the prefix cache."""
     sched = llm.scheduler
     sched.check_invariants()
-    assert not sched.running and not sched.waiting
-    assert sched.allocator.free_pages == sched.allocator.capacity_pages
+    assert not sched.running and not sched.waiting and sched.prefilling is None
+    alloc = sched.allocator
+    assert alloc.free_pages + sched.cache.total_pages == alloc.capacity_pages
 
 
 @pytest.mark.parametrize(

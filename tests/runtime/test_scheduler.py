@@ -39,7 +39,7 @@ def test_new_requests_are_prefilled_between_decode_steps(tiny):
     real_forward = tiny.runner.forward
 
     def spy(batch):
-        modes.append((batch.mode, batch.batch_size, len(sched.running)))
+        modes.append((batch.mode, batch.batch_size, {r.rid for r in sched.running}))
         return real_forward(batch)
 
     tiny.runner.forward = spy
@@ -56,8 +56,12 @@ def test_new_requests_are_prefilled_between_decode_steps(tiny):
     # "c" waits for a slot (max 2 running), then is prefilled while "b" is still decoding.
     extend_steps = [m for m in modes if m[0] is ForwardMode.EXTEND]
     assert extend_steps[0][1] == 2
-    assert any(m[1] == 1 and m[2] == 2 for m in extend_steps[1:])
-    assert sched.allocator.free_pages == sched.allocator.capacity_pages
+    assert any(m[1] == 1 and m[2] == {"b"} for m in extend_steps[1:])
+    # After a prefill, the running requests decode before the next prefill.
+    for prev, cur in zip(modes, modes[1:]):
+        if prev[0] is ForwardMode.EXTEND and prev[2]:
+            assert cur[0] is ForwardMode.DECODE
+    assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages
 
 
 def test_abort_frees_a_running_and_a_waiting_request(tiny):
@@ -74,4 +78,4 @@ def test_abort_frees_a_running_and_a_waiting_request(tiny):
     sched.check_invariants()
     sched.abort_all()
     sched.check_invariants()
-    assert sched.allocator.free_pages == sched.allocator.capacity_pages
+    assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages

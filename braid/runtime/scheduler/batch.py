@@ -14,25 +14,28 @@ from braid.runtime.scheduler.request import Req
 
 @dataclass
 class StepPlan:
-    """A forward batch and, per request, which row of the returned logits is its last token
-    (and, for prompt-logprob requests, the slice of rows covering its prompt)."""
+    """A forward batch; `reqs` are the requests in it and `sampling` those among them that
+    sample a token this step (a chunk that does not finish its prompt samples nothing).
+    `last_rows[i]` is the logits row of `sampling[i]`'s last token; `prompt_rows` maps an index
+    of `sampling` to the logits rows covering its whole prompt (prompt logprobs)."""
 
     reqs: list[Req]
+    sampling: list[Req]
     batch: ForwardBatch
     last_rows: list[int]
-    prompt_rows: dict[int, tuple[int, int]]  # batch index -> (first row, end row)
+    prompt_rows: dict[int, tuple[int, int]]
 
 
 def assign_slots(
     req: Req, new_len: int, allocator: PageAllocator, table: ReqToTokenPool
 ) -> list[int]:
     """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
-    them in its row of the request-to-token table. The caller has budgeted the pages."""
+    them in its row of the request-to-token table. The caller has made sure the pages are free."""
     ps = allocator.page_size
     need = allocator.pages_for(new_len) - len(req.pages)
     if need > 0:
         pages = allocator.alloc(need)
-        assert pages is not None, "admission budget violated: no free KV pages"
+        assert pages is not None, "no free KV pages: the scheduler must make room first"
         req.pages.extend(pages)
     slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
     table.table[req.pool_row, req.kv_len : new_len] = torch.tensor(slots, dtype=torch.int64)
@@ -40,40 +43,51 @@ def assign_slots(
 
 
 def build_extend(
-    reqs: list[Req], allocator: PageAllocator, table: ReqToTokenPool, device: torch.device
+    items: list[tuple[Req, int]],
+    allocator: PageAllocator,
+    table: ReqToTokenPool,
+    device: torch.device,
 ) -> StepPlan:
+    """A prefill batch: each request computes KV for positions [req.kv_len, end). Requests
+    whose `end` is their full length sample their next token."""
     ids: list[int] = []
     positions: list[int] = []
     locs: list[int] = []
     prefix_lens, extend_lens, last_rows = [], [], []
     logits_rows: list[int] = []
     prompt_rows: dict[int, tuple[int, int]] = {}
-    for i, r in enumerate(reqs):
-        start, end = r.kv_len, r.seq_len
+    sampling: list[Req] = []
+    for r, end in items:
+        start = r.kv_len
         locs += assign_slots(r, end, allocator, table)
         base = len(ids)
-        ids += [r.token_at(p) for p in range(start, end)]
+        seq = r.tokens(end)
+        ids += seq[start:end]
         positions += range(start, end)
         prefix_lens.append(start)
         extend_lens.append(end - start)
+        if end < r.seq_len:
+            continue  # a chunk: no logits
         if r.params.prompt_logprobs is not None and start == 0:
-            prompt_rows[i] = (len(logits_rows), len(logits_rows) + end - start)
-            logits_rows += range(base, base + end - start)
+            prompt_rows[len(sampling)] = (len(logits_rows), len(logits_rows) + end)
+            logits_rows += range(base, base + end)
         else:
             logits_rows.append(base + end - start - 1)
         last_rows.append(len(logits_rows) - 1)
+        sampling.append(r)
+    reqs = [r for r, _ in items]
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=device),
         req_pool_indices=torch.tensor([r.pool_row for r in reqs], dtype=torch.int64, device=device),
-        seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor([end for _, end in items], dtype=torch.int64, device=device),
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
     )
-    return StepPlan(reqs, batch, last_rows, prompt_rows)
+    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows)
 
 
 def build_decode(
@@ -85,7 +99,7 @@ def build_decode(
         pos = r.kv_len  # the last sampled token, whose KV is written now
         if pos // ps >= len(r.pages):
             pages = allocator.alloc(1)
-            assert pages is not None, "admission budget violated: no free KV pages"
+            assert pages is not None, "no free KV pages: the scheduler must make room first"
             r.pages.extend(pages)
         rows.append(r.pool_row)
         positions.append(pos)
@@ -106,4 +120,4 @@ def build_decode(
         extend_lens=[1] * n,
         logits_indices=torch.arange(n, device=device),
     )
-    return StepPlan(reqs, batch, list(range(n)), {})
+    return StepPlan(reqs, reqs, batch, list(range(n)), {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from braid.runtime.cache.radix_cache import TreeNode
 from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.sampling_params import SamplingParams
 
@@ -12,8 +13,10 @@ from braid.runtime.sampling_params import SamplingParams
 class Req:
     """One sample being generated.
 
-    `kv_len` tokens of `all_ids` have KV in the pool, in `pages`; `reserved_pages` is how many
-    pages it may grow to (taken from the pool's budget at admission, so decode never runs out).
+    The first `kv_len` tokens of the sequence (prompt, then output) have KV, in `pages`. The
+    first `shared_pages` of those pages belong to the prefix cache (locked through
+    `cache_node`); the rest belong to this request. `cached_tokens` is how many prompt tokens
+    the cache supplied at first admission.
     """
 
     rid: str
@@ -26,8 +29,12 @@ class Req:
     pool_row: int | None = None
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
-    reserved_pages: int = 0
+    shared_pages: int = 0
+    cache_node: TreeNode | None = None
     cached_tokens: int = 0
+    admitted_once: bool = False
+    retractions: int = 0
+    error: str | None = None
     finish_reason: str | None = None
     stop_token: int | None = None
 
@@ -61,6 +68,15 @@ class Req:
     def token_at(self, pos: int) -> int:
         n = len(self.input_ids)
         return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def tokens(self, end: int | None = None) -> list[int]:
+        """The sequence (prompt then output) up to `end`."""
+        seq = self.input_ids + self.output_ids
+        return seq if end is None else seq[:end]
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
 
     def check_finished(self, token: int) -> None:
         """Set `finish_reason` if `token` (just appended) ends the request."""

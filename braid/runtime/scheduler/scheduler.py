@@ -1,27 +1,65 @@
-"""The scheduler: continuous batching over the paged KV pool.
+"""The scheduler: continuous batching over the paged KV pool and the radix prefix cache.
 
 Its interface is message-shaped, so it can run in its own process: `handle()` takes a
-`GenerateReq` or `AbortReq`, `step()` runs one forward and returns `TokenOut`s. Each step either
-prefills newly admitted requests (they then join the running batch) or decodes one token for
-every running request. Admission reserves each request's whole KV budget (prompt plus
-`max_new_tokens`), so a running request never runs out of slots.
+`GenerateReq` or `AbortReq`, `step()` runs one forward and returns `TokenOut`s.
+
+One step is either a prefill (new requests, the next chunk of a long prompt, resumed requests)
+or a decode of every running request; after a prefill, running requests get a decode step
+before the next prefill, so long prompts never starve them. Admission is optimistic: a request
+is admitted when its prefill fits and the decodes in flight keep an estimated reserve; when
+decoding runs out of pages anyway, the newest requests are retracted (their KV goes to the
+prefix cache, they wait again with their output kept) and resume later.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
+from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from braid.runtime.executor.model_runner import ModelRunner
-from braid.runtime.executor.sampler import Sampler, SampleResult
+from braid.runtime.executor.sampler import SampleResult, Sampler
 from braid.runtime.ipc.to_detokenizer import TokenLogprob, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
+from braid.runtime.scheduler.policy import POLICIES, candidates, shares_uncached_prefix
 from braid.runtime.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
+
+# Admission reserves this fraction of each running request's remaining tokens (at most
+# RESERVE_CLIP of them) for future decodes; the fraction decays while decoding goes well and
+# jumps back up after a retraction.
+NEW_TOKEN_RATIO_INIT = 0.7
+NEW_TOKEN_RATIO_MIN = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (or the last `reset`)."""
+
+    finished_requests: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    cached_prompt_tokens: int = 0  # of those, supplied by the prefix cache
+    prefill_tokens_computed: int = 0  # tokens actually run through prefill (incl. resumes)
+    decode_steps: int = 0
+    prefill_steps: int = 0
+    retractions: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d = dict(self.__dict__)
+        d["cache_hit_rate"] = self.cache_hit_rate
+        return d
 
 
 class Scheduler:
@@ -31,21 +69,36 @@ class Scheduler:
         *,
         eos_token_ids: frozenset[int],
         max_prefill_tokens: int,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str = "lpm",
+        disable_radix_cache: bool = False,
     ) -> None:
+        if schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
         self.runner = runner
         self.allocator = runner.kv_pool.allocator
+        self.page_size = self.allocator.page_size
         self.table = runner.req_to_token
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device)
         self.eos_token_ids = eos_token_ids
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_budget = min(max_prefill_tokens, chunked_prefill_size or max_prefill_tokens)
+        self.chunked_prefill = chunked_prefill_size is not None
+        self.policy = schedule_policy
+        self.cache: PrefixCache = (
+            NoPrefixCache(self.allocator) if disable_radix_cache else RadixCache(self.allocator)
+        )
         self.max_running = runner.max_running_requests
         self.context_length = runner.context_length
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.prefilling: Req | None = None  # a long prompt between chunks
+        self.stats = SchedulerStats()
+        self._new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self._last_was_prefill = False
 
-    # ---- messages in ------------------------------------------------------------------
+    # ---- messages in ----------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq) -> list[TokenOut]:
         if isinstance(msg, GenerateReq):
             self._add(msg)
@@ -68,105 +121,283 @@ class Scheduler:
         max_new = self.context_length - n
         if msg.params.max_tokens is not None:
             max_new = min(max_new, msg.params.max_tokens)
-        req = Req(
-            rid=msg.rid,
-            input_ids=list(msg.input_ids),
-            params=msg.params,
-            seed=msg.seed,
-            eos_ids=self.eos_token_ids,
-            max_new_tokens=max_new,
-        )
-        need = self.allocator.pages_for(n + max_new)
-        if need > self.allocator.capacity_pages:
-            raise ValueError(
-                f"max_tokens: the request needs {n + max_new} KV tokens but the pool holds "
-                f"{self.allocator.capacity_tokens}; lower max_tokens or raise kv_tokens"
+        self.waiting.append(
+            Req(
+                rid=msg.rid,
+                input_ids=list(msg.input_ids),
+                params=msg.params,
+                seed=msg.seed,
+                eos_ids=self.eos_token_ids,
+                max_new_tokens=max_new,
             )
-        self.waiting.append(req)
+        )
 
-    def _abort(self, rid: str) -> list[TokenOut]:
+    def _abort(self, rid: str, error: str | None = None) -> list[TokenOut]:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finish_reason = "abort"
-                return [self._out(req, [])]
-        for req in self.running:
+                return [self._finish(req, "abort", error)]
+        for req in self.running + ([self.prefilling] if self.prefilling else []):
             if req.rid == rid:
-                req.finish_reason = "abort"
-                self._release(req)
-                return [self._out(req, [])]
+                return [self._finish(req, "abort", error)]
         return []
 
-    # ---- the step -----------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def step(self) -> list[TokenOut]:
-        """Run one forward (a prefill of admitted requests, else a decode of the running ones)
-        and return what each request in it gained."""
-        plan = self._schedule()
+        """Run one forward and return what each request in it gained (plus requests that
+        failed while scheduling)."""
+        outs: list[TokenOut] = []
+        plan = None
+        if not (self._last_was_prefill and self.running):
+            plan = self._schedule_prefill()
+        if plan is None and self.running:
+            plan = self._schedule_decode(outs)
+        self._last_was_prefill = plan is not None and plan.batch.mode.value == "extend"
         if plan is None:
-            return []
+            if not outs and (self.waiting or self.prefilling) and not self.running:
+                raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
+            return outs
         logits = self.runner.forward(plan.batch)
-        last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
-        result = self.sampler.sample(last, [r.sampling for r in plan.reqs])
-        return self._process(plan, result, logits)
+        result = None
+        if plan.sampling:
+            last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
+            result = self.sampler.sample(last, [r.sampling for r in plan.sampling])
+        return outs + self._process(plan, result, logits)
 
-    def _schedule(self) -> StepPlan | None:
-        admitted = self._admit()
-        if admitted:
-            return build_extend(admitted, self.allocator, self.table, self.device)
-        if self.running:
-            return build_decode(list(self.running), self.allocator, self.table, self.device)
-        return None
+    # ---- prefill --------------------------------------------------------------------------
+    def _free_pages_after_evicting(self, need: int) -> bool:
+        """Make `need` pages free, evicting unlocked cache pages if necessary."""
+        short = need - self.allocator.free_pages
+        if short > 0:
+            freed = self.cache.evict(short)
+            self.stats.evicted_tokens += freed * self.page_size
+        return self.allocator.free_pages >= need
 
-    def _admit(self) -> list[Req]:
-        admitted: list[Req] = []
-        tokens = 0
-        # Pages promised to running requests but not yet taken from the pool.
-        promised = sum(r.reserved_pages - len(r.pages) for r in self.running)
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            need = self.allocator.pages_for(req.prompt_len + req.max_new_tokens)
-            if promised + need > self.allocator.free_pages:
-                break
-            if admitted and tokens + req.prompt_len > self.max_prefill_tokens:
-                break
-            if self.table.free_slots == 0:
-                break
-            self.waiting.popleft()
-            req.pool_row = self.table.alloc()
-            req.reserved_pages = need
-            promised += need
-            tokens += req.prompt_len
-            admitted.append(req)
-            self.running.append(req)
-        return admitted
+    def _decode_reserve(self, reqs: list[Req]) -> int:
+        tokens = sum(min(r.remaining_new_tokens, RESERVE_CLIP) for r in reqs)
+        return self.allocator.pages_for(int(tokens * self._new_token_ratio))
 
+    def _schedule_prefill(self) -> StepPlan | None:
+        items: list[tuple[Req, int]] = []
+        budget = self.prefill_budget
+        if self.prefilling is not None:
+            req = self.prefilling
+            end = self._chunk_end(req.kv_len, req, budget)
+            grow = self._pages_to_grow(req, end)
+            if not self._free_pages_after_evicting(grow):
+                return None  # wait for decodes to finish and free pages
+            req.pages += self.allocator.alloc(grow)
+            items.append((req, end))
+            budget -= end - req.kv_len
+        admitted = []
+        if self.prefilling is None and self.waiting:
+            for cand in candidates(list(self.waiting), self.cache, self.policy):
+                if len(self.running) + len(items) >= self.max_running:
+                    break
+                if self.table.free_slots == 0 or budget <= 0:
+                    break
+                if self.policy == "lpm" and shares_uncached_prefix(cand, admitted):
+                    continue
+                req = cand.req
+                # Match again: making room for earlier admissions may have evicted pages.
+                match = None
+                if cand.match is not None:
+                    match = self.cache.match_prefix(req.tokens(req.seq_len - 1))
+                prefix_pages = match.pages if match is not None else []
+                start = len(prefix_pages) * self.page_size
+                end = req.seq_len
+                if end - start > budget:
+                    if self.chunked_prefill:
+                        end = self._chunk_end(start, req, budget)
+                    elif items:
+                        break  # next step; a long prompt runs alone when chunking is off
+                # Lock the match first so evicting to make room cannot take it.
+                if match is not None:
+                    self.cache.lock(match.node)
+                grow = self.allocator.pages_for(end) - len(prefix_pages)
+                room = self.allocator.free_pages + self.cache.evictable_pages
+                reserve = self._decode_reserve(self.running + [r for r, _ in items] + [req])
+                fits = grow + reserve <= room or (not items and not self.running and grow <= room)
+                if not fits or not self._free_pages_after_evicting(grow):
+                    if match is not None:
+                        self.cache.unlock(match.node)
+                    break
+                self._admit(req, match.node if match else None, prefix_pages)
+                req.pages += self.allocator.alloc(grow)
+                self.waiting.remove(req)
+                items.append((req, end))
+                admitted.append(cand)
+                budget -= end - req.kv_len
+                if end < req.seq_len:
+                    self.prefilling = req
+                    break
+        if not items:
+            return None
+        for req, end in items:
+            self.stats.prefill_tokens_computed += end - req.kv_len
+        self.stats.prefill_steps += 1
+        return build_extend(items, self.allocator, self.table, self.device)
+
+    def _chunk_end(self, start: int, req: Req, budget: int) -> int:
+        """Where a prefill starting at `start` stops within `budget` tokens: the whole rest,
+        or a chunk ending on a page boundary (so the next chunk starts on a fresh page)."""
+        if req.seq_len - start <= budget:
+            return req.seq_len
+        aligned = (start + budget) // self.page_size * self.page_size
+        return aligned if aligned > start else min(req.seq_len, start + self.page_size)
+
+    def _pages_to_grow(self, req: Req, end: int) -> int:
+        return max(0, self.allocator.pages_for(end) - len(req.pages))
+
+    def _admit(self, req: Req, node, prefix_pages: list[int]) -> None:
+        req.pool_row = self.table.alloc()
+        req.cache_node = node
+        req.pages = list(prefix_pages)
+        req.shared_pages = len(prefix_pages)
+        req.kv_len = len(prefix_pages) * self.page_size
+        if prefix_pages:
+            self.table.table[req.pool_row, : req.kv_len] = self._slots(prefix_pages)
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.cached_tokens = min(req.kv_len, req.prompt_len)
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_prompt_tokens += req.cached_tokens
+
+    def _slots(self, pages: list[int]) -> torch.Tensor:
+        ps = self.page_size
+        p = torch.tensor(pages, dtype=torch.int64)
+        return (p[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+
+    # ---- decode ---------------------------------------------------------------------------
+    def _schedule_decode(self, outs: list[TokenOut]) -> StepPlan | None:
+        while self.running:
+            need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
+            if self._free_pages_after_evicting(need):
+                break
+            if len(self.running) == 1:
+                req = self.running[0]
+                outs.append(
+                    self._finish(
+                        req,
+                        "abort",
+                        f"out of KV memory: the request needs {req.seq_len} tokens of KV and "
+                        f"the pool holds {self.allocator.capacity_tokens}",
+                    )
+                )
+                return None
+            self._retract(self.running[-1])
+        if not self.running:
+            return None
+        self.stats.decode_steps += 1
+        self._new_token_ratio = max(
+            NEW_TOKEN_RATIO_MIN, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        return build_decode(list(self.running), self.allocator, self.table, self.device)
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's KV (into the cache) and queue it again, output kept."""
+        self._release(req)
+        req.retractions += 1
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+        # Admit more carefully for a while.
+        self._new_token_ratio = min(1.0, max(self._new_token_ratio, NEW_TOKEN_RATIO_INIT) + 0.1)
+        logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
+
+    # ---- after the forward ----------------------------------------------------------------
     def _process(
-        self, plan: StepPlan, result: SampleResult, logits: torch.Tensor
+        self, plan: StepPlan, result: SampleResult | None, logits: torch.Tensor
     ) -> list[TokenOut]:
-        next_ids = result.next_ids.tolist()
-        logprobs = self._token_logprobs(result) if result.logprobs is not None else None
+        for req, end in zip(plan.reqs, (int(x) for x in plan.batch.seq_lens.tolist())):
+            req.kv_len = end
+        prefilled = plan.batch.mode.value == "extend"
+        if prefilled:
+            for req in plan.reqs:
+                if self.prefilling is req and req.kv_len == req.seq_len:
+                    self.prefilling = None
+                if req.kv_len == req.seq_len and req not in self.running:
+                    self.running.append(req)
         outs = []
-        for i, req in enumerate(plan.reqs):
-            req.kv_len = req.seq_len  # every token up to the last sampled one now has KV
-            tok = next_ids[i]
-            req.output_ids.append(tok)
-            req.check_finished(tok)
-            out = self._out(req, [tok])
-            if logprobs is not None and req.params.logprobs is not None:
-                lp = logprobs[i]
-                lp.top = lp.top[: req.params.logprobs]
-                out.logprobs = [lp]
-            if i in plan.prompt_rows:
-                a, b = plan.prompt_rows[i]
-                out.prompt_logprobs = self._prompt_logprobs(req, logits[a:b])
-            if req.finished:
-                self._release(req)
-            outs.append(out)
+        if result is not None:
+            next_ids = result.next_ids.tolist()
+            logprobs = self._token_logprobs(result) if result.logprobs is not None else None
+            for i, req in enumerate(plan.sampling):
+                tok = next_ids[i]
+                req.output_ids.append(tok)
+                req.check_finished(tok)
+                out = self._out(req, [tok])
+                if logprobs is not None and req.params.logprobs is not None:
+                    lp = logprobs[i]
+                    lp.top = lp.top[: req.params.logprobs]
+                    out.logprobs = [lp]
+                if i in plan.prompt_rows:
+                    a, b = plan.prompt_rows[i]
+                    out.prompt_logprobs = self._prompt_logprobs(req, logits[a:b])
+                if req.finished:
+                    self._release(req)
+                    self.stats.finished_requests += 1
+                outs.append(out)
+        if prefilled:
+            # Cache what was just computed, so requests admitted next step can share it.
+            for req in plan.reqs:
+                if req.pool_row is not None:
+                    self._cache_unfinished(req)
         return outs
+
+    def _cache_unfinished(self, req: Req) -> None:
+        full = req.kv_len // self.page_size
+        if full <= req.shared_pages or isinstance(self.cache, NoPrefixCache):
+            return
+        tokens = req.tokens(full * self.page_size)
+        duplicates = set(self.cache.insert(tokens, req.pages[:full]))
+        match = self.cache.match_prefix(tokens)
+        assert len(match.pages) == full, "an inserted prefix must match in full"
+        self.cache.lock(match.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+        if duplicates:
+            # Another request cached the same tokens first: use its pages, free ours.
+            changed = [i for i in range(full) if req.pages[i] != match.pages[i]]
+            self.allocator.free([req.pages[i] for i in changed])
+            for i in changed:
+                req.pages[i] = match.pages[i]
+            self.table.table[req.pool_row, : full * self.page_size] = self._slots(req.pages[:full])
+        req.shared_pages = full
+
+    def _release(self, req: Req) -> None:
+        """Give a request's KV back: whole pages to the prefix cache (which keeps what it did
+        not already hold), the rest to the allocator; unlock its prefix; free its table row."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        full = min(req.kv_len // self.page_size, len(req.pages))
+        offered = req.pages[:full]
+        duplicates = self.cache.insert(req.tokens(full * self.page_size), offered)
+        own = set(req.pages[req.shared_pages :])
+        self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0
+        if req.pool_row is not None:
+            self.table.free(req.pool_row)
+            req.pool_row = None
+
+    def _finish(self, req: Req, reason: str, error: str | None = None) -> TokenOut:
+        req.finish_reason = req.finish_reason or reason
+        req.error = error
+        if req.pool_row is not None or req.pages:
+            self._release(req)
+        if error:
+            logger.warning("request %s failed: %s", req.rid, error)
+        out = self._out(req, [])
+        out.error = error
+        return out
 
     def _token_logprobs(self, result: SampleResult) -> list[TokenLogprob]:
         ids = result.next_ids.tolist()
@@ -185,7 +416,7 @@ class Scheduler:
     def _prompt_logprobs(self, req: Req, rows: torch.Tensor) -> list[TokenLogprob | None]:
         """Log-probabilities of prompt tokens 1..n-1 from the logits at positions 0..n-2."""
         k = req.params.prompt_logprobs
-        lp = torch.log_softmax(rows[:-1], dim=-1)
+        lp = torch.log_softmax(rows[: req.prompt_len - 1], dim=-1)
         targets = torch.tensor(req.input_ids[1:], device=lp.device)
         chosen = lp.gather(1, targets[:, None])
         ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
@@ -206,39 +437,52 @@ class Scheduler:
             stop_token=req.stop_token,
         )
 
-    def _release(self, req: Req) -> None:
-        """Return a finished or aborted request's KV pages, budget and table row."""
-        self.running.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
-        req.reserved_pages = 0
-        if req.pool_row is not None:
-            self.table.free(req.pool_row)
-            req.pool_row = None
-
-    def abort_all(self, reason: str = "abort") -> list[TokenOut]:
+    # ---- control --------------------------------------------------------------------------
+    def abort_all(self) -> list[TokenOut]:
         """Abort every request (after a failed forward, or at shutdown)."""
-        outs = []
-        for req in list(self.waiting) + list(self.running):
-            outs += self._abort(req.rid)
-        return outs
+        reqs = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        return [o for req in reqs for o in self._abort(req.rid)]
 
-    # ---- accounting -------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. Only when nothing runs; returns whether it flushed."""
+        if self.running or self.prefilling:
+            return False
+        self.stats.evicted_tokens += self.cache.total_pages * self.page_size
+        self.cache.reset()
+        return True
+
+    # ---- accounting -----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every KV page is free or held by exactly one running request; budgets add up."""
+        """Every KV page is free, held by exactly one active request, or held by the cache;
+        every cache lock is held by exactly one active request's prefix."""
+        self.cache.check_invariants()
+        active = self.running + ([self.prefilling] if self.prefilling else [])
+        assert self.prefilling is None or self.prefilling not in self.running
         free = self.allocator.free_page_set()
-        held: list[int] = [p for r in self.running for p in r.pages]
-        assert len(held) == len(set(held)), "a KV page is held by two requests"
-        assert not free & set(held), "a KV page is both free and held"
         assert len(free) == self.allocator.free_pages, "a page is on the free list twice"
-        assert len(free) + len(held) == self.allocator.capacity_pages, (
-            f"KV pages leaked: free {len(free)} + held {len(held)} != "
-            f"capacity {self.allocator.capacity_pages}"
+        owned = [p for r in active for p in r.pages[r.shared_pages :]]
+        cached = self.cache.cached_pages() if isinstance(self.cache, RadixCache) else []
+        everything = list(free) + owned + cached
+        assert len(everything) == len(set(everything)), "a KV page has two owners"
+        assert len(everything) == self.allocator.capacity_pages, (
+            f"KV pages leaked: free {len(free)} + requests {len(owned)} + cache {len(cached)} "
+            f"!= capacity {self.allocator.capacity_pages}"
         )
-        promised = sum(r.reserved_pages - len(r.pages) for r in self.running)
-        assert all(len(r.pages) <= r.reserved_pages for r in self.running), "over budget"
-        assert promised <= len(free), "more pages promised than free"
-        rows = [r.pool_row for r in self.running]
+        cached_set = set(cached)
+        for r in active:
+            assert set(r.pages[: r.shared_pages]) <= cached_set, "shared page not in the cache"
+            assert len(r.pages) == self.allocator.pages_for(r.kv_len), "pages != kv length"
+        # Lock counts: each active request with a cache node holds one lock on its path.
+        if isinstance(self.cache, RadixCache):
+            expected: dict[int, int] = {}
+            for r in active:
+                node = r.cache_node
+                while node is not None and node is not self.cache.root:
+                    expected[id(node)] = expected.get(id(node), 0) + 1
+                    node = node.parent
+            for node in self.cache._nodes():
+                assert node.lock_ref == expected.get(id(node), 0), "lock count off"
+        rows = [r.pool_row for r in active]
         assert None not in rows and len(set(rows)) == len(rows)
         assert self.table.free_slots + len(rows) == self.table.size, "table rows leaked"
         assert all(r.pool_row is None and not r.pages for r in self.waiting)

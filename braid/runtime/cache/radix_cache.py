@@ -1,0 +1,306 @@
+"""The prefix cache: a radix tree over token ids whose edges hold KV pages.
+
+Every node's edge holds a whole number of pages: `key` is `len(pages) * page_size` token ids and
+`pages` the KV pages that hold them, so matches and inserts are page-aligned. A node's
+`lock_ref` counts the running requests whose cached prefix ends in its subtree; a locked node
+is never evicted. Unlocked leaves are evicted least recently used first.
+
+Ownership: a page is free (in the allocator), held by exactly one running request, or held by
+exactly one tree node. `PrefixCache` is the interface the scheduler uses; `NoPrefixCache` is
+the same interface with caching off (`disable_radix_cache`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from braid.runtime.cache.memory_pool import PageAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass
+class MatchResult:
+    """`pages` hold the first `len(pages) * page_size` tokens; `node` is where they end (lock it
+    to keep them)."""
+
+    pages: list[int]
+    node: TreeNode
+
+
+class PrefixCache(ABC):
+    """What the scheduler needs from a prefix cache. All lengths are in tokens."""
+
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, tokens: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Offer `pages` (holding `tokens`, page-aligned) to the cache. Returns the offered
+        pages the cache did not adopt because it already holds the same tokens in other
+        pages; the caller still owns (and must free or keep) those."""
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None: ...
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` unlocked pages; returns how many were freed."""
+
+    @property
+    @abstractmethod
+    def evictable_pages(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def total_pages(self) -> int: ...
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Free every cached page. Only valid while nothing is locked."""
+
+    @abstractmethod
+    def check_invariants(self) -> None: ...
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+
+class NoPrefixCache(PrefixCache):
+    """Caching off: nothing matches, nothing is adopted."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._root = TreeNode()
+
+    def match_prefix(self, tokens: list[int]) -> MatchResult:
+        return MatchResult([], self._root)
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        return list(pages)
+
+    def lock(self, node: TreeNode) -> None:
+        pass
+
+    def unlock(self, node: TreeNode) -> None:
+        pass
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def total_pages(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    def check_invariants(self) -> None:
+        assert not self._root.children
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._root = TreeNode()
+        self._root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._evictable = 0  # pages in nodes with lock_ref == 0
+        self._total = 0
+        self.evicted_pages = 0  # lifetime counter, for stats
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _page_key(self, tokens: list[int], start: int) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    def _matched_pages(self, node: TreeNode, tokens: list[int], start: int) -> int:
+        """How many whole pages of `node.key` equal `tokens[start:]`."""
+        ps = self.page_size
+        n = min(len(node.key), len(tokens) - start) // ps
+        for i in range(n):
+            a = i * ps
+            if node.key[a : a + ps] != tokens[start + a : start + a + ps]:
+                return i
+        return n
+
+    def _split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Split `node`'s edge after `pages` pages; returns the new upper node."""
+        cut = pages * self.page_size
+        upper = TreeNode(
+            key=node.key[:cut],
+            pages=node.pages[:pages],
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
+        upper.children = {self._page_key(node.key, cut): node}
+        node.parent.children[self._page_key(upper.key, 0)] = upper
+        node.parent = upper
+        node.key = node.key[cut:]
+        node.pages = node.pages[pages:]
+        return upper
+
+    # ---- interface ------------------------------------------------------------------------
+    def match_prefix(self, tokens: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of `tokens`.
+
+        Side effects: marks the matched nodes as recently used, and **splits** a node whose
+        edge matches only partly, so that the result ends exactly at a node (which the caller
+        can lock). Splitting changes no page's ownership and no cached content.
+        """
+        now = self._tick()
+        node = self._root
+        pages: list[int] = []
+        pos = 0
+        while len(tokens) - pos >= self.page_size:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            m = self._matched_pages(child, tokens, pos)
+            if m < len(child.pages):
+                child = self._split(child, m)
+            child.last_access = now
+            pages += child.pages
+            pos += m * self.page_size
+            node = child
+        return MatchResult(pages, node)
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        ps = self.page_size
+        assert len(tokens) == len(pages) * ps, "insert takes whole pages"
+        now = self._tick()
+        node = self._root
+        pos = 0
+        duplicates: list[int] = []
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                leaf = TreeNode(
+                    key=tokens[pos:], pages=pages[pos // ps :], parent=node, last_access=now
+                )
+                node.children[self._page_key(tokens, pos)] = leaf
+                self._total += len(leaf.pages)
+                self._evictable += len(leaf.pages)
+                break
+            m = self._matched_pages(child, tokens, pos)
+            if m < len(child.pages):
+                child = self._split(child, m)
+            child.last_access = now
+            offered = pages[pos // ps : pos // ps + m]
+            duplicates += [p for p, q in zip(offered, child.pages) if p != q]
+            pos += m * ps
+            node = child
+        return duplicates
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not None and node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not None and node is not self._root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._page_key(leaf.key, 0)]
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self._total -= len(leaf.pages)
+            self._evictable -= len(leaf.pages)
+            if parent is not self._root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.evicted_pages += freed
+        return freed
+
+    def _leaves(self) -> list[TreeNode]:
+        out, stack = [], [self._root]
+        while stack:
+            n = stack.pop()
+            if n.is_leaf and n is not self._root:
+                out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def _nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def total_pages(self) -> int:
+        return self._total
+
+    def reset(self) -> None:
+        assert all(n.lock_ref == 0 for n in self._nodes()), "reset while requests hold the cache"
+        for n in self._nodes():
+            self.allocator.free(n.pages)
+        self.evicted_pages += self._total
+        self._root.children = {}
+        self._total = self._evictable = 0
+
+    def cached_pages(self) -> list[int]:
+        return [p for n in self._nodes() for p in n.pages]
+
+    def check_invariants(self) -> None:
+        """Edges are whole pages keyed by their first page, a child's lock count never exceeds
+        its parent's, and the size counters match the tree."""
+        total = evictable = 0
+        for n in self._nodes():
+            assert n.key and len(n.key) == len(n.pages) * self.page_size, "edge not page-aligned"
+            assert n.parent.children.get(self._page_key(n.key, 0)) is n, "bad child key"
+            assert n.lock_ref >= 0
+            if n.parent is not self._root:
+                assert n.lock_ref <= n.parent.lock_ref, "child locked more than its parent"
+            total += len(n.pages)
+            evictable += len(n.pages) if n.lock_ref == 0 else 0
+        assert total == self._total, f"tree size {total} != counter {self._total}"
+        assert evictable == self._evictable, f"evictable {evictable} != {self._evictable}"

@@ -1,0 +1,63 @@
+"""Which waiting requests to prefill next, and how many tokens of each.
+
+`lpm` (longest prefix match first) orders the waiting queue by how much of each request the
+prefix cache already holds, and defers a request that shares an uncached prefix with one
+already in this batch, so the shared part is computed once (the first request computes and
+caches it; the deferred one hits it a step later). `fcfs` takes requests in arrival order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from braid.runtime.cache.radix_cache import MatchResult, PrefixCache
+from braid.runtime.scheduler.request import Req
+
+POLICIES = ("lpm", "fcfs")
+# Past this many waiting requests, lpm's per-request matching costs more than it saves.
+LPM_MAX_QUEUE = 128
+# A request sharing at least this many uncached tokens with one already admitted this step waits.
+IN_BATCH_SHARE_THRESHOLD = 32
+
+
+@dataclass
+class Candidate:
+    req: Req
+    match: MatchResult | None  # None: the request must not use the cache (prompt logprobs)
+    page_size: int
+
+    @property
+    def matched_tokens(self) -> int:
+        return 0 if self.match is None else len(self.match.pages) * self.page_size
+
+
+def match_limit(req: Req) -> int:
+    """How many leading tokens may come from the cache: all but the last, which must be
+    computed to give logits."""
+    return req.seq_len - 1
+
+
+def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Candidate]:
+    """The waiting requests in the order the policy wants them prefilled, with their matches."""
+    out = []
+    for req in waiting:
+        if req.params.prompt_logprobs is not None and not req.admitted_once:
+            match = None  # prompt logprobs need logits at every prompt position
+        else:
+            match = cache.match_prefix(req.tokens(match_limit(req)))
+        out.append(Candidate(req, match, cache.page_size))
+    if policy == "lpm" and len(out) <= LPM_MAX_QUEUE:
+        out.sort(key=lambda c: -c.matched_tokens)  # stable: arrival order among equals
+    return out
+
+
+def shares_uncached_prefix(c: Candidate, admitted: list[Candidate]) -> bool:
+    """True if `c` shares a long prefix, beyond what it matched in the cache, with a request
+    already admitted this step (which will have cached it by the next step)."""
+    tokens = c.req.tokens(match_limit(c.req))
+    for a in admitted:
+        common = len(os.path.commonprefix([tokens, a.req.tokens(match_limit(a.req))]))
+        if common - c.matched_tokens >= IN_BATCH_SHARE_THRESHOLD:
+            return True
+    return False
