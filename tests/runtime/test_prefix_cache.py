@@ -1,0 +1,252 @@
+"""The prefix cache in the running engine: hits give the same tokens as cold runs (and as
+transformers), chunked prefill and retraction keep fidelity, shared prefixes are computed once,
+and after hundreds of mixed requests nothing leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import braid
+from braid import SamplingParams
+from braid.runtime.executor.forward_batch import ForwardMode
+from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
+from tests.conftest import hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence, and never invent facts. "
+    "If you do not know, say so. Here are some examples of good answers: Paris is the capital "
+    "of France. Water boils at 100 degrees Celsius at sea level."
+)
+
+
+def _free_plus_cached(llm) -> None:
+    s = llm.scheduler
+    s.check_invariants()
+    assert not s.running and not s.waiting and s.prefilling is None
+    assert s.allocator.free_pages + s.cache.total_pages == s.allocator.capacity_pages
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dirs):
+    return {
+        a: AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
+        for a, p in tiny_model_dirs.items()
+        if a in ("llama", "qwen2")
+    }
+
+
+def test_prefix_hit_gives_same_tokens_as_cold_run_and_transformers(smollm2, hf_smollm2):
+    tok = smollm2.tokenizer
+    smollm2.flush_cache()
+    a = tok.encode(SYSTEM + " Question: what is the capital of Italy?")
+    b = tok.encode(SYSTEM + " Question: how many legs does a spider have?")
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    cold = smollm2.generate([a], sp, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    warm = smollm2.generate([a], sp, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == len(a) - 1
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    other = smollm2.generate([b], sp, use_tqdm=False)[0]
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert other.num_cached_tokens == common
+    assert other.outputs[0].token_ids == hf_greedy(hf_smollm2, b, 12)
+    _free_plus_cached(smollm2)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefix_hits_and_chunked_prefill_match_transformers(tiny_model_dirs, hf_tiny, page_size):
+    rng = random.Random(3)
+    shared = [rng.randrange(512) for _ in range(45)]
+    prompts = [shared + [rng.randrange(512) for _ in range(k)] for k in (3, 20, 41)]
+    expected = [hf_greedy(hf_tiny["llama"], p, 10, eos=False) for p in prompts]
+    sp = SamplingParams(max_tokens=10, **GREEDY)
+    with braid.LLM(
+        tiny_model_dirs["llama"],
+        kv_tokens=2048,
+        page_size=page_size,
+        chunked_prefill_size=16,
+        show_progress=False,
+    ) as llm:
+        modes = []
+        real = llm.runner.forward
+
+        def spy(batch):
+            modes.append((batch.mode, batch.num_tokens))
+            return real(batch)
+
+        llm.runner.forward = spy
+        first = llm.generate([prompts[0]], sp, use_tqdm=False)[0]
+        assert first.outputs[0].token_ids == expected[0]
+        assert max(n for m, n in modes if m is ForwardMode.EXTEND) <= 16  # chunked
+        rest = llm.generate(prompts[1:], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in rest] == expected[1:]
+        assert all(o.num_cached_tokens >= 40 for o in rest)
+        _free_plus_cached(llm)
+
+
+def test_chunks_interleave_with_running_decodes(tiny_model_dirs):
+    with braid.LLM(
+        tiny_model_dirs["qwen2"], kv_tokens=2048, chunked_prefill_size=8, show_progress=False
+    ) as llm:
+        s = llm.scheduler
+        modes = []
+        real = llm.runner.forward
+
+        def spy(batch):
+            modes.append(batch.mode)
+            return real(batch)
+
+        llm.runner.forward = spy
+        s.handle(GenerateReq("short", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), 0))
+        s.step()  # prefill "short"
+        s.handle(
+            GenerateReq("long", list(range(10, 90)), SamplingParams(max_tokens=2, **GREEDY), 0)
+        )
+        modes.clear()
+        for _ in range(8):
+            s.step()
+            s.check_invariants()
+        # 80 prompt tokens in chunks of 8, a decode of "short" between any two chunks.
+        assert modes == [ForwardMode.DECODE, ForwardMode.EXTEND] * 4
+        assert s.prefilling is not None and s.prefilling.rid == "long"
+        s.abort_all()
+        _free_plus_cached(llm)
+
+
+def test_retraction_keeps_outputs_identical(tiny_model_dirs, hf_tiny):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]
+    expected = [hf_greedy(hf_tiny["qwen2"], p, 40, eos=False) for p in prompts]
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    # 6 x (20 + 40) = 360 tokens of KV wanted at once; the pool holds 160.
+    with braid.LLM(tiny_model_dirs["qwen2"], kv_tokens=160, show_progress=False) as llm:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert llm.stats()["retractions"] > 0
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        _free_plus_cached(llm)
+
+
+def test_n_samples_share_their_prompt_kv(smollm2):
+    smollm2.flush_cache()
+    ids = smollm2.tokenizer.encode(SYSTEM + " Tell me a fun fact.")
+    before = smollm2.stats()
+    out = smollm2.generate(
+        [ids], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6), use_tqdm=False
+    )[0]
+    after = smollm2.stats()
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    assert len(out.outputs) == 4
+    # The prompt is computed once; the other three samples only compute their last token.
+    assert computed == len(ids) + 3
+    _free_plus_cached(smollm2)
+
+
+@pytest.mark.parametrize("policy, computed_once", [("lpm", True), ("fcfs", False)])
+def test_lpm_computes_a_shared_prefix_once_when_requests_arrive_together(
+    tiny_model_dirs, policy, computed_once
+):
+    rng = random.Random(9)
+    shared = [rng.randrange(512) for _ in range(64)]
+    prompts = [shared + [rng.randrange(512) for _ in range(4)] for _ in range(4)]
+    with braid.LLM(
+        tiny_model_dirs["llama"], kv_tokens=2048, schedule_policy=policy, show_progress=False
+    ) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+        computed = llm.stats()["prefill_tokens_computed"]
+        if computed_once:
+            assert computed == 68 + 3 * 4
+            assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+        else:
+            assert computed == 4 * 68
+        _free_plus_cached(llm)
+
+
+def test_disable_radix_cache_and_flush(tiny_model_dirs):
+    prompt = list(range(1, 40))
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    with braid.LLM(
+        tiny_model_dirs["llama"], kv_tokens=512, disable_radix_cache=True, show_progress=False
+    ) as llm:
+        a = llm.generate([prompt], sp, use_tqdm=False)[0]
+        b = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert b.num_cached_tokens == 0 and llm.scheduler.cache.total_pages == 0
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert llm.scheduler.allocator.free_pages == llm.scheduler.allocator.capacity_pages
+    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
+        llm.generate([prompt], sp, use_tqdm=False)
+        assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 38
+        assert llm.flush_cache()
+        assert llm.scheduler.allocator.free_pages == llm.scheduler.allocator.capacity_pages
+        assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+        stats = llm.stats()
+        assert stats["prompt_tokens"] == 3 * 39 and stats["cached_prompt_tokens"] == 38
+        assert stats["cache_hit_rate"] == pytest.approx(38 / 117)
+        assert stats["evicted_tokens"] >= 39
+
+
+def test_flush_refused_while_requests_run(tiny_model_dirs):
+    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
+        s = llm.scheduler
+        s.handle(GenerateReq("r", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY), 0))
+        s.step()
+        assert not llm.flush_cache()
+        s.abort_all()
+        assert llm.flush_cache()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_200_mixed_requests_with_aborts_and_failures_leak_nothing(tiny_model_dirs, page_size):
+    rng = random.Random(page_size)
+    prefixes = [[rng.randrange(512) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
+    with braid.LLM(
+        tiny_model_dirs["qwen3"],
+        kv_tokens=600,
+        page_size=page_size,
+        max_running_requests=12,
+        chunked_prefill_size=32,
+        show_progress=False,
+    ) as llm:
+        s = llm.scheduler
+        live: list[str] = []
+        finished = failed = 0
+        for i in range(200):
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(512) for _ in range(rng.randrange(1, 30))
+            ]
+            sp = SamplingParams(
+                max_tokens=rng.randrange(1, 25),
+                temperature=rng.choice([0.0, 1.0]),
+                seed=i,
+                stop_token_ids=[rng.randrange(512)],
+            )
+            if i % 17 == 0:
+                prompt = [10**6]  # out of vocabulary: refused, nothing queued
+                with pytest.raises(ValueError):
+                    s.handle(GenerateReq(f"r{i}", prompt, sp, i))
+                failed += 1
+                continue
+            s.handle(GenerateReq(f"r{i}", prompt, sp, i))
+            live.append(f"r{i}")
+            if i % 3 == 0:
+                for out in s.step():
+                    if out.finish_reason:
+                        finished += 1
+                s.check_invariants()
+            if i % 11 == 0 and live:
+                s.handle(AbortReq(live.pop(rng.randrange(len(live)))))
+                s.check_invariants()
+        while s.has_work:
+            for out in s.step():
+                if out.finish_reason:
+                    finished += 1
+            s.check_invariants()
+        assert failed == 12
+        _free_plus_cached(llm)
+        assert s.cache.total_pages > 0
+        assert llm.flush_cache()
+        assert s.allocator.free_pages == s.allocator.capacity_pages
