@@ -21,7 +21,7 @@ import torch
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from braid.runtime.executor.model_runner import ModelRunner
-from braid.runtime.executor.sampler import SampleResult, Sampler
+from braid.runtime.executor.sampler import Sampler, SampleResult
 from braid.runtime.ipc.to_detokenizer import TokenLogprob, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
