@@ -175,7 +175,9 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = resolve_model(args.model)
-    tok_llm = braid.LLM(model_dir, dtype=args.dtype, load_format=args.load_format, show_progress=False)
+    tok_llm = braid.LLM(
+        model_dir, dtype=args.dtype, load_format=args.load_format, show_progress=False
+    )
     engines = {"cache": tok_llm}
     engines["no_cache"] = braid.LLM(
         model_dir,
@@ -196,7 +198,7 @@ def main() -> None:
 
     rows = []
     for name, fn in workloads.items():
-        res = {k: measure(llm, lambda llm=llm: fn(llm)) for k, llm in engines.items()}
+        res = {k: measure(llm, lambda llm=llm, fn=fn: fn(llm)) for k, llm in engines.items()}
         same = res["cache"].pop("outputs") == res["no_cache"].pop("outputs")
         row = {
             "workload": name,
@@ -218,8 +220,8 @@ def main() -> None:
     for r in rows:
         c, n = r["cache"], r["no_cache"]
         print(
-            f"{r['workload']:>17} | {c['requests']:>4} | {n['wall_s']:10.2f} | {c['wall_s']:7.2f} | "
-            f"{r['speedup']:7.2f} | {n['prefill_tokens_computed']:>14} -> "
+            f"{r['workload']:>17} | {c['requests']:>4} | {n['wall_s']:10.2f} | "
+            f"{c['wall_s']:7.2f} | {r['speedup']:7.2f} | {n['prefill_tokens_computed']:>14} -> "
             f"{c['prefill_tokens_computed']:<14} | {c['hit_rate']:8.3f} | "
             f"{c['best_hit_rate']:6.3f} | {r['same_outputs']}"
         )

@@ -94,12 +94,13 @@ def build_model(
     with torch.device(device):
         model = cls(cfg, dtype, max_positions)
     if load_format == "dummy":
-        gen = torch.Generator(device="cpu").manual_seed(0)
+        # Random weights drawn on the target device (an 8B model draws in seconds on a GPU).
+        gen = torch.Generator(device=device).manual_seed(0)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
             else:
-                p.data.copy_(torch.randn(p.shape, generator=gen).mul_(0.02))
+                p.data.normal_(0.0, 0.02, generator=gen)
     elif load_format == "auto":
         if model_dir is None:
             raise ValueError("load_format='auto' needs a model directory")
