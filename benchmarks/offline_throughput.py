@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -25,35 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 from braid.runtime.models.source import resolve_model  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine_info(device: str) -> dict:
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    else:
-        try:
-            for line in open("/proc/cpuinfo"):
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return info
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -205,23 +176,19 @@ def main() -> None:
         sp = f"{r['speedup']:7.2f}" if "speedup" in r else f"{'-':>7}"
         print(f"{r['batch_size']:>5} | {r['braid_tok_s']:11.1f} | {hf_col} | {sp}")
 
-    result = {
-        "benchmark": "offline_throughput",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/offline_throughput.py", *sys.argv[1:]]),
-        "model": model_dir.name,
-        "dtype": str(torch_dtype),
-        "device": device,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "braid_load_s": load_s,
-        "machine": machine_info(device),
-        "rows": rows,
-    }
-    out = Path(args.out) if args.out else RESULTS / f"offline_throughput_{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(
+        "offline_throughput",
+        device,
+        args.out,
+        {
+            "model": model_dir.name,
+            "dtype": str(torch_dtype),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "braid_load_s": load_s,
+            "rows": rows,
+        },
+    )
     llm.shutdown()
 
 

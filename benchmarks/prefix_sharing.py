@@ -25,7 +25,6 @@ import json
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -33,10 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.offline_throughput import machine_info  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 from braid.runtime.models.source import resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = (
     "river mountain energy theory market history cell language number planet music law "
     "protein engine climate village algebra poem bridge signal forest contract metal ocean "
@@ -225,20 +223,12 @@ def main() -> None:
             f"{c['prefill_tokens_computed']:<14} | {c['hit_rate']:8.3f} | "
             f"{c['best_hit_rate']:6.3f} | {r['same_outputs']}"
         )
-    result = {
-        "benchmark": "prefix_sharing",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/prefix_sharing.py", *sys.argv[1:]]),
-        "model": model_dir.name,
-        "dtype": str(tok_llm.runner.dtype),
-        "device": device,
-        "machine": machine_info(device),
-        "rows": rows,
-    }
-    out = Path(args.out) if args.out else RESULTS / f"prefix_sharing_{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(
+        "prefix_sharing",
+        device,
+        args.out,
+        {"model": model_dir.name, "dtype": str(tok_llm.runner.dtype), "rows": rows},
+    )
 
 
 if __name__ == "__main__":
