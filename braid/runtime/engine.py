@@ -1,17 +1,20 @@
 """`LLM` (also `Engine`): load a model and run offline batches, with vLLM's API.
 
-llm = braid.LLM()                       # the embedded SmolLM2-135M-Instruct
-outs = llm.generate(["Hello"], braid.SamplingParams(temperature=0.8, top_p=0.95))
-print(outs[0].outputs[0].text)
+    llm = braid.LLM()                       # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], braid.SamplingParams(temperature=0.8, top_p=0.95))
+    print(outs[0].outputs[0].text)
+
+`LLM` runs the same processes as `braid serve` (scheduler and detokenizer, over ZMQ); its
+`TokenizerManager` lives on an asyncio loop in a background thread of the caller's process.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import itertools
 import json
 import logging
-import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +23,16 @@ from typing import Any
 from tqdm import tqdm
 
 from braid.runtime.config import EngineConfig
-from braid.runtime.executor.model_runner import ModelRunner
-from braid.runtime.executor.sampler import fold_seed
-from braid.runtime.ipc.to_detokenizer import TokenLogprob, TokenOut
-from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
+from braid.runtime.ipc.to_detokenizer import TokenLogprob
+from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.source import resolve_model
 from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from braid.runtime.sampling_params import SamplingParams, defaults_from_generation_config
-from braid.runtime.scheduler.scheduler import Scheduler
-from braid.runtime.tokenizer.detokenizer import IncrementalDetokenizer
-from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
+from braid.runtime.tokenizer.manager import TokenizerManager
+from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -45,17 +43,18 @@ class _Sample:
 
     index: int
     rid: str
-    detok: IncrementalDetokenizer | None
+    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detok.text if self.detok else "",
+            text=self.text,
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs,
@@ -70,7 +69,7 @@ class _Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
-    samples: list[_Sample]
+    samples: list[_Sample] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -88,6 +87,16 @@ class _Request:
             num_cached_tokens=self.cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def logprob_dict(lp: TokenLogprob, texts: dict[int, str] | None) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the chosen token and the top alternatives."""
+    texts = texts or {}
+    d = {lp.token_id: Logprob(lp.logprob, lp.rank, texts.get(lp.token_id))}
+    for rank, (tid, val) in enumerate(lp.top, start=1):
+        if tid not in d:
+            d[tid] = Logprob(val, rank, texts.get(tid))
+    return d
 
 
 class LLM:
@@ -141,31 +150,40 @@ class LLM:
         )
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_dir(self.model_path)
-        has_tokenizer = any(
-            (self.model_path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")
-        )
-        self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
+        self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer(self.model_path) else None
         gen_path = self.model_path / "generation_config.json"
         self.generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.runner = ModelRunner(
-            self.config,
-            self.model_config,
-            None if load_format == "dummy" else self.model_path,
-        )
-        device_type = self.runner.device.type
-        self.scheduler = Scheduler(
-            self.runner,
-            eos_token_ids=self._eos_ids(),
-            max_prefill_tokens=max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS[device_type],
-            chunked_prefill_size=self.config.effective_chunked_prefill_size,
-            schedule_policy=schedule_policy,
-            disable_radix_cache=disable_radix_cache,
-        )
-        self._rng = random.Random(seed)
+        self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
         self._closed = False
+        # The front end's asyncio loop runs in a daemon thread; calls hop onto it.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="braid-tokenizer-manager", daemon=True
+        )
+        self._thread.start()
+        self.tm = TokenizerManager(self.config, self.model_path, self.eos_token_ids)
+        try:
+            self.ready = self._call(self.tm.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.context_length = self.ready.context_length
         self.load_time_s = time.perf_counter() - t0
-        logger.info("braid ready: %s in %.2f s", self.model_path.name, self.load_time_s)
+        logger.info(
+            "braid ready: %s on %s (%s) in %.2f s",
+            self.model_path.name,
+            self.ready.device,
+            self.ready.dtype,
+            self.load_time_s,
+        )
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -238,20 +256,26 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
-        prefill tokens computed, steps, retractions, evicted tokens."""
-        return self.scheduler.stats.as_dict()
+        prefill tokens computed, steps, retractions, evicted tokens, and KV usage now."""
+        return self._call(self.tm.control("stats"))
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only possible while nothing runs (returns False then)."""
-        return self.scheduler.flush_cache()
+        return bool(self._call(self.tm.control("flush_cache"))["flushed"])
+
+    def check_invariants(self) -> None:
+        """Run the scheduler's KV accounting check; raises `RuntimeError` if it fails."""
+        self._call(self.tm.control("check_invariants"))
 
     def shutdown(self) -> None:
-        """Free the model and KV memory. The engine cannot be used afterwards."""
+        """Stop the runtime's processes. The engine cannot be used afterwards."""
         if self._closed:
             return
         self._closed = True
-        self.scheduler.abort_all()
-        del self.scheduler, self.runner
+        try:
+            self._call(self.tm.shutdown())
+        finally:
+            self._stop_loop()
 
     def __enter__(self) -> LLM:
         return self
@@ -320,47 +344,6 @@ class LLM:
             f"got {type(sampling_params).__name__}"
         )
 
-    def _check(self, i: int, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        ctx = self.runner.context_length
-        if len(ids) >= ctx:
-            raise ValueError(
-                f"prompt {i}: {len(ids)} tokens is longer than the context length allows "
-                f"({ctx} tokens in all, at least one of them generated)"
-            )
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary ({vocab})")
-        params.check_token_ids(vocab)
-
-    def _seed(self, params: SamplingParams, index: int) -> int:
-        if params.seed is None:
-            return fold_seed(self._rng.getrandbits(64))
-        if index == 0:
-            return fold_seed(params.seed)
-        digest = hashlib.sha256(f"{params.seed}/{index}".encode()).digest()
-        return fold_seed(int.from_bytes(digest[:8], "little"))
-
-    def _new_request(self, prompt, ids, params) -> _Request:
-        rid = f"req-{next(self._ids)}"
-        samples = []
-        for k in range(params.n):
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer,
-                    ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens,
-                )
-            samples.append(_Sample(index=k, rid=f"{rid}/{k}", detok=detok))
-            if params.logprobs is not None:
-                samples[-1].logprobs = []
-                samples[-1].cumulative_logprob = 0.0
-        return _Request(rid, prompt, ids, params, samples)
-
     def _run(
         self,
         items: list[tuple[str | None, list[int]]],
@@ -370,68 +353,59 @@ class LLM:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         for i, ((_, ids), p) in enumerate(zip(items, params)):
-            self._check(i, ids, p)
-        requests = [self._new_request(text, ids, p) for (text, ids), p in zip(items, params)]
-        by_rid: dict[str, tuple[_Request, _Sample]] = {}
+            self.tm.validate(ids, p, where=f"prompt {i}")
+        requests = [
+            _Request(f"req-{next(self._ids)}", text, ids, p)
+            for (text, ids), p in zip(items, params)
+        ]
+        return self._call(self._run_async(requests, use_tqdm))
+
+    async def _run_async(self, requests: list[_Request], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
+        tasks = []
         try:
             for req in requests:
+                rids = self.tm.submit(req.request_id, req.prompt_ids, req.params)
+                req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
                 for s in req.samples:
-                    self.scheduler.handle(
-                        GenerateReq(
-                            s.rid, req.prompt_ids, req.params, self._seed(req.params, s.index)
-                        )
-                    )
-                    by_rid[s.rid] = (req, s)
-            with tqdm(
-                total=len(requests), desc="Generating", unit="req", disable=not use_tqdm
-            ) as bar:
-                while self.scheduler.has_work:
-                    for out in self.scheduler.step():
-                        req, sample = by_rid[out.rid]
-                        was_done = req.finished
-                        self._apply(req, sample, out)
-                        if req.finished and not was_done:
-                            bar.update(1)
+                    if req.params.logprobs is not None:
+                        s.logprobs, s.cumulative_logprob = [], 0.0
+                    tasks.append(asyncio.create_task(self._collect(req, s, bar)))
+            await asyncio.gather(*tasks)
         finally:
-            # Whatever happened (an error, an interrupt), nothing of this call stays running.
-            for rid, (_, sample) in by_rid.items():
-                if sample.finish_reason is None:
-                    self.scheduler.handle(AbortReq(rid))
-                    sample.finish_reason = "abort"
+            # An error or interrupt: stop everything this call started.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bar.close()
+        errors = [s.error for r in requests for s in r.samples if s.error]
+        if errors and self.tm.failure:
+            raise RuntimeError(self.tm.failure)
         return [r.output() for r in requests]
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+    async def _collect(self, req: _Request, sample: _Sample, bar) -> None:
+        async for out in self.tm.stream(sample.rid):
+            self._apply(req, sample, out)
+        if req.finished:
+            bar.update(1)
 
-    def _logprob_dict(self, lp: TokenLogprob) -> dict[int, Logprob]:
-        d = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))}
-        for rank, (tid, val) in enumerate(lp.top, start=1):
-            if tid not in d:
-                d[tid] = Logprob(val, rank, self._decode_one(tid))
-        return d
-
-    def _apply(self, req: _Request, sample: _Sample, out: TokenOut) -> None:
-        if sample.finish_reason is not None:
-            return  # e.g. tokens computed before a stop string's abort arrived
+    @staticmethod
+    def _apply(req: _Request, sample: _Sample, out: StrOut) -> None:
         req.cached_tokens = out.cached_tokens
-        sample.token_ids += out.new_token_ids
+        sample.text += out.text
+        sample.token_ids += out.token_ids
         if out.prompt_logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = [
-                None if lp is None else self._logprob_dict(lp) for lp in out.prompt_logprobs
+                None if lp is None else logprob_dict(lp, out.token_texts)
+                for lp in out.prompt_logprobs
             ]
         if out.logprobs and sample.logprobs is not None:
             for lp in out.logprobs:
-                sample.logprobs.append(self._logprob_dict(lp))
+                sample.logprobs.append(logprob_dict(lp, out.token_texts))
                 sample.cumulative_logprob += lp.logprob
-        if sample.detok is not None:
-            sample.detok.add_tokens(out.new_token_ids)
-            if sample.detok.stopped:
-                sample.finish_reason, sample.stop_reason = "stop", sample.detok.stop_reason
-                if out.finish_reason is None:
-                    self.scheduler.handle(AbortReq(sample.rid))
-                return
         if out.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_token
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            sample.error = out.error
 
 
 Engine = LLM

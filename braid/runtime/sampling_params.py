@@ -45,8 +45,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | tuple[str, ...] | None = None
-    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    # Lists on input (tuples accepted too); stored as tuples.
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

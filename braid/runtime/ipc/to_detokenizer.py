@@ -17,6 +17,17 @@ class TokenLogprob:
 
 
 @dataclass
+class DetokSpec:
+    """How to detokenize a request; sent with its first output."""
+
+    prompt_tail: list[int]
+    skip_special_tokens: bool
+    stop: list[str]
+    include_stop_str_in_output: bool
+    min_tokens: int
+
+
+@dataclass
 class TokenOut:
     """What one request gained in one step.
 
@@ -34,3 +45,9 @@ class TokenOut:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    detok: DetokSpec | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    outputs: list[TokenOut]

@@ -23,3 +23,19 @@ class GenerateReq:
 @dataclass
 class AbortReq:
     rid: str
+
+
+@dataclass
+class ControlReq:
+    """An operator request answered with a `ControlOut` carrying the same `req_id`.
+
+    `op`: "stats" (counters and KV usage), "flush_cache", or "check_invariants" (the KV
+    accounting check tests and operators use)."""
+
+    req_id: int
+    op: str
+
+
+@dataclass
+class ShutdownReq:
+    pass

@@ -35,6 +35,7 @@ class Req:
     admitted_once: bool = False
     retractions: int = 0
     error: str | None = None
+    detok_sent: bool = False  # whether the detokenizer has been told how to decode it
     finish_reason: str | None = None
     stop_token: int | None = None
 

@@ -22,11 +22,12 @@ import torch
 from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.sampler import Sampler, SampleResult
-from braid.runtime.ipc.to_detokenizer import TokenLogprob, TokenOut
+from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenLogprob, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
 from braid.runtime.scheduler.policy import POLICIES, candidates, shares_uncached_prefix
 from braid.runtime.scheduler.request import Req
+from braid.runtime.tokenizer.detokenizer import CONTEXT_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -428,7 +429,7 @@ class Scheduler:
         return out
 
     def _out(self, req: Req, new_ids: list[int]) -> TokenOut:
-        return TokenOut(
+        out = TokenOut(
             rid=req.rid,
             new_token_ids=new_ids,
             prompt_tokens=req.prompt_len,
@@ -436,12 +437,47 @@ class Scheduler:
             finish_reason=req.finish_reason,
             stop_token=req.stop_token,
         )
+        if not req.detok_sent:
+            req.detok_sent = True
+            p = req.params
+            out.detok = DetokSpec(
+                prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
+                skip_special_tokens=p.skip_special_tokens,
+                stop=list(p.stop),
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+            )
+        return out
 
     # ---- control --------------------------------------------------------------------------
     def abort_all(self) -> list[TokenOut]:
         """Abort every request (after a failed forward, or at shutdown)."""
         reqs = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
         return [o for req in reqs for o in self._abort(req.rid)]
+
+    def control(self, op: str) -> dict[str, float]:
+        """Answer an operator request ("stats", "flush_cache", "check_invariants"); raises
+        `ValueError` for an unknown op and `AssertionError` when invariants fail."""
+        if op == "stats":
+            return self.stats.as_dict() | self.usage()
+        if op == "flush_cache":
+            return {"flushed": float(self.flush_cache())}
+        if op == "check_invariants":
+            self.check_invariants()
+            return {}
+        raise ValueError(f"unknown control op {op!r}")
+
+    def usage(self) -> dict[str, float]:
+        cap = self.allocator.capacity_pages
+        used = cap - self.allocator.free_pages - self.cache.evictable_pages
+        return {
+            "running_requests": float(len(self.running) + (self.prefilling is not None)),
+            "queued_requests": float(len(self.waiting)),
+            "kv_capacity_tokens": float(self.allocator.capacity_tokens),
+            "kv_free_tokens": float(self.allocator.free_pages * self.page_size),
+            "kv_cached_tokens": float(self.cache.total_pages * self.page_size),
+            "kv_usage": used / cap,
+        }
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Only when nothing runs; returns whether it flushed."""

@@ -7,10 +7,13 @@ are kept as context so that the first generated token gets its leading space rig
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens kept as decoding context (enough for any tokenizer's merges at the boundary).
-_CONTEXT_TOKENS = 6
+CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
@@ -30,7 +33,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in stop), default=0)
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.num_output_tokens = 0

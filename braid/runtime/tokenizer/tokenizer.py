@@ -8,6 +8,10 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
+def has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The model's tokenizer. With a tokenizer.json (which defines the whole pipeline) it is
     loaded directly as a fast tokenizer: AutoTokenizer would first import the model's config

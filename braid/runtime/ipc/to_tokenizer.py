@@ -1,0 +1,63 @@
+"""Messages the tokenizer manager (the caller's process) receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from braid.runtime.ipc.to_detokenizer import TokenLogprob
+
+
+@dataclass
+class StrOut:
+    """What one request gained: `text` is the new text safe to show (a tail that could start a
+    stop string is held back until it cannot), `token_ids` the new tokens. When
+    `finish_reason` is set this is the request's last message. `token_texts` decodes every
+    token id that appears in `logprobs` / `prompt_logprobs`."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    token_texts: dict[int, str] | None = None
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOut]
+
+
+@dataclass
+class ControlOut:
+    req_id: int
+    ok: bool
+    result: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once the model is loaded: what the front end needs to validate requests."""
+
+    context_length: int
+    kv_capacity_tokens: int
+    max_running_requests: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    load_time_s: float
+
+
+@dataclass
+class ProcessFailed:
+    """A child process hit an error it cannot recover from; the runtime shuts down."""
+
+    process: str
+    error: str

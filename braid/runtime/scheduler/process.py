@@ -1,0 +1,166 @@
+"""The scheduler process: owns the model and the KV cache; receive, schedule, run, send."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from pathlib import Path
+
+import zmq
+
+from braid._logging import configure_logging
+from braid.runtime.config import EngineConfig
+from braid.runtime.executor.model_runner import ModelRunner
+from braid.runtime.ipc import codec
+from braid.runtime.ipc.sockets import Addresses, die_with_parent, parent_alive, send
+from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
+from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_tokenizer import ControlOut, ProcessFailed, SchedulerReady
+from braid.runtime.models.config import ModelConfig
+from braid.runtime.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
+
+
+def build_scheduler(
+    config: EngineConfig, model_path: Path, eos_token_ids: frozenset[int]
+) -> Scheduler:
+    """Load the model and build the scheduler over it (in whatever process calls this)."""
+    model_config = ModelConfig.from_dir(model_path)
+    runner = ModelRunner(
+        config, model_config, None if config.load_format == "dummy" else model_path
+    )
+    return Scheduler(
+        runner,
+        eos_token_ids=eos_token_ids,
+        max_prefill_tokens=config.max_prefill_tokens
+        or DEFAULT_MAX_PREFILL_TOKENS[runner.device.type],
+        chunked_prefill_size=config.effective_chunked_prefill_size,
+        schedule_policy=config.schedule_policy,
+        disable_radix_cache=config.disable_radix_cache,
+    )
+
+
+class SchedulerLoop:
+    """One iteration's logic, free of sockets: messages in, messages out."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.stopping = False
+
+    def handle(self, msg: object) -> list[object]:
+        s = self.scheduler
+        if isinstance(msg, GenerateReq):
+            try:
+                s.handle(msg)
+            except ValueError as e:
+                # The front end validates first; this is the last line of defence.
+                failed = TokenOut(msg.rid, [], len(msg.input_ids), 0, "abort", error=str(e))
+                return [BatchTokenOut([failed])]
+            return []
+        if isinstance(msg, AbortReq):
+            outs = s.handle(msg)
+            return [BatchTokenOut(outs)] if outs else []
+        if isinstance(msg, ControlReq):
+            try:
+                return [ControlOut(msg.req_id, True, s.control(msg.op))]
+            except (ValueError, AssertionError) as e:
+                return [ControlOut(msg.req_id, False, {}, f"{type(e).__name__}: {e}")]
+        if isinstance(msg, ShutdownReq):
+            self.stopping = True
+            return []
+        logger.warning("scheduler ignores a %s message", type(msg).__name__)
+        return []
+
+    def step(self) -> list[object]:
+        """Run one step. A step that raises (a kernel error, out of memory) fails the requests
+        in flight with that error; the scheduler keeps serving."""
+        s = self.scheduler
+        if not s.has_work:
+            return []
+        try:
+            outs = s.step()
+        except Exception as e:  # any failure of a forward must not kill the server
+            logger.error("step failed, aborting %d requests: %s", len(s.running), e)
+            logger.debug("%s", traceback.format_exc())
+            outs = [
+                o
+                for req in list(s.waiting) + s.running + ([s.prefilling] if s.prefilling else [])
+                for o in s._abort(req.rid, error=f"internal error: {e}")
+            ]
+        return [BatchTokenOut(outs)] if outs else []
+
+
+def run_scheduler_process(
+    config: EngineConfig,
+    model_path: str,
+    eos_token_ids: list[int],
+    addrs: Addresses,
+    parent_pid: int,
+    log_level: str,
+) -> None:
+    die_with_parent()
+    configure_logging(log_level)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(addrs.scheduler)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(addrs.detokenizer)
+    t0 = time.perf_counter()
+    try:
+        scheduler = build_scheduler(config, Path(model_path), frozenset(eos_token_ids))
+    except Exception as e:  # report any start-up failure to the front end, then exit
+        send(out, ProcessFailed("scheduler", f"{type(e).__name__}: {e}"))
+        time.sleep(0.5)
+        return
+    runner = scheduler.runner
+    send(
+        out,
+        SchedulerReady(
+            context_length=runner.context_length,
+            kv_capacity_tokens=runner.kv_pool.allocator.capacity_tokens,
+            max_running_requests=runner.max_running_requests,
+            vocab_size=runner.model_config.vocab_size,
+            eos_token_ids=sorted(eos_token_ids),
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            load_time_s=time.perf_counter() - t0,
+        ),
+    )
+    loop = SchedulerLoop(scheduler)
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while not loop.stopping:
+        timeout = 0 if scheduler.has_work else 500
+        replies: list[object] = []
+        if poller.poll(timeout):
+            while True:
+                try:
+                    msg = recv_nowait(inbox)
+                except zmq.Again:
+                    break
+                if msg is not None:
+                    replies += loop.handle(msg)
+        replies += loop.step()
+        for r in replies:
+            send(out, r)
+        if not scheduler.has_work and not parent_alive(parent_pid):
+            break
+    logger.debug("scheduler process %d exits", os.getpid())
+    inbox.close(0)
+    out.close(0)
+    ctx.term()
+
+
+def recv_nowait(sock: zmq.Socket) -> object | None:
+    """Next message or `zmq.Again`; a malformed one is logged and dropped (None)."""
+    frames = sock.recv_multipart(zmq.NOBLOCK)
+    try:
+        return codec.decode(frames)
+    except Exception as e:  # msgspec.ValidationError, bad tag: never crash on input
+        logger.error("dropping a malformed message: %s", e)
+        return None

@@ -1,0 +1,316 @@
+"""`TokenizerManager`: the runtime's front end in the caller's process (asyncio).
+
+It starts the scheduler and detokenizer processes (spawn), sends tokenized requests to the
+scheduler over ZMQ, and routes the detokenizer's text deltas to one asyncio queue per request.
+The HTTP server and the offline `LLM` both sit on it. A child process that dies fails every
+request in flight and calls `on_failure` (the server exits with the message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from braid.runtime.config import EngineConfig
+from braid.runtime.executor.sampler import fold_seed
+from braid.runtime.ipc import codec
+from braid.runtime.ipc.sockets import Addresses
+from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_tokenizer import (
+    BatchStrOut,
+    ControlOut,
+    ProcessFailed,
+    SchedulerReady,
+    StrOut,
+)
+from braid.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeDied(RuntimeError):
+    """A runtime process died; the runtime cannot serve any more."""
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@contextmanager
+def _without_main_reimport() -> Iterator[None]:
+    """Spawned children normally re-run the caller's main script, so a script without an
+    `if __name__ == "__main__"` guard would start the engine again in every child. braid's
+    children need nothing from `__main__`, so hide it from multiprocessing while they start."""
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    for k in saved:
+        setattr(main, k, None) if k == "__spec__" else delattr(main, k)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        eos_token_ids: frozenset[int],
+        *,
+        log_level: str = "INFO",
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.eos_token_ids = eos_token_ids
+        self.log_level = log_level
+        self.on_failure = on_failure
+        self.addrs = Addresses.fresh()
+        self.procs: dict[str, mp.Process] = {}
+        self.ready: SchedulerReady | None = None
+        self.failure: str | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._control: dict[int, asyncio.Future] = {}
+        self._control_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        from braid.runtime.scheduler.process import run_scheduler_process
+        from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
+
+        ctx = mp.get_context("spawn")
+        pid = os.getpid()
+        self.procs["detokenizer"] = ctx.Process(
+            target=run_detokenizer_process,
+            args=(str(self.model_path), self.addrs, pid, self.log_level),
+            name="braid-detokenizer",
+            daemon=True,
+        )
+        self.procs["scheduler"] = ctx.Process(
+            target=run_scheduler_process,
+            args=(
+                self.config,
+                str(self.model_path),
+                sorted(self.eos_token_ids),
+                self.addrs,
+                pid,
+                self.log_level,
+            ),
+            name="braid-scheduler",
+            daemon=True,
+        )
+        with _without_main_reimport():
+            for p in self.procs.values():
+                p.start()
+
+    async def start(self, timeout: float = 600.0) -> SchedulerReady:
+        """Start the processes and wait until the model is loaded."""
+        self._zctx = zmq.asyncio.Context()
+        self._inbox = self._zctx.socket(zmq.PULL)
+        self._inbox.bind(self.addrs.tokenizer)
+        self._to_sched = self._zctx.socket(zmq.PUSH)
+        self._to_sched.connect(self.addrs.scheduler)
+        self._spawn()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.ready is None:
+            if await self._inbox.poll(500):
+                msg = codec.decode(await self._inbox.recv_multipart())
+                if isinstance(msg, SchedulerReady):
+                    self.ready = msg
+                elif isinstance(msg, ProcessFailed):
+                    await self.shutdown()
+                    raise ValueError(f"the {msg.process} process failed to start: {msg.error}")
+            dead = self._dead_process()
+            if dead:
+                await self.shutdown()
+                raise RuntimeDied(f"the {dead} process died during start-up")
+            if loop.time() > deadline:
+                await self.shutdown()
+                raise RuntimeDied(f"the model did not load within {timeout:.0f} s")
+        self._tasks = [
+            asyncio.create_task(self._recv_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+        return self.ready
+
+    def _dead_process(self) -> str | None:
+        for name, p in self.procs.items():
+            if not p.is_alive():
+                return f"{name} (exit code {p.exitcode})"
+        return None
+
+    async def _watchdog(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(0.5)
+            dead = self._dead_process()
+            if dead and not self._closing:
+                self._fail(f"the {dead} process died")
+                return
+
+    def _fail(self, message: str) -> None:
+        if self.failure:
+            return
+        self.failure = message
+        logger.error("runtime failure: %s", message)
+        for rid, p in list(self._pending.items()):
+            p.queue.put_nowait(StrOut(rid, "", [], 0, 0, 0, finish_reason="abort", error=message))
+        for fut in self._control.values():
+            if not fut.done():
+                fut.set_exception(RuntimeDied(message))
+        if self.on_failure is not None:
+            self.on_failure(message)
+
+    async def shutdown(self) -> None:
+        """Stop the processes (scheduler first, politely; then anything left, firmly)."""
+        if self._closing:
+            return
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        try:
+            self._to_sched.send_multipart(codec.encode(ShutdownReq()), zmq.NOBLOCK)
+        except (zmq.ZMQError, AttributeError):
+            pass
+        for name in ("scheduler", "detokenizer"):
+            p = self.procs.get(name)
+            if p is None:
+                continue
+            await asyncio.to_thread(p.join, 3.0 if name == "scheduler" else 0.1)
+            if p.is_alive():
+                p.terminate()
+                await asyncio.to_thread(p.join, 3.0)
+            if p.is_alive():
+                p.kill()
+                await asyncio.to_thread(p.join, 1.0)
+        if hasattr(self, "_zctx"):
+            self._inbox.close(0)
+            self._to_sched.close(0)
+            self._zctx.term()
+        shutil.rmtree(self.addrs.directory, ignore_errors=True)
+
+    # ---- receiving ------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._inbox.recv_multipart()
+            try:
+                msg = codec.decode(frames)
+            except Exception as e:  # never crash on input
+                logger.error("dropping a malformed message: %s", e)
+                continue
+            if isinstance(msg, BatchStrOut):
+                for out in msg.outputs:
+                    p = self._pending.get(out.rid)
+                    if p is not None:
+                        p.queue.put_nowait(out)
+                        if out.finish_reason:
+                            p.finished = True
+            elif isinstance(msg, ControlOut):
+                fut = self._control.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ProcessFailed):
+                self._fail(f"the {msg.process} process failed: {msg.error}")
+
+    # ---- requests -------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failure:
+            raise RuntimeDied(self.failure)
+        if self.ready is None:
+            raise RuntimeError("the runtime is not started")
+
+    def validate(self, input_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
+        """Raise `ValueError` naming the problem if the scheduler would refuse this request."""
+        r = self.ready
+        if not input_ids:
+            raise ValueError(f"{where}: the prompt is empty")
+        if len(input_ids) >= r.context_length:
+            raise ValueError(
+                f"{where}: {len(input_ids)} tokens is longer than the context length allows "
+                f"({r.context_length} tokens in all, at least one of them generated)"
+            )
+        bad = [t for t in input_ids if not 0 <= t < r.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where}: token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
+            )
+        params.check_token_ids(r.vocab_size)
+
+    def sample_seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return fold_seed(self._rng.getrandbits(64))
+        if index == 0:
+            return fold_seed(params.seed)
+        digest = hashlib.sha256(f"{params.seed}/{index}".encode()).digest()
+        return fold_seed(int.from_bytes(digest[:8], "little"))
+
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> list[str]:
+        """Queue `params.n` samples of one prompt (validated already); returns their rids."""
+        self._check_alive()
+        rids = []
+        for k in range(params.n):
+            srid = f"{rid}/{k}" if params.n > 1 else rid
+            if srid in self._pending:
+                raise ValueError(f"request id {srid!r} is already in use")
+            self._pending[srid] = _Pending()
+            msg = GenerateReq(srid, list(input_ids), params, self.sample_seed(params, k))
+            self._to_sched.send_multipart(codec.encode(msg))
+            rids.append(srid)
+        return rids
+
+    async def stream(self, rid: str) -> AsyncIterator[StrOut]:
+        """The outputs of one sample until it finishes. Leaving early aborts it."""
+        p = self._pending[rid]
+        try:
+            while True:
+                out = await p.queue.get()
+                yield out
+                if out.finish_reason:
+                    return
+        finally:
+            self._pending.pop(rid, None)
+            if not p.finished and not self.failure:
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        if self.failure or self._closing:
+            return
+        self._to_sched.send_multipart(codec.encode(AbortReq(rid)))
+
+    async def control(self, op: str, timeout: float = 60.0) -> dict[str, float]:
+        """Run an operator request in the scheduler ("stats", "flush_cache",
+        "check_invariants"); raises `RuntimeError` with the scheduler's message if it fails."""
+        self._check_alive()
+        req_id = next(self._control_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._control[req_id] = fut
+        self._to_sched.send_multipart(codec.encode(ControlReq(req_id, op)))
+        out: ControlOut = await asyncio.wait_for(fut, timeout)
+        if not out.ok:
+            raise RuntimeError(out.error)
+        return out.result
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
