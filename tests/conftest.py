@@ -107,3 +107,32 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: bool = True) -> l
             **kwargs,
         )
     return out[0, len(ids) :].tolist()
+
+
+def local_scheduler(path: Path, eos_token_ids: frozenset[int] = frozenset(), **config):
+    """A scheduler with its model in this process, for white-box tests of its logic (the
+    `LLM` runs the same class in its scheduler process)."""
+    from braid.runtime.config import EngineConfig
+    from braid.runtime.scheduler.process import build_scheduler
+
+    cfg = EngineConfig(model=str(path), show_progress=False, **config)
+    return build_scheduler(cfg, Path(path), eos_token_ids)
+
+
+def run_to_end(sched, check: bool = True) -> dict[str, list[int]]:
+    """Step a local scheduler until idle; returns each request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    while sched.has_work:
+        for out in sched.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        if check:
+            sched.check_invariants()
+    return tokens
+
+
+def assert_kv_all_free_or_cached(llm) -> None:
+    """Nothing runs, the scheduler's accounting holds, and every KV token is free or cached."""
+    llm.check_invariants()
+    s = llm.stats()
+    assert s["running_requests"] == 0 and s["queued_requests"] == 0
+    assert s["kv_free_tokens"] + s["kv_cached_tokens"] == s["kv_capacity_tokens"]

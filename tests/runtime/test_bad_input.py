@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from braid import SamplingParams
+from tests.conftest import assert_kv_all_free_or_cached, local_scheduler
 
 
 @pytest.mark.parametrize(
@@ -37,13 +38,7 @@ def test_sampling_params_reject_bad_values(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def _assert_all_kv_free(llm):
-    """Nothing runs, and every KV page is either free or in the prefix cache."""
-    sched = llm.scheduler
-    sched.check_invariants()
-    assert not sched.running and not sched.waiting and sched.prefilling is None
-    alloc = sched.allocator
-    assert alloc.free_pages + sched.cache.total_pages == alloc.capacity_pages
+_assert_all_kv_free = assert_kv_all_free_or_cached
 
 
 @pytest.mark.parametrize(
@@ -76,7 +71,7 @@ def test_small_kv_pool_caps_the_context(tiny_model_dirs):
     import braid
 
     with braid.LLM(tiny_model_dirs["llama"], kv_tokens=64, show_progress=False) as llm:
-        assert llm.runner.context_length == 64
+        assert llm.context_length == 64
         with pytest.raises(ValueError, match="context length"):
             llm.generate([[1] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
         out = llm.generate([[1] * 40], SamplingParams(max_tokens=100), use_tqdm=False)
@@ -97,24 +92,35 @@ def test_bad_chat_messages(smollm2):
 
 
 def test_failure_mid_generation_frees_every_slot(tiny_model_dirs):
-    """A forward that raises (an OOM, a kernel error) ends the call with the error and leaves
-    no KV held; the engine then serves the next call."""
-    import braid
+    """A forward that raises (an OOM, a kernel error) fails the requests in flight with the
+    error and leaves no KV held; the scheduler then serves the next request."""
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from braid.runtime.scheduler.process import SchedulerLoop
 
-    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
-        real_forward = llm.runner.forward
-        calls = {"n": 0}
+    sched = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512)
+    loop = SchedulerLoop(sched)
+    real_forward = sched.runner.forward
+    calls = {"n": 0}
 
-        def failing_forward(batch):
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise RuntimeError("injected failure")
-            return real_forward(batch)
+    def failing_forward(batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+        return real_forward(batch)
 
-        llm.runner.forward = failing_forward
-        with pytest.raises(RuntimeError, match="injected"):
-            llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=10), use_tqdm=False)
-        _assert_all_kv_free(llm)
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 5
-        _assert_all_kv_free(llm)
+    sched.runner.forward = failing_forward
+    for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7])):
+        loop.handle(GenerateReq(rid, prompt, SamplingParams(max_tokens=10), 0))
+    errors = {}
+    for _ in range(10):
+        for batch in loop.step():
+            for out in batch.outputs:
+                if out.error:
+                    errors[out.rid] = out.error
+    assert set(errors) == {"a", "b"} and "injected failure" in errors["a"]
+    sched.check_invariants()
+    assert not sched.has_work
+    loop.handle(GenerateReq("c", [1, 2, 3], SamplingParams(max_tokens=5), 0))
+    got = [o for _ in range(8) for b in loop.step() for o in b.outputs]
+    assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
+    sched.check_invariants()

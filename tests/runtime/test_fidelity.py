@@ -34,7 +34,7 @@ def test_tiny_models_match_transformers_alone_and_batched(tiny_model_dirs, arch,
     with braid.LLM(path, kv_tokens=1024, page_size=page_size, show_progress=False) as llm:
         alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        llm.scheduler.check_invariants()
+        llm.check_invariants()
     assert alone == expected
     assert batched == expected
 
@@ -76,5 +76,5 @@ def test_smollm2_matches_transformers_alone_and_batched(smollm2, hf_smollm2):
     assert alone == expected
     assert batched == expected
     # The chat prompt ends on EOS well before 20 tokens: the stop must be where HF stops.
-    assert expected[-1][-1] in smollm2.scheduler.eos_token_ids
-    smollm2.scheduler.check_invariants()
+    assert expected[-1][-1] in smollm2.eos_token_ids
+    smollm2.check_invariants()

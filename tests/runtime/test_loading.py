@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import braid
 from braid.runtime.models.source import EMBEDDED_GGUF, embedded_gguf_path, resolve_model
+from tests.conftest import local_scheduler
 
 
 def _copy_with_state(src, dst, edit):
@@ -27,6 +28,9 @@ def test_unconsumed_checkpoint_key_is_an_error(tiny_model_dirs, tmp_path):
 
     path = _copy_with_state(tiny_model_dirs["llama"], tmp_path / "m", add)
     with pytest.raises(ValueError, match="mlp.extra.weight"):
+        local_scheduler(path, kv_tokens=64)
+    # The same error reaches the caller of LLM() from the scheduler process.
+    with pytest.raises(ValueError, match="mlp.extra.weight"):
         braid.LLM(path, kv_tokens=64, show_progress=False)
 
 
@@ -36,7 +40,7 @@ def test_unfilled_parameter_is_an_error(tiny_model_dirs, tmp_path):
 
     path = _copy_with_state(tiny_model_dirs["llama"], tmp_path / "m", drop)
     with pytest.raises(ValueError, match=r"layers.1.self_attn.qkv_proj.weight\[k\]"):
-        braid.LLM(path, kv_tokens=64, show_progress=False)
+        local_scheduler(path, kv_tokens=64)
 
 
 def test_wrong_shape_is_an_error(tiny_model_dirs, tmp_path):
@@ -45,34 +49,35 @@ def test_wrong_shape_is_an_error(tiny_model_dirs, tmp_path):
 
     path = _copy_with_state(tiny_model_dirs["llama"], tmp_path / "m", bad)
     with pytest.raises(ValueError, match="model.norm.weight"):
-        braid.LLM(path, kv_tokens=64, show_progress=False)
+        local_scheduler(path, kv_tokens=64)
 
 
 def test_fused_projections_hold_the_checkpoint_weights(tiny_model_dirs):
     path = tiny_model_dirs["qwen2"]
     state = load_file(str(path / "model.safetensors"))
-    with braid.LLM(path, kv_tokens=64, show_progress=False) as llm:
-        attn = llm.runner.model.model.layers[0].self_attn
-        q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
-        assert torch.equal(k, state["model.layers.0.self_attn.k_proj.weight"])
-        qb, kb, vb = attn.qkv_proj.bias.split([attn.q_size, attn.kv_size, attn.kv_size])
-        assert torch.equal(vb, state["model.layers.0.self_attn.v_proj.bias"])
-        mlp = llm.runner.model.model.layers[1].mlp
-        gate, up = mlp.gate_up_proj.weight.chunk(2)
-        assert torch.equal(up, state["model.layers.1.mlp.up_proj.weight"])
-        # Tied embeddings: one tensor.
-        assert llm.runner.model.lm_head.weight is llm.runner.model.model.embed_tokens.weight
+    model = local_scheduler(path, kv_tokens=64).runner.model
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+    assert torch.equal(k, state["model.layers.0.self_attn.k_proj.weight"])
+    qb, kb, vb = attn.qkv_proj.bias.split([attn.q_size, attn.kv_size, attn.kv_size])
+    assert torch.equal(vb, state["model.layers.0.self_attn.v_proj.bias"])
+    gate, up = model.model.layers[1].mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(up, state["model.layers.1.mlp.up_proj.weight"])
+    # Tied embeddings: one tensor.
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize(
     "dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
 )
 def test_half_precision_dtypes_load_and_run(tiny_model_dirs, dtype, torch_dtype):
+    runner = local_scheduler(tiny_model_dirs["llama"], dtype=dtype, kv_tokens=128).runner
+    assert all(p.dtype == torch_dtype for p in runner.model.parameters())
+    assert runner.kv_pool.k[0].dtype == torch_dtype
     with braid.LLM(
         tiny_model_dirs["llama"], dtype=dtype, kv_tokens=128, show_progress=False
     ) as llm:
-        assert all(p.dtype == torch_dtype for p in llm.runner.model.parameters())
-        assert llm.runner.kv_pool.k[0].dtype == torch_dtype
+        assert llm.ready.dtype == dtype
         out = llm.generate([[1, 2, 3]], braid.SamplingParams(max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
 

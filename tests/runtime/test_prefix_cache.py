@@ -14,7 +14,12 @@ import braid
 from braid import SamplingParams
 from braid.runtime.executor.forward_batch import ForwardMode
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
-from tests.conftest import hf_greedy
+from tests.conftest import (
+    assert_kv_all_free_or_cached,
+    hf_greedy,
+    local_scheduler,
+    run_to_end,
+)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SYSTEM = (
@@ -24,8 +29,10 @@ SYSTEM = (
 )
 
 
-def _free_plus_cached(llm) -> None:
-    s = llm.scheduler
+_free_plus_cached = assert_kv_all_free_or_cached
+
+
+def _local_free_plus_cached(s) -> None:
     s.check_invariants()
     assert not s.running and not s.waiting and s.prefilling is None
     assert s.allocator.free_pages + s.cache.total_pages == s.allocator.capacity_pages
@@ -65,24 +72,25 @@ def test_prefix_hits_and_chunked_prefill_match_transformers(tiny_model_dirs, hf_
     prompts = [shared + [rng.randrange(512) for _ in range(k)] for k in (3, 20, 41)]
     expected = [hf_greedy(hf_tiny["llama"], p, 10, eos=False) for p in prompts]
     sp = SamplingParams(max_tokens=10, **GREEDY)
-    with braid.LLM(
-        tiny_model_dirs["llama"],
-        kv_tokens=2048,
-        page_size=page_size,
-        chunked_prefill_size=16,
-        show_progress=False,
-    ) as llm:
-        modes = []
-        real = llm.runner.forward
+    cfg = dict(kv_tokens=2048, page_size=page_size, chunked_prefill_size=16)
+    # In process, to watch the batches.
+    s = local_scheduler(tiny_model_dirs["llama"], **cfg)
+    sizes = []
+    real = s.runner.forward
 
-        def spy(batch):
-            modes.append((batch.mode, batch.num_tokens))
-            return real(batch)
+    def spy(batch):
+        if batch.mode is ForwardMode.EXTEND:
+            sizes.append(batch.num_tokens)
+        return real(batch)
 
-        llm.runner.forward = spy
+    s.runner.forward = spy
+    s.handle(GenerateReq("first", prompts[0], sp, 0))
+    assert run_to_end(s)["first"] == expected[0]
+    assert max(sizes) <= 16 and len(sizes) >= 3  # 48 prompt tokens in chunks of 16
+    # Through the engine's processes: hits on the shared prefix, same tokens.
+    with braid.LLM(tiny_model_dirs["llama"], show_progress=False, **cfg) as llm:
         first = llm.generate([prompts[0]], sp, use_tqdm=False)[0]
         assert first.outputs[0].token_ids == expected[0]
-        assert max(n for m, n in modes if m is ForwardMode.EXTEND) <= 16  # chunked
         rest = llm.generate(prompts[1:], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in rest] == expected[1:]
         assert all(o.num_cached_tokens >= 40 for o in rest)
@@ -90,32 +98,27 @@ def test_prefix_hits_and_chunked_prefill_match_transformers(tiny_model_dirs, hf_
 
 
 def test_chunks_interleave_with_running_decodes(tiny_model_dirs):
-    with braid.LLM(
-        tiny_model_dirs["qwen2"], kv_tokens=2048, chunked_prefill_size=8, show_progress=False
-    ) as llm:
-        s = llm.scheduler
-        modes = []
-        real = llm.runner.forward
+    s = local_scheduler(tiny_model_dirs["qwen2"], kv_tokens=2048, chunked_prefill_size=8)
+    modes = []
+    real = s.runner.forward
 
-        def spy(batch):
-            modes.append(batch.mode)
-            return real(batch)
+    def spy(batch):
+        modes.append(batch.mode)
+        return real(batch)
 
-        llm.runner.forward = spy
-        s.handle(GenerateReq("short", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), 0))
-        s.step()  # prefill "short"
-        s.handle(
-            GenerateReq("long", list(range(10, 90)), SamplingParams(max_tokens=2, **GREEDY), 0)
-        )
-        modes.clear()
-        for _ in range(8):
-            s.step()
-            s.check_invariants()
-        # 80 prompt tokens in chunks of 8, a decode of "short" between any two chunks.
-        assert modes == [ForwardMode.DECODE, ForwardMode.EXTEND] * 4
-        assert s.prefilling is not None and s.prefilling.rid == "long"
-        s.abort_all()
-        _free_plus_cached(llm)
+    s.runner.forward = spy
+    s.handle(GenerateReq("short", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), 0))
+    s.step()  # prefill "short"
+    s.handle(GenerateReq("long", list(range(10, 90)), SamplingParams(max_tokens=2, **GREEDY), 0))
+    modes.clear()
+    for _ in range(8):
+        s.step()
+        s.check_invariants()
+    # 80 prompt tokens in chunks of 8, a decode of "short" between any two chunks.
+    assert modes == [ForwardMode.DECODE, ForwardMode.EXTEND] * 4
+    assert s.prefilling is not None and s.prefilling.rid == "long"
+    s.abort_all()
+    _local_free_plus_cached(s)
 
 
 def test_retraction_keeps_outputs_identical(tiny_model_dirs, hf_tiny):
@@ -150,20 +153,20 @@ def test_n_samples_share_their_prompt_kv(smollm2):
 def test_lpm_computes_a_shared_prefix_once_when_requests_arrive_together(
     tiny_model_dirs, policy, computed_once
 ):
+    # In process, so that all four surely arrive before the first step.
     rng = random.Random(9)
     shared = [rng.randrange(512) for _ in range(64)]
-    prompts = [shared + [rng.randrange(512) for _ in range(4)] for _ in range(4)]
-    with braid.LLM(
-        tiny_model_dirs["llama"], kv_tokens=2048, schedule_policy=policy, show_progress=False
-    ) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
-        computed = llm.stats()["prefill_tokens_computed"]
-        if computed_once:
-            assert computed == 68 + 3 * 4
-            assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
-        else:
-            assert computed == 4 * 68
-        _free_plus_cached(llm)
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=2048, schedule_policy=policy)
+    for i in range(4):
+        prompt = shared + [rng.randrange(512) for _ in range(4)]
+        s.handle(GenerateReq(f"r{i}", prompt, SamplingParams(max_tokens=3, **GREEDY), 0))
+    run_to_end(s)
+    if computed_once:
+        assert s.stats.prefill_tokens_computed == 68 + 3 * 4
+        assert s.stats.cached_prompt_tokens == 3 * 64
+    else:
+        assert s.stats.prefill_tokens_computed == 4 * 68
+    _local_free_plus_cached(s)
 
 
 def test_disable_radix_cache_and_flush(tiny_model_dirs):
@@ -174,14 +177,16 @@ def test_disable_radix_cache_and_flush(tiny_model_dirs):
     ) as llm:
         a = llm.generate([prompt], sp, use_tqdm=False)[0]
         b = llm.generate([prompt], sp, use_tqdm=False)[0]
-        assert b.num_cached_tokens == 0 and llm.scheduler.cache.total_pages == 0
+        stats = llm.stats()
+        assert b.num_cached_tokens == 0 and stats["kv_cached_tokens"] == 0
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert llm.scheduler.allocator.free_pages == llm.scheduler.allocator.capacity_pages
+        assert stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
     with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
         llm.generate([prompt], sp, use_tqdm=False)
         assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 38
         assert llm.flush_cache()
-        assert llm.scheduler.allocator.free_pages == llm.scheduler.allocator.capacity_pages
+        stats = llm.stats()
+        assert stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
         assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
         stats = llm.stats()
         assert stats["prompt_tokens"] == 3 * 39 and stats["cached_prompt_tokens"] == 38
@@ -190,63 +195,58 @@ def test_disable_radix_cache_and_flush(tiny_model_dirs):
 
 
 def test_flush_refused_while_requests_run(tiny_model_dirs):
-    with braid.LLM(tiny_model_dirs["llama"], kv_tokens=512, show_progress=False) as llm:
-        s = llm.scheduler
-        s.handle(GenerateReq("r", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY), 0))
-        s.step()
-        assert not llm.flush_cache()
-        s.abort_all()
-        assert llm.flush_cache()
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512)
+    s.handle(GenerateReq("r", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY), 0))
+    s.step()
+    assert not s.flush_cache()
+    s.abort_all()
+    assert s.flush_cache()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_200_mixed_requests_with_aborts_and_failures_leak_nothing(tiny_model_dirs, page_size):
     rng = random.Random(page_size)
     prefixes = [[rng.randrange(512) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
-    with braid.LLM(
+    s = local_scheduler(
         tiny_model_dirs["qwen3"],
         kv_tokens=600,
         page_size=page_size,
         max_running_requests=12,
         chunked_prefill_size=32,
-        show_progress=False,
-    ) as llm:
-        s = llm.scheduler
-        live: list[str] = []
-        finished = failed = 0
-        for i in range(200):
-            prompt = rng.choice(prefixes) + [
-                rng.randrange(512) for _ in range(rng.randrange(1, 30))
-            ]
-            sp = SamplingParams(
-                max_tokens=rng.randrange(1, 25),
-                temperature=rng.choice([0.0, 1.0]),
-                seed=i,
-                stop_token_ids=[rng.randrange(512)],
-            )
-            if i % 17 == 0:
-                prompt = [10**6]  # out of vocabulary: refused, nothing queued
-                with pytest.raises(ValueError):
-                    s.handle(GenerateReq(f"r{i}", prompt, sp, i))
-                failed += 1
-                continue
-            s.handle(GenerateReq(f"r{i}", prompt, sp, i))
-            live.append(f"r{i}")
-            if i % 3 == 0:
-                for out in s.step():
-                    if out.finish_reason:
-                        finished += 1
-                s.check_invariants()
-            if i % 11 == 0 and live:
-                s.handle(AbortReq(live.pop(rng.randrange(len(live)))))
-                s.check_invariants()
-        while s.has_work:
+    )
+    live: list[str] = []
+    finished = failed = 0
+    for i in range(200):
+        prompt = rng.choice(prefixes) + [rng.randrange(512) for _ in range(rng.randrange(1, 30))]
+        sp = SamplingParams(
+            max_tokens=rng.randrange(1, 25),
+            temperature=rng.choice([0.0, 1.0]),
+            seed=i,
+            stop_token_ids=[rng.randrange(512)],
+        )
+        if i % 17 == 0:
+            prompt = [10**6]  # out of vocabulary: refused, nothing queued
+            with pytest.raises(ValueError):
+                s.handle(GenerateReq(f"r{i}", prompt, sp, i))
+            failed += 1
+            continue
+        s.handle(GenerateReq(f"r{i}", prompt, sp, i))
+        live.append(f"r{i}")
+        if i % 3 == 0:
             for out in s.step():
                 if out.finish_reason:
                     finished += 1
             s.check_invariants()
-        assert failed == 12
-        _free_plus_cached(llm)
-        assert s.cache.total_pages > 0
-        assert llm.flush_cache()
-        assert s.allocator.free_pages == s.allocator.capacity_pages
+        if i % 11 == 0 and live:
+            s.handle(AbortReq(live.pop(rng.randrange(len(live)))))
+            s.check_invariants()
+    while s.has_work:
+        for out in s.step():
+            if out.finish_reason:
+                finished += 1
+        s.check_invariants()
+    assert failed == 12
+    _local_free_plus_cached(s)
+    assert s.cache.total_pages > 0
+    assert s.flush_cache()
+    assert s.allocator.free_pages == s.allocator.capacity_pages

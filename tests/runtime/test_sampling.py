@@ -69,7 +69,7 @@ def test_eos_and_length_finish_reasons(smollm2):
         use_tqdm=False,
     )[0].outputs[0]
     assert chat.finish_reason == "stop" and chat.stop_reason is None
-    assert chat.token_ids[-1] in smollm2.scheduler.eos_token_ids
+    assert chat.token_ids[-1] in smollm2.eos_token_ids
     assert "<|im_end|>" not in chat.text
     short = _one(smollm2, PROMPT, temperature=0.0, max_tokens=3)
     assert short.finish_reason == "length" and len(short.token_ids) == 3
@@ -83,7 +83,7 @@ def test_min_tokens_suppresses_eos(smollm2):
         msgs, SamplingParams(temperature=0.0, max_tokens=k + 10, min_tokens=k + 5), use_tqdm=False
     )[0].outputs[0]
     assert len(longer.token_ids) >= k + 5
-    eos = smollm2.scheduler.eos_token_ids
+    eos = smollm2.eos_token_ids
     assert not eos & set(longer.token_ids[: k + 4])
 
 

@@ -9,6 +9,7 @@ import braid
 from braid import SamplingParams
 from braid.runtime.executor.forward_batch import ForwardMode
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
+from tests.conftest import local_scheduler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -19,6 +20,11 @@ def tiny(tiny_model_dirs):
         tiny_model_dirs["qwen3"], kv_tokens=512, max_running_requests=2, show_progress=False
     ) as llm:
         yield llm
+
+
+@pytest.fixture()
+def sched(tiny_model_dirs):
+    return local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=512, max_running_requests=2)
 
 
 def test_more_requests_than_slots_give_the_same_tokens_as_alone(tiny):
@@ -33,16 +39,15 @@ def test_more_requests_than_slots_give_the_same_tokens_as_alone(tiny):
     assert [len(t) for t in alone] == [4, 7, 10, 13, 16]
 
 
-def test_new_requests_are_prefilled_between_decode_steps(tiny):
-    sched = tiny.scheduler
+def test_new_requests_are_prefilled_between_decode_steps(sched):
     modes = []
-    real_forward = tiny.runner.forward
+    real_forward = sched.runner.forward
 
     def spy(batch):
         modes.append((batch.mode, batch.batch_size, {r.rid for r in sched.running}))
         return real_forward(batch)
 
-    tiny.runner.forward = spy
+    sched.runner.forward = spy
     sched.handle(GenerateReq("a", [1, 2, 3], SamplingParams(max_tokens=3, **GREEDY), 1))
     sched.handle(GenerateReq("b", [4, 5, 6], SamplingParams(max_tokens=8, **GREEDY), 2))
     sched.handle(GenerateReq("c", [7, 8], SamplingParams(max_tokens=4, **GREEDY), 3))
@@ -64,8 +69,7 @@ def test_new_requests_are_prefilled_between_decode_steps(tiny):
     assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages
 
 
-def test_abort_frees_a_running_and_a_waiting_request(tiny):
-    sched = tiny.scheduler
+def test_abort_frees_a_running_and_a_waiting_request(sched):
     sp = SamplingParams(max_tokens=50, **GREEDY)
     for rid in ("x", "y", "z"):
         sched.handle(GenerateReq(rid, [1, 2, 3, 4], sp, 0))
