@@ -1,0 +1,5 @@
+"""`python -m braid serve ...`"""
+
+from braid.runtime.server.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""`braid serve`: the OpenAI-compatible HTTP server."""

@@ -1,0 +1,599 @@
+"""The HTTP server: OpenAI-compatible and native endpoints over one `TokenizerManager`.
+
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
+4xx status that names the problem; a failure inside the runtime is a 500 only when the runtime
+itself died (then the server exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.metrics import ServerMetrics
+from braid.runtime.server.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    native_sampling_params,
+)
+from braid.runtime.tokenizer.manager import RuntimeDied, TokenizerManager
+from braid.runtime.tokenizer.tokenizer import render_chat
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+        }.get(status, "server_error")
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str = ""
+) -> JSONResponse:
+    e = APIError(status, message, param, kind)
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class ServerState:
+    tm: TokenizerManager
+    tokenizer: Any
+    served_model_name: str
+    model_path: str
+    defaults: SamplingParams
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head if head.replace("_", "").isalnum() else None
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in (state.served_model_name, state.model_path):
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _tokenize_prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "prompt: must not be empty", "prompt")
+            if state.tokenizer is None:
+                raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
+            out.append((p, state.tokenizer.encode(p)))
+        else:
+            out.append((None, list(p)))
+    return out
+
+
+async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[int, StrOut]]:
+    """Interleave several sample streams as their outputs arrive; cancelling the consumer
+    cancels (and so aborts) every sample still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[StrOut]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is done:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    token_texts: dict[int, str] = field(default_factory=dict)
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def _absorb(state: ServerState, c: _Choice, out: StrOut, now: float, t0: float) -> None:
+    if out.token_ids:
+        if c.first_at is None:
+            state.metrics.ttft.observe(now - t0)
+        elif c.last_at is not None:
+            state.metrics.itl.observe((now - c.last_at) / len(out.token_ids))
+        c.first_at = c.first_at or now
+        c.last_at = now
+    c.text += out.text
+    c.token_ids += out.token_ids
+    c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
+    if out.logprobs:
+        c.logprobs += out.logprobs
+    if out.token_texts:
+        c.token_texts.update(out.token_texts)
+    if out.finish_reason:
+        c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
+        state.metrics.generation_tokens += len(c.token_ids)
+        if out.error:
+            state.metrics.requests_failed += 1
+
+
+def _usage(choices: list[_Choice], prompt_choice: list[int]) -> dict[str, Any]:
+    prompt = sum(choices[i].prompt_tokens for i in prompt_choice)
+    cached = sum(choices[i].cached_tokens for i in prompt_choice)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _finish(c: _Choice) -> str | None:
+    if c.finish_reason == "abort" and c.error:
+        return "abort"
+    return c.finish_reason
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _text_of(state: ServerState, tid: int, texts: dict[int, str]) -> str:
+    if tid in texts:
+        return texts[tid]
+    return state.tokenizer.decode([tid]) if state.tokenizer is not None else ""
+
+
+def _chat_logprobs(state: ServerState, c: _Choice, top: int) -> dict[str, Any]:
+    content = []
+    for lp in c.logprobs:
+        tok = _text_of(state, lp.token_id, c.token_texts)
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp.logprob,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := _text_of(state, tid, c.token_texts)),
+                        "logprob": v,
+                        "bytes": list(t.encode()),
+                    }
+                    for tid, v in lp.top[:top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(state: ServerState, c: _Choice) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
+    for lp in c.logprobs:
+        tok = _text_of(state, lp.token_id, c.token_texts)
+        tokens.append(tok)
+        token_lps.append(lp.logprob)
+        tops.append({_text_of(state, tid, c.token_texts): v for tid, v in lp.top})
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
+    if state.tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "text":
+                    parts.append(str(part.get("text", "")))
+                else:
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: part type {part.get('type')!r} is not supported "
+                        "by this text-only model",
+                        "messages",
+                    )
+            content = "".join(parts)
+        messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
+    return render_chat(
+        state.tokenizer,
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template=req.chat_template,
+    )
+
+
+# ---- the app ------------------------------------------------------------------------------
+def create_app(state: ServerState, on_ready=None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.tm.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await state.tm.shutdown()
+
+    app = FastAPI(title="braid", lifespan=lifespan)
+    app.state.braid = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return error_response(
+                413, f"request body is {length} bytes; the limit is {state.max_body_bytes}"
+            )
+        if state.api_key is not None and request.url.path not in ("/health",):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {state.api_key}":
+                msg = "missing API key" if not auth else "invalid API key"
+                return error_response(401, f"{msg}: send 'Authorization: Bearer <key>'")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
+        what = first.get("msg", "invalid value")
+        return error_response(400, f"{param or 'body'}: {what}", param)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(request: Request, exc: ValueError):
+        msg = str(exc)
+        return error_response(400, msg, _param_of(msg))
+
+    @app.exception_handler(RuntimeDied)
+    async def on_died(request: Request, exc: RuntimeDied):
+        return error_response(503, f"the runtime is down: {exc}", kind="server_error")
+
+    # ---- info ----
+    @app.get("/health")
+    async def health():
+        if state.tm.failure:
+            return error_response(503, state.tm.failure)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        rid = f"health-{uuid.uuid4().hex[:8]}"
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        state.tm.submit(rid, [0], params)
+        async for out in state.tm.stream(rid):
+            if out.finish_reason and out.error:
+                return error_response(503, out.error)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        r = state.tm.ready
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "braid",
+            "root": state.model_path,
+            "max_model_len": r.context_length if r else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        r = state.tm.ready
+        return {
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path if state.tokenizer is not None else None,
+            "served_model_name": state.served_model_name,
+            "is_generation": True,
+            "context_length": r.context_length,
+            "vocab_size": r.vocab_size,
+        }
+
+    @app.get("/get_server_info")
+    async def server_info():
+        r = state.tm.ready
+        stats = await state.tm.control("stats")
+        return {
+            **state.server_args,
+            "context_length": r.context_length,
+            "kv_capacity_tokens": r.kv_capacity_tokens,
+            "max_running_requests": r.max_running_requests,
+            "device": r.device,
+            "dtype": r.dtype,
+            "load_time_s": r.load_time_s,
+            "pids": {"server": os.getpid(), **{n: p.pid for n, p in state.tm.procs.items()}},
+            "stats": stats,
+        }
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        res = await state.tm.control("flush_cache")
+        if not res.get("flushed"):
+            return error_response(400, "cannot flush the cache while requests are running")
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        state.tm.abort(body.rid)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = await state.tm.control("stats")
+        return PlainTextResponse(
+            state.metrics.render(stats), media_type="text/plain; version=0.0.4"
+        )
+
+    # ---- OpenAI ----
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        _check_model(state, req.model)
+        prompts = _tokenize_prompts(state, req.prompt)
+        params = req.sampling_params(
+            state.defaults,
+            max_tokens=req.max_tokens if req.max_tokens is not None else 16,
+            logprobs=req.logprobs,
+        )
+        for i, (_, ids) in enumerate(prompts):
+            state.tm.validate(ids, params, where="prompt" if len(prompts) == 1 else f"prompt {i}")
+        return await _run_openai(state, "text_completion", req, prompts, params)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        _check_model(state, req.model)
+        if not req.messages:
+            raise APIError(400, "messages: must not be empty", "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        text = _render_messages(state, req)
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
+        state.tm.validate(ids, params, where="messages")
+        return await _run_openai(state, "chat.completion", req, [(text, ids)], params)
+
+    # ---- native ----
+    @app.post("/generate")
+    async def generate(req: GenerateRequest):
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids", "text")
+        single = isinstance(req.text, str) or (
+            req.input_ids is not None and all(isinstance(t, int) for t in req.input_ids)
+        )
+        prompts = _tokenize_prompts(state, req.text if req.text is not None else req.input_ids)
+        params = native_sampling_params(req.sampling_params, state.defaults)
+        if req.return_logprob:
+            params = params.replace(logprobs=req.top_logprobs_num)
+        if params.n != 1:
+            raise APIError(400, "sampling_params.n: /generate takes n=1; send a batch", "n")
+        for i, (_, ids) in enumerate(prompts):
+            state.tm.validate(ids, params, where="text" if single else f"text {i}")
+        base = req.rid or f"gen-{uuid.uuid4().hex[:12]}"
+        rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        state.metrics.requests += 1
+        streams = []
+        for rid, (_, ids) in zip(rids, prompts):
+            state.metrics.prompt_tokens += len(ids)
+            streams.append(state.tm.stream(state.tm.submit(rid, ids, params)[0]))
+        choices = [_Choice() for _ in prompts]
+
+        def native(i: int) -> dict[str, Any]:
+            c = choices[i]
+            meta = {
+                "id": rids[i],
+                "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": len(c.token_ids),
+                "cached_tokens": c.cached_tokens,
+                "finish_reason": None
+                if c.finish_reason is None
+                else {"type": _finish(c), "matched": c.stop_reason, "message": c.error},
+                "e2e_latency": time.perf_counter() - t0,
+            }
+            if req.return_logprob:
+                meta["output_token_logprobs"] = [
+                    [lp.logprob, lp.token_id, _text_of(state, lp.token_id, c.token_texts)]
+                    for lp in c.logprobs
+                ]
+            return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
+
+        if req.stream:
+
+            async def events():
+                async for i, out in _merge(streams):
+                    _absorb(state, choices[i], out, time.perf_counter(), t0)
+                    yield _sse({"index": i, **native(i)})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        async for i, out in _merge(streams):
+            _absorb(state, choices[i], out, time.perf_counter(), t0)
+        results = [native(i) for i in range(len(prompts))]
+        return results[0] if single else results
+
+    return app
+
+
+async def _run_openai(
+    state: ServerState,
+    kind: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
+):
+    """Submit every (prompt, sample), then answer in full or as an SSE stream."""
+    chat = kind == "chat.completion"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    t0 = time.perf_counter()
+    state.metrics.requests += 1
+    streams, prompt_choice = [], []
+    for i, (_, ids) in enumerate(prompts):
+        state.metrics.prompt_tokens += len(ids)
+        prompt_choice.append(len(streams))
+        for srid in state.tm.submit(f"{rid}-{i}", ids, params):
+            streams.append(state.tm.stream(srid))
+    choices = [_Choice() for _ in streams]
+    top = params.logprobs or 0
+
+    def logprobs_of(c: _Choice):
+        if params.logprobs is None:
+            return None
+        return _chat_logprobs(state, c, top) if chat else _completion_logprobs(state, c)
+
+    if not req.stream:
+        async for i, out in _merge(streams):
+            _absorb(state, choices[i], out, time.perf_counter(), t0)
+        failed = [c.error for c in choices if c.error]
+        if failed and state.tm.failure:
+            raise RuntimeDied(state.tm.failure)
+        body_choices = []
+        for i, c in enumerate(choices):
+            item: dict[str, Any] = {
+                "index": i,
+                "finish_reason": _finish(c),
+                "logprobs": logprobs_of(c),
+            }
+            if chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            if c.stop_reason is not None:
+                item["stop_reason"] = c.stop_reason
+            body_choices.append(item)
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": state.served_model_name,
+            "choices": body_choices,
+            "usage": _usage(choices, prompt_choice),
+        }
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices_payload: list[dict[str, Any]], usage=None) -> str:
+        body = {
+            "id": rid,
+            "object": chunk_kind,
+            "created": created,
+            "model": state.served_model_name,
+            "choices": choices_payload,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+    async def events():
+        if chat:
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(len(choices))
+                ]
+            )
+        async for i, out in _merge(streams):
+            c = choices[i]
+            before = len(c.logprobs)
+            _absorb(state, c, out, time.perf_counter(), t0)
+            if not out.text and not out.finish_reason:
+                continue
+            delta_c = _Choice(logprobs=c.logprobs[before:], token_texts=c.token_texts)
+            lp = logprobs_of(delta_c)
+            item: dict[str, Any] = {
+                "index": i,
+                "logprobs": lp,
+                "finish_reason": _finish(c) if out.finish_reason else None,
+            }
+            if chat:
+                item["delta"] = {"content": out.text} if out.text else {}
+            else:
+                item["text"] = out.text
+            yield chunk([item])
+        if include_usage:
+            yield chunk([], _usage(choices, prompt_choice))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,155 @@
+"""`braid serve` (also `python -m braid serve`): flags named as SGLang names them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+from braid._logging import configure_logging
+
+logger = logging.getLogger("braid.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="braid", description="braid: LLM programs and serving")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    s.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="HF directory, .gguf file, or 'smollm2-135m' (default: embedded)",
+    )
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--device", default=None)
+    s.add_argument("--context-length", type=int, default=None)
+    s.add_argument("--max-running-requests", type=int, default=None)
+    s.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    s.add_argument("--mem-fraction-static", type=float, default=None)
+    s.add_argument("--max-prefill-tokens", type=int, default=None)
+    s.add_argument("--chunked-prefill-size", type=int, default=None, help="-1 turns it off")
+    s.add_argument("--page-size", type=int, default=1)
+    s.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    s.add_argument("--disable-radix-cache", action="store_true")
+    s.add_argument("--chat-template", default=None, help="a Jinja template file or string")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    s.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    return ap
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from braid.runtime.config import EngineConfig
+    from braid.runtime.models.source import resolve_model
+    from braid.runtime.sampling_params import SamplingParams, defaults_from_generation_config
+    from braid.runtime.server.app import ServerState, create_app
+    from braid.runtime.tokenizer.manager import TokenizerManager
+    from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer
+
+    level = args.log_level.upper()
+    configure_logging(level)
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            kv_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            schedule_policy=args.schedule_policy,
+            disable_radix_cache=args.disable_radix_cache,
+            context_length=args.context_length,
+            seed=args.seed,
+            load_format=args.load_format,
+            show_progress=False,
+        )
+        model_path = resolve_model(args.model)
+    except ValueError as e:
+        logger.error("braid serve: %s", e)
+        return 2
+    tokenizer = load_tokenizer(model_path) if has_tokenizer(model_path) else None
+    if args.chat_template and tokenizer is not None:
+        tpl = args.chat_template
+        tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl
+    gen_path = model_path / "generation_config.json"
+    gen_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    eos = set()
+    for src in (gen_config.get("eos_token_id"),):
+        if isinstance(src, int):
+            eos.add(src)
+        elif isinstance(src, list):
+            eos.update(src)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+
+    def on_failure(message: str) -> None:
+        logger.error("braid serve: shutting down: %s", message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tm = TokenizerManager(
+        config, model_path, frozenset(eos), log_level=level, on_failure=on_failure
+    )
+    name = args.served_model_name or (args.model or "smollm2-135m")
+    state = ServerState(
+        tm=tm,
+        tokenizer=tokenizer,
+        served_model_name=name,
+        model_path=str(model_path),
+        defaults=SamplingParams(**defaults_from_generation_config(gen_config)),
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_bytes,
+        server_args={k: v for k, v in vars(args).items() if k != "api_key"},
+    )
+
+    def on_ready() -> None:
+        r = tm.ready
+        logger.info(
+            "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens)",
+            args.host,
+            args.port,
+            name,
+            r.device,
+            r.dtype,
+            r.context_length,
+            r.kv_capacity_tokens,
+        )
+
+    app = create_app(state, on_ready=on_ready)
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    except Exception as e:  # start-up failures (model, port) end with one clear line
+        logger.error("braid serve: %s", e)
+        return 1
+    if tm.failure:
+        logger.error("braid serve: exited after a runtime failure: %s", tm.failure)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        sys.exit(serve(args))
+
+
+if __name__ == "__main__":
+    main()

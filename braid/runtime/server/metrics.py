@@ -1,0 +1,98 @@
+"""Server-side counters and latency histograms, rendered as Prometheus text."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        acc = 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            lines.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        lines += [f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+        return lines
+
+
+@dataclass
+class ServerMetrics:
+    requests: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+
+    def render(self, scheduler: dict[str, float]) -> str:
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, value: float) -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
+
+        metric("braid_requests_total", "counter", "Requests received.", self.requests)
+        metric(
+            "braid_requests_failed_total", "counter", "Requests that failed.", self.requests_failed
+        )
+        metric(
+            "braid_prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens
+        )
+        metric(
+            "braid_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens
+        )
+        metric(
+            "braid_num_running_requests",
+            "gauge",
+            "Requests running.",
+            scheduler.get("running_requests", 0),
+        )
+        metric(
+            "braid_num_queued_requests",
+            "gauge",
+            "Requests waiting.",
+            scheduler.get("queued_requests", 0),
+        )
+        metric(
+            "braid_cache_hit_rate",
+            "gauge",
+            "Cached prompt tokens / prompt tokens.",
+            scheduler.get("cache_hit_rate", 0),
+        )
+        metric(
+            "braid_kv_usage",
+            "gauge",
+            "Fraction of KV slots held by running requests.",
+            scheduler.get("kv_usage", 0),
+        )
+        metric(
+            "braid_kv_free_tokens", "gauge", "Free KV slots.", scheduler.get("kv_free_tokens", 0)
+        )
+        metric(
+            "braid_kv_cached_tokens",
+            "gauge",
+            "KV slots held by the prefix cache.",
+            scheduler.get("kv_cached_tokens", 0),
+        )
+        lines += self.ttft.render("braid_time_to_first_token_seconds", "Time to first token.")
+        lines += self.itl.render("braid_inter_token_latency_seconds", "Time between tokens.")
+        return "\n".join(lines) + "\n"

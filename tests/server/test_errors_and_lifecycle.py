@@ -1,0 +1,181 @@
+"""Bad requests get OpenAI-style 4xx errors and the server keeps serving; auth; a dead child
+process takes the server down with a message; SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from braid.runtime.ipc import codec
+from braid.runtime.ipc.to_detokenizer import (
+    BatchTokenOut,
+    DetokSpec,
+    TokenLogprob,
+    TokenOut,
+)
+from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_tokenizer import (
+    BatchStrOut,
+    ControlOut,
+    ProcessFailed,
+    SchedulerReady,
+    StrOut,
+)
+from braid.runtime.sampling_params import SamplingParams
+from tests.server.conftest import start_server, wait_idle
+
+C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
+MSG = [{"role": "user", "content": "hi"}]
+
+BAD = [
+    (C, b"{not json", 400, "not valid JSON"),
+    (C, {}, 400, "prompt"),
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "frequency_penalty": 5}, 400, "frequency_penalty"),
+    (C, {"prompt": "x", "presence_penalty": -3}, 400, "presence_penalty"),
+    (C, {"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    (C, {"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
+    (C, {"prompt": "word " * 9000}, 400, "context length"),
+    (C, {"prompt": "x", "model": "gpt-5"}, 404, "does not exist"),
+    (C, {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    (C, {"prompt": "x", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {"messages": [{"content": "no role"}]}, 400, "role"),
+    (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CH, {"messages": MSG, "max_completion_tokens": -1}, 400, "max_tokens"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+    (G, {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": 0}}, 400, "max_tokens"),
+    (G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, needle", BAD)
+def test_bad_requests_get_clear_4xx(server, path, body, status, needle):
+    url = server.url + path
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(url, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert needle in err["message"], err
+
+
+def test_server_still_serves_after_bad_requests(server):
+    r = httpx.post(server.url + C, json={"prompt": "1 + 1 =", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_oversized_body_is_refused(tmp_path):
+    s = start_server(tmp_path, "--max-request-bytes", "1000", "--api-key", "sekrit")
+    try:
+        h = {"Authorization": "Bearer sekrit"}
+        r = httpx.post(s.url + C, json={"prompt": "x" * 2000}, headers=h)
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        # API key: missing and wrong keys are 401, the right one works.
+        assert httpx.post(s.url + C, json={"prompt": "x"}).status_code == 401
+        wrong = httpx.post(s.url + C, json={"prompt": "x"}, headers={"Authorization": "Bearer no"})
+        assert wrong.status_code == 401 and "invalid API key" in wrong.json()["error"]["message"]
+        ok = httpx.post(s.url + C, json={"prompt": "x", "max_tokens": 2}, headers=h)
+        assert ok.status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+    finally:
+        s.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_scheduler_takes_the_server_down_with_a_message(tmp_path):
+    s = start_server(tmp_path)
+    pids = httpx.get(s.url + "/get_server_info").json()["pids"]
+    os.kill(pids["scheduler"], signal.SIGKILL)
+    t0 = time.time()
+    s.proc.wait(10)
+    assert time.time() - t0 < 10
+    assert s.proc.returncode != 0
+    assert "scheduler" in s.log() and "died" in s.log()
+    deadline = time.time() + 5
+    while _alive(pids["detokenizer"]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids["detokenizer"])
+
+
+def test_sigterm_exits_cleanly_leaving_no_process(tmp_path):
+    s = start_server(tmp_path)
+    pids = httpx.get(s.url + "/get_server_info").json()["pids"]
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(10)
+    assert s.proc.returncode == 0, s.log()
+    time.sleep(0.5)
+    assert not any(_alive(pids[n]) for n in ("scheduler", "detokenizer"))
+
+
+LP = TokenLogprob(5, -0.5, 1, [(5, -0.5), (7, -1.5)])
+MESSAGES = [
+    GenerateReq("r1", [1, 2, 3], SamplingParams(stop=["x"], logit_bias={4: 1.0}, seed=3), 99),
+    AbortReq("r1"),
+    ControlReq(7, "stats"),
+    ShutdownReq(),
+    BatchTokenOut(
+        [
+            TokenOut(
+                "r1",
+                [5],
+                3,
+                1,
+                None,
+                None,
+                None,
+                [LP],
+                [None, LP],
+                DetokSpec([1], True, ["x"], False, 0),
+            )
+        ]
+    ),
+    BatchStrOut([StrOut("r1", "hi", [5], 3, 1, 0, "stop", "x", None, [LP], None, {5: "hi"})]),
+    ControlOut(7, True, {"a": 1.0}, None),
+    SchedulerReady(100, 200, 8, 512, [2], "cpu", "float32", 1.5),
+    ProcessFailed("scheduler", "boom"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_codec_round_trip(msg):
+    assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_codec_rejects_unknown_and_malformed():
+    with pytest.raises(TypeError):
+        codec.encode(object())
+    with pytest.raises(ValueError):
+        codec.decode([b"\xff\xff", b"\x80"])
+    with pytest.raises(Exception):  # noqa: B017 - msgspec's ValidationError or DecodeError
+        codec.decode([(1).to_bytes(2, "little"), b"\x93\x01\x02\x03"])

@@ -1,0 +1,227 @@
+"""`braid serve` driven by the official `openai` client and by plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import wait_idle
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def test_models_lists_the_served_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["smollm2-135m"]
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    full = client.chat.completions.create(
+        model="smollm2-135m", messages=CHAT, temperature=0, max_tokens=24
+    )
+    text = full.choices[0].message.content
+    assert text and full.choices[0].finish_reason in ("stop", "length")
+    chunks = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage, finish = [], None, None
+    for ch in chunks:
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            pieces.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completions_streaming_equals_non_streaming(client):
+    kw = dict(
+        model="smollm2-135m", prompt="The three primary colors are", temperature=0, max_tokens=20
+    )
+    full = client.completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == full.choices[0].text and full.choices[0].text
+    assert full.usage.completion_tokens == 20
+
+
+def test_n_samples_and_seed(client):
+    kw = dict(model="smollm2-135m", prompt="My favourite animal is", max_tokens=10, temperature=1.0)
+    out = client.completions.create(**kw, n=2, seed=11)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text != out.choices[1].text
+    again = client.completions.create(**kw, n=2, seed=11)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert out.usage.completion_tokens == 20
+
+
+def test_logprobs_in_chat_and_completions(client):
+    chat = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.token == item.top_logprobs[0].token  # greedy: the chosen is the top one
+    comp = client.completions.create(
+        model="smollm2-135m", prompt="1, 2, 3,", temperature=0, max_tokens=4, logprobs=3
+    )
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs[0]) == 3
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    msgs = [{"role": "user", "content": "Tell me something about the ocean, in one line."}]
+    first = client.chat.completions.create(
+        model="smollm2-135m", messages=msgs, temperature=0, max_tokens=4
+    )
+    second = client.chat.completions.create(
+        model="smollm2-135m", messages=msgs, temperature=0, max_tokens=4
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_extras_via_extra_body(client):
+    out = client.completions.create(
+        model="smollm2-135m",
+        prompt="Count: 1, 2, 3,",
+        max_tokens=6,
+        temperature=0.9,
+        extra_body={"top_k": 1, "min_p": 0.1, "repetition_penalty": 1.0, "ignore_eos": True},
+    )
+    greedy = client.completions.create(
+        model="smollm2-135m", prompt="Count: 1, 2, 3,", max_tokens=6, temperature=0
+    )
+    assert out.choices[0].text == greedy.choices[0].text
+
+
+def test_64_concurrent_streams_all_finish(server):
+    async def run() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+        async def one(i: int) -> str:
+            stream = await ac.completions.create(
+                model="smollm2-135m",
+                prompt=f"Fact number {i}:",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            text, finish = "", None
+            async for ch in stream:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            assert finish == "length"
+            return text
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await ac.close()
+
+    texts = asyncio.run(run())
+    assert len(texts) == 64 and all(texts)
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_client_disconnect_aborts_and_frees_kv(server):
+    body = {
+        "prompt": "Write a very long story:",
+        "max_tokens": 2000,
+        "temperature": 0.8,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break  # hang up mid-stream
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_native_endpoints(server):
+    url = server.url
+    one = httpx.post(
+        f"{url}/generate",
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+    ).json()
+    assert one["meta_info"]["completion_tokens"] == 4 and len(one["output_ids"]) == 4
+    assert one["meta_info"]["finish_reason"]["type"] == "length"
+    assert one["meta_info"]["e2e_latency"] > 0
+    batch = httpx.post(
+        f"{url}/generate",
+        json={
+            "input_ids": [[1, 2, 3], [4, 5]],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True,
+        },
+    ).json()
+    assert [len(b["output_ids"]) for b in batch] == [2, 2]
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 2
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    info = httpx.get(f"{url}/get_model_info").json()
+    assert info["context_length"] == 8192 and info["is_generation"]
+    sinfo = httpx.get(f"{url}/get_server_info").json()
+    assert sinfo["kv_capacity_tokens"] == 8192 and set(sinfo["pids"]) >= {
+        "scheduler",
+        "detokenizer",
+    }
+    wait_idle(url)
+    assert httpx.post(f"{url}/flush_cache").status_code == 200
+    stats = httpx.get(f"{url}/get_server_info").json()["stats"]
+    assert stats["kv_free_tokens"] == stats["kv_capacity_tokens"]
+    assert (
+        httpx.post(f"{url}/abort_request", json={"rid": "nothing-by-this-name"}).status_code == 200
+    )
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in (
+        "braid_num_running_requests",
+        "braid_num_queued_requests",
+        "braid_prompt_tokens_total",
+        "braid_generation_tokens_total",
+        "braid_cache_hit_rate",
+        "braid_kv_usage",
+        "braid_time_to_first_token_seconds_bucket",
+        "braid_inter_token_latency_seconds_count",
+    ):
+        assert name in metrics
+    streamed = httpx.post(
+        f"{url}/generate",
+        json={
+            "text": "Hi",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        },
+    ).text
+    assert streamed.strip().endswith("data: [DONE]")
