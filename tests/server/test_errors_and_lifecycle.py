@@ -133,7 +133,9 @@ def test_sigterm_exits_cleanly_leaving_no_process(tmp_path):
     pids = httpx.get(s.url + "/get_server_info").json()["pids"]
     s.proc.send_signal(signal.SIGTERM)
     s.proc.wait(10)
-    assert s.proc.returncode == 0, s.log()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM).
+    assert s.proc.returncode in (0, -signal.SIGTERM), s.log()
+    assert "shut down cleanly" in s.log()
     time.sleep(0.5)
     assert not any(_alive(pids[n]) for n in ("scheduler", "detokenizer"))
 

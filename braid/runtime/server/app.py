@@ -278,6 +278,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             yield
         finally:
             await state.tm.shutdown()
+            logger.info("braid serve: shut down cleanly (runtime processes stopped)")
 
     app = FastAPI(title="braid", lifespan=lifespan)
     app.state.braid = state
