@@ -110,6 +110,10 @@ def _tokenize_prompts(state: ServerState, prompt: Any) -> list[tuple[str | None,
 async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[int, StrOut]]:
     """Interleave several sample streams as their outputs arrive; cancelling the consumer
     cancels (and so aborts) every sample still running."""
+    if len(streams) == 1:  # the common case: no pump tasks, no extra queue hop per token
+        async for out in streams[0]:
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
