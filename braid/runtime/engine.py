@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import threading
 import time
@@ -22,15 +21,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_tokenizer import StrOut
-from braid.runtime.models.config import ModelConfig
-from braid.runtime.models.source import resolve_model
 from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from braid.runtime.sampling_params import SamplingParams, defaults_from_generation_config
+from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.manager import TokenizerManager
-from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer, render_chat
+from braid.runtime.tokenizer.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +146,11 @@ class LLM:
             load_format=load_format,
             show_progress=show_progress,
         )
-        self.model_path = resolve_model(model)
-        self.model_config = ModelConfig.from_dir(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer(self.model_path) else None
-        gen_path = self.model_path / "generation_config.json"
-        self.generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.eos_token_ids = self._eos_ids()
+        self.assets = ModelAssets.load(model)
+        self.model_path = self.assets.path
+        self.model_config = self.assets.config
+        self.tokenizer = self.assets.tokenizer
+        self.eos_token_ids = self.assets.eos_token_ids
         self._ids = itertools.count()
         self._closed = False
         # The front end's asyncio loop runs in a daemon thread; calls hop onto it.
@@ -185,30 +182,13 @@ class LLM:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
-    # ---- set-up helpers -----------------------------------------------------------------
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for src in (
-            self.generation_config.get("eos_token_id"),
-            self.model_config.raw.get("eos_token_id"),
-        ):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, list):
-                ids.update(i for i in src if isinstance(i, int))
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
     def get_tokenizer(self):
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """braid's defaults, overridden by the model's generation_config.json unless
         `generation_config="braid"`."""
-        if self.config.generation_config == "braid":
-            return SamplingParams()
-        return SamplingParams(**defaults_from_generation_config(self.generation_config))
+        return self.assets.default_sampling_params(self.config.generation_config)
 
     # ---- public API ---------------------------------------------------------------------
     def generate(

@@ -181,3 +181,14 @@ def test_codec_rejects_unknown_and_malformed():
         codec.decode([b"\xff\xff", b"\x80"])
     with pytest.raises(Exception):  # noqa: B017 - msgspec's ValidationError or DecodeError
         codec.decode([(1).to_bytes(2, "little"), b"\x93\x01\x02\x03"])
+
+
+def test_children_die_with_a_killed_server(tmp_path):
+    s = start_server(tmp_path)
+    pids = httpx.get(s.url + "/get_server_info").json()["pids"]
+    s.proc.kill()  # SIGKILL: no chance to clean up
+    s.proc.wait(5)
+    deadline = time.time() + 10
+    while any(_alive(pids[n]) for n in ("scheduler", "detokenizer")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pids[n]) for n in ("scheduler", "detokenizer"))

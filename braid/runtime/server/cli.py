@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -53,12 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from braid.runtime.assets import ModelAssets
     from braid.runtime.config import EngineConfig
-    from braid.runtime.models.source import resolve_model
-    from braid.runtime.sampling_params import SamplingParams, defaults_from_generation_config
     from braid.runtime.server.app import ServerState, create_app
     from braid.runtime.tokenizer.manager import TokenizerManager
-    from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer
 
     level = args.log_level.upper()
     configure_logging(level)
@@ -80,31 +77,21 @@ def serve(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             show_progress=False,
         )
-        model_path = resolve_model(args.model)
+        assets = ModelAssets.load(args.model)
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
-    tokenizer = load_tokenizer(model_path) if has_tokenizer(model_path) else None
+    model_path, tokenizer = assets.path, assets.tokenizer
     if args.chat_template and tokenizer is not None:
         tpl = args.chat_template
         tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl
-    gen_path = model_path / "generation_config.json"
-    gen_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    eos = set()
-    for src in (gen_config.get("eos_token_id"),):
-        if isinstance(src, int):
-            eos.add(src)
-        elif isinstance(src, list):
-            eos.update(src)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
 
     def on_failure(message: str) -> None:
         logger.error("braid serve: shutting down: %s", message)
         os.kill(os.getpid(), signal.SIGTERM)
 
     tm = TokenizerManager(
-        config, model_path, frozenset(eos), log_level=level, on_failure=on_failure
+        config, model_path, assets.eos_token_ids, log_level=level, on_failure=on_failure
     )
     name = args.served_model_name or (args.model or "smollm2-135m")
     state = ServerState(
@@ -112,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         served_model_name=name,
         model_path=str(model_path),
-        defaults=SamplingParams(**defaults_from_generation_config(gen_config)),
+        defaults=assets.default_sampling_params(),
         api_key=args.api_key,
         max_body_bytes=args.max_request_bytes,
         server_args={k: v for k, v in vars(args).items() if k != "api_key"},
