@@ -38,10 +38,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def copy_braid_weights(llm, hf) -> None:
+def braid_dummy_model(cfg, dtype: torch.dtype, device: str):
+    """The model braid's scheduler builds with load_format="dummy" (the same seeded draws on
+    the same device), built here to hand its weights to the transformers baseline."""
+    from braid.runtime.models.loader import build_model
+
+    return build_model(
+        cfg,
+        None,
+        dtype=dtype,
+        device=torch.device(device),
+        max_positions=8,
+        load_format="dummy",
+        progress=False,
+    )
+
+
+def copy_braid_weights(ours, cfg, hf) -> None:
     """Give the transformers model braid's (random) weights, unfusing QKV and gate-up."""
-    ours = llm.runner.model
-    cfg = llm.model_config
     with torch.no_grad():
         hf.model.embed_tokens.weight.copy_(ours.model.embed_tokens.weight)
         hf.model.norm.weight.copy_(ours.model.norm.weight)
@@ -124,7 +138,7 @@ def main() -> None:
     )
     load_s = time.perf_counter() - t0
     vocab = llm.model_config.vocab_size
-    torch_dtype = llm.runner.dtype
+    torch_dtype = getattr(torch, llm.ready.dtype)
 
     hf = None
     if not args.skip_hf:
@@ -136,7 +150,9 @@ def main() -> None:
                 hf = AutoModelForCausalLM.from_config(
                     AutoConfig.from_pretrained(model_dir), dtype=torch_dtype
                 )
-            copy_braid_weights(llm, hf)
+            ours = braid_dummy_model(llm.model_config, torch_dtype, device)
+            copy_braid_weights(ours, llm.model_config, hf)
+            del ours
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
         hf = hf.to(device).eval()

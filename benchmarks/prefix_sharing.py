@@ -144,7 +144,7 @@ def measure(llm, fn) -> dict:
     before = llm.stats()
     t0 = time.perf_counter()
     pairs = fn()
-    if llm.runner.device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     after = llm.stats()
@@ -210,7 +210,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\nmodel {model_dir.name} ({tok_llm.runner.dtype}, {device})")
+    print(f"\nmodel {model_dir.name} ({tok_llm.ready.dtype}, {device})")
     print(
         f"{'workload':>17} | {'reqs':>4} | {'no cache s':>10} | {'cache s':>7} | {'speedup':>7} | "
         f"{'prefill tok (no cache -> cache)':>31} | {'hit rate':>8} | {'best':>6} | same"
@@ -227,7 +227,7 @@ def main() -> None:
         "prefix_sharing",
         device,
         args.out,
-        {"model": model_dir.name, "dtype": str(tok_llm.runner.dtype), "rows": rows},
+        {"model": model_dir.name, "dtype": tok_llm.ready.dtype, "rows": rows},
     )
 
 
