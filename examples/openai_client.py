@@ -1,7 +1,7 @@
 """Talk to `braid serve` with the official openai client: one chat, plain and streaming.
 
-    examples/serve.sh            # in one shell
-    python examples/openai_client.py [--base-url http://127.0.0.1:30000/v1]
+examples/serve.sh            # in one shell
+python examples/openai_client.py [--base-url http://127.0.0.1:30000/v1]
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Field names and defaults follow vLLM's `SamplingParams`, so code written for it 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ class SamplingParams:
     samples the same whatever batch it lands in. `logprobs=k` returns, for every generated token,
     its log-probability and the `k` most likely alternatives; `prompt_logprobs=k` does the same
     for the prompt. `logit_bias` maps token ids to a bias added to their logits.
+    `json_schema` (a schema dict or JSON string), `regex`, or `choice` (a list of strings)
+    constrain the output to match; at most one of them.
     """
 
     n: int = 1
@@ -54,11 +57,25 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         err = self._first_error()
         if err:
             raise ValueError(err)
+        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give only one of json_schema, regex, choice")
+        if given:
+            from braid.runtime.constrained.grammar import to_regex
+
+            to_regex(given[0], getattr(self, given[0]))  # raises ValueError naming the field
+            if self.json_schema is not None and not isinstance(self.json_schema, str):
+                object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+            if self.choice is not None:
+                object.__setattr__(self, "choice", tuple(self.choice))
         # Normalise containers so the object is hashable-ish and never aliases caller state.
         stop = self.stop
         if stop is None:
@@ -134,6 +151,14 @@ class SamplingParams:
                     return f"logit_bias keys must be non-negative token ids, got {k!r}"
                 if not _is_number(v) or not -100 <= v <= 100:
                     return f"logit_bias values must be in [-100, 100], got {v!r} for token {k}"
+        return None
+
+    @property
+    def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
+        """(kind, spec) of the output constraint, if any."""
+        for kind in ("json_schema", "regex", "choice"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
         return None
 
     @property

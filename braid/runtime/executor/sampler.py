@@ -53,6 +53,7 @@ class SamplingInput:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached
+    allowed: Sequence[int] | None = None  # this step's allowed tokens (a grammar), else all
 
 
 @dataclass
@@ -99,6 +100,20 @@ class Sampler:
             penalised = torch.where(logits > 0, logits / rep, logits * rep)
             logits.copy_(torch.where(seen, penalised, logits))
 
+    def _apply_allowed(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
+        """Ban every token a request's grammar does not allow now; rows without a grammar are
+        untouched and cost nothing."""
+        rows = [i for i, r in enumerate(reqs) if r.allowed is not None]
+        if not rows:
+            return
+        banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=self.device)
+        for j, i in enumerate(rows):
+            banned[j, torch.as_tensor(reqs[i].allowed, dtype=torch.int64, device=self.device)] = (
+                False
+            )
+        idx = torch.tensor(rows, device=self.device)
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+
     def _apply_bias_and_min_tokens(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         rows, cols, vals = [], [], []
         for i, r in enumerate(reqs):
@@ -128,6 +143,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = logits.clone()
+        self._apply_allowed(logits, reqs)
         self._apply_bias_and_min_tokens(logits, reqs)
         self._apply_penalties(logits, reqs)
 

@@ -20,6 +20,7 @@ from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, Sh
 from braid.runtime.ipc.to_tokenizer import ControlOut, ProcessFailed, SchedulerReady
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.scheduler.scheduler import Scheduler
+from braid.runtime.tokenizer.tokenizer import has_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ def build_scheduler(
 ) -> Scheduler:
     """Load the model and build the scheduler over it (in whatever process calls this)."""
     model_config = ModelConfig.from_dir(model_path)
+
+    def grammar_compiler():
+        from braid.runtime.constrained.grammar import GrammarCompiler
+        from braid.runtime.tokenizer.tokenizer import load_tokenizer
+
+        return GrammarCompiler(load_tokenizer(model_path))
+
     runner = ModelRunner(
         config, model_config, None if config.load_format == "dummy" else model_path
     )
@@ -42,6 +50,7 @@ def build_scheduler(
         chunked_prefill_size=config.effective_chunked_prefill_size,
         schedule_policy=config.schedule_policy,
         disable_radix_cache=config.disable_radix_cache,
+        grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
     )
 
 

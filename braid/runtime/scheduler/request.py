@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from braid.runtime.cache.radix_cache import TreeNode
+from braid.runtime.constrained.grammar import GrammarMatcher
 from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class Req:
     retractions: int = 0
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
+    grammar: GrammarMatcher | None = None  # the output constraint, if any
     finish_reason: str | None = None
     stop_token: int | None = None
 

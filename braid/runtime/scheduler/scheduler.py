@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.sampler import Sampler, SampleResult
 from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenLogprob, TokenOut
@@ -73,6 +75,7 @@ class Scheduler:
         chunked_prefill_size: int | None = None,
         schedule_policy: str = "lpm",
         disable_radix_cache: bool = False,
+        grammar_compiler: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -96,6 +99,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.prefilling: Req | None = None  # a long prompt between chunks
         self.stats = SchedulerStats()
+        self._make_compiler = grammar_compiler
+        self._compiler: GrammarCompiler | None = None
         self._new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._last_was_prefill = False
 
@@ -122,16 +127,28 @@ class Scheduler:
         max_new = self.context_length - n
         if msg.params.max_tokens is not None:
             max_new = min(max_new, msg.params.max_tokens)
-        self.waiting.append(
-            Req(
-                rid=msg.rid,
-                input_ids=list(msg.input_ids),
-                params=msg.params,
-                seed=msg.seed,
-                eos_ids=self.eos_token_ids,
-                max_new_tokens=max_new,
-            )
+        req = Req(
+            rid=msg.rid,
+            input_ids=list(msg.input_ids),
+            params=msg.params,
+            seed=msg.seed,
+            eos_ids=self.eos_token_ids,
+            max_new_tokens=max_new,
         )
+        if msg.params.constraint is not None:
+            req.grammar = GrammarMatcher.start(
+                self.grammar_compiler.compile(*msg.params.constraint)
+            )
+        self.waiting.append(req)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (it needs the tokenizer's vocabulary)."""
+        if self._compiler is None:
+            if self._make_compiler is None:
+                raise ValueError("json_schema/regex/choice: this model has no tokenizer")
+            self._compiler = self._make_compiler()
+        return self._compiler
 
     def _abort(self, rid: str, error: str | None = None) -> list[TokenOut]:
         for req in self.waiting:
@@ -164,6 +181,9 @@ class Scheduler:
             return outs
         logits = self.runner.forward(plan.batch)
         result = None
+        for r in plan.sampling:
+            if r.grammar is not None:
+                r.sampling.allowed = r.grammar.allowed_tokens()
         if plan.sampling:
             last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
             result = self.sampler.sample(last, [r.sampling for r in plan.sampling])
@@ -329,6 +349,8 @@ class Scheduler:
             for i, req in enumerate(plan.sampling):
                 tok = next_ids[i]
                 req.output_ids.append(tok)
+                if req.grammar is not None and tok not in self.eos_token_ids:
+                    req.grammar.advance(tok)
                 req.check_finished(tok)
                 out = self._out(req, [tok])
                 if logprobs is not None and req.params.logprobs is not None:

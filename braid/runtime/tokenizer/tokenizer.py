@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -16,6 +17,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The model's tokenizer. With a tokenizer.json (which defines the whole pipeline) it is
     loaded directly as a fast tokenizer: AutoTokenizer would first import the model's config
     machinery, which costs over a second at every start."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy: only when needed
+
     try:
         if (Path(path) / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(path))

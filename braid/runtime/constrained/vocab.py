@@ -1,0 +1,60 @@
+"""The model's vocabulary as raw bytes, as outlines-core wants it.
+
+Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM) spell each byte as a printable
+character (`Ġ` is a space); SentencePiece tokenizers write a space as `▁` and unprintable bytes
+as `<0xNN>`. Both are mapped back to bytes. The EOS token and special added tokens stay out of
+the map (outlines-core adds EOS itself where the grammar may end).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@cache
+def _unicode_to_byte() -> dict[str, int]:
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _is_sentencepiece(vocab: dict[str, int]) -> bool:
+    return any(t.startswith("▁") for t in vocab) and not any(t.startswith("Ġ") for t in vocab)
+
+
+def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
+    """(eos id, {token bytes: [token ids]}) for outlines-core's `Vocabulary`."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("constrained decoding needs a tokenizer with an EOS token")
+    vocab = tokenizer.get_vocab()
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    out: dict[bytes, list[int]] = {}
+    sp = _is_sentencepiece(vocab)
+    u2b = _unicode_to_byte()
+    for tok, tid in vocab.items():
+        if tid in special or tid == eos:
+            continue
+        if sp:
+            m = _BYTE_TOKEN.match(tok)
+            raw = bytes([int(m.group(1), 16)]) if m else tok.replace("▁", " ").encode()
+        else:
+            try:
+                raw = bytes(u2b[c] for c in tok)
+            except KeyError:
+                raw = tok.encode()  # a token outside the byte alphabet: take it as text
+        out.setdefault(raw, []).append(tid)
+    return eos, out
