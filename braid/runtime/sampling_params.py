@@ -68,6 +68,8 @@ class SamplingParams:
         given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]}: give only one of json_schema, regex, choice")
+        if given and self.min_tokens:
+            raise ValueError(f"min_tokens: cannot be combined with {given[0]}")
         if given:
             from braid.runtime.constrained.grammar import to_regex
 

@@ -124,3 +124,29 @@ def test_failure_mid_generation_frees_every_slot(tiny_model_dirs):
     got = [o for _ in range(8) for b in loop.step() for o in b.outputs]
     assert sum(len(o.new_token_ids) for o in got) == 5 and got[-1].finish_reason == "length"
     sched.check_invariants()
+
+
+def test_failure_in_the_first_prefill_fails_the_admitted_requests(tiny_model_dirs):
+    """Requests admitted in a step that raises are not yet running: they must still get their
+    error and give their KV back."""
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from braid.runtime.scheduler.process import SchedulerLoop
+
+    sched = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512)
+    loop = SchedulerLoop(sched)
+    real_forward = sched.runner.forward
+
+    def boom(batch):
+        raise RuntimeError("no memory")
+
+    sched.runner.forward = boom
+    loop.handle(GenerateReq("x", [1, 2, 3, 4], SamplingParams(max_tokens=4), 0))
+    outs = [o for b in loop.step() for o in b.outputs]
+    assert [(o.rid, o.finish_reason) for o in outs] == [("x", "abort")]
+    assert "no memory" in outs[0].error
+    sched.check_invariants()
+    assert not sched.has_work and not sched.in_flight
+    sched.runner.forward = real_forward
+    loop.handle(GenerateReq("y", [1, 2, 3, 4], SamplingParams(max_tokens=2), 0))
+    outs = [o for _ in range(4) for b in loop.step() for o in b.outputs]
+    assert outs[-1].finish_reason == "length"

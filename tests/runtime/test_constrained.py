@@ -118,6 +118,7 @@ def test_bad_specs_are_value_errors_naming_the_field():
         (dict(json_schema="{not json"), "json_schema"),
         (dict(choice=[]), "choice"),
         (dict(regex="a", json_schema={"type": "string"}), "json_schema"),
+        (dict(choice=["yes"], min_tokens=4), "min_tokens"),
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)

@@ -250,3 +250,35 @@ def test_200_mixed_requests_with_aborts_and_failures_leak_nothing(tiny_model_dir
     assert s.cache.total_pages > 0
     assert s.flush_cache()
     assert s.allocator.free_pages == s.allocator.capacity_pages
+
+
+def test_prompt_logprobs_survive_a_small_prefill_budget(tiny_model_dirs):
+    """A prompt_logprobs request is never chunked (all prompt rows in one forward)."""
+    s = local_scheduler(
+        tiny_model_dirs["llama"], kv_tokens=512, chunked_prefill_size=16, schedule_policy="fcfs"
+    )
+    s.handle(GenerateReq("a", list(range(1, 11)), SamplingParams(max_tokens=2, **GREEDY), 0))
+    sp = SamplingParams(max_tokens=2, prompt_logprobs=2, **GREEDY)
+    s.handle(GenerateReq("b", list(range(20, 30)), sp, 0))
+    got = {}
+    while s.has_work:
+        for out in s.step():
+            if out.prompt_logprobs is not None:
+                got[out.rid] = out.prompt_logprobs
+        s.check_invariants()
+    assert len(got["b"]) == 10 and got["b"][0] is None and got["b"][1].token_id == 21
+
+
+def test_a_chunked_prefill_is_retracted_before_a_running_request_is_failed(tiny_model_dirs):
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=100, chunked_prefill_size=16)
+    s.handle(GenerateReq("a", list(range(1, 11)), SamplingParams(max_tokens=85, **GREEDY), 0))
+    for _ in range(41):
+        s.step()
+    s.handle(GenerateReq("b", list(range(100, 180)), SamplingParams(max_tokens=5, **GREEDY), 0))
+    finished = {}
+    while s.has_work:
+        for out in s.step():
+            if out.finish_reason:
+                finished[out.rid] = (out.finish_reason, out.error)
+        s.check_invariants()
+    assert finished == {"a": ("length", None), "b": ("length", None)}

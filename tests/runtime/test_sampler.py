@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from braid import SamplingParams
@@ -66,6 +67,12 @@ def test_penalties_follow_their_formulas():
     want[0, 15] *= 2.0  # negative logit: multiplied
     want[0, 7] = want[0, 7] / 2.0 if want[0, 7] > 0 else want[0, 7] * 2.0  # prompt counts too
     assert torch.allclose(got, want)
+
+    # Both kinds together: repetition first, then frequency (vLLM's order).
+    row = torch.tensor([[0.5] * V])
+    req = _inp(prompt=[9], output=[3], repetition_penalty=2.0, frequency_penalty=1.0)
+    sampler._apply_penalties(row, [req])
+    assert row[0, 3].item() == pytest.approx(0.5 / 2.0 - 1.0)
 
 
 def test_min_tokens_masks_stop_tokens_until_reached():

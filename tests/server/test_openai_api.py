@@ -225,3 +225,46 @@ def test_native_endpoints(server):
         },
     ).text
     assert streamed.strip().endswith("data: [DONE]")
+
+
+def test_streamed_logprobs_cover_every_token_with_running_offsets(server):
+    import json as _json
+
+    body = {
+        "prompt": "A list: one, two,",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 1,
+        "stream": True,
+    }
+    tokens, offsets, text = [], [], ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ch = _json.loads(line[6:])["choices"][0]
+                if ch["logprobs"]:
+                    tokens += ch["logprobs"]["tokens"]
+                    offsets += ch["logprobs"]["text_offset"]
+                text += ch["text"]
+    assert len(tokens) == 8 and "".join(tokens) == text
+    assert (
+        offsets == sorted(offsets)
+        and offsets[0] == 0
+        and offsets[-1] == len(text) - len(tokens[-1])
+    )
+
+
+def test_response_format_json_schema(client):
+    import json as _json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    out = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Name a city as JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    jsonschema.validate(_json.loads(out.choices[0].message.content), schema)

@@ -89,16 +89,16 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         ps = [r.params for r in reqs]
         dev = self.device
-        if any(p.frequency_penalty or p.presence_penalty for p in ps):
-            out_counts = self._counts([r.output_ids for r in reqs])
-            freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
-            logits -= freq * out_counts + pres * (out_counts > 0)
         if any(p.repetition_penalty != 1.0 for p in ps):
             seen = self._counts([list(r.prompt_ids) + list(r.output_ids) for r in reqs]) > 0
             rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
             penalised = torch.where(logits > 0, logits / rep, logits * rep)
             logits.copy_(torch.where(seen, penalised, logits))
+        if any(p.frequency_penalty or p.presence_penalty for p in ps):
+            out_counts = self._counts([r.output_ids for r in reqs])
+            freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+            logits -= freq * out_counts + pres * (out_counts > 0)
 
     def _apply_allowed(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         """Ban every token a request's grammar does not allow now; rows without a grammar are

@@ -94,13 +94,9 @@ class SchedulerLoop:
         try:
             outs = s.step()
         except Exception as e:  # any failure of a forward must not kill the server
-            logger.error("step failed, aborting %d requests: %s", len(s.running), e)
+            logger.error("step failed, failing the requests in flight: %s", e)
             logger.debug("%s", traceback.format_exc())
-            outs = [
-                o
-                for req in list(s.waiting) + s.running + ([s.prefilling] if s.prefilling else [])
-                for o in s._abort(req.rid, error=f"internal error: {e}")
-            ]
+            outs = s.fail_all(f"internal error: {e}")
         return [BatchTokenOut(outs)] if outs else []
 
 

@@ -38,6 +38,7 @@ class Req:
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
     grammar: GrammarMatcher | None = None  # the output constraint, if any
+    prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     stop_token: int | None = None
 

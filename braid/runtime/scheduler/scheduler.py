@@ -99,6 +99,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.prefilling: Req | None = None  # a long prompt between chunks
         self.stats = SchedulerStats()
+        self.in_flight: list[Req] = []  # the requests of the step being run
         self._make_compiler = grammar_compiler
         self._compiler: GrammarCompiler | None = None
         self._new_token_ratio = NEW_TOKEN_RATIO_INIT
@@ -179,6 +180,7 @@ class Scheduler:
             if not outs and (self.waiting or self.prefilling) and not self.running:
                 raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
             return outs
+        self.in_flight = plan.reqs
         logits = self.runner.forward(plan.batch)
         result = None
         for r in plan.sampling:
@@ -187,7 +189,18 @@ class Scheduler:
         if plan.sampling:
             last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
             result = self.sampler.sample(last, [r.sampling for r in plan.sampling])
-        return outs + self._process(plan, result, logits)
+        outs += self._process(plan, result, logits)
+        self.in_flight = []
+        return outs
+
+    def fail_all(self, error: str) -> list[TokenOut]:
+        """Fail every request, including those of a step that raised midway (admitted but not
+        yet running), releasing all their KV."""
+        reqs = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
+        self.waiting.clear()
+        self.in_flight = []
+        return [self._finish(r, "abort", error) for r in reqs]
 
     # ---- prefill --------------------------------------------------------------------------
     def _free_pages_after_evicting(self, need: int) -> bool:
@@ -232,7 +245,8 @@ class Scheduler:
                 start = len(prefix_pages) * self.page_size
                 end = req.seq_len
                 if end - start > budget:
-                    if self.chunked_prefill:
+                    # Prompt logprobs need every prompt position in one forward: never chunked.
+                    if self.chunked_prefill and req.params.prompt_logprobs is None:
                         end = self._chunk_end(start, req, budget)
                     elif items:
                         break  # next step; a long prompt runs alone when chunking is off
@@ -299,6 +313,9 @@ class Scheduler:
             need = sum(1 for r in self.running if r.kv_len % self.page_size == 0)
             if self._free_pages_after_evicting(need):
                 break
+            if self.prefilling is not None:
+                self._retract(self.prefilling)  # its chunks must not starve running decodes
+                continue
             if len(self.running) == 1:
                 req = self.running[0]
                 outs.append(
@@ -349,17 +366,23 @@ class Scheduler:
             for i, req in enumerate(plan.sampling):
                 tok = next_ids[i]
                 req.output_ids.append(tok)
+                error = None
                 if req.grammar is not None and tok not in self.eos_token_ids:
-                    req.grammar.advance(tok)
+                    try:
+                        req.grammar.advance(tok)
+                    except ValueError as e:
+                        req.finish_reason, error = "abort", f"grammar: {e}"
                 req.check_finished(tok)
                 out = self._out(req, [tok])
+                out.error = error
                 if logprobs is not None and req.params.logprobs is not None:
                     lp = logprobs[i]
                     lp.top = lp.top[: req.params.logprobs]
                     out.logprobs = [lp]
-                if i in plan.prompt_rows:
+                if i in plan.prompt_rows and not req.prompt_logprobs_sent:
                     a, b = plan.prompt_rows[i]
                     out.prompt_logprobs = self._prompt_logprobs(req, logits[a:b])
+                    req.prompt_logprobs_sent = True
                 if req.finished:
                     self._release(req)
                     self.stats.finished_requests += 1

@@ -226,8 +226,9 @@ def _chat_logprobs(state: ServerState, c: _Choice, top: int) -> dict[str, Any]:
     return {"content": content}
 
 
-def _completion_logprobs(state: ServerState, c: _Choice) -> dict[str, Any]:
-    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
+def _completion_logprobs(state: ServerState, c: _Choice, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions logprobs; `offset` is where this part of the text starts."""
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], offset
     for lp in c.logprobs:
         tok = _text_of(state, lp.token_id, c.token_texts)
         tokens.append(tok)
@@ -406,6 +407,8 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(state, req.model)
+        if req.echo:
+            raise APIError(400, "echo: not supported", "echo")
         prompts = _tokenize_prompts(state, req.prompt)
         params = req.sampling_params(
             state.defaults,
@@ -517,10 +520,10 @@ async def _run_openai(
     choices = [_Choice() for _ in streams]
     top = params.logprobs or 0
 
-    def logprobs_of(c: _Choice):
+    def logprobs_of(c: _Choice, offset: int = 0):
         if params.logprobs is None:
             return None
-        return _chat_logprobs(state, c, top) if chat else _completion_logprobs(state, c)
+        return _chat_logprobs(state, c, top) if chat else _completion_logprobs(state, c, offset)
 
     if not req.stream:
         async for i, out in _merge(streams):
@@ -579,14 +582,17 @@ async def _run_openai(
                     for i in range(len(choices))
                 ]
             )
+        sent_logprobs = [0] * len(choices)  # logprobs already streamed, per choice
+        sent_text = [0] * len(choices)
         async for i, out in _merge(streams):
             c = choices[i]
-            before = len(c.logprobs)
             _absorb(state, c, out, time.perf_counter(), t0)
             if not out.text and not out.finish_reason:
-                continue
-            delta_c = _Choice(logprobs=c.logprobs[before:], token_texts=c.token_texts)
-            lp = logprobs_of(delta_c)
+                continue  # held-back text: its tokens' logprobs go with the next chunk
+            delta_c = _Choice(logprobs=c.logprobs[sent_logprobs[i] :], token_texts=c.token_texts)
+            sent_logprobs[i] = len(c.logprobs)
+            lp = logprobs_of(delta_c, sent_text[i])
+            sent_text[i] = len(c.text)
             item: dict[str, Any] = {
                 "index": i,
                 "logprobs": lp,

@@ -19,6 +19,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
@@ -44,6 +55,25 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output: OpenAI's response_format, or braid's extras
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    choice: list[str] | None = None
+
+    def constraint_fields(self) -> dict[str, Any]:
+        fields = {k: getattr(self, k) for k in ("regex", "json_schema", "choice")}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if any(v is not None for v in fields.values()):
+                raise ValueError("response_format: do not combine with regex/json_schema/choice")
+            if fmt.type == "json_object":
+                fields["json_schema"] = {"type": "object"}
+            else:
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise ValueError("response_format: json_schema.schema is required")
+                fields["json_schema"] = fmt.json_schema.schema_
+        return {k: v for k, v in fields.items() if v is not None}
 
     def sampling_params(
         self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None
@@ -69,6 +99,7 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            **self.constraint_fields(),
         )
         if self.logit_bias is not None:
             try:

@@ -306,7 +306,10 @@ class TokenizerManager:
         fut = asyncio.get_running_loop().create_future()
         self._control[req_id] = fut
         self._to_sched.send_multipart(codec.encode(ControlReq(req_id, op)))
-        out: ControlOut = await asyncio.wait_for(fut, timeout)
+        try:
+            out: ControlOut = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._control.pop(req_id, None)
         if not out.ok:
             raise RuntimeError(out.error)
         return out.result
