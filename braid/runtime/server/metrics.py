@@ -45,54 +45,39 @@ class ServerMetrics:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
     def render(self, scheduler: dict[str, float]) -> str:
+        rows = [
+            ("braid_requests_total", "counter", "Requests received.", self.requests),
+            (
+                "braid_requests_failed_total",
+                "counter",
+                "Requests that failed.",
+                self.requests_failed,
+            ),
+            (
+                "braid_prompt_tokens_total",
+                "counter",
+                "Prompt tokens processed.",
+                self.prompt_tokens,
+            ),
+            (
+                "braid_generation_tokens_total",
+                "counter",
+                "Tokens generated.",
+                self.generation_tokens,
+            ),
+        ]
+        gauges = [  # (metric, scheduler stat, help)
+            ("braid_num_running_requests", "running_requests", "Requests running."),
+            ("braid_num_queued_requests", "queued_requests", "Requests waiting."),
+            ("braid_cache_hit_rate", "cache_hit_rate", "Cached prompt tokens / prompt tokens."),
+            ("braid_kv_usage", "kv_usage", "Fraction of KV slots held by running requests."),
+            ("braid_kv_free_tokens", "kv_free_tokens", "Free KV slots."),
+            ("braid_kv_cached_tokens", "kv_cached_tokens", "KV slots held by the prefix cache."),
+        ]
+        rows += [(name, "gauge", text, scheduler.get(stat, 0)) for name, stat, text in gauges]
         lines = []
-
-        def metric(name: str, kind: str, help_text: str, value: float) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
-
-        metric("braid_requests_total", "counter", "Requests received.", self.requests)
-        metric(
-            "braid_requests_failed_total", "counter", "Requests that failed.", self.requests_failed
-        )
-        metric(
-            "braid_prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens
-        )
-        metric(
-            "braid_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens
-        )
-        metric(
-            "braid_num_running_requests",
-            "gauge",
-            "Requests running.",
-            scheduler.get("running_requests", 0),
-        )
-        metric(
-            "braid_num_queued_requests",
-            "gauge",
-            "Requests waiting.",
-            scheduler.get("queued_requests", 0),
-        )
-        metric(
-            "braid_cache_hit_rate",
-            "gauge",
-            "Cached prompt tokens / prompt tokens.",
-            scheduler.get("cache_hit_rate", 0),
-        )
-        metric(
-            "braid_kv_usage",
-            "gauge",
-            "Fraction of KV slots held by running requests.",
-            scheduler.get("kv_usage", 0),
-        )
-        metric(
-            "braid_kv_free_tokens", "gauge", "Free KV slots.", scheduler.get("kv_free_tokens", 0)
-        )
-        metric(
-            "braid_kv_cached_tokens",
-            "gauge",
-            "KV slots held by the prefix cache.",
-            scheduler.get("kv_cached_tokens", 0),
-        )
+        for name, kind, text, value in rows:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += self.ttft.render("braid_time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.render("braid_inter_token_latency_seconds", "Time between tokens.")
         return "\n".join(lines) + "\n"
