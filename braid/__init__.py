@@ -1,15 +1,27 @@
-"""braid: a structured-generation language for LLMs and the serving runtime built for it."""
+"""braid: a structured-generation language for LLMs and the serving runtime built for it.
+
+The public names are imported on first use, so that a runtime child process importing one
+submodule (the detokenizer needs no torch) does not pay for the whole package.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from braid._logging import configure_logging
-from braid.runtime.engine import LLM, Engine
-from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from braid.runtime.sampling_params import SamplingParams
 
 configure_logging()
 
-__all__ = [
+_EXPORTS = {
+    "LLM": "braid.runtime.engine",
+    "Engine": "braid.runtime.engine",
+    "SamplingParams": "braid.runtime.sampling_params",
+    "RequestOutput": "braid.runtime.outputs",
+    "CompletionOutput": "braid.runtime.outputs",
+    "Logprob": "braid.runtime.outputs",
+}
+__all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "LLM",
     "Engine",
     "SamplingParams",
@@ -18,3 +30,16 @@ __all__ = [
     "Logprob",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from braid.runtime.engine import LLM, Engine
+    from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+    from braid.runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'braid' has no attribute {name!r}")

@@ -24,10 +24,12 @@ class ModelAssets:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def load(cls, model: str | os.PathLike | None) -> ModelAssets:
+    def load(cls, model: str | os.PathLike | None, *, with_tokenizer: bool = True) -> ModelAssets:
+        """Everything but the tokenizer is read from small JSON files; the tokenizer (which
+        imports transformers) can be loaded later with `load_tokenizer()`, e.g. while the
+        runtime processes start."""
         path = resolve_model(model)
         config = ModelConfig.from_dir(path)
-        tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         eos: set[int] = set()
@@ -36,12 +38,39 @@ class ModelAssets:
                 eos.add(src)
             elif isinstance(src, list):
                 eos.update(i for i in src if isinstance(i, int))
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        return cls(path, config, tokenizer, gen, frozenset(eos))
+        tok_eos = _tokenizer_eos_id(path)
+        if tok_eos is not None:
+            eos.add(tok_eos)
+        assets = cls(path, config, None, gen, frozenset(eos))
+        if with_tokenizer:
+            assets.load_tokenizer()
+        return assets
+
+    def load_tokenizer(self) -> None:
+        if self.tokenizer is None and has_tokenizer(self.path):
+            self.tokenizer = load_tokenizer(self.path)
 
     def default_sampling_params(self, source: str = "auto") -> SamplingParams:
         """braid's defaults, overridden by generation_config.json unless `source="braid"`."""
         if source == "braid":
             return SamplingParams()
         return SamplingParams(**defaults_from_generation_config(self.generation_config))
+
+
+def _tokenizer_eos_id(path: Path) -> int | None:
+    """The tokenizer's EOS id, read from tokenizer_config.json and tokenizer.json without
+    loading the tokenizer."""
+    cfg_path, tok_path = path / "tokenizer_config.json", path / "tokenizer.json"
+    if not cfg_path.is_file() or not tok_path.is_file():
+        return None
+    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return None
+    tok = json.loads(tok_path.read_text())
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == eos:
+            return added["id"]
+    vocab = tok.get("model", {}).get("vocab")
+    return vocab.get(eos) if isinstance(vocab, dict) else None

@@ -146,10 +146,9 @@ class LLM:
             load_format=load_format,
             show_progress=show_progress,
         )
-        self.assets = ModelAssets.load(model)
+        self.assets = ModelAssets.load(model, with_tokenizer=False)
         self.model_path = self.assets.path
         self.model_config = self.assets.config
-        self.tokenizer = self.assets.tokenizer
         self.eos_token_ids = self.assets.eos_token_ids
         self._ids = itertools.count()
         self._closed = False
@@ -160,9 +159,16 @@ class LLM:
         )
         self._thread.start()
         self.tm = TokenizerManager(self.config, self.model_path, self.eos_token_ids)
+        started = asyncio.run_coroutine_threadsafe(self.tm.start(), self._loop)
         try:
-            self.ready = self._call(self.tm.start())
+            # The tokenizer loads here while the runtime processes start.
+            self.assets.load_tokenizer()
+            self.tokenizer = self.assets.tokenizer
+            self.ready = started.result()
         except BaseException:
+            if not started.done():
+                started.cancel()
+                self._call(self.tm.shutdown())
             self._stop_loop()
             raise
         self.context_length = self.ready.context_length

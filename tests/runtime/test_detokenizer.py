@@ -86,3 +86,18 @@ def test_min_tokens_delays_stop_strings(tok):
             break
     # "b" appears at token 2 but may only end generation from the 4th token on.
     assert d.stopped and d.num_output_tokens >= 4
+
+
+def test_fast_decoder_decodes_as_the_transformers_tokenizer(tok, smollm2_dir):
+    from braid.runtime.tokenizer.tokenizer import FastDecoder
+
+    fast = FastDecoder(smollm2_dir)
+    rng = random.Random(1)
+    samples = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    samples += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 20))] for _ in range(200)]
+    samples.append(tok.encode("<|im_start|>user\nHi, it's me!<|im_end|>", add_special_tokens=False))
+    for ids in samples:
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )

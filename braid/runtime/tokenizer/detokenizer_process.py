@@ -106,9 +106,9 @@ def run_detokenizer_process(
     die_with_parent()
     configure_logging(log_level)
     from braid.runtime.ipc import codec
-    from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer
+    from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_decoder
 
-    tokenizer = load_tokenizer(model_path) if has_tokenizer(Path(model_path)) else None
+    tokenizer = load_decoder(model_path) if has_tokenizer(Path(model_path)) else None
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

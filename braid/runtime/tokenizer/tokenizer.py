@@ -9,6 +9,50 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+class FastDecoder:
+    """Decoding only, straight from tokenizer.json with the `tokenizers` library: what the
+    detokenizer process needs, without importing transformers (over a second at every
+    start). Decodes as the transformers fast tokenizer does, including its optional
+    clean-up of spaces before punctuation."""
+
+    def __init__(self, path: str | Path) -> None:
+        import json
+
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self._clean_up = bool(cfg.get("clean_up_tokenization_spaces", False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for a, b in (
+                (" .", "."),
+                (" ?", "?"),
+                (" !", "!"),
+                (" ,", ","),
+                (" ' ", "'"),
+                (" n't", "n't"),
+                (" 'm", "'m"),
+                (" 's", "'s"),
+                (" 've", "'ve"),
+                (" 're", "'re"),
+            ):
+                text = text.replace(a, b)
+        return text
+
+
+def load_decoder(path: str | Path):
+    """A decoder for the detokenizer: `FastDecoder` when tokenizer.json exists, else the
+    full transformers tokenizer."""
+    if (Path(path) / "tokenizer.json").is_file():
+        return FastDecoder(path)
+    return load_tokenizer(path)
+
+
 def has_tokenizer(path: Path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
 
