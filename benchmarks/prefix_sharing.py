@@ -153,9 +153,10 @@ def measure(llm, fn) -> dict:
     return {
         "wall_s": wall,
         "requests": len(pairs),
-        "prompt_tokens": prompt,
-        "prefill_tokens_computed": after["prefill_tokens_computed"]
-        - before["prefill_tokens_computed"],
+        "prompt_tokens": int(prompt),
+        "prefill_tokens_computed": int(
+            after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+        ),
         "hit_rate": cached / prompt if prompt else 0.0,
         "best_hit_rate": best_hits(pairs) / prompt if prompt else 0.0,
         "outputs": [o for _, o in pairs],
@@ -223,6 +224,8 @@ def main() -> None:
             f"{c['prefill_tokens_computed']:<14} | {c['hit_rate']:8.3f} | "
             f"{c['best_hit_rate']:6.3f} | {r['same_outputs']}"
         )
+    for llm in engines.values():
+        llm.shutdown()
     write_result(
         "prefix_sharing",
         device,
