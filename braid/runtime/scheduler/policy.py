@@ -24,7 +24,8 @@ IN_BATCH_SHARE_THRESHOLD = 32
 @dataclass
 class Candidate:
     req: Req
-    match: MatchResult | None  # None: the request must not use the cache (prompt logprobs)
+    use_cache: bool  # False: prompt logprobs need logits at every prompt position
+    match: MatchResult | None  # the cached prefix, looked up only when the policy sorts by it
     page_size: int
 
     @property
@@ -38,16 +39,23 @@ def match_limit(req: Req) -> int:
     return req.seq_len - 1
 
 
+def effective_policy(policy: str, num_waiting: int) -> str:
+    """lpm turns into fcfs past LPM_MAX_QUEUE waiting requests."""
+    return "fcfs" if policy == "lpm" and num_waiting > LPM_MAX_QUEUE else policy
+
+
 def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Candidate]:
-    """The waiting requests in the order the policy wants them prefilled, with their matches."""
+    """The waiting requests in the order `policy` (an effective policy) wants them prefilled.
+    Only lpm looks up cached prefixes here (the scheduler matches again on admission, since
+    making room for earlier admissions may evict)."""
     out = []
     for req in waiting:
-        if req.params.prompt_logprobs is not None and not req.admitted_once:
-            match = None  # prompt logprobs need logits at every prompt position
-        else:
+        use_cache = req.params.prompt_logprobs is None or req.admitted_once
+        match = None
+        if use_cache and policy == "lpm":
             match = cache.match_prefix(req.tokens(match_limit(req)))
-        out.append(Candidate(req, match, cache.page_size))
-    if policy == "lpm" and len(out) <= LPM_MAX_QUEUE:
+        out.append(Candidate(req, use_cache, match, cache.page_size))
+    if policy == "lpm":
         out.sort(key=lambda c: -c.matched_tokens)  # stable: arrival order among equals
     return out
 

@@ -27,7 +27,13 @@ from braid.runtime.executor.sampler import Sampler, SampleResult
 from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenLogprob, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
-from braid.runtime.scheduler.policy import POLICIES, candidates, shares_uncached_prefix
+from braid.runtime.scheduler.policy import (
+    POLICIES,
+    candidates,
+    effective_policy,
+    match_limit,
+    shares_uncached_prefix,
+)
 from braid.runtime.scheduler.request import Req
 from braid.runtime.tokenizer.detokenizer import CONTEXT_TOKENS
 
@@ -229,18 +235,19 @@ class Scheduler:
             budget -= end - req.kv_len
         admitted = []
         if self.prefilling is None and self.waiting:
-            for cand in candidates(list(self.waiting), self.cache, self.policy):
+            policy = effective_policy(self.policy, len(self.waiting))
+            for cand in candidates(list(self.waiting), self.cache, policy):
                 if len(self.running) + len(items) >= self.max_running:
                     break
                 if self.table.free_slots == 0 or budget <= 0:
                     break
-                if self.policy == "lpm" and shares_uncached_prefix(cand, admitted):
+                if policy == "lpm" and shares_uncached_prefix(cand, admitted):
                     continue
                 req = cand.req
                 # Match again: making room for earlier admissions may have evicted pages.
                 match = None
-                if cand.match is not None:
-                    match = self.cache.match_prefix(req.tokens(req.seq_len - 1))
+                if cand.use_cache:
+                    match = self.cache.match_prefix(req.tokens(match_limit(req)))
                 prefix_pages = match.pages if match is not None else []
                 start = len(prefix_pages) * self.page_size
                 end = req.seq_len
