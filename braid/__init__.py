@@ -21,6 +21,36 @@ _EXPORTS = {
     "CompletionOutput": "braid.runtime.outputs",
     "Logprob": "braid.runtime.outputs",
 }
+# The language (SGLang's frontend names): resolved through braid.lang.
+_LANG = (
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "select",
+    "image",
+    "system",
+    "user",
+    "assistant",
+    "system_begin",
+    "system_end",
+    "user_begin",
+    "user_end",
+    "assistant_begin",
+    "assistant_end",
+    "set_default_backend",
+    "get_default_backend",
+    "ProgramState",
+    "ProgramError",
+    "RequestGraph",
+    "TraceError",
+    "RuntimeEndpoint",
+    "OpenAI",
+    "token_length_normalized",
+    "greedy_token_selection",
+    "unconditional_likelihood_normalized",
+)
+_EXPORTS.update({name: "braid.lang" for name in _LANG})
 __all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "LLM",
     "Engine",
@@ -28,6 +58,7 @@ __all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    *_LANG,
 ]
 __version__ = "0.1.0"
 

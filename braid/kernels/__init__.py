@@ -1,4 +1,48 @@
 """Triton kernels, each with a typed launcher and a torch reference beside it (STYLE rule 11).
 
-The GPU-path issue fills this package; the CPU runtime uses `braid.runtime.attention.torch_native`.
+The package exports the launchers, imported on first use: importing `braid.kernels` does not
+import Triton, and the kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
+according to the environment at that first use. Each launcher checks its arguments and
+raises `ValueError` naming the one that is wrong; the `*_reference` functions live in the
+kernel modules (`braid.kernels.norm.rmsnorm_reference`, ...).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from braid.kernels.activation import silu_and_mul
+    from braid.kernels.attention_decode import decode_attention
+    from braid.kernels.attention_extend import extend_attention
+    from braid.kernels.kv_store import store_kv
+    from braid.kernels.norm import rmsnorm
+    from braid.kernels.rope import rotary
+    from braid.kernels.token_bitmask import apply_token_bitmask_
+
+_LAUNCHERS = {
+    "store_kv": "braid.kernels.kv_store",
+    "decode_attention": "braid.kernels.attention_decode",
+    "extend_attention": "braid.kernels.attention_extend",
+    "rmsnorm": "braid.kernels.norm",
+    "rotary": "braid.kernels.rope",
+    "silu_and_mul": "braid.kernels.activation",
+    "apply_token_bitmask_": "braid.kernels.token_bitmask",
+}
+
+__all__ = [
+    "apply_token_bitmask_",
+    "decode_attention",
+    "extend_attention",
+    "rmsnorm",
+    "rotary",
+    "silu_and_mul",
+    "store_kv",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(_LAUNCHERS[name]), name)
+    raise AttributeError(f"module 'braid.kernels' has no attribute {name!r}")

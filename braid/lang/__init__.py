@@ -1,2 +1,58 @@
-"""The braid language (`@function`, `gen`, `select`, `fork`): see issue "The braid language".
-Nothing is exported yet; the runtime it compiles to lives in `braid.runtime`."""
+"""The braid language: `@function` programs with `gen`, `select`, roles and `fork`, traced to a
+`RequestGraph` and run on a backend (braid's `Engine`, a `RuntimeEndpoint`, or `OpenAI`).
+
+    import braid as sgl
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        with s.assistant():
+            s += sgl.gen("answer", max_tokens=64)
+
+    sgl.set_default_backend(sgl.Engine())
+    print(qa.run(question="What is the capital of France?")["answer"])
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "function": "braid.lang.api",
+    "gen": "braid.lang.api",
+    "gen_int": "braid.lang.api",
+    "gen_string": "braid.lang.api",
+    "select": "braid.lang.api",
+    "image": "braid.lang.api",
+    "system": "braid.lang.api",
+    "user": "braid.lang.api",
+    "assistant": "braid.lang.api",
+    "system_begin": "braid.lang.api",
+    "system_end": "braid.lang.api",
+    "user_begin": "braid.lang.api",
+    "user_end": "braid.lang.api",
+    "assistant_begin": "braid.lang.api",
+    "assistant_end": "braid.lang.api",
+    "Program": "braid.lang.program",
+    "set_default_backend": "braid.lang.program",
+    "get_default_backend": "braid.lang.program",
+    "ProgramState": "braid.lang.interpreter",
+    "ProgramError": "braid.lang.interpreter",
+    "ForkGroup": "braid.lang.interpreter",
+    "RequestGraph": "braid.lang.tracer",
+    "TraceError": "braid.lang.tracer",
+    "RuntimeEndpoint": "braid.lang.backends.endpoint",
+    "OpenAI": "braid.lang.backends.openai",
+    "token_length_normalized": "braid.lang.choices",
+    "greedy_token_selection": "braid.lang.choices",
+    "unconditional_likelihood_normalized": "braid.lang.choices",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'braid.lang' has no attribute {name!r}")

@@ -31,6 +31,15 @@ class EngineConfig:
       or "fcfs". `disable_radix_cache`: no prefix caching (for A/B measurement).
     - `generation_config`: "auto" takes default sampling values from the model's
       generation_config.json (as vLLM does); "braid" uses braid's own defaults.
+    - `grammar_compile_timeout_s`: a constrained request whose grammar takes longer to compile
+      fails with an error saying so. `disable_jump_forward`: sample every token a grammar
+      forces instead of appending it (for A/B measurement).
+    - `attention_backend`: a name from `braid.runtime.attention.backend_names()`; None picks by
+      device: "triton" on CUDA, "torch_native" elsewhere.
+    - `cuda_graph_max_bs`: decode batches of up to this many requests (and at most
+      `max_running_requests`) replay CUDA graphs, padded to the next captured size; larger ones
+      run eagerly. `disable_cuda_graph`: always eager. Graphs are used only with the "triton"
+      backend on CUDA (`use_cuda_graph`).
     """
 
     model: str | None = None
@@ -50,6 +59,10 @@ class EngineConfig:
     attention_backend: str | None = None
     load_format: str = "auto"
     show_progress: bool = True
+    grammar_compile_timeout_s: float = 30.0
+    disable_jump_forward: bool = False
+    cuda_graph_max_bs: int = 160
+    disable_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -80,12 +93,47 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        t = self.grammar_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {t!r}")
+        if self.attention_backend is not None:
+            from braid.runtime.attention import backend_names
+
+            if self.attention_backend not in backend_names():
+                raise ValueError(
+                    f"attention_backend must be None or one of {backend_names()}, "
+                    f"got {self.attention_backend!r}"
+                )
+        bs = self.cuda_graph_max_bs
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
+        if not isinstance(self.disable_cuda_graph, bool):
+            raise ValueError(
+                f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
+            )
 
     @property
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def effective_attention_backend(self) -> str:
+        """`attention_backend`, or when None: "triton" on CUDA, "torch_native" elsewhere."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" else "torch_native"
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether decode batches replay CUDA graphs: the "triton" backend on CUDA, not
+        disabled."""
+        return (
+            not self.disable_cuda_graph
+            and self.torch_device.type == "cuda"
+            and self.effective_attention_backend == "triton"
+        )
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -125,6 +126,10 @@ class LLM:
         attention_backend: str | None = None,
         load_format: str = "auto",
         show_progress: bool = True,
+        cuda_graph_max_bs: int = 160,
+        disable_cuda_graph: bool = False,
+        grammar_compile_timeout_s: float = 30.0,
+        disable_jump_forward: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         self.config = EngineConfig(
@@ -145,6 +150,10 @@ class LLM:
             attention_backend=attention_backend,
             load_format=load_format,
             show_progress=show_progress,
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            disable_cuda_graph=disable_cuda_graph,
+            grammar_compile_timeout_s=grammar_compile_timeout_s,
+            disable_jump_forward=disable_jump_forward,
         )
         self.assets = ModelAssets.load(model, with_tokenizer=False)
         self.model_path = self.assets.path
@@ -184,6 +193,13 @@ class LLM:
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def run_coroutine(self, coro) -> concurrent.futures.Future:
+        """Schedule `coro` on the engine's front-end loop (where `self.tm` lives), from any
+        thread; the language's Engine backend drives requests this way."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
@@ -217,13 +233,32 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = "auto",
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (OpenAI message format),
-        rendered with the tokenizer's chat template (or `chat_template`)."""
+        rendered with the tokenizer's chat template (or `chat_template`).
+
+        `tools` are OpenAI tool dicts. `tool_choice` is "auto" (the default with tools: calls
+        are parsed from the text by `tool_call_parser`, which "auto" detects from the chat
+        template and "none" turns off), "none", "required", or {"type": "function",
+        "function": {"name": ...}}; the last two constrain decoding so that every call is well
+        formed and its arguments match the tool's parameters (at most one call for "required"
+        when `parallel_tool_calls` is false). With tools, each output's `tool_calls` lists the
+        calls (`ToolCall`: id, name, JSON `arguments`; possibly empty) and `text` stays the
+        model's raw text. `ValueError` names a bad field."""
+        from braid.runtime.function_call import resolve_parser_name
+        from braid.runtime.function_call.tools import ToolPlan
+
         tok = self._require_tokenizer()
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
+        plan = None
+        if tools is not None or tool_choice is not None:
+            parser = resolve_parser_name(tool_call_parser, chat_template or tok.chat_template)
+            plan = ToolPlan.resolve(tools, tool_choice, parallel_tool_calls, parser=parser)
         conversations = messages if isinstance(messages[0], list) else [messages]
         items = []
         for conv in conversations:
@@ -232,13 +267,20 @@ class LLM:
                 conv,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
-                tools=tools,
+                tools=plan.template_tools if plan is not None else None,
             )
             ids = tok.encode(text, add_special_tokens=False)
             if not ids:
                 raise ValueError("messages: the rendered conversation is empty")
             items.append((text, ids))
-        return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm)
+        params = self._params_for(sampling_params, len(items))
+        if plan is None:
+            return self._run(items, params, use_tqdm)
+        outputs = self._run(items, [plan.sampling_params(p) for p in params], use_tqdm)
+        for out in outputs:
+            for sample in out.outputs:
+                sample.tool_calls = plan.parse(sample.text)[1]
+        return outputs
 
     def stats(self) -> dict[str, float]:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from braid.runtime.function_call.base import ToolCall
 
 
 @dataclass
@@ -20,7 +23,8 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass
 class CompletionOutput:
     """One sample. `finish_reason` is "stop", "length" or "abort"; `stop_reason` is the stop
-    string or stop token id that ended it (None for EOS or length)."""
+    string or stop token id that ended it (None for EOS or length). `tool_calls` is None
+    unless `LLM.chat` was given tools; then it lists the calls parsed from `text`."""
 
     index: int
     text: str
@@ -29,6 +33,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -32,7 +32,10 @@ class SamplingParams:
     text; `stop_token_ids` end it on a token (even with `ignore_eos`). `seed` makes the request's
     samples the same whatever batch it lands in. `logprobs=k` returns, for every generated token,
     its log-probability and the `k` most likely alternatives; `prompt_logprobs=k` does the same
-    for the prompt. `logit_bias` maps token ids to a bias added to their logits.
+    for the prompt; with `logprob_start_len=p` only positions from `p` on are scored (earlier
+    ones are None), and the prompt's first `p - 1` tokens may come from the prefix cache (with
+    0, the default, every position is scored and nothing is cached). `logit_bias` maps token
+    ids to a bias added to their logits.
     `json_schema` (a schema dict or JSON string), `regex`, or `choice` (a list of strings)
     constrain the output to match; at most one of them.
     """
@@ -56,6 +59,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
     logit_bias: dict[int, float] | None = None
     json_schema: str | dict | None = None
     regex: str | None = None
@@ -141,6 +145,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 return f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+        if not _is_int(self.logprob_start_len) or self.logprob_start_len < 0:
+            v = self.logprob_start_len
+            return f"logprob_start_len must be a non-negative integer, got {v!r}"
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 return f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"

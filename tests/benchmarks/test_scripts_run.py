@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,3 +43,124 @@ def test_offline_throughput_runs_and_matches_transformers(tmp_path):
     # Same random weights in both engines, float32: the same greedy tokens.
     assert all(r["same_tokens"] == 1.0 for r in result["rows"])
     assert result["machine"]["torch"]
+
+
+def _gpu_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", *args, "--out", str(tmp_path / "r.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+@pytest.mark.parametrize("figure", ["decode", "prefill", "offline", "prefix"])
+def test_gpu_figures_run_at_toy_size_on_cpu(tmp_path, figure):
+    p = _gpu_script(tmp_path, figure, "--tiny-cpu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["benchmark"] == f"gpu_{figure}"
+    assert r["command"].startswith(f"python benchmarks/gpu.py {figure} --tiny-cpu")
+    assert r["machine"]["torch"] and r["machine"]["transformers"]
+    bw, rate = r["copy_bandwidth"]["bytes_per_s"], r["matmul"]["flops_per_s"]
+    assert bw > 0 and rate > 0
+    # tiny-llama: 2 layers of (qkv 64x128, o 64x64, gate_up 64x256, down 128x64) weights,
+    # plus embedding, lm_head (512x64 each) and 5 norms of 64, float32.
+    layer_params = 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64)
+    assert r["weight_bytes"] == 4 * (layer_params + 2 * 512 * 64 + 5 * 64)
+    if figure == "decode":
+        assert r["roofline_tok_s"] == pytest.approx(bw / r["weight_bytes"])
+        assert r["fraction_of_roofline"] == pytest.approx(r["braid_tok_s"] / r["roofline_tok_s"])
+        assert len(r["braid_s"]) == 2 and r["hf_tok_s"] > 0
+    elif figure == "prefill":
+        n = r["prompt_len"]
+        flops = 2 * layer_params * n + 2 * 512 * 64 + 4 * 2 * 4 * 16 * n * (n + 1) // 2
+        assert r["flops"] == flops
+        assert r["mfu"] == pytest.approx(flops / min(r["braid_s"]) / rate)
+    elif figure == "offline":
+        assert r["bound"]["bound_s"] > 0
+        assert r["fraction_of_bound"] == pytest.approx(r["bound"]["bound_s"] / r["braid_s"])
+        assert [h["batch_size"] for h in r["hf_rows"]] == [2, 4]
+        assert r["speedup"] == pytest.approx(r["braid_tok_s"] / r["hf_tok_s"])
+    else:
+        rows = {row["workload"]: row for row in r["rows"]}
+        assert set(rows) == {"mmlu_5shot", "hellaswag_20shot", "multi_turn_chat"}
+        for row in rows.values():
+            assert row["no_cache"]["hit_rate"] == 0.0
+            assert row["cache"]["hit_rate"] > 0.5
+            assert row["cache"]["hit_rate"] <= row["cache"]["best_hit_rate"] + 1e-9
+            assert (
+                row["cache"]["prefill_tokens_computed"] < row["no_cache"]["prefill_tokens_computed"]
+            )
+
+
+def test_gpu_script_refuses_an_unknown_engine_arg(tmp_path):
+    p = _gpu_script(tmp_path, "decode", "--tiny-cpu", "--engine-arg", "no_such_knob=1")
+    assert p.returncode == 2
+    assert "no_such_knob" in p.stderr and "kv_tokens" in p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_gpu_script_without_cuda_says_so_and_points_to_tiny_cpu(tmp_path):
+    p = _gpu_script(tmp_path, "decode")
+    assert p.returncode != 0
+    assert "CUDA" in p.stderr and "--tiny-cpu" in p.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_gpu_cost_of_llama_8b_gives_the_device_readme_roofline():
+    from benchmarks.gpu_cost import ModelCost, offline_bound
+    from braid.runtime.models.config import ModelConfig
+
+    cost = ModelCost.of(
+        ModelConfig.from_dir(ROOT / "benchmarks/configs/llama-3.1-8b"), torch.bfloat16
+    )
+    # ../shared/device/README.md: 16.06 GB of weights, 4.23 TB/s copy -> 263 tokens/s.
+    assert cost.weight_bytes == 16_060_522_496
+    assert round(4.23e12 / cost.weight_bytes) == 263
+    # One prompt of 1 token, 2 out: its prefill, then one decode step over 2 keys, which reads
+    # every weight and 2 tokens of KV (memory-bound at these rates).
+    bound = offline_bound(cost, 1, 1, 2, 1, bw=1e12, rate=1e15)
+    step = (cost.weight_bytes + 2 * cost.kv_bytes_per_token) / 1e12
+    assert bound["bound_s"] == pytest.approx(cost.forward_flops(1) / 1e15 + step)
+
+
+def test_structured_runs_at_toy_size(tmp_path):
+    from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+    model, _ = build_tiny_constrained_model(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/structured.py",
+            "--model",
+            str(model),
+            "--batch-sizes",
+            "1,2",
+            "--jump-batch-sizes",
+            "1",
+            "--jump-max-tokens",
+            "40",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--repeats",
+            "1",
+            "--kv-tokens",
+            "1024",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=400,
+    )
+    r = json.loads(out.read_text())
+    assert [row["batch_size"] for row in r["decode"]] == [1, 2]
+    (jump,) = r["jump_forward"]
+    assert jump["steps_on"] < jump["steps_off"]  # the schema's long keys are forced
+    assert r["compile"]["schemas"] == 15 and r["compile"]["cached_total_s"] < 0.1

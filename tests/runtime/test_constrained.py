@@ -1,5 +1,8 @@
-"""Constrained decoding with outlines-core on the real SmolLM2 vocabulary: every finished
-output matches its regex, choice or JSON schema; unconstrained neighbours are unaffected."""
+"""Constrained decoding with outlines-core: on the real SmolLM2 vocabulary every finished output
+matches its regex, choice or JSON schema and unconstrained neighbours are unaffected; on a tiny
+random model with its own byte-level BPE, every sampled output is a prefix the grammar accepts;
+vocabularies (byte-level and SentencePiece-style) map to the right bytes; bitmasks ban exactly
+the tokens they should."""
 
 from __future__ import annotations
 
@@ -8,11 +11,19 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from braid import SamplingParams
-from braid.runtime.constrained.vocab import token_bytes
+from braid.runtime.constrained.bitmask import (
+    BitmaskBuffer,
+    apply_token_bitmask,
+    apply_token_bitmask_torch,
+)
+from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
+from braid.runtime.constrained.vocab import token_bytes, token_vocab
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from tests.conftest import local_scheduler, run_to_end
+from tests.runtime.tiny_tokenizers import build_sentencepiece_style, build_tiny_constrained_model
 
 SCHEMAS = [
     {
@@ -133,3 +144,181 @@ def test_engine_generates_valid_json_through_the_processes(smollm2):
     )[0].outputs[0]
     jsonschema.validate(json.loads(out.text), schema)
     assert out.finish_reason == "stop"
+
+
+# ---- bitmasks ---------------------------------------------------------------------------------
+def _reference_mask(logits, bitmask, indices):
+    out = logits.clone()
+    for i, row in enumerate(indices.tolist()):
+        for t in range(logits.shape[1]):
+            w, j = divmod(t, 32)
+            allowed = w < bitmask.shape[1] and (int(bitmask[i, w]) >> j) & 1
+            if not allowed:
+                out[row, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("apply", [apply_token_bitmask_torch, apply_token_bitmask])
+@pytest.mark.parametrize("vocab,words", [(70, 3), (70, 2), (64, 3)])
+def test_bitmask_bans_exactly_the_cleared_bits_of_the_chosen_rows(vocab, words, apply):
+    g = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1  # all allowed
+    bitmask[2, 0] = 1 << 3  # only token 3 in the first word
+    indices = torch.tensor([4, 0, 2])
+    want = _reference_mask(logits, bitmask, indices)
+    got = logits.clone()
+    apply(got, bitmask, indices)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])  # rows without a grammar untouched
+
+
+def test_bitmask_rejects_bad_shapes():
+    logits = torch.zeros(2, 40)
+    with pytest.raises(ValueError, match="int32"):
+        apply_token_bitmask_torch(logits, torch.zeros(1, 2, dtype=torch.int64), torch.tensor([0]))
+    with pytest.raises(ValueError, match="indices"):
+        apply_token_bitmask_torch(
+            logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1])
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bitmask_on_cuda_matches_the_torch_version():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49157, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (40, 1537), dtype=torch.int32, generator=g)
+    indices = torch.randperm(64, generator=g)[:40]
+    want = logits.clone()
+    apply_token_bitmask_torch(want, bitmask, indices)
+    got = logits.cuda()
+    apply_token_bitmask(got, bitmask.cuda(), indices.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
+def test_matcher_bitmask_is_its_allowed_token_list(smollm2):
+    compiler = GrammarCompiler(smollm2.tokenizer)
+    tok = smollm2.tokenizer
+    grammar = compiler.compile("json_schema", SCHEMAS[0])
+    buf = BitmaskBuffer(compiler.vocab.size, torch.device("cpu"))
+    matchers = [GrammarMatcher(grammar) for _ in range(3)]
+    for t in tok.encode('{"name": "', add_special_tokens=False):
+        matchers[1].advance(t)  # inside a string: almost every token
+    for t in tok.encode('{"name": "Al", "age": 4', add_special_tokens=False):
+        matchers[2].advance(t)  # digits, `}`, spaces
+    mask, rows = buf.fill(matchers, [2, 0, 1])
+    assert rows.tolist() == [2, 0, 1]
+    for m, bits in zip(matchers, mask):
+        ids = torch.arange(bits.numel() * 32)
+        set_bits = ((bits[ids // 32] >> (ids % 32)) & 1).bool()
+        assert set(ids[set_bits].tolist()) == set(m.allowed_tokens())
+    assert len(matchers[1].allowed_tokens()) > 40000 and len(matchers[2].allowed_tokens()) < 200
+
+
+# ---- vocabularies -----------------------------------------------------------------------------
+def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes():
+    sp = build_sentencepiece_style()
+    ids = sp.get_vocab()
+    eos, mapping = token_bytes(sp)
+    assert eos == ids["</s>"]
+    flat = {tid: raw for raw, tids in mapping.items() for tid in tids}
+    assert ids["</s>"] not in flat and ids["<s>"] not in flat and ids["<unk>"] not in flat
+    assert flat[ids["<0x0A>"]] == b"\n" and flat[ids["<0xE2>"]] == b"\xe2"
+    assert flat[ids["▁hello"]] == b" hello" and flat[ids["▁"]] == b" "
+    assert flat[ids["hello"]] == b"hello" and flat[ids["▁{"]] == b" {"
+    vocab, _ = token_vocab(sp)
+    assert vocab.spells_every_first_byte  # the 256 byte tokens
+    assert vocab.byte_tokens[0x0A] == ids["<0x0A>"]
+    # A newline in text is tokenized through byte fallback: the mapped bytes spell it back.
+    enc = sp.encode("hello\nworld", add_special_tokens=False)
+    assert b"".join(flat[t] for t in enc) == b" hello\nworld"  # Metaspace's leading space
+
+    compiler = GrammarCompiler(sp)
+    start = GrammarMatcher(compiler.compile("regex", r" hello\n[a-z]+")).allowed_tokens()
+    assert ids["▁hello"] in start and ids["▁"] in start and ids["<0x20>"] in start
+    assert ids["hello"] not in start
+    m = GrammarMatcher(compiler.compile("regex", r" hello\n[a-z]+"))
+    for t in (ids["▁hello"], ids["<0x0A>"], ids["w"]):
+        m.advance(t)
+    assert m.is_final
+
+
+# ---- random models: every output is a prefix the grammar accepts ------------------------------
+TINY_SPECS = [
+    ("regex", r"(yes|no)"),
+    ("regex", r"[0-9]{1,3}(\.[0-9]{2})?"),
+    ("choice", ("apple", "banana", "cherry pie")),
+    (
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 6},
+                    "ok": {"type": "boolean"},
+                },
+                "required": ["name", "ok"],
+            }
+        ),
+    ),
+    (
+        "json_schema",
+        json.dumps({"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, eos = build_tiny_constrained_model(tmp_path_factory.mktemp("tiny-constrained"))
+    return local_scheduler(path, frozenset({eos}), kv_tokens=2048), eos
+
+
+def _accepted_prefix(index, ids: list[int], eos: int) -> tuple[bool, bool]:
+    """(every token is accepted in turn, the walk ends in a final state); a trailing EOS is
+    checked as allowed where it stands."""
+    state = index.get_initial_state()
+    for i, t in enumerate(ids):
+        if t == eos:
+            return i == len(ids) - 1 and index.is_final_state(state), True
+        state = index.get_next_state(state, t)
+        if state is None:
+            return False, False
+    return True, index.is_final_state(state)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False], ids=["jump-forward", "token-by-token"])
+def test_sampled_outputs_of_a_random_model_are_accepted_prefixes(tiny, jump_forward):
+    sched, eos = tiny
+    sched.jump_forward = jump_forward
+    jumped_before = sched.stats.jump_forward_tokens
+    kw = {"json_schema": "json_schema", "regex": "regex", "choice": "choice"}
+    for n, (kind, spec) in enumerate(TINY_SPECS):
+        for seed in range(4):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, **{kw[kind]: spec})
+            sched.handle(GenerateReq(f"{n}-{seed}", [7, 8, 9, n + 10], params, seed))
+    ids: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    while sched.has_work:
+        for out in sched.step():
+            ids.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                finish[out.rid] = out.finish_reason
+        sched.check_invariants()
+    assert len(finish) == len(TINY_SPECS) * 4
+    stopped = 0
+    for n, (kind, spec) in enumerate(TINY_SPECS):
+        index = sched.grammar_compiler.compile(kind, spec).index
+        for seed in range(4):
+            rid = f"{n}-{seed}"
+            assert finish[rid] in ("stop", "length"), (rid, finish[rid])
+            accepted, final = _accepted_prefix(index, ids[rid], eos)
+            assert accepted, (rid, ids[rid])
+            if finish[rid] == "stop":
+                stopped += 1
+                assert final, (rid, ids[rid])
+    assert stopped >= 8  # the short grammars end
+    jumped = sched.stats.jump_forward_tokens - jumped_before
+    assert (jumped > 0) == jump_forward

@@ -53,7 +53,7 @@ BAD = [
     (C, {"prompt": "x", "model": "gpt-5"}, 404, "does not exist"),
     (C, {"prompt": "x", "seed": "abc"}, 400, "seed"),
     (C, {"prompt": "x", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
-    (C, {"prompt": "x", "echo": True}, 400, "echo"),
+    (C, {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
     (C, {"prompt": "x", "regex": "(unclosed"}, 400, "regex"),
     (CH, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "schema"),
     (CH, {"messages": []}, 400, "messages"),

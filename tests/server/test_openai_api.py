@@ -268,3 +268,24 @@ def test_response_format_json_schema(client):
         response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
     )
     jsonschema.validate(_json.loads(out.choices[0].message.content), schema)
+
+
+def test_completions_echo_returns_prompt_logprobs(client, server):
+    prompt = "The capital of France is"
+    model = client.models.list().data[0].id
+    only = client.completions.create(
+        model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    lp = only.choices[0].logprobs
+    n = len(httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"])
+    assert only.choices[0].text == prompt
+    assert len(lp.tokens) == n and lp.token_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    more = client.completions.create(
+        model=model, prompt=prompt, max_tokens=2, echo=True, logprobs=0, temperature=0
+    )
+    assert more.choices[0].text.startswith(prompt)
+    again = more.choices[0].logprobs.token_logprobs
+    assert again[0] is None and again[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert len(again) == n + 2

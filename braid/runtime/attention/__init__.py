@@ -21,7 +21,15 @@ def register_backend(name: str):
     return wrap
 
 
-_LAZY = {"torch_native": "braid.runtime.attention.torch_native"}
+_LAZY = {
+    "torch_native": "braid.runtime.attention.torch_native",
+    "triton": "braid.runtime.attention.triton_backend",
+}
+
+
+def backend_names() -> list[str]:
+    """The names `create_backend` accepts, sorted; listing them imports no backend."""
+    return sorted(set(_LAZY) | set(_REGISTRY))
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:

@@ -1,5 +1,5 @@
 """Grammars: a constraint spec -> regex -> outlines-core `Index` (cached), and a per-request
-matcher that walks the index as tokens are sampled."""
+matcher that walks the index as tokens are sampled and writes its allowed-token bitmask."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from outlines_core import Index, Vocabulary
+import torch
+from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
+
+from braid.runtime.constrained.jump_forward import ForcedStrings
+from braid.runtime.constrained.vocab import token_vocab
 
 KINDS = ("json_schema", "regex", "choice")
 
@@ -47,61 +51,100 @@ def to_regex(kind: str, spec: Any) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A compiled constraint: its token index and, when the vocabulary allows finding them, its
+    forced strings (`forced` is None otherwise). Shared by every request with the same spec."""
+
+    kind: str
+    index: Index
+    forced: ForcedStrings | None
+
+
+def grammar_key(kind: str, spec: Any) -> tuple[str, str]:
+    """The cache key of a constraint: equal specs (dicts in any key order) give equal keys."""
+    return kind, spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+
+
 class GrammarCompiler:
-    """Compiles regexes against one vocabulary; compiled indexes are kept in a bounded LRU
-    keyed by (kind, spec)."""
+    """Compiles constraints against one tokenizer's vocabulary; compiled grammars are kept in a
+    bounded LRU keyed by (kind, spec). `compile` may be called from several threads at once."""
 
     def __init__(self, tokenizer, max_entries: int = 256) -> None:
-        from braid.runtime.constrained.vocab import token_bytes
-
-        eos, mapping = token_bytes(tokenizer)
-        self.eos_token_id = eos
-        self.vocabulary = Vocabulary(eos, mapping)
+        self.vocab, mapping = token_vocab(tokenizer)
+        self.eos_token_id = self.vocab.eos_token_id
+        self.vocabulary = Vocabulary(self.eos_token_id, mapping)
+        self.jump_forward_supported = self.vocab.spells_every_first_byte
         self.max_entries = max_entries
-        self._cache: OrderedDict[tuple[str, str], Index] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def compile(self, kind: str, spec: Any) -> Index:
-        key = (kind, spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+    def cached(self, kind: str, spec: Any) -> CompiledGrammar | None:
+        """The compiled grammar if it is in the cache (counts as a hit), else None."""
+        key = grammar_key(kind, spec)
         with self._lock:
-            if key in self._cache:
+            grammar = self._cache.get(key)
+            if grammar is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
-                return self._cache[key]
+            return grammar
+
+    def compile(self, kind: str, spec: Any) -> CompiledGrammar:
+        """The compiled grammar, from the cache or built now; `ValueError` naming the field if
+        the spec is bad or outlines-core cannot build an automaton for it."""
+        hit = self.cached(kind, spec)
+        if hit is not None:
+            return hit
         regex = to_regex(kind, spec)
         try:
             index = Index(regex, self.vocabulary)
         except Exception as e:  # e.g. a regex outlines-core cannot turn into an automaton
             raise ValueError(f"{kind}: cannot be compiled: {e}") from None
+        forced = ForcedStrings(index, self.vocab) if self.jump_forward_supported else None
+        grammar = CompiledGrammar(kind, index, forced)
         with self._lock:
             self.misses += 1
-            self._cache[key] = index
+            self._cache[grammar_key(kind, spec)] = grammar
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
-        return index
+        return grammar
 
 
-@dataclass
 class GrammarMatcher:
-    """Where one request stands in its grammar."""
+    """Where one request stands in its grammar. Not thread-safe: one per request."""
 
-    index: Index
-    state: int
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._guide = Guide(grammar.index)
 
-    @classmethod
-    def start(cls, index: Index) -> GrammarMatcher:
-        return cls(index, index.get_initial_state())
+    @property
+    def state(self) -> int:
+        return self._guide.get_state()
 
     def allowed_tokens(self) -> list[int]:
-        return self.index.get_allowed_tokens(self.state)
+        return self._guide.get_tokens()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Write this state's allowed tokens into `row`, a contiguous int32 CPU tensor of
+        ceil(vocab.size / 32) or more words: bit j of word w set means token 32 * w + j is
+        allowed; every other bit is cleared."""
+        assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
+        self._guide.write_mask_into(row.data_ptr(), row.numel(), 4)
 
     def advance(self, token_id: int) -> None:
-        nxt = self.index.get_next_state(self.state, token_id)
-        if nxt is None:
-            raise ValueError(f"token {token_id} is not allowed by the grammar here")
-        self.state = nxt
+        """Move past `token_id`; `ValueError` if the grammar does not allow it here."""
+        try:
+            self._guide.advance(token_id, False)
+        except ValueError:
+            raise ValueError(f"token {token_id} is not allowed by the grammar here") from None
 
     @property
     def is_final(self) -> bool:
-        return self.index.is_final_state(self.state)
+        return self.grammar.index.is_final_state(self.state)
+
+    def forced_tokens(self) -> tuple[int, ...]:
+        """Tokens spelling the string the grammar forces next (empty if none, or if this
+        vocabulary does not support finding forced strings)."""
+        forced = self.grammar.forced
+        return forced.tokens(self.state) if forced is not None else ()

@@ -9,6 +9,8 @@ the map (outlines-core adds EOS itself where the grammar may end).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -58,3 +60,45 @@ def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
                 raw = tok.encode()  # a token outside the byte alphabet: take it as text
         out.setdefault(raw, []).append(tid)
     return eos, out
+
+
+@dataclass(frozen=True)
+class TokenVocab:
+    """What constrained decoding needs to know about a tokenizer's vocabulary.
+
+    `size`: every token id is below it (EOS and added tokens included), so a bitmask of
+    `ceil(size / 32)` words covers them all. `token_bytes`: the bytes each grammar token spells.
+    `byte_tokens[b]`: a token spelling exactly the byte `b`, or None. `encode`: text to token
+    ids, without special tokens (jump-forward tokenizes the strings a grammar forces).
+    """
+
+    eos_token_id: int
+    size: int
+    token_bytes: dict[int, bytes]
+    byte_tokens: tuple[int | None, ...]
+    encode: Callable[[str], list[int]]
+
+    @property
+    def spells_every_first_byte(self) -> bool:
+        """True when every byte that starts some token is also a token of its own. Then the
+        bytes a grammar allows next are exactly those whose one-byte token it allows, which is
+        what finding forced strings relies on (byte-level BPE and byte-fallback vocabularies
+        hold all 256 bytes)."""
+        return all(self.byte_tokens[b[0]] is not None for b in self.token_bytes.values() if b)
+
+
+def token_vocab(tokenizer) -> tuple[TokenVocab, dict[bytes, list[int]]]:
+    """The `TokenVocab` of a Hugging Face tokenizer, and the {bytes: [ids]} map for
+    outlines-core's `Vocabulary` (see `token_bytes`)."""
+    eos, mapping = token_bytes(tokenizer)
+    by_id = {tid: raw for raw, ids in mapping.items() for tid in ids}
+    singles: list[int | None] = [None] * 256
+    for raw, ids in mapping.items():
+        if len(raw) == 1:
+            singles[raw[0]] = min(ids)
+    size = max([len(tokenizer), eos + 1, *(t + 1 for t in by_id)])
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return TokenVocab(eos, size, by_id, tuple(singles), encode), mapping

@@ -1,7 +1,8 @@
 """`ModelRunner`: owns the model, the KV memory and the attention backend, and runs forwards.
 
-Construction picks the device, dtype and backend once, loads the weights, and sizes the KV pool
-(from `kv_tokens` or a memory fraction). It logs one line with the capacity it chose.
+Construction picks the device, dtype and backend once, loads the weights, sizes the KV pool
+(from `kv_tokens` or a memory fraction) and logs one line with the sizes it chose; with the
+`triton` backend on CUDA it then captures the decode forward in CUDA graphs (`cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.config import EngineConfig
+from braid.runtime.executor.cuda_graph import CudaGraphRunner
 from braid.runtime.executor.forward_batch import ForwardBatch
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
@@ -60,7 +62,10 @@ class ModelRunner:
             progress=config.show_progress,
         )
         page = config.page_size
-        kv_tokens = config.kv_tokens or self._kv_tokens_from_memory()
+        if config.kv_tokens:
+            kv_tokens, sized_by = config.kv_tokens, "kv_tokens"
+        else:
+            kv_tokens, sized_by = self._kv_tokens_from_memory()
         num_pages = kv_tokens // page + 1  # +1: the padding page
         self.kv_pool = KVPool(
             model_config.num_layers,
@@ -81,7 +86,7 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(
             self.max_running_requests + 1, self.context_length, self.device
         )
-        backend = config.attention_backend or "torch_native"
+        backend = config.effective_attention_backend
         self.attn_backend = create_backend(
             backend,
             kv_pool=self.kv_pool,
@@ -91,26 +96,41 @@ class ModelRunner:
             head_dim=model_config.head_dim,
             sliding_window=model_config.sliding_window,
         )
+        graph_bs = min(config.cuda_graph_max_bs, self.max_running_requests)
         logger.info(
-            "KV cache: %d tokens (%.1f MB, page size %d) on %s; context length %d; "
-            "max running requests %d; attention backend %s",
+            "KV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
+            "context length %d; max running requests %d; attention backend %s; CUDA graphs %s",
             capacity,
-            self.kv_pool.nbytes / 1e6,
+            self.kv_pool.nbytes / 1e9,
             page,
             self.device,
+            sized_by,
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) / 1e9,
             self.context_length,
             self.max_running_requests,
             backend,
+            f"for decode batches up to {graph_bs}" if config.use_cuda_graph else "off",
         )
+        # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
+        self.graph_runner: CudaGraphRunner | None = None
+        if config.use_cuda_graph:
+            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, graph_bs)
 
-    def _kv_tokens_from_memory(self) -> int:
+    def _kv_tokens_from_memory(self) -> tuple[int, str]:
+        """KV tokens that fit the memory budget, and how the budget was set (for the log)."""
         frac = self.config.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
         free, total = _available_bytes(self.device)
         if self.device.type == "cuda":
-            # As SGLang: the fraction covers weights and KV together.
+            # As SGLang: the fraction covers weights and KV together; the rest of the GPU is
+            # for activations and CUDA graphs.
             budget = total * frac - (total - free)
+            how = (
+                f"mem_fraction_static {frac} of {total / 1e9:.1f} GB total, "
+                f"{(total - free) / 1e9:.1f} GB already in use"
+            )
         else:
             budget = free * frac
+            how = f"mem_fraction_static {frac} of {free / 1e9:.1f} GB available"
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         tokens = int(budget // per_token)
         if tokens < 16 * self.config.page_size:
@@ -118,10 +138,14 @@ class ModelRunner:
                 f"not enough memory for a KV cache ({budget / 1e6:.0f} MB available); "
                 "raise mem_fraction_static or pass kv_tokens"
             )
-        return tokens
+        return tokens, how
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in float32."""
+        """Logits [len(batch.logits_indices), vocab] in float32. From a CUDA graph they are a
+        view of the graph's static output, overwritten by the next forward: read them first."""
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(batch):
+            return graphs.run(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)

@@ -1,8 +1,9 @@
 """Batched logit processing and sampling: one set of tensor operations for the whole batch.
 
-Order (vLLM's): min-tokens suppression, logit bias, repetition / frequency / presence
-penalties, then greedy argmax or temperature, top-k, top-p, min-p and a draw. Work a batch does
-not ask for is skipped (no sort without top-k/top-p, no penalty counts without penalties).
+Order: the grammar bitmask, then (as vLLM) min-tokens suppression, logit bias, repetition /
+frequency / presence penalties, then greedy argmax or temperature, top-k, top-p, min-p and a
+draw. Work a batch does not ask for is skipped (no sort without top-k/top-p, no penalty counts
+without penalties, no mask without a grammar).
 
 Draws are made with counter-based noise: the noise for (seed, step, token) is a hash of those
 three numbers, so a request's samples depend only on its own seed and position, never on the
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.runtime.constrained.bitmask import apply_token_bitmask
 from braid.runtime.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -53,7 +55,6 @@ class SamplingInput:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached
-    allowed: Sequence[int] | None = None  # this step's allowed tokens (a grammar), else all
 
 
 @dataclass
@@ -100,20 +101,6 @@ class Sampler:
             pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
             logits -= freq * out_counts + pres * (out_counts > 0)
 
-    def _apply_allowed(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
-        """Ban every token a request's grammar does not allow now; rows without a grammar are
-        untouched and cost nothing."""
-        rows = [i for i, r in enumerate(reqs) if r.allowed is not None]
-        if not rows:
-            return
-        banned = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=self.device)
-        for j, i in enumerate(rows):
-            banned[j, torch.as_tensor(reqs[i].allowed, dtype=torch.int64, device=self.device)] = (
-                False
-            )
-        idx = torch.tensor(rows, device=self.device)
-        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
-
     def _apply_bias_and_min_tokens(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         rows, cols, vals = [], [], []
         for i, r in enumerate(reqs):
@@ -137,13 +124,24 @@ class Sampler:
                 torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
             ] = float("-inf")
 
-    def sample(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> SampleResult:
-        """Choose one token per row of `logits` ([B, vocab], float32)."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[SamplingInput],
+        *,
+        bitmask: torch.Tensor | None = None,
+        bitmask_rows: torch.Tensor | None = None,
+    ) -> SampleResult:
+        """Choose one token per row of `logits` ([B, vocab], float32). `bitmask` ([R, words]
+        int32, see `braid.runtime.constrained.bitmask`) bans, in row `bitmask_rows[i]`, the
+        tokens whose bit is clear in `bitmask[i]` (grammars); rows without one cost nothing."""
         ps = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = logits.clone()
-        self._apply_allowed(logits, reqs)
+        if bitmask is not None:
+            assert bitmask_rows is not None, "a bitmask needs its rows"
+            apply_token_bitmask(logits, bitmask, bitmask_rows)
         self._apply_bias_and_min_tokens(logits, reqs)
         self._apply_penalties(logits, reqs)
 

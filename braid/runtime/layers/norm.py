@@ -1,6 +1,12 @@
-"""RMSNorm, computed in float32 as Hugging Face does, with an optional fused residual add."""
+"""RMSNorm, computed in float32 as Hugging Face does, with an optional fused residual add.
+
+On CUDA the norm runs as one Triton kernel (`braid.kernels.rmsnorm`, same rounding points);
+elsewhere as plain torch. The choice is made once, from the device the weight is created on.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,6 +18,35 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str 
     param.data.copy_(loaded)
 
 
+def rmsnorm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward` in plain torch (the CPU path)."""
+    if residual is not None:
+        x = residual + x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def _select_rmsnorm(
+    device: torch.device,
+) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    if device.type != "cuda":
+        return rmsnorm_torch
+    from braid.kernels.norm import rmsnorm
+
+    def fused(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # The kernel reads whole rows with unit stride; per-head q/k norms get heads sliced
+        # from the fused QKV output, which are not (a no-op for the contiguous hidden states).
+        return rmsnorm(x.contiguous(), weight, eps, residual)
+
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -19,17 +54,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         self.weight.shard_names = (None,)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        self._norm = _select_rmsnorm(self.weight.device)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        if residual is None:
-            return self._norm(x)
-        x = residual + x
-        return self._norm(x), x
+        return self._norm(x, self.weight, self.eps, residual)

@@ -2,12 +2,16 @@
 linear and Llama 3 frequency scalings.
 
 The cos/sin tables are computed exactly as Hugging Face computes them (float32 frequencies,
-then `cat(freqs, freqs)`), so positions embed bit-for-bit the same.
+then `cat(freqs, freqs)`), so positions embed bit-for-bit the same. A `RotaryEmbedding` created
+on CUDA rotates with the fused Triton kernel (`braid.kernels.rotary`: q and k in place, one
+launch per layer); elsewhere with plain torch. The choice is made once, at construction.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +51,21 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
 
 
+@dataclass(frozen=True)
+class FusedRotaryTables:
+    """The cos/sin tables and the fused kernel that reads them: what a CUDA `RotaryEmbedding`'s
+    `lookup` hands to `apply_rotary` in place of the per-token sin rows."""
+
+    cos: torch.Tensor  # [max_positions, head_dim]
+    sin: torch.Tensor
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel(q, k, positions, (self.cos, self.sin))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -63,10 +82,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self._fused: FusedRotaryTables | None = None
+        if self.cos.is_cuda:
+            from braid.kernels.rope import rotary
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions`, shaped to broadcast over heads; looked up once per
-        forward and shared by every layer."""
+            self._fused = FusedRotaryTables(self.cos, self.sin, rotary)
+
+    def lookup(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | FusedRotaryTables]:
+        """What `apply_rotary(q, k, *lookup(positions))` needs, looked up once per forward and
+        shared by every layer: cos and sin rows for `positions`, shaped to broadcast over heads;
+        or, for a module created on CUDA, `(positions, FusedRotaryTables)` for the fused
+        kernel (a module created on CPU and moved keeps the torch path)."""
+        if self._fused is not None:
+            return positions, self._fused
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -76,7 +106,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor | FusedRotaryTables,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`q`: [tokens, heads, head_dim], `k`: [tokens, kv_heads, head_dim]."""
+    """`q`: [tokens, heads, head_dim], `k`: [tokens, kv_heads, head_dim]; `cos`, `sin` as
+    `RotaryEmbedding.lookup` returns them. Returns the rotated (q, k): new tensors from the
+    torch path; from the fused kernel, q and k themselves, rotated in place."""
+    if isinstance(sin, FusedRotaryTables):
+        return sin.rotate(q, k, cos)  # `cos` holds the positions here
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -68,9 +68,10 @@ def build_extend(
         extend_lens.append(end - start)
         if end < r.seq_len:
             continue  # a chunk: no logits
-        if r.params.prompt_logprobs is not None and start == 0:
-            prompt_rows[len(sampling)] = (len(logits_rows), len(logits_rows) + end)
-            logits_rows += range(base, base + end)
+        if r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            # Rows for positions start..end-1 (start <= logprob_start_len - 1: see match_limit).
+            prompt_rows[len(sampling)] = (len(logits_rows), len(logits_rows) + end - start)
+            logits_rows += range(base, base + end - start)
         else:
             logits_rows.append(base + end - start - 1)
         last_rows.append(len(logits_rows) - 1)

@@ -35,7 +35,10 @@ class Candidate:
 
 def match_limit(req: Req) -> int:
     """How many leading tokens may come from the cache: all but the last, which must be
-    computed to give logits."""
+    computed to give logits; with prompt logprobs, none before the first scored position's
+    predecessor (whose logits score it)."""
+    if req.params.prompt_logprobs is not None and not req.admitted_once:
+        return max(0, min(req.seq_len - 1, req.params.logprob_start_len - 1))
     return req.seq_len - 1
 
 
@@ -50,7 +53,7 @@ def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Cand
     making room for earlier admissions may evict)."""
     out = []
     for req in waiting:
-        use_cache = req.params.prompt_logprobs is None or req.admitted_once
+        use_cache = match_limit(req) > 0
         match = None
         if use_cache and policy == "lpm":
             match = cache.match_prefix(req.tokens(match_limit(req)))

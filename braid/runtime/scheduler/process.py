@@ -51,6 +51,8 @@ def build_scheduler(
         schedule_policy=config.schedule_policy,
         disable_radix_cache=config.disable_radix_cache,
         grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
+        grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+        disable_jump_forward=config.disable_jump_forward,
     )
 
 
@@ -76,7 +78,7 @@ class SchedulerLoop:
             return [BatchTokenOut(outs)] if outs else []
         if isinstance(msg, ControlReq):
             try:
-                return [ControlOut(msg.req_id, True, s.control(msg.op))]
+                return [ControlOut(msg.req_id, True, s.control(msg.op, msg.arg))]
             except (ValueError, AssertionError) as e:
                 return [ControlOut(msg.req_id, False, {}, f"{type(e).__name__}: {e}")]
         if isinstance(msg, ShutdownReq):

@@ -37,10 +37,12 @@ class Req:
     retractions: int = 0
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
-    grammar: GrammarMatcher | None = None  # the output constraint, if any
+    grammar: GrammarMatcher | None = None  # the output constraint, once compiled
+    reported: int = 0  # output tokens already sent out in a TokenOut
     prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     stop_token: int | None = None
+    session_id: str | None = None  # the program session whose KV stays pinned after it
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
@@ -77,6 +79,13 @@ class Req:
         """The sequence (prompt then output) up to `end`."""
         seq = self.input_ids + self.output_ids
         return seq if end is None else seq[:end]
+
+    def take_unreported(self) -> list[int]:
+        """Output tokens not yet sent out (the sampled one, plus any jump-forward appended),
+        marked as sent."""
+        new = self.output_ids[self.reported :]
+        self.reported = len(self.output_ids)
+        return new
 
     @property
     def remaining_new_tokens(self) -> int:

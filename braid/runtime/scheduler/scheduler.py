@@ -21,12 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from braid.runtime.constrained.bitmask import BitmaskBuffer
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
 from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
+from braid.runtime.constrained.jump_forward import jump_tokens
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.sampler import Sampler, SampleResult
-from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenLogprob, TokenOut
+from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
+from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
 from braid.runtime.scheduler.policy import (
     POLICIES,
     candidates,
@@ -35,6 +39,7 @@ from braid.runtime.scheduler.policy import (
     shares_uncached_prefix,
 )
 from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.sessions import SessionPins
 from braid.runtime.tokenizer.detokenizer import CONTEXT_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,8 @@ NEW_TOKEN_RATIO_INIT = 0.7
 NEW_TOKEN_RATIO_MIN = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RESERVE_CLIP = 4096
+# With only grammars compiling, a step waits this long for one (instead of spinning).
+GRAMMAR_POLL_S = 0.01
 
 
 @dataclass
@@ -60,6 +67,7 @@ class SchedulerStats:
     prefill_steps: int = 0
     retractions: int = 0
     evicted_tokens: int = 0
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
 
     @property
     def cache_hit_rate(self) -> float:
@@ -82,6 +90,8 @@ class Scheduler:
         schedule_policy: str = "lpm",
         disable_radix_cache: bool = False,
         grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+        grammar_compile_timeout_s: float = 30.0,
+        disable_jump_forward: bool = False,
     ) -> None:
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -106,8 +116,18 @@ class Scheduler:
         self.prefilling: Req | None = None  # a long prompt between chunks
         self.stats = SchedulerStats()
         self.in_flight: list[Req] = []  # the requests of the step being run
-        self._make_compiler = grammar_compiler
-        self._compiler: GrammarCompiler | None = None
+        # Program sessions: the cache path of each running program's state stays locked.
+        self.sessions = SessionPins(self.cache, self.allocator.capacity_pages // 2)
+        # Constrained requests wait in `grammar_waiting` (not admitted) while their grammar
+        # compiles on worker threads. `jumped`: running requests holding jump-forward tokens
+        # whose KV the next extend computes (they are out of `running` until then).
+        self._has_tokenizer = grammar_compiler is not None
+        self.grammar_waiting: PendingGrammars[Req] = PendingGrammars(
+            AsyncGrammarCompiler(grammar_compiler or _no_tokenizer), grammar_compile_timeout_s
+        )
+        self.jumped: list[Req] = []
+        self.jump_forward = not disable_jump_forward
+        self._bitmask: BitmaskBuffer | None = None
         self._new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._last_was_prefill = False
 
@@ -141,28 +161,42 @@ class Scheduler:
             seed=msg.seed,
             eos_ids=self.eos_token_ids,
             max_new_tokens=max_new,
+            session_id=msg.session_id,
         )
         if msg.params.constraint is not None:
-            req.grammar = GrammarMatcher.start(
-                self.grammar_compiler.compile(*msg.params.constraint)
-            )
+            if not self._has_tokenizer:
+                raise ValueError("json_schema/regex/choice: this model has no tokenizer")
+            self.grammar_waiting.add(req, *msg.params.constraint)
+            return
         self.waiting.append(req)
 
     @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Built on the first constrained request (it needs the tokenizer's vocabulary)."""
-        if self._compiler is None:
-            if self._make_compiler is None:
-                raise ValueError("json_schema/regex/choice: this model has no tokenizer")
-            self._compiler = self._make_compiler()
-        return self._compiler
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The grammar compiler, once the first constrained request has built it."""
+        return self.grammar_waiting.compiler.compiler
+
+    def _poll_grammars(self) -> list[TokenOut]:
+        """Queue the requests whose grammar is ready (after any text it forces at the start);
+        fail those whose grammar failed to compile or ran out of time."""
+        if not len(self.grammar_waiting):
+            return []
+        ready, failed = self.grammar_waiting.poll()
+        for req, grammar in ready:
+            req.grammar = GrammarMatcher(grammar)
+            self._jump_forward(req)
+            self.waiting.append(req)
+        return [self._finish(req, "abort", error) for req, error in failed]
 
     def _abort(self, rid: str, error: str | None = None) -> list[TokenOut]:
+        for req in self.grammar_waiting:
+            if req.rid == rid:
+                self.grammar_waiting.remove(req)
+                return [self._finish(req, "abort", error)]
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
                 return [self._finish(req, "abort", error)]
-        for req in self.running + ([self.prefilling] if self.prefilling else []):
+        for req in self.running + self.jumped + ([self.prefilling] if self.prefilling else []):
             if req.rid == rid:
                 return [self._finish(req, "abort", error)]
         return []
@@ -170,12 +204,14 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(
+            self.waiting or self.running or self.prefilling or self.jumped or self.grammar_waiting
+        )
 
     def step(self) -> list[TokenOut]:
         """Run one forward and return what each request in it gained (plus requests that
         failed while scheduling)."""
-        outs: list[TokenOut] = []
+        outs = self._poll_grammars()
         plan = None
         if not (self._last_was_prefill and self.running):
             plan = self._schedule_prefill()
@@ -185,16 +221,16 @@ class Scheduler:
         if plan is None:
             if not outs and (self.waiting or self.prefilling) and not self.running:
                 raise RuntimeError("scheduler stalled: requests wait but none can be admitted")
+            if not outs and self.grammar_waiting:
+                self.grammar_waiting.wait(GRAMMAR_POLL_S)  # nothing else to do but not spin
             return outs
         self.in_flight = plan.reqs
         logits = self.runner.forward(plan.batch)
         result = None
-        for r in plan.sampling:
-            if r.grammar is not None:
-                r.sampling.allowed = r.grammar.allowed_tokens()
         if plan.sampling:
             last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
-            result = self.sampler.sample(last, [r.sampling for r in plan.sampling])
+            inputs = [r.sampling for r in plan.sampling]
+            result = self.sampler.sample(last, inputs, **self._grammar_mask(plan.sampling))
         outs += self._process(plan, result, logits)
         self.in_flight = []
         return outs
@@ -203,6 +239,7 @@ class Scheduler:
         """Fail every request, including those of a step that raised midway (admitted but not
         yet running), releasing all their KV."""
         reqs = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        reqs += self.jumped + self.grammar_waiting.clear()
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
         self.waiting.clear()
         self.in_flight = []
@@ -222,17 +259,18 @@ class Scheduler:
         return self.allocator.pages_for(int(tokens * self._new_token_ratio))
 
     def _schedule_prefill(self) -> StepPlan | None:
-        items: list[tuple[Req, int]] = []
-        budget = self.prefill_budget
+        items = self._jumped_items()
+        budget = self.prefill_budget - sum(end - r.kv_len for r, end in items)
         if self.prefilling is not None:
             req = self.prefilling
             end = self._chunk_end(req.kv_len, req, budget)
             grow = self._pages_to_grow(req, end)
-            if not self._free_pages_after_evicting(grow):
+            if self._free_pages_after_evicting(grow):
+                req.pages += self.allocator.alloc(grow)
+                items.append((req, end))
+                budget -= end - req.kv_len
+            elif not items:
                 return None  # wait for decodes to finish and free pages
-            req.pages += self.allocator.alloc(grow)
-            items.append((req, end))
-            budget -= end - req.kv_len
         admitted = []
         if self.prefilling is None and self.waiting:
             policy = effective_policy(self.policy, len(self.waiting))
@@ -283,6 +321,20 @@ class Scheduler:
             self.stats.prefill_tokens_computed += end - req.kv_len
         self.stats.prefill_steps += 1
         return build_extend(items, self.allocator, self.table, self.device)
+
+    def _jumped_items(self) -> list[tuple[Req, int]]:
+        """Extend items computing the KV of jump-forward tokens; a request that cannot get the
+        pages for them is retracted (it resumes later, output kept)."""
+        items = []
+        jumped, self.jumped = self.jumped, []
+        for req in jumped:
+            grow = self._pages_to_grow(req, req.seq_len)
+            if self._free_pages_after_evicting(grow):
+                req.pages += self.allocator.alloc(grow)
+                items.append((req, req.seq_len))
+            else:
+                self._retract(req)
+        return items
 
     def _chunk_end(self, start: int, req: Req, budget: int) -> int:
         """Where a prefill starting at `start` stops within `budget` tokens: the whole rest,
@@ -369,7 +421,7 @@ class Scheduler:
         outs = []
         if result is not None:
             next_ids = result.next_ids.tolist()
-            logprobs = self._token_logprobs(result) if result.logprobs is not None else None
+            logprobs = token_logprobs(result) if result.logprobs is not None else None
             for i, req in enumerate(plan.sampling):
                 tok = next_ids[i]
                 req.output_ids.append(tok)
@@ -379,8 +431,11 @@ class Scheduler:
                         req.grammar.advance(tok)
                     except ValueError as e:
                         req.finish_reason, error = "abort", f"grammar: {e}"
-                req.check_finished(tok)
-                out = self._out(req, [tok])
+                if not req.finished:
+                    req.check_finished(tok)
+                if req.grammar is not None and not req.finished:
+                    self._jump_forward(req)
+                out = self._out(req, req.take_unreported())
                 out.error = error
                 if logprobs is not None and req.params.logprobs is not None:
                     lp = logprobs[i]
@@ -388,7 +443,7 @@ class Scheduler:
                     out.logprobs = [lp]
                 if i in plan.prompt_rows and not req.prompt_logprobs_sent:
                     a, b = plan.prompt_rows[i]
-                    out.prompt_logprobs = self._prompt_logprobs(req, logits[a:b])
+                    out.prompt_logprobs = prompt_logprobs(req, logits[a:b])
                     req.prompt_logprobs_sent = True
                 if req.finished:
                     self._release(req)
@@ -427,6 +482,8 @@ class Scheduler:
         not already hold), the rest to the allocator; unlock its prefix; free its table row."""
         if req in self.running:
             self.running.remove(req)
+        if req in self.jumped:
+            self.jumped.remove(req)
         if self.prefilling is req:
             self.prefilling = None
         full = min(req.kv_len // self.page_size, len(req.pages))
@@ -434,12 +491,18 @@ class Scheduler:
         duplicates = self.cache.insert(req.tokens(full * self.page_size), offered)
         own = set(req.pages[req.shared_pages :])
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
+        if req.session_id is not None and req.finish_reason in ("stop", "length"):
+            self.sessions.pin(req.session_id, req.tokens(full * self.page_size))
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0
         if req.pool_row is not None:
             self.table.free(req.pool_row)
             req.pool_row = None
+
+    def close_session(self, session: str) -> bool:
+        """Release `session`'s pin; whether it had one."""
+        return self.sessions.close(session)
 
     def _finish(self, req: Req, reason: str, error: str | None = None) -> TokenOut:
         req.finish_reason = req.finish_reason or reason
@@ -448,37 +511,41 @@ class Scheduler:
             self._release(req)
         if error:
             logger.warning("request %s failed: %s", req.rid, error)
-        out = self._out(req, [])
+        out = self._out(req, req.take_unreported())
         out.error = error
         return out
 
-    def _token_logprobs(self, result: SampleResult) -> list[TokenLogprob]:
-        ids = result.next_ids.tolist()
-        lps = result.logprobs.tolist()
-        ranks = result.ranks.tolist()
-        tops = (
-            list(zip(result.top_ids.tolist(), result.top_logprobs.tolist()))
-            if result.top_ids is not None
-            else [([], [])] * len(ids)
-        )
-        return [
-            TokenLogprob(t, lp, rk, list(zip(ti, tl)))
-            for t, lp, rk, (ti, tl) in zip(ids, lps, ranks, tops)
-        ]
+    # ---- grammars -------------------------------------------------------------------------
+    def _grammar_mask(self, reqs: list[Req]) -> dict[str, torch.Tensor]:
+        """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return {}
+        if self._bitmask is None:
+            vocab = max(self.vocab_size, self.grammar_compiler.vocab.size)
+            self._bitmask = BitmaskBuffer(vocab, self.device)
+        mask, idx = self._bitmask.fill([reqs[i].grammar for i in rows], rows)
+        return {"bitmask": mask, "bitmask_rows": idx}
 
-    def _prompt_logprobs(self, req: Req, rows: torch.Tensor) -> list[TokenLogprob | None]:
-        """Log-probabilities of prompt tokens 1..n-1 from the logits at positions 0..n-2."""
-        k = req.params.prompt_logprobs
-        lp = torch.log_softmax(rows[: req.prompt_len - 1], dim=-1)
-        targets = torch.tensor(req.input_ids[1:], device=lp.device)
-        chosen = lp.gather(1, targets[:, None])
-        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-        top = lp.topk(k, dim=-1) if k else None
-        out: list[TokenLogprob | None] = [None]
-        for j, (t, c) in enumerate(zip(req.input_ids[1:], chosen[:, 0].tolist())):
-            alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top else []
-            out.append(TokenLogprob(t, c, ranks[j], alts))
-        return out
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens `req`'s grammar forces next (see `jump_tokens`) without sampling
+        them; a running request then leaves `running` until an extend computes their KV. Sent
+        tokens never change, so the detokenizer needs nothing special. No jumps for requests
+        that want logprobs (forced tokens have no sampled logprobs)."""
+        p = req.params
+        if not self.jump_forward or p.logprobs is not None or p.prompt_logprobs is not None:
+            return
+        room = req.remaining_new_tokens - 1
+        forced = jump_tokens(req.grammar.forced_tokens(), room, p.stop_token_ids)
+        if not forced:
+            return
+        for t in forced:
+            req.grammar.advance(t)
+        req.output_ids.extend(forced)
+        self.stats.jump_forward_tokens += len(forced)
+        if req in self.running:
+            self.running.remove(req)
+            self.jumped.append(req)
 
     def _out(self, req: Req, new_ids: list[int]) -> TokenOut:
         out = TokenOut(
@@ -505,11 +572,17 @@ class Scheduler:
     def abort_all(self) -> list[TokenOut]:
         """Abort every request (after a failed forward, or at shutdown)."""
         reqs = list(self.waiting) + self.running + ([self.prefilling] if self.prefilling else [])
+        reqs += self.jumped + list(self.grammar_waiting)
         return [o for req in reqs for o in self._abort(req.rid)]
 
-    def control(self, op: str) -> dict[str, float]:
-        """Answer an operator request ("stats", "flush_cache", "check_invariants"); raises
-        `ValueError` for an unknown op and `AssertionError` when invariants fail."""
+    def control(self, op: str, arg: str | None = None) -> dict[str, float]:
+        """Answer an operator request ("stats", "flush_cache", "check_invariants",
+        "close_session" with the session id in `arg`); raises `ValueError` for an unknown op
+        and `AssertionError` when invariants fail."""
+        if op == "close_session":
+            if not arg:
+                raise ValueError("close_session: needs a session id")
+            return {"closed": float(self.close_session(arg))}
         if op == "stats":
             return self.stats.as_dict() | self.usage()
         if op == "flush_cache":
@@ -523,18 +596,23 @@ class Scheduler:
         cap = self.allocator.capacity_pages
         used = cap - self.allocator.free_pages - self.cache.evictable_pages
         return {
-            "running_requests": float(len(self.running) + (self.prefilling is not None)),
-            "queued_requests": float(len(self.waiting)),
+            "running_requests": float(
+                len(self.running) + len(self.jumped) + (self.prefilling is not None)
+            ),
+            "queued_requests": float(len(self.waiting) + len(self.grammar_waiting)),
             "kv_capacity_tokens": float(self.allocator.capacity_tokens),
             "kv_free_tokens": float(self.allocator.free_pages * self.page_size),
             "kv_cached_tokens": float(self.cache.total_pages * self.page_size),
             "kv_usage": used / cap,
+            "pinned_sessions": float(len(self.sessions)),
+            "pinned_tokens": float(self.sessions.pinned_pages * self.page_size),
         }
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Only when nothing runs; returns whether it flushed."""
-        if self.running or self.prefilling:
+        if self.running or self.prefilling or self.jumped:
             return False
+        self.sessions.close_all()
         self.stats.evicted_tokens += self.cache.total_pages * self.page_size
         self.cache.reset()
         return True
@@ -544,8 +622,9 @@ class Scheduler:
         """Every KV page is free, held by exactly one active request, or held by the cache;
         every cache lock is held by exactly one active request's prefix."""
         self.cache.check_invariants()
-        active = self.running + ([self.prefilling] if self.prefilling else [])
+        active = self.running + self.jumped + ([self.prefilling] if self.prefilling else [])
         assert self.prefilling is None or self.prefilling not in self.running
+        assert not set(map(id, self.jumped)) & set(map(id, self.running)), "jumped yet running"
         free = self.allocator.free_page_set()
         assert len(free) == self.allocator.free_pages, "a page is on the free list twice"
         owned = [p for r in active for p in r.pages[r.shared_pages :]]
@@ -560,11 +639,11 @@ class Scheduler:
         for r in active:
             assert set(r.pages[: r.shared_pages]) <= cached_set, "shared page not in the cache"
             assert len(r.pages) == self.allocator.pages_for(r.kv_len), "pages != kv length"
-        # Lock counts: each active request with a cache node holds one lock on its path.
+        # Lock counts: each active request with a cache node, and each pinned program
+        # session, holds one lock on its path.
         if isinstance(self.cache, RadixCache):
             expected: dict[int, int] = {}
-            for r in active:
-                node = r.cache_node
+            for node in [r.cache_node for r in active] + self.sessions.nodes():
                 while node is not None and node is not self.cache.root:
                     expected[id(node)] = expected.get(id(node), 0) + 1
                     node = node.parent
@@ -574,3 +653,8 @@ class Scheduler:
         assert None not in rows and len(set(rows)) == len(rows)
         assert self.table.free_slots + len(rows) == self.table.size, "table rows leaked"
         assert all(r.pool_row is None and not r.pages for r in self.waiting)
+        assert all(r.pool_row is None and not r.pages for r in self.grammar_waiting)
+
+
+def _no_tokenizer() -> GrammarCompiler:
+    raise ValueError("json_schema/regex/choice: this model has no tokenizer")

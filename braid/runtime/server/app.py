@@ -8,6 +8,7 @@ itself died (then the server exits).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -22,17 +23,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from braid.runtime.function_call.base import ToolCallStream
+from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
+    CloseSessionRequest,
     CompletionRequest,
     GenerateRequest,
+    TokenizeRequest,
     native_sampling_params,
 )
 from braid.runtime.tokenizer.manager import RuntimeDied, TokenizerManager
+from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 from braid.runtime.tokenizer.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,12 @@ class ServerState:
     max_body_bytes: int = 16 * 1024 * 1024
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     server_args: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
+
+    @functools.cached_property
+    def role_template(self) -> RoleTemplate:
+        """The chat template's role boundaries, for language clients (RuntimeEndpoint)."""
+        return role_template(self.tokenizer)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -149,6 +161,7 @@ class _Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     token_texts: dict[int, str] = field(default_factory=dict)
     first_at: float | None = None
     last_at: float | None = None
@@ -167,6 +180,8 @@ def _absorb(state: ServerState, c: _Choice, out: StrOut, now: float, t0: float) 
     c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
     if out.logprobs:
         c.logprobs += out.logprobs
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs
     if out.token_texts:
         c.token_texts.update(out.token_texts)
     if out.finish_reason:
@@ -244,7 +259,50 @@ def _completion_logprobs(state: ServerState, c: _Choice, offset: int = 0) -> dic
     }
 
 
-def _render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
+def _echo(
+    state: ServerState, req: CompletionRequest, prompt: tuple[str | None, list[int]], c: _Choice
+) -> dict[str, Any]:
+    """A completion choice with the prompt echoed: its text first, and with logprobs, the
+    prompt tokens' log-probabilities first (None for the first token). `max_tokens=0` echoes
+    the prompt alone."""
+    text, ids = prompt
+    if text is None:
+        text = state.tokenizer.decode(ids) if state.tokenizer is not None else ""
+    only = req.max_tokens == 0
+    out: dict[str, Any] = {"text": text + ("" if only else c.text)}
+    if req.logprobs is None:
+        return out
+    lps = c.prompt_logprobs or [None] * len(ids)
+    tokens, values, tops, offsets, pos = [], [], [], [], 0
+    for tid, lp in zip(ids, lps):
+        tok = _text_of(state, tid, c.token_texts)
+        tokens.append(tok)
+        values.append(None if lp is None else lp.logprob)
+        tops.append(
+            None if lp is None else {_text_of(state, t, c.token_texts): v for t, v in lp.top}
+        )
+        offsets.append(pos)
+        pos += len(tok)
+    if not only:
+        gen = _completion_logprobs(state, c, pos)
+        tokens += gen["tokens"]
+        values += gen["token_logprobs"]
+        tops += gen["top_logprobs"]
+        offsets += gen["text_offset"]
+    out["logprobs"] = {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+    if only:
+        out["finish_reason"] = "length"
+    return out
+
+
+def _render_messages(
+    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> str:
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
     messages = []
@@ -269,7 +327,40 @@ def _render_messages(state: ServerState, req: ChatCompletionRequest) -> str:
         messages,
         add_generation_prompt=req.add_generation_prompt,
         chat_template=req.chat_template,
+        tools=tools,
     )
+
+
+def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
+    try:
+        return ToolPlan.resolve(
+            req.tools, req.tool_choice, req.parallel_tool_calls, parser=state.tool_call_parser
+        )
+    except ValueError as e:
+        msg = str(e)
+        raise APIError(400, msg, msg.split(":", 1)[0]) from None
+
+
+def _chat_message(c: _Choice, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice and its finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": c.text}, _finish(c)
+    content, calls = plan.parse(c.text)
+    if not calls:
+        return {"role": "assistant", "content": content}, _finish(c)
+    message = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [call.to_openai() for call in calls],
+    }
+    return message, finish_reason(_finish(c), len(calls))
+
+
+def _tool_deltas(ts: ToolCallStream, out: StrOut) -> list[dict[str, Any]]:
+    deltas = ts.feed(out.text) if out.text else []
+    if out.finish_reason:
+        deltas += ts.finish()
+    return [d.to_openai() for d in deltas]
 
 
 # ---- the app ------------------------------------------------------------------------------
@@ -366,6 +457,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             "is_generation": True,
             "context_length": r.context_length,
             "vocab_size": r.vocab_size,
+            "role_template": state.role_template.to_dict(),
         }
 
     @app.get("/get_server_info")
@@ -391,6 +483,18 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             return error_response(400, "cannot flush the cache while requests are running")
         return PlainTextResponse("Cache flushed.\n")
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: the prompt's token ids as this server would feed them."""
+        ids = _tokenize_prompts(state, body.prompt)[0][1]
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
+
+    @app.post("/close_session")
+    async def close_session(body: CloseSessionRequest):
+        """Release what a program session keeps cached."""
+        result = await state.tm.control("close_session", arg=body.session_id)
+        return {"success": bool(result.get("closed"))}
+
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
         state.tm.abort(body.rid)
@@ -407,14 +511,15 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(state, req.model)
-        if req.echo:
-            raise APIError(400, "echo: not supported", "echo")
+        if req.echo and req.stream:
+            raise APIError(400, "echo: not supported with stream=true", "echo")
         prompts = _tokenize_prompts(state, req.prompt)
-        params = req.sampling_params(
-            state.defaults,
-            max_tokens=req.max_tokens if req.max_tokens is not None else 16,
-            logprobs=req.logprobs,
-        )
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        if req.echo and max_tokens == 0:
+            max_tokens = 1  # echo only: one token is generated and dropped
+        params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params = params.replace(prompt_logprobs=req.logprobs)
         for i, (_, ids) in enumerate(prompts):
             state.tm.validate(ids, params, where="prompt" if len(prompts) == 1 else f"prompt {i}")
         return await _run_openai(state, "text_completion", req, prompts, params)
@@ -426,15 +531,21 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             raise APIError(400, "messages: must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
-        text = _render_messages(state, req)
+        plan = _tool_plan(state, req)
+        text = _render_messages(state, req, plan.template_tools if plan else None)
         ids = state.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
+        if plan is not None:
+            try:
+                params = plan.sampling_params(params)
+            except ValueError as e:
+                raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
         state.tm.validate(ids, params, where="messages")
-        return await _run_openai(state, "chat.completion", req, [(text, ids)], params)
+        return await _run_openai(state, "chat.completion", req, [(text, ids)], params, plan)
 
     # ---- native ----
     @app.post("/generate")
@@ -448,6 +559,10 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         params = native_sampling_params(req.sampling_params, state.defaults)
         if req.return_logprob:
             params = params.replace(logprobs=req.top_logprobs_num)
+            if req.logprob_start_len >= 0:
+                params = params.replace(
+                    prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
+                )
         if params.n != 1:
             raise APIError(400, "sampling_params.n: /generate takes n=1; send a batch", "n")
         for i, (_, ids) in enumerate(prompts):
@@ -459,7 +574,8 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         streams = []
         for rid, (_, ids) in zip(rids, prompts):
             state.metrics.prompt_tokens += len(ids)
-            streams.append(state.tm.stream(state.tm.submit(rid, ids, params)[0]))
+            rid = state.tm.submit(rid, ids, params, session_id=req.session_id)[0]
+            streams.append(state.tm.stream(rid))
         choices = [_Choice() for _ in prompts]
 
         def native(i: int) -> dict[str, Any]:
@@ -479,6 +595,17 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
                     [lp.logprob, lp.token_id, _text_of(state, lp.token_id, c.token_texts)]
                     for lp in c.logprobs
                 ]
+                if c.prompt_logprobs is not None:
+                    start = max(0, req.logprob_start_len)
+                    meta["input_token_logprobs"] = [
+                        [
+                            None if lp is None else lp.logprob,
+                            prompts[i][1][pos],
+                            _text_of(state, prompts[i][1][pos], c.token_texts),
+                        ]
+                        for pos, lp in enumerate(c.prompt_logprobs)
+                        if pos >= start
+                    ]
             return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
         if req.stream:
@@ -504,8 +631,10 @@ async def _run_openai(
     req: CompletionRequest | ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
     params: SamplingParams,
+    tools: ToolPlan | None = None,
 ):
-    """Submit every (prompt, sample), then answer in full or as an SSE stream."""
+    """Submit every (prompt, sample), then answer in full or as an SSE stream. With `tools`
+    (chat only), outputs become content and tool calls."""
     chat = kind == "chat.completion"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
@@ -518,6 +647,7 @@ async def _run_openai(
         for srid in state.tm.submit(f"{rid}-{i}", ids, params):
             streams.append(state.tm.stream(srid))
     choices = [_Choice() for _ in streams]
+    prompt_of = [i for i in range(len(prompts)) for _ in range(params.n)]
     top = params.logprobs or 0
 
     def logprobs_of(c: _Choice, offset: int = 0):
@@ -539,7 +669,9 @@ async def _run_openai(
                 "logprobs": logprobs_of(c),
             }
             if chat:
-                item["message"] = {"role": "assistant", "content": c.text}
+                item["message"], item["finish_reason"] = _chat_message(c, tools)
+            elif getattr(req, "echo", False):
+                item.update(_echo(state, req, prompts[prompt_of[i]], c))
             else:
                 item["text"] = c.text
             if c.stop_reason is not None:
@@ -584,10 +716,14 @@ async def _run_openai(
             )
         sent_logprobs = [0] * len(choices)  # logprobs already streamed, per choice
         sent_text = [0] * len(choices)
+        # One tool-call stream per choice when the output is parsed into calls.
+        parsers = [tools.stream() for _ in choices] if chat and tools is not None else []
+        calls: list[ToolCallStream] | None = parsers if parsers and parsers[0] else None
         async for i, out in _merge(streams):
             c = choices[i]
             _absorb(state, c, out, time.perf_counter(), t0)
-            if not out.text and not out.finish_reason:
+            deltas = _tool_deltas(calls[i], out) if calls is not None else None
+            if (not out.text if deltas is None else not deltas) and not out.finish_reason:
                 continue  # held-back text: its tokens' logprobs go with the next chunk
             delta_c = _Choice(logprobs=c.logprobs[sent_logprobs[i] :], token_texts=c.token_texts)
             sent_logprobs[i] = len(c.logprobs)
@@ -598,6 +734,22 @@ async def _run_openai(
                 "logprobs": lp,
                 "finish_reason": _finish(c) if out.finish_reason else None,
             }
+            if deltas is not None and calls is not None:
+                # One chunk per delta: logprobs on the first, the finish reason on the last.
+                finish = finish_reason(item["finish_reason"], calls[i].num_calls)
+                for k, d in enumerate(deltas or [{}]):
+                    last = k == max(len(deltas), 1) - 1
+                    yield chunk(
+                        [
+                            {
+                                "index": i,
+                                "logprobs": lp if k == 0 else None,
+                                "finish_reason": finish if last else None,
+                                "delta": d,
+                            }
+                        ]
+                    )
+                continue
             if chat:
                 item["delta"] = {"content": out.text} if out.text else {}
             else:

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from braid._logging import configure_logging
+from braid.runtime.function_call import PARSER_NAMES
 
 logger = logging.getLogger("braid.serve")
 
@@ -39,9 +40,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     s.add_argument("--disable-radix-cache", action="store_true")
     s.add_argument("--chat-template", default=None, help="a Jinja template file or string")
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "none", *PARSER_NAMES],
+        help="how tool_choice 'auto' reads calls from the text (default: auto, detected from "
+        "the chat template; none: never parse)",
+    )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    s.add_argument(
+        "--attention-backend",
+        default=None,
+        help="triton or torch_native (default: triton on CUDA, torch_native on CPU)",
+    )
+    s.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=160,
+        help="largest decode batch replayed from a CUDA graph (default: 160)",
+    )
+    s.add_argument(
+        "--disable-cuda-graph", action="store_true", help="run every decode step eagerly"
+    )
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a json_schema/regex/choice grammar may take to compile (default: 30)",
+    )
+    s.add_argument(
+        "--disable-jump-forward",
+        action="store_true",
+        help="sample every token a grammar forces instead of appending it",
+    )
     s.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     s.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
@@ -76,6 +109,11 @@ def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             load_format=args.load_format,
             show_progress=False,
+            grammar_compile_timeout_s=args.grammar_compile_timeout,
+            disable_jump_forward=args.disable_jump_forward,
+            attention_backend=args.attention_backend,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
         )
         assets = ModelAssets.load(args.model)
     except ValueError as e:
@@ -85,6 +123,13 @@ def serve(args: argparse.Namespace) -> int:
     if args.chat_template and tokenizer is not None:
         tpl = args.chat_template
         tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl
+
+    from braid.runtime.function_call import resolve_parser_name
+
+    tool_call_parser = resolve_parser_name(
+        args.tool_call_parser, tokenizer.chat_template if tokenizer is not None else None
+    )
+    logger.info("braid serve: tool-call parser: %s", tool_call_parser or "none")
 
     def on_failure(message: str) -> None:
         logger.error("braid serve: shutting down: %s", message)
@@ -103,6 +148,7 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_request_bytes,
         server_args={k: v for k, v in vars(args).items() if k != "api_key"},
+        tool_call_parser=tool_call_parser,
     )
 
     def on_ready() -> None:

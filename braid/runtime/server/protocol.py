@@ -128,6 +128,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # Tool calling: shapes are checked by braid.runtime.function_call, whose errors name the
+    # field precisely (tools[i].function.name, tool_choice.function.name, ...).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = True
 
 
 class GenerateRequest(_Body):
@@ -139,11 +144,23 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
+    logprob_start_len: int = -1
     rid: str | None = None
+    # A program session: the finished sequence stays cached for it until /close_session.
+    session_id: str | None = None
 
 
 class AbortRequest(_Body):
     rid: str
+
+
+class CloseSessionRequest(_Body):
+    session_id: str
+
+
+class TokenizeRequest(_Body):
+    prompt: str
 
 
 # SGLang's native sampling_params names -> braid's

@@ -265,8 +265,15 @@ class TokenizerManager:
         digest = hashlib.sha256(f"{params.seed}/{index}".encode()).digest()
         return fold_seed(int.from_bytes(digest[:8], "little"))
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> list[str]:
-        """Queue `params.n` samples of one prompt (validated already); returns their rids."""
+    def submit(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+    ) -> list[str]:
+        """Queue `params.n` samples of one prompt (validated already); returns their rids.
+        With `session_id`, each finished sample's sequence is pinned for that program session."""
         self._check_alive()
         rids = []
         for k in range(params.n):
@@ -274,7 +281,9 @@ class TokenizerManager:
             if srid in self._pending:
                 raise ValueError(f"request id {srid!r} is already in use")
             self._pending[srid] = _Pending()
-            msg = GenerateReq(srid, list(input_ids), params, self.sample_seed(params, k))
+            msg = GenerateReq(
+                srid, list(input_ids), params, self.sample_seed(params, k), session_id
+            )
             self._to_sched.send_multipart(codec.encode(msg))
             rids.append(srid)
         return rids
@@ -298,14 +307,16 @@ class TokenizerManager:
             return
         self._to_sched.send_multipart(codec.encode(AbortReq(rid)))
 
-    async def control(self, op: str, timeout: float = 60.0) -> dict[str, float]:
+    async def control(
+        self, op: str, timeout: float = 60.0, arg: str | None = None
+    ) -> dict[str, float]:
         """Run an operator request in the scheduler ("stats", "flush_cache",
         "check_invariants"); raises `RuntimeError` with the scheduler's message if it fails."""
         self._check_alive()
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self._control[req_id] = fut
-        self._to_sched.send_multipart(codec.encode(ControlReq(req_id, op)))
+        self._to_sched.send_multipart(codec.encode(ControlReq(req_id, op, arg)))
         try:
             out: ControlOut = await asyncio.wait_for(fut, timeout)
         finally:

@@ -81,6 +81,34 @@ def _check_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}].role must be a string")
 
 
+def _for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: an assistant message with only tool calls has
+    content "" (not None), and tool-call arguments are objects, not the JSON text OpenAI
+    sends (templates write them with `tojson`). The caller's dicts are not modified."""
+    import json
+
+    out = []
+    for m in messages:
+        if m.get("content") is None:
+            m = {**m, "content": ""}
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"])
+                    except ValueError:
+                        args = None
+                    if isinstance(args, dict):
+                        c = {**c, "function": {**fn, "arguments": args}}
+                fixed.append(c)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -89,8 +117,11 @@ def render_chat(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own."""
+    """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own.
+    `tools` (OpenAI tool dicts) are passed to the template, which decides how to show them;
+    messages may include assistant `tool_calls` and `role: "tool"` results."""
     _check_messages(messages)
+    messages = _for_template(messages)
     template = chat_template or tokenizer.chat_template
     if not template:
         raise ValueError(

@@ -1,0 +1,316 @@
+"""Paged decode attention: one new query token per request over its whole KV, read through
+the request-to-token table, split along the sequence (split-K).
+
+Stage 1 runs one program per (request, KV head and block of its query heads, split): the
+query heads that share a KV head (GQA) are one [BLOCK_H, head_dim] block, so each K/V row
+is read once per group and the scores are one matrix product. Each program writes its split's
+normalised partial output and log-sum-exp (base 2) into a float32 workspace. Stage 2 runs one
+program per (request, head) and merges the splits. The grid depends only on the batch size,
+the head counts and `num_kv_splits`, never on sequence lengths, and nothing is read back to
+the host, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import (
+    FLOAT_DTYPES,
+    LOG2E,
+    check_contiguous,
+    check_index,
+    check_paged_kv,
+    check_shape,
+    check_tensor,
+    check_window,
+    dot_precision,
+    next_pow2,
+)
+
+# Online-softmax running max starts finite: a block whose keys are all masked for a row then
+# gives exp2(-inf - m) = 0, not exp2(-inf + inf) = NaN.
+_M_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _decode_stage1(
+    Q,
+    KCache,
+    VCache,
+    ReqToToken,
+    ReqIdx,
+    SeqLens,
+    MidO,
+    MidLse,
+    scale_log2,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_rt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    H_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = pid_h // H_BLOCKS
+    offs_g = (pid_h % H_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    row = tl.load(ReqIdx + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    lo = seq_len * 0
+    if USE_WINDOW:
+        # The query sits at position seq_len - 1 and sees keys p with (seq_len - 1) - p < window.
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], _M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    table_row = ReqToToken + row * stride_rt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            KCache + loc[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            VCache + loc[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptr + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO,
+    MidLse,
+    O,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    # Empty splits carry lse = -inf and weigh 0; the floor keeps an all-empty row finite.
+    m = tl.maximum(tl.max(lse, 0), _M_INIT)
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1.0e-30)
+    tl.store(O + b * stride_outb + h * stride_outh + offs_d, out, mask=mask_d)
+
+
+def workspace_numel(batch: int, num_heads: int, head_dim: int, num_kv_splits: int) -> int:
+    """float32 elements `decode_attention` needs as `workspace` for these sizes."""
+    return batch * num_heads * num_kv_splits * (head_dim + 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    num_kv_splits: int = 8,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its first `seq_lens[b]` tokens.
+
+    `q`: [batch, heads, head_dim] (unit stride in head_dim); `k_cache`, `v_cache`: contiguous
+    [slots, kv_heads, head_dim] of q's dtype, with heads a multiple of kv_heads and
+    head_dim >= 16; `req_to_token`: int32/int64 [rows, max_context], row-major with unit
+    column stride, mapping (row, position) to a KV slot; `req_pool_indices`, `seq_lens`:
+    int32/int64 [batch] on q's device. Request b reads slots
+    `req_to_token[req_pool_indices[b], :seq_lens[b]]` (every one must be a valid slot); its
+    query is at position seq_lens[b] - 1. With `window`, only the last `window` positions are
+    attended (Mistral's sliding window). Each seq_len must be >= 1 (a row with 0 gives zeros).
+
+    `num_kv_splits` (>= 1) is how many pieces each sequence is cut into; `out` ([batch, heads,
+    head_dim] of q's dtype, unit stride in head_dim) and `workspace` (contiguous float32 with
+    at least `workspace_numel(batch, heads, head_dim, num_kv_splits)` elements) are used when
+    given, else allocated. The launch never synchronises with the host. Returns the output.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    batch, num_heads, _ = q.shape
+    device = q.device
+    kv_heads, head_dim = check_paged_kv(q, k_cache, v_cache, req_to_token, num_heads)
+    check_index("req_pool_indices", req_pool_indices, batch, device)
+    check_index("seq_lens", seq_lens, batch, device)
+    if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be a positive integer, got {num_kv_splits!r}")
+    win = check_window(window)
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape("out", out, (batch, num_heads, head_dim))
+    need = workspace_numel(batch, num_heads, head_dim, num_kv_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    else:
+        check_tensor("workspace", workspace, dtypes=(torch.float32,), device=device)
+        check_contiguous("workspace", workspace)
+        if workspace.numel() < need:
+            raise ValueError(f"workspace has {workspace.numel()} elements, needs {need}")
+    if batch == 0:
+        return out
+    workspace = workspace.reshape(-1)
+    n_o = batch * num_heads * num_kv_splits * head_dim
+    mid_o = workspace[:n_o].view(batch, num_heads, num_kv_splits, head_dim)
+    mid_lse = workspace[n_o : n_o + batch * num_heads * num_kv_splits].view(
+        batch, num_heads, num_kv_splits
+    )
+
+    group = num_heads // kv_heads
+    block_h = max(16, min(64, next_pow2(group)))
+    block_d = next_pow2(head_dim)
+    block_n = 32 if block_d >= 256 else 64
+    h_blocks = triton.cdiv(group, block_h)
+    _decode_stage1[(batch, kv_heads * h_blocks, num_kv_splits)](
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        win,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=block_h,
+        H_BLOCKS=h_blocks,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_kv_splits,
+        USE_WINDOW=win > 0,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_stage2[(batch, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_kv_splits,
+        BLOCK_S=max(2, next_pow2(num_kv_splits)),
+        num_warps=4 if block_d <= 128 else 8,
+    )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """What `decode_attention` computes, request by request in float32; output in q's dtype."""
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        lo = max(0, n - window) if window is not None else 0
+        slots = req_to_token[int(req_pool_indices[b]), lo:n].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, heads, d]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,311 @@
+"""Extend (prefill) attention over a ragged batch with cached prefixes.
+
+Request b has `prefix_lens[b]` tokens already in the KV pool (read through the
+request-to-token table) and `extend_lens[b]` new tokens, laid end to end in `q`, `k`, `v`
+from row `extend_start_loc[b]`. Each new token attends to the whole prefix and causally to the
+new tokens up to itself (optionally only the last `window` positions). One program computes
+one block of `BLOCK_M` new tokens of one request for one query head, with an online softmax:
+first over the prefix, read from the pool, then over the new keys, read from `k` and `v`
+directly, so the new tokens need not be in the pool yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    LOG2E,
+    check_index,
+    check_paged_kv,
+    check_shape,
+    check_tensor,
+    check_window,
+    dot_precision,
+    next_pow2,
+)
+
+_M_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    KCache,
+    VCache,
+    O,
+    ReqToToken,
+    ReqIdx,
+    PrefixLens,
+    ExtendLens,
+    ExtendStart,
+    scale_log2,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_ot,
+    stride_oh,
+    stride_rt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    ext_len = tl.load(ExtendLens + b).to(tl.int32)
+    if m_start >= ext_len:
+        return
+    kvh = h // GROUP
+    prefix = tl.load(PrefixLens + b).to(tl.int32)
+    q_start = tl.load(ExtendStart + b).to(tl.int64)
+    row = tl.load(ReqIdx + b).to(tl.int64)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < ext_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # The cached prefix: every new token sees all of it (within the window).
+    q_pos = prefix + offs_m
+    lo = prefix * 0
+    if USE_WINDOW:
+        lo = tl.maximum(prefix + m_start - window + 1, 0)
+    table_row = ReqToToken + row * stride_rt
+    for n0 in range(lo, prefix, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix
+        loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            KCache + loc[:, None] * stride_kcs + kvh * stride_kch + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            VCache + loc[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        visible = mask_n[None, :]
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC)
+
+    # The new tokens, causally: keys up to the last query of this block.
+    hi = tl.minimum(ext_len, m_start + BLOCK_M)
+    lo = m_start * 0
+    if USE_WINDOW:
+        lo = tl.maximum(m_start - window + 1, 0)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        rows_n = q_start + offs_n
+        k = tl.load(
+            K + rows_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            V + rows_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_m[:, None] - offs_n[None, :] < window)
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out,
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) by head size; float32 tiles take twice the registers."""
+    block_d = next_pow2(head_dim)
+    if block_d <= 64:
+        m, n, warps = 64, 64, 4
+    elif block_d <= 128:
+        m, n, warps = 64, 64, 4
+    else:
+        m, n, warps = 32, 32, 8
+    if dtype == torch.float32 and device.type == "cuda":
+        m, n = max(16, m // 2), max(16, n // 2)
+    return m, n, warps
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached prefix and themselves.
+
+    `q`: [tokens, heads, head_dim]; `k`, `v`: [tokens, kv_heads, head_dim] (the new tokens'
+    keys and values; any token stride, unit stride in head_dim), all of the caches' dtype;
+    `k_cache`, `v_cache`: contiguous [slots, kv_heads, head_dim]; `req_to_token`: int32/int64
+    [rows, max_context]; `req_pool_indices`, `prefix_lens`, `extend_lens`, `extend_start_loc`:
+    int32/int64 [batch] on q's device. Request b's new tokens are rows
+    `extend_start_loc[b] : extend_start_loc[b] + extend_lens[b]` of q/k/v, at positions
+    `prefix_lens[b] + i`; its prefix KV slots are `req_to_token[req_pool_indices[b],
+    :prefix_lens[b]]` (the prefix is only read from the pool, the new tokens only from k/v).
+    `window`: a key at position p is visible to a query at position t iff t - window < p <= t.
+
+    `max_extend_len` (a host int >= every extend_lens[b]) sizes the grid; when None it is read
+    from `extend_lens` (one host synchronisation). Rows of `out` ([tokens, heads, head_dim],
+    q's dtype) that belong to no request are left untouched. Returns the output.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    tokens, num_heads, _ = q.shape
+    device = q.device
+    kv_heads, head_dim = check_paged_kv(q, k_cache, v_cache, req_to_token, num_heads)
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape(name, t, (tokens, kv_heads, head_dim))
+    check_tensor("extend_lens", extend_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    batch = extend_lens.shape[0]
+    check_index("req_pool_indices", req_pool_indices, batch, device)
+    check_index("prefix_lens", prefix_lens, batch, device)
+    check_index("extend_start_loc", extend_start_loc, batch, device)
+    win = check_window(window)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape("out", out, tuple(q.shape))
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max()) if batch > 0 else 0
+    elif not isinstance(max_extend_len, int) or max_extend_len < 0:
+        raise ValueError(f"max_extend_len must be a non-negative integer, got {max_extend_len!r}")
+    if batch == 0 or tokens == 0 or max_extend_len == 0:
+        return out
+
+    block_m, block_n, warps = _blocks(head_dim, q.dtype, device)
+    grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start_loc,
+        sm_scale * LOG2E,
+        win,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_WINDOW=win > 0,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=1,
+    )
+    return out
+
+
+def extend_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """What `extend_attention` computes, request by request in float32; output in q's dtype
+    (rows of no request are zero)."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(extend_lens.shape[0]):
+        prefix, n, s0 = int(prefix_lens[b]), int(extend_lens[b]), int(extend_start_loc[b])
+        slots = req_to_token[int(req_pool_indices[b]), :prefix].long()
+        kk = torch.cat([k_cache[slots], k[s0 : s0 + n]]).float().repeat_interleave(group, 1)
+        vv = torch.cat([v_cache[slots], v[s0 : s0 + n]]).float().repeat_interleave(group, 1)
+        scores = torch.einsum("thd,nhd->htn", q[s0 : s0 + n].float(), kk) * sm_scale
+        q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
+        k_pos = torch.arange(prefix + n, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= q_pos - k_pos < window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[s0 : s0 + n] = torch.einsum("htn,nhd->thd", scores.softmax(-1), vv).to(q.dtype)
+    return out

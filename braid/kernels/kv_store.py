@@ -1,0 +1,120 @@
+"""Write new tokens' K and V rows into the KV pool at their slots.
+
+The pool layout is `KVPool`'s: one [slots, kv_heads, head_dim] buffer per layer for K and one
+for V. A token's row (kv_heads * head_dim values) is contiguous in the pool, so one program
+copies one token's row (in chunks of `BLOCK`) for K and V together.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    next_pow2,
+)
+
+
+@triton.jit
+def _store_kv_kernel(
+    KCache,
+    VCache,
+    K,
+    V,
+    Loc,
+    stride_kt,
+    stride_vt,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(K + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    tl.store(KCache + slot * ROW + offs, k, mask=mask)
+    tl.store(VCache + slot * ROW + offs, v, mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    check_tensor(name, t, ndim=3, dtypes=FLOAT_DTYPES)
+    if tuple(t.shape[1:]) != (kv_heads, head_dim):
+        raise ValueError(
+            f"{name} must have shape [n, {kv_heads}, {head_dim}] (the pool's), got {tuple(t.shape)}"
+        )
+    # Each token's [kv_heads, head_dim] block must be one contiguous row (the token stride may
+    # be anything: k and v are often column slices of a fused QKV output).
+    if t.shape[0] > 0 and t.stride(1) != head_dim and kv_heads > 1:
+        raise ValueError(f"{name} must be contiguous within a token, got strides {t.stride()}")
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """`k_cache[loc[i]] = k[i]` and `v_cache[loc[i]] = v[i]` for every i, in place.
+
+    `k_cache`, `v_cache`: contiguous [slots, kv_heads, head_dim] (one layer of `KVPool`);
+    `k`, `v`: [n, kv_heads, head_dim] of the cache's dtype, contiguous within each token;
+    `loc`: int64 [n] slot indices on the same device, each in [0, slots). Slots in `loc`
+    should be distinct (a repeated slot gets one of the writes). No host synchronisation.
+    """
+    check_tensor("k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES)
+    device = k_cache.device
+    check_tensor("v_cache", v_cache, ndim=3, device=device)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+    _, kv_heads, head_dim = k_cache.shape
+    _check_rows("k", k, kv_heads, head_dim)
+    _check_rows("v", v, kv_heads, head_dim)
+    for name, t in (("k", k), ("v", v)):
+        check_same_dtype(name, t, "k_cache", k_cache)
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+    n = k.shape[0]
+    check_tensor("loc", loc, ndim=1, dtypes=(torch.int64,), device=device)
+    check_shape("v", v, tuple(k.shape))
+    if loc.shape[0] != n:
+        raise ValueError(f"loc has {loc.shape[0]} entries, but k has {n} rows")
+    if n == 0:
+        return
+    row = kv_heads * head_dim
+    block = min(next_pow2(row), 4096)
+    grid = (n, triton.cdiv(row, block))
+    _store_kv_kernel[grid](
+        k_cache,
+        v_cache,
+        k,
+        v,
+        loc,
+        k.stride(0),
+        v.stride(0),
+        ROW=row,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+def store_kv_reference(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """What `store_kv` does, in plain torch (`KVPool.store`)."""
+    k_cache[loc] = k
+    v_cache[loc] = v

@@ -1,0 +1,275 @@
+"""Attention through braid's Triton kernels (`braid.kernels`) over the paged KV cache.
+
+Each layer writes the new tokens' K/V into the pool with `store_kv`, then runs
+`extend_attention` (new tokens over their cached prefix, read through the request-to-token
+table, and causally among themselves) or `decode_attention` (split-K over the table). The
+per-forward metadata is built once per forward and shared by every layer; for decode it is
+only device tensors and ints, so a decode step can be captured in a CUDA graph (see
+`TritonBackend`). Runs on CUDA, and on CPU under TRITON_INTERPRET=1 (slowly: for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from braid.kernels.attention_decode import decode_attention, workspace_numel
+from braid.kernels.attention_extend import extend_attention
+from braid.kernels.kv_store import store_kv
+from braid.runtime.attention import register_backend
+from braid.runtime.attention.base import AttentionBackend
+from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
+from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+
+# Decode splits: enough programs to fill a GPU (about this many) without merging many tiny
+# partial results; a power of two between 1 and MAX_KV_SPLITS.
+_TARGET_PROGRAMS = 1024
+MAX_KV_SPLITS = 16
+# The table row and length given to padded rows of a captured decode batch.
+PAD_REQ_ROW = 0
+PAD_SEQ_LEN = 1
+
+
+def _interpreting() -> bool:
+    # The values Triton itself reads as true for this variable.
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
+
+
+@dataclass(frozen=True)
+class _DecodeMeta:
+    req_pool_indices: torch.Tensor  # [bs] rows of the request-to-token table
+    seq_lens: torch.Tensor  # [bs] lengths including the new token
+    workspace: torch.Tensor  # float32 split partials, reused by every layer
+    num_kv_splits: int
+
+
+@dataclass(frozen=True)
+class _ExtendMeta:
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    max_extend_len: int
+
+
+@dataclass(frozen=True)
+class _GraphBuffers:
+    max_bs: int
+    req_pool_indices: torch.Tensor  # int64 [max_bs]
+    seq_lens: torch.Tensor  # int64 [max_bs]
+    workspace: torch.Tensor  # float32, sized for max_bs at any split count
+
+
+@register_backend("triton")
+class TritonBackend(AttentionBackend):
+    """Triton attention over `KVPool` and `ReqToTokenPool`.
+
+    Eager use is `init_forward_metadata(batch)` then `forward(...)` per layer, as for every
+    backend. `num_kv_splits` fixes the decode split count; by default it depends only on the
+    batch size (`kv_splits_for(bs)`), so a captured graph for a batch size always uses the same.
+
+    CUDA-graph contract (decode only):
+
+    1. `init_cuda_graph_state(max_bs)`, once, allocates static int64 `req_pool_indices` and
+       `seq_lens` buffers of `max_bs` entries and a workspace big enough for any bs <= max_bs.
+    2. Capture at padded batch size bs: the runner builds a decode `ForwardBatch` of bs rows
+       over its own static input buffers, calls `init_forward_metadata_capture_cuda_graph(
+       batch)` (instead of `init_forward_metadata`) and captures the model forward. The
+       metadata refers to the first bs entries of the static buffers, which are set to
+       padding values.
+    3. Replay: `init_forward_metadata_replay_cuda_graph(batch, bs)` with the real decode batch
+       of n <= bs requests copies its `req_pool_indices` and `seq_lens` into the static
+       buffers in place (device copies, no host synchronisation) and fills rows n..bs-1 with
+       padding: table row `PAD_REQ_ROW` and length `PAD_SEQ_LEN` (1). A padded row therefore
+       reads one KV slot, `req_to_token[PAD_REQ_ROW, 0]`: page 0's slot 0 while that row has
+       never been used (the table starts zeroed), else some request's slot; either way a valid
+       index, so the read is harmless and its output row is discarded (`ReqToTokenPool` has no
+       reserved padding row; reserving one would make the read exactly slot 0). The runner
+       pads its own `out_cache_loc` with
+       slot 0 (the padding page, which `KVPool` reserves), so padded K/V writes land there.
+       Then it replays the graph and reads the first n rows of the output.
+    """
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        device = req_to_token.table.device
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(
+                f"attention_backend 'triton' runs on CUDA; on {device.type} it needs "
+                "TRITON_INTERPRET=1 set before start (slow: for tests) or 'torch_native'"
+            )
+        if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+            raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.num_kv_splits = num_kv_splits
+        self._graph: _GraphBuffers | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.req_to_token.table.device
+
+    def kv_splits_for(self, bs: int) -> int:
+        """Decode split count for a batch of `bs` requests (a function of bs alone)."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        if self.device.type != "cuda":
+            # The CPU interpreter runs programs one after another: splitting only adds work
+            # (two splits still exercise the merge).
+            return 2
+        programs = max(1, bs * self.num_kv_heads)
+        splits = 1
+        while splits < MAX_KV_SPLITS and programs * splits < _TARGET_PROGRAMS:
+            splits *= 2
+        return splits
+
+    def _workspace(self, bs: int, splits: int) -> torch.Tensor:
+        n = workspace_numel(bs, self.num_heads, self.head_dim, splits)
+        return torch.empty(n, dtype=torch.float32, device=self.device)
+
+    # ---- eager ----------------------------------------------------------------------------
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        if batch.mode is ForwardMode.DECODE:
+            splits = self.kv_splits_for(bs)
+            batch.attn_metadata = _DecodeMeta(
+                req_pool_indices=batch.req_pool_indices,
+                seq_lens=batch.seq_lens,
+                workspace=self._workspace(bs, splits),
+                num_kv_splits=splits,
+            )
+            return
+        starts, start = [], 0
+        for n in batch.extend_lens:
+            starts.append(start)
+            start += n
+        # One host-to-device copy for the three length vectors.
+        lens = torch.tensor(
+            [*batch.prefix_lens, *batch.extend_lens, *starts], dtype=torch.int64, device=self.device
+        )
+        batch.attn_metadata = _ExtendMeta(
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=lens[:bs],
+            extend_lens=lens[bs : 2 * bs],
+            extend_start_loc=lens[2 * bs :],
+            max_extend_len=max(batch.extend_lens, default=0),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        k_buf = self.kv_pool.k[layer_id]
+        v_buf = self.kv_pool.v[layer_id]
+        store_kv(k_buf, v_buf, k, v, batch.out_cache_loc)
+        meta = batch.attn_metadata
+        table = self.req_to_token.table
+        if isinstance(meta, _DecodeMeta):
+            o = decode_attention(
+                q,
+                k_buf,
+                v_buf,
+                table,
+                meta.req_pool_indices,
+                meta.seq_lens,
+                self.scale,
+                num_kv_splits=meta.num_kv_splits,
+                window=self.sliding_window,
+                workspace=meta.workspace,
+            )
+        else:
+            o = extend_attention(
+                q,
+                k,
+                v,
+                k_buf,
+                v_buf,
+                table,
+                meta.req_pool_indices,
+                meta.prefix_lens,
+                meta.extend_lens,
+                meta.extend_start_loc,
+                self.scale,
+                window=self.sliding_window,
+                max_extend_len=meta.max_extend_len,
+            )
+        return o.view(q.shape[0], -1)
+
+    # ---- CUDA-graph decode ----------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static decode metadata for batches of up to `max_bs` requests."""
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        need = max(
+            workspace_numel(bs, self.num_heads, self.head_dim, self.kv_splits_for(bs))
+            for bs in range(1, max_bs + 1)
+        )
+        self._graph = _GraphBuffers(
+            max_bs=max_bs,
+            req_pool_indices=torch.full(
+                (max_bs,), PAD_REQ_ROW, dtype=torch.int64, device=self.device
+            ),
+            seq_lens=torch.full((max_bs,), PAD_SEQ_LEN, dtype=torch.int64, device=self.device),
+            workspace=torch.empty(need, dtype=torch.float32, device=self.device),
+        )
+
+    def _graph_meta(self, bs: int) -> _DecodeMeta:
+        g = self._graph
+        if g is None:
+            raise ValueError("init_cuda_graph_state(max_bs) must be called first")
+        if not 1 <= bs <= g.max_bs:
+            raise ValueError(f"batch size {bs} is outside [1, max_bs={g.max_bs}]")
+        return _DecodeMeta(
+            req_pool_indices=g.req_pool_indices[:bs],
+            seq_lens=g.seq_lens[:bs],
+            workspace=g.workspace,
+            num_kv_splits=self.kv_splits_for(bs),
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Metadata for capturing a decode forward of `batch.batch_size` rows over the
+        static buffers (filled with padding values)."""
+        if batch.mode is not ForwardMode.DECODE:
+            raise ValueError("only decode batches are captured in CUDA graphs")
+        meta = self._graph_meta(batch.batch_size)
+        meta.req_pool_indices.fill_(PAD_REQ_ROW)
+        meta.seq_lens.fill_(PAD_SEQ_LEN)
+        batch.attn_metadata = meta
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy the real decode `batch` (n <= bs requests) into the static buffers, padding
+        rows n..bs-1, and set `batch.attn_metadata` to what the graph captured at size bs."""
+        meta = self._graph_meta(bs)
+        if batch.mode is not ForwardMode.DECODE:
+            raise ValueError("only decode batches are replayed from CUDA graphs")
+        n = batch.batch_size
+        if n > bs:
+            raise ValueError(f"batch of {n} requests does not fit a graph of size {bs}")
+        meta.req_pool_indices[:n].copy_(batch.req_pool_indices, non_blocking=True)
+        meta.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        meta.req_pool_indices[n:].fill_(PAD_REQ_ROW)
+        meta.seq_lens[n:].fill_(PAD_SEQ_LEN)
+        batch.attn_metadata = meta

@@ -1,0 +1,272 @@
+"""store_kv, decode_attention and extend_attention against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.kernels import decode_attention, extend_attention, store_kv
+from braid.kernels.attention_decode import decode_attention_reference, workspace_numel
+from braid.kernels.attention_extend import extend_attention_reference
+from braid.kernels.kv_store import store_kv_reference
+from tests.kernels.conftest import CPU_DTYPES
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _paged(rows, max_ctx, slots, kv_heads, head_dim, dtype, device, table_dtype=torch.int64):
+    """A random KV pool and a table whose rows hold distinct random slots (never slot 0)."""
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    table = torch.stack([torch.randperm(slots - 1, generator=g)[:max_ctx] + 1 for _ in range(rows)])
+    return k_cache, v_cache, table.to(table_dtype).to(device)
+
+
+# ---- store_kv ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_store_kv_writes_rows_at_slots_from_strided_views(device, dtype):
+    slots, kvh, d = 40, 2, 16
+    k_cache = torch.zeros(slots, kvh, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    # k and v as column slices of one fused buffer, as the model produces them.
+    kv = torch.randn(5, 2 * kvh * d, device=device).to(dtype)
+    k = kv[:, : kvh * d].view(5, kvh, d)
+    v = kv[:, kvh * d :].view(5, kvh, d)
+    loc = torch.tensor([7, 3, 39, 0, 12], device=device)
+    store_kv(k_cache, v_cache, k, v, loc)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    store_kv_reference(want_k, want_v, k, v, loc)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert k_cache[[1, 2, 4]].abs().sum() == 0  # untouched slots stay zero
+
+
+def test_store_kv_rejects_bad_arguments(device):
+    kc = torch.zeros(8, 2, 16, device=device)
+    k = torch.zeros(3, 2, 16, device=device)
+    loc = torch.tensor([1, 2, 3], device=device)
+    with pytest.raises(ValueError, match="loc"):
+        store_kv(kc, kc.clone(), k, k, loc.int())
+    with pytest.raises(ValueError, match="loc has 2"):
+        store_kv(kc, kc.clone(), k, k, loc[:2])
+    with pytest.raises(ValueError, match="k must have shape"):
+        store_kv(kc, kc.clone(), torch.zeros(3, 1, 16, device=device), k, loc)
+    with pytest.raises(ValueError, match="k dtype"):
+        store_kv(kc, kc.clone(), k.half(), k, loc)
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        store_kv(kc.transpose(0, 1).contiguous().transpose(0, 1), kc.clone(), k, k, loc)
+
+
+# ---- decode -----------------------------------------------------------------------------
+
+
+# GQA groups of 2, 8, 1 and 32 (more query heads than one 16-row block), a non-power-of-two
+# head_dim, a sliding window.
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window,dtype",
+    [
+        (4, 2, 16, None, torch.float32),
+        (8, 1, 32, 7, torch.float16),
+        (2, 2, 64, None, torch.float16),
+        (4, 4, 24, None, torch.float32),
+        (32, 1, 16, None, torch.float32),
+    ],
+)
+def test_decode_matches_reference(device, heads, kv_heads, head_dim, window, dtype):
+    k_cache, v_cache, table = _paged(5, 60, 128, kv_heads, head_dim, dtype, device)
+    rows = torch.tensor([4, 0, 2], device=device)
+    seq_lens = torch.tensor([1, 17, 60], device=device)
+    q = torch.randn(3, heads, head_dim, device=device).to(dtype)
+    scale = head_dim**-0.5
+    got = decode_attention(
+        q, k_cache, v_cache, table, rows, seq_lens, scale, num_kv_splits=3, window=window
+    )
+    want = decode_attention_reference(
+        q, k_cache, v_cache, table, rows, seq_lens, scale, window=window
+    )
+    assert got.shape == q.shape and got.dtype == dtype
+    _close(got, want, dtype)
+
+
+def test_decode_split_count_does_not_change_the_result(device):
+    k_cache, v_cache, table = _paged(2, 40, 100, 2, 32, torch.float32, device)
+    rows = torch.tensor([1, 0], device=device)
+    seq_lens = torch.tensor([40, 2], device=device)
+    q = torch.randn(2, 4, 32, device=device)
+    outs = [
+        decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2, num_kv_splits=s)
+        for s in (1, 8)  # 8 splits of a 2-token sequence: most splits are empty
+    ]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_reads_strided_q_int32_indices_and_uses_given_buffers(device):
+    k_cache, v_cache, table = _paged(3, 30, 64, 2, 16, torch.float32, device, torch.int32)
+    qkv = torch.randn(2, 4 * 16 + 2 * 2 * 16, device=device)
+    q = qkv[:, : 4 * 16].view(2, 4, 16)
+    rows = torch.tensor([2, 1], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([30, 9], dtype=torch.int32, device=device)
+    out = torch.full((2, 4, 16), float("nan"), device=device)
+    ws = torch.empty(workspace_numel(2, 4, 16, 2) + 5, device=device)
+    got = decode_attention(
+        q, k_cache, v_cache, table, rows, seq_lens, 0.25, num_kv_splits=2, out=out, workspace=ws
+    )
+    assert got is out
+    want = decode_attention_reference(q, k_cache, v_cache, table, rows, seq_lens, 0.25)
+    _close(out, want, torch.float32)
+
+
+def test_decode_rejects_bad_arguments(device):
+    k_cache, v_cache, table = _paged(2, 8, 16, 2, 16, torch.float32, device)
+    q = torch.randn(2, 4, 16, device=device)
+    rows = torch.tensor([0, 1], device=device)
+    lens = torch.tensor([3, 4], device=device)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        decode_attention(
+            torch.randn(2, 3, 16, device=device), k_cache, v_cache, table, rows, lens, 1.0
+        )
+    with pytest.raises(ValueError, match="seq_lens has 1"):
+        decode_attention(q, k_cache, v_cache, table, rows, lens[:1], 1.0)
+    with pytest.raises(ValueError, match="seq_lens must be one of"):
+        decode_attention(q, k_cache, v_cache, table, rows, lens.float(), 1.0)
+    with pytest.raises(ValueError, match="k_cache dtype"):
+        decode_attention(q.half(), k_cache, v_cache, table, rows, lens, 1.0)
+    with pytest.raises(ValueError, match="workspace has"):
+        decode_attention(
+            q, k_cache, v_cache, table, rows, lens, 1.0, workspace=torch.empty(10, device=device)
+        )
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        decode_attention(q, k_cache, v_cache, table, rows, lens, 1.0, num_kv_splits=0)
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(q, k_cache, v_cache, table, rows, lens, 1.0, window=0)
+    with pytest.raises(ValueError, match="q must have unit stride"):
+        decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, table, rows, lens, 1.0
+        )
+
+
+# ---- extend -----------------------------------------------------------------------------
+
+
+def _extend_case(prefix, extend, heads, kv_heads, head_dim, dtype, device, **paged):
+    ctx = max(prefix) + 1
+    k_cache, v_cache, table = _paged(
+        len(prefix) + 1, ctx, 2 * ctx + 1, kv_heads, head_dim, dtype, device, **paged
+    )
+    idx_dtype = table.dtype
+    rows = torch.arange(len(prefix), 0, -1, device=device, dtype=idx_dtype)
+    ext = torch.tensor(extend, device=device, dtype=idx_dtype)
+    starts = torch.cumsum(ext, 0) - ext
+    tokens = int(ext.sum())
+    q = torch.randn(tokens, heads, head_dim, device=device).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype)
+    pre = torch.tensor(prefix, device=device, dtype=idx_dtype)
+    return (q, k, v, k_cache, v_cache, table, rows, pre, ext, starts)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window,dtype",
+    [
+        (4, 2, 16, None, torch.float32),
+        (8, 1, 32, 5, torch.float16),
+        (2, 2, 64, None, torch.float16),
+        (4, 2, 24, 7, torch.float32),
+    ],
+)
+def test_extend_matches_reference_on_ragged_batch_with_prefixes(
+    device, heads, kv_heads, head_dim, window, dtype
+):
+    # No prefix; a one-token extend; a prefix longer than a block; an extend over two blocks.
+    args = _extend_case([0, 13, 70, 3], [5, 1, 9, 70], heads, kv_heads, head_dim, dtype, device)
+    scale = head_dim**-0.5
+    got = extend_attention(*args, scale, window=window)
+    want = extend_attention_reference(*args, scale, window=window)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    _close(got, want, dtype)
+
+
+def test_extend_with_int32_lengths_strided_kv_and_given_out(device):
+    q, k, v, *rest = _extend_case(
+        [4, 0], [6, 3], 4, 2, 16, torch.float32, device, table_dtype=torch.int32
+    )
+    # k and v as slices of one fused buffer (token stride != kv_heads * head_dim).
+    kv = torch.randn(q.shape[0], 2 * 2 * 16, device=device)
+    k, v = kv[:, :32].view(-1, 2, 16), kv[:, 32:].view(-1, 2, 16)
+    out = torch.zeros_like(q)
+    got = extend_attention(q, k, v, *rest, 0.3, out=out, max_extend_len=6)
+    assert got is out
+    _close(out, extend_attention_reference(q, k, v, *rest, 0.3), torch.float32)
+
+
+def test_extend_rejects_bad_arguments(device):
+    args = _extend_case([2, 0], [3, 4], 4, 2, 16, torch.float32, device)
+    q, k, v, kc, vc, table, rows, pre, ext, starts = args
+    with pytest.raises(ValueError, match="prefix_lens has 1"):
+        extend_attention(q, k, v, kc, vc, table, rows, pre[:1], ext, starts, 1.0)
+    with pytest.raises(ValueError, match="k must have shape"):
+        extend_attention(q, k[:2], v, kc, vc, table, rows, pre, ext, starts, 1.0)
+    with pytest.raises(ValueError, match="req_to_token"):
+        extend_attention(q, k, v, kc, vc, table.float(), rows, pre, ext, starts, 1.0)
+    with pytest.raises(ValueError, match="max_extend_len"):
+        extend_attention(q, k, v, kc, vc, table, rows, pre, ext, starts, 1.0, max_extend_len=-1)
+
+
+# ---- GPU, real sizes ----------------------------------------------------------------------
+
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_real_sizes_gpu(dtype, head_dim):
+    batch, heads, kv_heads, max_len = 32, 32, 8, 4096
+    dev = torch.device("cuda")
+    slots = batch * max_len + 1
+    k_cache = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dtype)
+    table = (torch.randperm(slots - 1, device=dev) + 1).view(batch, max_len)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), device=dev)
+    seq_lens[0] = max_len
+    rows = torch.randperm(batch, device=dev)
+    q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
+    scale = head_dim**-0.5
+    for window in (None, 1024):
+        got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale, window=window)
+        want = decode_attention_reference(
+            q, k_cache, v_cache, table, rows, seq_lens, scale, window=window
+        )
+        _close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_extend_real_sizes_gpu(dtype, head_dim):
+    dev = torch.device("cuda")
+    args = _extend_case([0, 1000, 3000, 17], [1024, 333, 1000, 2048], 32, 8, head_dim, dtype, dev)
+    scale = head_dim**-0.5
+    for window in (None, 512):
+        got = extend_attention(*args, scale, window=window)
+        _close(got, extend_attention_reference(*args, scale, window=window), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_store_kv_real_sizes_gpu(dtype):
+    dev = torch.device("cuda")
+    k_cache = torch.zeros(100_000, 8, 128, device=dev, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(4096, 8, 128, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    loc = torch.randperm(100_000, device=dev)[:4096]
+    store_kv(k_cache, v_cache, k, v, loc)
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)

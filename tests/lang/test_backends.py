@@ -1,0 +1,77 @@
+"""The same programs on all three backends: braid's Engine in-process, a RuntimeEndpoint on a
+real `braid serve`, and the OpenAI backend (the real `openai` client) on that same server.
+Greedy, so the outputs must be identical."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import braid as sgl
+from tests.server.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("lang-serve"))
+    yield s
+    s.stop()
+
+
+@sgl.function
+def completion_program(s, question):
+    s += "Q: What is the capital of Italy?\nA: Rome\n\nQ: " + question + "\nA:"
+    s += sgl.gen("answer", max_tokens=6, stop="\n", temperature=0)
+    s += "\nIs that right? Answer:"
+    s += sgl.select("check", choices=[" yes", " no"])
+
+
+@sgl.function
+def chat_program(s, question):
+    s += sgl.user(question)
+    with s.assistant():
+        s += sgl.gen("answer", max_tokens=8, temperature=0)
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
+def test_same_program_same_output_on_all_backends(smollm2, served):
+    from braid.lang.backends.engine import EngineBackend
+
+    engine = EngineBackend(smollm2)
+    endpoint = sgl.RuntimeEndpoint(served.url)
+    openai_backend = sgl.OpenAI(model_name(served.url), base_url=served.url + "/v1")
+    q = "What is the capital of France?"
+    outs = [
+        completion_program.run(question=q, backend=b) for b in (engine, endpoint, openai_backend)
+    ]
+    assert len({o["answer"] for o in outs}) == 1, [o["answer"] for o in outs]
+    assert len({o["check"] for o in outs}) == 1, [o["check"] for o in outs]
+    scores = [o.get_meta_info("check")["scores"] for o in outs]
+    for other in scores[1:]:
+        assert other == pytest.approx(scores[0], abs=1e-3)
+    chats = [chat_program.run(question=q, backend=b) for b in (engine, endpoint, openai_backend)]
+    assert len({c["answer"] for c in chats}) == 1, [c["answer"] for c in chats]
+    assert chats[0].text() == chats[1].text()  # the server's role template is the engine's
+
+
+def test_runtime_endpoint_sessions_are_released(served):
+    endpoint = sgl.RuntimeEndpoint(served.url)
+    state = chat_program.run(question="Say hi.", backend=endpoint)
+    assert state["answer"]
+    stats = httpx.get(f"{served.url}/get_server_info").json()["stats"]
+    assert stats["pinned_sessions"] == 0
+
+
+def test_openai_backend_select_inside_roles_is_a_clear_error(served):
+    @sgl.function
+    def chat_select(s):
+        s += sgl.user("Pick a colour.")
+        with s.assistant():
+            s += sgl.select("c", choices=["red", "blue"])
+
+    backend = sgl.OpenAI(model_name(served.url), base_url=served.url + "/v1")
+    with pytest.raises(sgl.ProgramError, match="select needs prompt log-probabilities"):
+        chat_select.run(backend=backend)

@@ -1,0 +1,188 @@
+"""Tool calling through `braid serve` with the official `openai` client (SmolLM2, greedy)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import start_server
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Time now", "parameters": TIME_PARAMS},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # SmolLM2's template shows no call format, so name the parser for tool_choice "auto".
+    s = start_server(tmp_path_factory.mktemp("serve-tools"), "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """(content, [(id, name, arguments)], finish_reason) as a client accumulates them."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.id is not None:
+                    assert tc.index not in calls and tc.type == "function"
+                    calls[tc.index] = [tc.id, tc.function.name, tc.function.arguments or ""]
+                else:
+                    assert tc.function.name is None
+                    calls[tc.index][2] += tc.function.arguments
+    return content, [tuple(c) for _, c in sorted(calls.items())], finish
+
+
+def test_required_calls_validate_and_stream_the_same(client):
+    kw = dict(
+        model="smollm2-135m",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=48,
+    )
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    content, calls, finish = streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert content == "" and finish == "tool_calls"
+    want = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(name, args) for _, name, args in calls] == want
+    assert all(cid.startswith("call_") for cid, _, _ in calls)
+
+
+def test_named_tool_choice_after_a_tool_round(client):
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "CET"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "14:05"},
+    ]
+    out = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=40,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+
+
+def test_auto_parses_calls_from_the_text_streamed_or_not(client):
+    # A regex makes SmolLM2 write a Hermes-style call after some text.
+    regex = (
+        re.escape('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "')
+        + "(Paris|Oslo)"
+        + re.escape('", "unit": "celsius"}}</tool_call>')
+    )
+    kw = dict(
+        model="smollm2-135m",
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=48,
+        extra_body={"regex": regex},
+    )
+    full = client.chat.completions.create(**kw).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content == "Sure."
+    (call,) = full.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    content, calls, finish = streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert (content, finish) == ("Sure.", "tool_calls")
+    assert [(n, a) for _, n, a in calls] == [("get_weather", call.function.arguments)]
+    none = client.chat.completions.create(**kw, tool_choice="none").choices[0]
+    assert none.finish_reason == "stop" and not none.message.tool_calls
+    assert none.message.content.startswith("Sure.<tool_call>")
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": None}, "tool_choice"),
+        ({"tool_choice": "maybe"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tool_fields_are_400_naming_the_field(client, extra, param):
+    kw = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, max_tokens=4)
+    kw.update(extra)
+    if kw["tools"] is None:
+        del kw["tools"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw)
+    err = e.value.response.json()["error"]
+    assert err["param"].startswith(param) and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param)
