@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from braid.runtime.models.source import resolve_model
+
+# The tests' HTTP calls share 2 cores with the runtime processes they drive: httpx's 5 s
+# default read timeout fails a healthy but busy server (seen once in CI-like conditions).
+for _fn in (httpx.request, httpx.get, httpx.post, httpx.stream):
+    if _fn.__kwdefaults__ and "timeout" in _fn.__kwdefaults__:
+        _fn.__kwdefaults__["timeout"] = httpx.Timeout(120.0)
 
 TINY = dict(
     vocab_size=512,

@@ -15,7 +15,8 @@ from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.constrained.jump_forward import jump_tokens
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
-from tests.conftest import local_scheduler
+from tests.conftest import local_scheduler, run_to_end
+from tests.runtime.json_schemas import CORPUS
 from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
 
 
@@ -126,18 +127,21 @@ def sched(smollm2_dir, smollm2):
     return local_scheduler(smollm2_dir, smollm2.eos_token_ids, kv_tokens=4096)
 
 
-def _greedy(sched, tok, prompt: str, schema, jump_forward: bool) -> tuple[str, int, int]:
-    """(text, model steps, jumped tokens) of one request alone, from a cold cache."""
+def _greedy(
+    sched, tok, prompt: str, schema, jump_forward: bool, max_tokens: int = 80
+) -> tuple[str, int, int]:
+    """(text, model steps, jumped tokens) of one request alone, from a cold cache; it must
+    finish by a stop unless `max_tokens` is not the default."""
     sched.jump_forward = jump_forward
     assert sched.flush_cache()
     before = (sched.stats.prefill_steps + sched.stats.decode_steps, sched.stats.jump_forward_tokens)
-    sp = SamplingParams(temperature=0.0, max_tokens=80, json_schema=schema)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, json_schema=schema)
     sched.handle(GenerateReq("r", tok.encode(prompt), sp, 0))
     ids: list[int] = []
     while sched.has_work:
         for out in sched.step():
             ids += out.new_token_ids
-            assert out.finish_reason in (None, "stop")
+            assert out.finish_reason in (None, "stop") or max_tokens != 80
         sched.check_invariants()
     steps = sched.stats.prefill_steps + sched.stats.decode_steps - before[0]
     return (
@@ -159,6 +163,27 @@ def test_greedy_text_is_the_same_in_fewer_steps(sched, smollm2, case):
     assert jf_steps < steps
     if case == "long_keys":
         assert steps >= 1.5 * jf_steps, (steps, jf_steps)
+
+
+BARE_CASES = {name: CASES[name][0] for name in ("long_keys", "person", "city")}
+BARE_CASES["nested"] = CORPUS["nested"]
+
+
+def test_greedy_text_is_the_same_with_a_bare_prompt(sched, smollm2):
+    """Without an example of the format the model spells some keys in other tokens than the
+    forced ones (`c`, `ust` for `cust`): the jumped tokens are rejected there, and the text is
+    still the text without jump-forward (it was not before jumps were verified)."""
+    tok = smollm2.tokenizer
+    before = sched.stats.jump_forward_rejected
+    for name, schema in BARE_CASES.items():
+        prompt = f"Write one JSON object for a {name.replace('_', ' ')} record.\n"
+        text, steps, _ = _greedy(sched, tok, prompt, schema, False, max_tokens=60)
+        jf_text, jf_steps, jumped = _greedy(sched, tok, prompt, schema, True, max_tokens=60)
+        assert jf_text == text, name
+        assert jumped > 0, name
+        if name == "long_keys":
+            assert jf_steps < steps, (steps, jf_steps)
+    assert sched.stats.jump_forward_rejected > before
 
 
 def test_text_through_the_processes_is_the_scheduler_text(sched, smollm2):
@@ -247,3 +272,20 @@ def test_jumps_under_memory_pressure_keep_kv_accounting(tiny):
         assert _accepted(sched, LONG, ids[rid][:-1] if finish[rid] == "stop" else ids[rid])
     usage = sched.usage()
     assert usage["kv_free_tokens"] + usage["kv_cached_tokens"] == usage["kv_capacity_tokens"]
+
+
+def test_greedy_jumps_are_verified_under_memory_pressure(tiny):
+    """A random model rarely agrees with the forced tokens: greedy outputs with jumps
+    (rejected, retracted, resumed) are the outputs without them, and KV accounting holds."""
+    path, eos = tiny
+    sp = SamplingParams(temperature=0.0, max_tokens=48, regex=LONG)
+    runs = []
+    for jump in (False, True):
+        sched = local_scheduler(path, frozenset({eos}), kv_tokens=64)
+        sched.jump_forward = jump
+        for n in range(8):
+            sched.handle(GenerateReq(f"g{n}", [3, 4, 5 + n], sp, 0))
+        runs.append((run_to_end(sched), sched.stats))
+    (want, _), (got, stats) = runs
+    assert got == want and len(got) == 8
+    assert stats.jump_forward_rejected > 0 and stats.retractions > 0

@@ -80,7 +80,7 @@ def test_required_calls_validate_and_stream_the_same(client):
         tools=TOOLS,
         tool_choice="required",
         temperature=0,
-        max_tokens=48,
+        max_tokens=128,  # greedy: as many tokens as the model spells the forced text in
     )
     full = client.chat.completions.create(**kw)
     choice = full.choices[0]
@@ -140,7 +140,7 @@ def test_auto_parses_calls_from_the_text_streamed_or_not(client):
         messages=ASK,
         tools=TOOLS,
         temperature=0,
-        max_tokens=48,
+        max_tokens=128,  # greedy: as many tokens as the model spells the forced text in
         extra_body={"regex": regex},
     )
     full = client.chat.completions.create(**kw).choices[0]

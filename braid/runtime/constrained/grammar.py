@@ -14,7 +14,7 @@ import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-from braid.runtime.constrained.jump_forward import ForcedStrings
+from braid.runtime.constrained.jump_forward import MAX_FORCED_BYTES, ForcedStrings
 from braid.runtime.constrained.vocab import token_vocab
 
 KINDS = ("json_schema", "regex", "choice")
@@ -116,7 +116,8 @@ class GrammarMatcher:
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         self.grammar = grammar
-        self._guide = Guide(grammar.index)
+        # A jump appends at most MAX_FORCED_BYTES tokens, all of which verifying may undo.
+        self._guide = Guide(grammar.index, max_rollback=MAX_FORCED_BYTES)
 
     @property
     def state(self) -> int:
@@ -138,6 +139,11 @@ class GrammarMatcher:
             self._guide.advance(token_id, False)
         except ValueError:
             raise ValueError(f"token {token_id} is not allowed by the grammar here") from None
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` advances (at most MAX_FORCED_BYTES)."""
+        if n:
+            self._guide.rollback_state(n)
 
     @property
     def is_final(self) -> bool:

@@ -16,8 +16,10 @@ from braid.runtime.scheduler.request import Req
 class StepPlan:
     """A forward batch; `reqs` are the requests in it and `sampling` those among them that
     sample a token this step (a chunk that does not finish its prompt samples nothing).
-    `last_rows[i]` is the logits row of `sampling[i]`'s last token; `prompt_rows` maps an index
-    of `sampling` to the logits rows covering its whole prompt (prompt logprobs)."""
+    `last_rows[i]` is the logits row of `sampling[i]`'s last token; in an extend, the
+    `sampling[i].unverified` rows before it score its unverified jump-forward tokens (the row
+    before each token predicts it). `prompt_rows` maps an index of `sampling` to the logits
+    rows covering its whole prompt (prompt logprobs)."""
 
     reqs: list[Req]
     sampling: list[Req]
@@ -73,7 +75,9 @@ def build_extend(
             prompt_rows[len(sampling)] = (len(logits_rows), len(logits_rows) + end - start)
             logits_rows += range(base, base + end - start)
         else:
-            logits_rows.append(base + end - start - 1)
+            first = end - 1 - r.unverified
+            assert first >= start, "the rows verifying jump-forward tokens must be computed"
+            logits_rows += range(base + first - start, base + end - start)
         last_rows.append(len(logits_rows) - 1)
         sampling.append(r)
     reqs = [r for r, _ in items]

@@ -36,10 +36,11 @@ class Candidate:
 def match_limit(req: Req) -> int:
     """How many leading tokens may come from the cache: all but the last, which must be
     computed to give logits; with prompt logprobs, none before the first scored position's
-    predecessor (whose logits score it)."""
+    predecessor (whose logits score it); with unverified jump-forward tokens, none from the
+    predecessor of the first (whose logits verify it)."""
     if req.params.prompt_logprobs is not None and not req.admitted_once:
         return max(0, min(req.seq_len - 1, req.params.logprob_start_len - 1))
-    return req.seq_len - 1
+    return req.seq_len - 1 - req.unverified
 
 
 def effective_policy(policy: str, num_waiting: int) -> str:

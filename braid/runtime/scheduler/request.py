@@ -39,6 +39,9 @@ class Req:
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
     grammar: GrammarMatcher | None = None  # the output constraint, once compiled
     reported: int = 0  # output tokens already sent out in a TokenOut
+    # Output tokens the model chose: the rest are jump-forward tokens of a greedy request that
+    # the next extend's logits verify (see `Scheduler._verify_jump`), not reported until then.
+    verified: int = 0
     prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     stop_token: int | None = None
@@ -80,11 +83,15 @@ class Req:
         seq = self.input_ids + self.output_ids
         return seq if end is None else seq[:end]
 
+    @property
+    def unverified(self) -> int:
+        return len(self.output_ids) - self.verified
+
     def take_unreported(self) -> list[int]:
-        """Output tokens not yet sent out (the sampled one, plus any jump-forward appended),
-        marked as sent."""
-        new = self.output_ids[self.reported :]
-        self.reported = len(self.output_ids)
+        """Verified output tokens not yet sent out (the sampled one, plus any jump-forward
+        tokens that need no verifying), marked as sent."""
+        new = self.output_ids[self.reported : self.verified]
+        self.reported = self.verified
         return new
 
     @property

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
-from braid.runtime.constrained.bitmask import BitmaskBuffer
+from braid.runtime.constrained.bitmask import BitmaskBuffer, bitmask_words
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
 from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.constrained.jump_forward import jump_tokens
 from braid.runtime.executor.model_runner import ModelRunner
-from braid.runtime.executor.sampler import Sampler, SampleResult
+from braid.runtime.executor.sampler import Sampler, SampleResult, SamplingInput
 from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
@@ -68,6 +68,7 @@ class SchedulerStats:
     retractions: int = 0
     evicted_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
+    jump_forward_rejected: int = 0  # of those, dropped because greedy decoding chose otherwise
 
     @property
     def cache_hit_rate(self) -> float:
@@ -293,6 +294,10 @@ class Scheduler:
                     # Prompt logprobs need every prompt position in one forward: never chunked.
                     if self.chunked_prefill and req.params.prompt_logprobs is None:
                         end = self._chunk_end(start, req, budget)
+                        if end < req.seq_len and req.unverified:
+                            # Earlier chunks give no logits to verify the jump: undo it.
+                            self._unjump(req)
+                            end = self._chunk_end(start, req, budget)
                     elif items:
                         break  # next step; a long prompt runs alone when chunking is off
                 # Lock the match first so evicting to make room cannot take it.
@@ -424,7 +429,12 @@ class Scheduler:
             logprobs = token_logprobs(result) if result.logprobs is not None else None
             for i, req in enumerate(plan.sampling):
                 tok = next_ids[i]
+                if req.unverified:
+                    last = plan.last_rows[i]
+                    chosen = self._verify_jump(req, logits[last - req.unverified : last])
+                    tok = tok if chosen is None else chosen
                 req.output_ids.append(tok)
+                req.verified = len(req.output_ids)
                 error = None
                 if req.grammar is not None and tok not in self.eos_token_ids:
                     try:
@@ -529,9 +539,14 @@ class Scheduler:
 
     def _jump_forward(self, req: Req) -> None:
         """Append the tokens `req`'s grammar forces next (see `jump_tokens`) without sampling
-        them; a running request then leaves `running` until an extend computes their KV. Sent
-        tokens never change, so the detokenizer needs nothing special. No jumps for requests
-        that want logprobs (forced tokens have no sampled logprobs)."""
+        them; a running request then leaves `running` until an extend computes their KV. No
+        jumps for requests that want logprobs (forced tokens have no sampled logprobs).
+
+        The model might spell the forced text in other tokens (`c`, `ust` rather than `cust`)
+        and then continue differently. For a greedy request, whose text must not depend on
+        jump-forward, the tokens are a guess: unverified, not reported, until the extend's
+        logits confirm them (`_verify_jump`). A sampled request keeps them at once: its text is
+        random anyway, and every token stays allowed by the grammar."""
         p = req.params
         if not self.jump_forward or p.logprobs is not None or p.prompt_logprobs is not None:
             return
@@ -542,10 +557,55 @@ class Scheduler:
         for t in forced:
             req.grammar.advance(t)
         req.output_ids.extend(forced)
+        if not p.greedy:
+            req.verified = len(req.output_ids)
         self.stats.jump_forward_tokens += len(forced)
         if req in self.running:
             self.running.remove(req)
             self.jumped.append(req)
+
+    def _verify_jump(self, req: Req, rows: torch.Tensor) -> int | None:
+        """Check `req`'s unverified jump-forward tokens against `rows`, the extend's logits
+        predicting each of them: the token greedy sampling (grammar mask, bias, penalties)
+        picks at each is the next one, while they agree. Returns None if all agree. Otherwise
+        drops the tokens from the first disagreement on (output, grammar state and KV: the
+        pages past the kept tokens are freed, never cached) and returns the model's token
+        there, which the caller appends as if sampled."""
+        jumped = req.output_ids[req.verified :]
+        n = len(jumped)
+        grammar = req.grammar
+        vocab = max(self.vocab_size, self.grammar_compiler.vocab.size)
+        mask = torch.empty(n, bitmask_words(vocab), dtype=torch.int32)
+        inputs = []
+        grammar.rollback(n)
+        for k, t in enumerate(jumped):
+            grammar.fill_bitmask(mask[k])
+            grammar.advance(t)
+            before = req.output_ids[: req.verified + k]
+            stops = req.sampling.stop_ids
+            inputs.append(SamplingInput(req.params, req.seed, req.input_ids, before, stops))
+        idx = torch.arange(n, device=self.device)
+        chosen = self.sampler.sample(
+            rows, inputs, bitmask=mask.to(self.device), bitmask_rows=idx
+        ).next_ids.tolist()
+        k = next((k for k in range(n) if chosen[k] != jumped[k]), None)
+        if k is None:
+            return None
+        grammar.rollback(n - k)
+        del req.output_ids[req.verified + k :]
+        self.stats.jump_forward_rejected += n - k
+        req.kv_len = req.seq_len
+        keep = self.allocator.pages_for(req.kv_len)
+        assert keep >= req.shared_pages, "unverified tokens are never cached"
+        self.allocator.free(req.pages[keep:])
+        del req.pages[keep:]
+        return chosen[k]
+
+    def _unjump(self, req: Req) -> None:
+        """Drop the unverified jump-forward tokens of `req`, which has no KV for them."""
+        assert req.kv_len <= req.prompt_len + req.verified
+        req.grammar.rollback(req.unverified)
+        del req.output_ids[req.verified :]
 
     def _out(self, req: Req, new_ids: list[int]) -> TokenOut:
         out = TokenOut(
