@@ -120,3 +120,10 @@ def choice_span(prompt_ids: list[int], full_ids: list[int]) -> int:
             break
         n += 1
     return min(n, len(full_ids) - 1)
+
+
+def unconditional_scores(alone: list[float], n: int) -> list[float]:
+    """A choice's unconditional scores aligned to its `n` scored tokens: `alone` holds the
+    log-probabilities of the choice's tokens after its first (which has no context and scores
+    0, see choices.py); the last `n` of them are kept, zero-padded in front."""
+    return ([0.0] + alone + [0.0] * n)[-n:]

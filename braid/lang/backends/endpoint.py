@@ -17,6 +17,7 @@ from braid.lang.backends.base import (
     Prompt,
     choice_span,
     runtime_sampling,
+    unconditional_scores,
 )
 from braid.lang.ir import SamplingArgs
 from braid.runtime.tokenizer.roles import RoleTemplate
@@ -135,7 +136,7 @@ class RuntimeEndpoint(Backend):
         cond = results[0]
         unc = None
         if unconditional:
-            unc = [([0.0] + u + [0.0] * len(c))[-len(c) :] for u, c in zip(results[1], cond)]
+            unc = [unconditional_scores(u, len(c)) for u, c in zip(results[1], cond)]
         return ChoiceScores(cond, unc, {"prompt_tokens": len(prompt_ids)})
 
     def _tokenize(self, text: str) -> list[int]:

@@ -17,6 +17,7 @@ from braid.lang.backends.base import (
     Prompt,
     choice_span,
     runtime_sampling,
+    unconditional_scores,
 )
 from braid.lang.ir import SamplingArgs
 from braid.runtime.ipc.to_tokenizer import StrOut
@@ -174,11 +175,10 @@ class EngineBackend(Backend):
         cond = [[lp.logprob for lp in s[start:]] for s, start in zip(scored, spans)]
         unc = None
         if unconditional:
-            # The choice alone: its first token has no context, so it scores 0 (see choices.py).
-            unc = []
-            for s, c_lps in zip(scored[len(choices) :], cond):
-                alone = [0.0] + [lp.logprob for lp in s[1:]]
-                unc.append((alone + [0.0] * len(c_lps))[-len(c_lps) :] if alone else [0.0])
+            unc = [
+                unconditional_scores([lp.logprob for lp in s[1:]], len(c_lps))
+                for s, c_lps in zip(scored[len(choices) :], cond)
+            ]
         meta = {"prompt_tokens": len(prompt_ids), "cached_tokens": cached}
         return ChoiceScores(cond, unc, meta)
 

@@ -17,6 +17,7 @@ from braid.lang.backends.base import (
     OnDelta,
     Prompt,
     max_tokens_of,
+    unconditional_scores,
 )
 from braid.lang.ir import SamplingArgs
 from braid.runtime.tokenizer.roles import RoleTemplate
@@ -132,10 +133,10 @@ class OpenAI(Backend):
         cond = [self._echo_scores(prompt.text, c) for c in choices]
         unc = None
         if unconditional:
-            unc = []
-            for c, lps in zip(choices, cond):
-                alone = [0.0] + self._echo_scores("", c, whole=True)[1:]
-                unc.append((alone + [0.0] * len(lps))[-len(lps) :])
+            unc = [
+                unconditional_scores(self._echo_scores("", c, whole=True)[1:], len(lps))
+                for c, lps in zip(choices, cond)
+            ]
         return ChoiceScores(cond, unc)
 
     def _echo_scores(self, prefix: str, choice: str, whole: bool = False) -> list[float]:
