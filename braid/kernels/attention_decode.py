@@ -164,6 +164,11 @@ def _decode_stage2(
     tl.store(O + b * stride_outb + h * stride_outh + offs_d, out, mask=mask_d)
 
 
+def _stage1_config(block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a head dim block."""
+    return (32 if block_d >= 256 else 64), 4, 2
+
+
 def workspace_numel(batch: int, num_heads: int, head_dim: int, num_kv_splits: int) -> int:
     """float32 elements `decode_attention` needs as `workspace` for these sizes."""
     return batch * num_heads * num_kv_splits * (head_dim + 1)
@@ -182,6 +187,7 @@ def decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    stage1_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens[b]` tokens.
 
@@ -197,7 +203,9 @@ def decode_attention(
     `num_kv_splits` (>= 1) is how many pieces each sequence is cut into; `out` ([batch, heads,
     head_dim] of q's dtype, unit stride in head_dim) and `workspace` (contiguous float32 with
     at least `workspace_numel(batch, heads, head_dim, num_kv_splits)` elements) are used when
-    given, else allocated. The launch never synchronises with the host. Returns the output.
+    given, else allocated. `stage1_config` = (BLOCK_N, num_warps, num_stages) of the split
+    kernel overrides the default (for tuning sweeps: `benchmarks/tune_attention.py`). The launch
+    never synchronises with the host. Returns the output.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, num_heads, _ = q.shape
@@ -233,7 +241,7 @@ def decode_attention(
     group = num_heads // kv_heads
     block_h = max(16, min(64, next_pow2(group)))
     block_d = next_pow2(head_dim)
-    block_n = 32 if block_d >= 256 else 64
+    block_n, warps, stages = stage1_config or _stage1_config(block_d)
     h_blocks = triton.cdiv(group, block_h)
     _decode_stage1[(batch, kv_heads * h_blocks, num_kv_splits)](
         q,
@@ -267,8 +275,8 @@ def decode_attention(
         NUM_SPLITS=num_kv_splits,
         USE_WINDOW=win > 0,
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
     _decode_stage2[(batch, num_heads)](
         mid_o,

@@ -40,6 +40,10 @@ class EngineConfig:
       `max_running_requests`) replay CUDA graphs, padded to the next captured size; larger ones
       run eagerly. `disable_cuda_graph`: always eager. Graphs are used only with the "triton"
       backend on CUDA (`use_cuda_graph`).
+    - `overlap_schedule`: queue each decode step on the device before reading back the one
+      before it, so the host's per-step work overlaps the GPU's (`scheduler/overlap.py`). None:
+      on with CUDA, off elsewhere (CPU forwards are synchronous: nothing to overlap). False is
+      `--disable-overlap-schedule`; True forces it on (tests exercise it on CPU).
     """
 
     model: str | None = None
@@ -63,6 +67,7 @@ class EngineConfig:
     disable_jump_forward: bool = False
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -111,6 +116,10 @@ class EngineConfig:
             raise ValueError(
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
             )
+        if self.overlap_schedule not in (None, True, False):
+            raise ValueError(
+                f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
+            )
 
     @property
     def torch_device(self) -> torch.device:
@@ -134,6 +143,12 @@ class EngineConfig:
             and self.torch_device.type == "cuda"
             and self.effective_attention_backend == "triton"
         )
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.torch_device.type == "cuda"
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:

@@ -130,6 +130,7 @@ class LLM:
         disable_cuda_graph: bool = False,
         grammar_compile_timeout_s: float = 30.0,
         disable_jump_forward: bool = False,
+        overlap_schedule: bool | None = None,
     ) -> None:
         t0 = time.perf_counter()
         self.config = EngineConfig(
@@ -154,6 +155,7 @@ class LLM:
             disable_cuda_graph=disable_cuda_graph,
             grammar_compile_timeout_s=grammar_compile_timeout_s,
             disable_jump_forward=disable_jump_forward,
+            overlap_schedule=overlap_schedule,
         )
         self.assets = ModelAssets.load(model, with_tokenizer=False)
         self.model_path = self.assets.path

@@ -107,6 +107,22 @@ def test_decode_split_count_does_not_change_the_result(device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_stage1_config_does_not_change_the_result(device):
+    """The tuning override (block size, warps, stages) only changes speed."""
+    k_cache, v_cache, table = _paged(2, 70, 160, 2, 32, torch.float32, device)
+    rows = torch.tensor([1, 0], device=device)
+    seq_lens = torch.tensor([70, 33], device=device)
+    q = torch.randn(2, 4, 32, device=device)
+    outs = [
+        decode_attention(
+            q, k_cache, v_cache, table, rows, seq_lens, 0.2, num_kv_splits=2, stage1_config=cfg
+        )
+        for cfg in (None, (16, 4, 3), (128, 8, 1))
+    ]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
 def test_decode_reads_strided_q_int32_indices_and_uses_given_buffers(device):
     k_cache, v_cache, table = _paged(3, 30, 64, 2, 16, torch.float32, device, torch.int32)
     qkv = torch.randn(2, 4 * 16 + 2 * 2 * 16, device=device)

@@ -81,6 +81,8 @@ def test_serve_flags_reach_the_engine_config():
         False,
     )
     assert build_parser().parse_args(["serve", "--disable-cuda-graph"]).disable_cuda_graph
+    no_overlap = build_parser().parse_args(["serve", "--disable-overlap-schedule"])
+    assert no_overlap.disable_overlap_schedule
     # A bad backend name ends `braid serve` with exit status 2 before anything starts.
     bad = build_parser().parse_args(
         ["serve", "--attention-backend", "nope", "--log-level", "error"]

@@ -47,3 +47,17 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def to_device(
+    values: list[int] | list[float] | list[bool],
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """A 1-D tensor of `values` on `device`. To CUDA it goes through pinned memory without
+    waiting: a plain `torch.tensor(..., device="cuda")` synchronises the stream, which would
+    hold the host until the forwards already queued have run (see the overlapped decode in
+    `Scheduler.step`)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -24,7 +24,12 @@ from braid.runtime.models.loader import build_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.15}
-DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
+# Requests decoded together when `max_running_requests` is not given: the device's cap, or
+# one per KV_TOKENS_PER_RUNNING tokens of KV when the pool is smaller. The cap bounds the
+# request-to-token table (rows x context length x 8 bytes: 1 GB at 1024 x 128k) and the
+# host's per-step work; on a GPU, large batches are what offline throughput needs.
+DEFAULT_MAX_RUNNING = {"cuda": 1024, "cpu": 64}
+KV_TOKENS_PER_RUNNING = {"cuda": 256, "cpu": 16}
 
 
 def _available_bytes(device: torch.device) -> tuple[int, int]:
@@ -79,8 +84,9 @@ class ModelRunner:
         capacity = self.kv_pool.allocator.capacity_tokens
         # A sequence longer than the whole pool could never run.
         self.context_length = min(ctx, capacity)
+        kind = self.device.type
         self.max_running_requests = config.max_running_requests or min(
-            DEFAULT_MAX_RUNNING[self.device.type], max(1, capacity // 16)
+            DEFAULT_MAX_RUNNING[kind], max(1, capacity // KV_TOKENS_PER_RUNNING[kind])
         )
         # +1 row: a spare so a retracted or aborted request's row can be reused at once.
         self.req_to_token = ReqToTokenPool(

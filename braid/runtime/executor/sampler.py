@@ -13,11 +13,12 @@ batch it lands in or on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from braid.runtime.constrained.bitmask import apply_token_bitmask
+from braid.runtime.executor.forward_batch import to_device
 from braid.runtime.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -57,6 +58,9 @@ class SamplingInput:
     stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached
 
 
+_RESULT_TENSORS = ("next_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+
+
 @dataclass
 class SampleResult:
     next_ids: torch.Tensor  # [B] int64
@@ -65,6 +69,29 @@ class SampleResult:
     ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = most likely)
     top_ids: torch.Tensor | None = None  # [B, k]
     top_logprobs: torch.Tensor | None = None  # [B, k]
+    _host: SampleResult | None = field(default=None, repr=False)
+    _ready: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def copy_to_host_async(self) -> None:
+        """On CUDA, queue copies of the results into pinned host memory behind the work that
+        computes them, and mark that point in the stream: `on_host()` then waits for this step
+        alone, not for forwards queued after it (`.tolist()` on a CUDA tensor would)."""
+        if self.next_ids.device.type != "cuda":
+            return
+        copies = {}
+        for name in _RESULT_TENSORS:
+            t = getattr(self, name)
+            copies[name] = None if t is None else t.to("cpu", non_blocking=True)
+        self._host = SampleResult(**copies)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def on_host(self) -> SampleResult:
+        """The results, readable without touching the device again (self when never copied)."""
+        if self._host is None:
+            return self
+        self._ready.synchronize()
+        return self._host
 
 
 def _padded(seqs: list[Sequence[int]], pad: int, device) -> torch.Tensor:
@@ -73,6 +100,8 @@ def _padded(seqs: list[Sequence[int]], pad: int, device) -> torch.Tensor:
     for i, s in enumerate(seqs):
         if s:
             out[i, : len(s)] = torch.as_tensor(s, dtype=torch.int64)
+    if device.type == "cuda":
+        return out.pin_memory().to(device, non_blocking=True)
     return out.to(device)
 
 
@@ -92,16 +121,18 @@ class Sampler:
         dev = self.device
         if any(p.repetition_penalty != 1.0 for p in ps):
             seen = self._counts([list(r.prompt_ids) + list(r.output_ids) for r in reqs]) > 0
-            rep = torch.tensor([p.repetition_penalty for p in ps], device=dev)[:, None]
+            rep = to_device([p.repetition_penalty for p in ps], dev, torch.float32)[:, None]
             penalised = torch.where(logits > 0, logits / rep, logits * rep)
             logits.copy_(torch.where(seen, penalised, logits))
         if any(p.frequency_penalty or p.presence_penalty for p in ps):
             out_counts = self._counts([r.output_ids for r in reqs])
-            freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
+            freq = to_device([p.frequency_penalty for p in ps], dev, torch.float32)[:, None]
+            pres = to_device([p.presence_penalty for p in ps], dev, torch.float32)[:, None]
             logits -= freq * out_counts + pres * (out_counts > 0)
 
-    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
+    def _apply_bias_and_min_tokens(
+        self, logits: torch.Tensor, reqs: list[SamplingInput], ahead: int
+    ) -> None:
         rows, cols, vals = [], [], []
         for i, r in enumerate(reqs):
             for tok, bias in (r.params.logit_bias or {}).items():
@@ -110,19 +141,17 @@ class Sampler:
                 vals.append(bias)
         if rows:
             logits.index_put_(
-                (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
-                torch.tensor(vals, device=self.device, dtype=logits.dtype),
+                (to_device(rows, self.device), to_device(cols, self.device)),
+                to_device(vals, self.device, logits.dtype),
                 accumulate=True,
             )
         rows, cols = [], []
         for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.params.min_tokens:
+            if len(r.output_ids) + ahead < r.params.min_tokens:
                 rows.extend([i] * len(r.stop_ids))
                 cols.extend(r.stop_ids)
         if rows:
-            logits[
-                torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
-            ] = float("-inf")
+            logits[to_device(rows, self.device), to_device(cols, self.device)] = float("-inf")
 
     def sample(
         self,
@@ -131,10 +160,14 @@ class Sampler:
         *,
         bitmask: torch.Tensor | None = None,
         bitmask_rows: torch.Tensor | None = None,
+        ahead: int = 0,
     ) -> SampleResult:
         """Choose one token per row of `logits` ([B, vocab], float32). `bitmask` ([R, words]
         int32, see `braid.runtime.constrained.bitmask`) bans, in row `bitmask_rows[i]`, the
-        tokens whose bit is clear in `bitmask[i]` (grammars); rows without one cost nothing."""
+        tokens whose bit is clear in `bitmask[i]` (grammars); rows without one cost nothing.
+        `ahead`: how many tokens each request has sampled beyond its `output_ids` (a step run
+        ahead of reading back the previous one); they count toward `min_tokens` and the draw's
+        step. Penalties read `output_ids` itself, so a step run ahead must not use them."""
         ps = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -142,7 +175,7 @@ class Sampler:
         if bitmask is not None:
             assert bitmask_rows is not None, "a bitmask needs its rows"
             apply_token_bitmask(logits, bitmask, bitmask_rows)
-        self._apply_bias_and_min_tokens(logits, reqs)
+        self._apply_bias_and_min_tokens(logits, reqs, ahead)
         self._apply_penalties(logits, reqs)
 
         greedy_ids = logits.argmax(dim=-1)
@@ -150,41 +183,41 @@ class Sampler:
         if all(greedy):
             next_ids = greedy_ids
         else:
-            next_ids = self._draw(logits, reqs, ps, greedy_ids, greedy)
+            next_ids = self._draw(logits, reqs, ps, greedy_ids, greedy, ahead)
         result = SampleResult(next_ids=next_ids)
         if raw_logprobs is not None:
             self._fill_logprobs(result, raw_logprobs, ps)
         return result
 
-    def _draw(self, logits, reqs, ps, greedy_ids, greedy) -> torch.Tensor:
+    def _draw(self, logits, reqs, ps, greedy_ids, greedy, ahead: int) -> torch.Tensor:
         dev = self.device
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=dev)
+        temps = to_device(
+            [1.0 if g else p.temperature for p, g in zip(ps, greedy)], dev, torch.float32
+        )
         logits = logits / temps[:, None]
         use_top_k = any(p.top_k > 0 for p in ps)
         use_top_p = any(p.top_p < 1.0 for p in ps)
         if use_top_k or use_top_p:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             if use_top_k:
-                ks = torch.tensor(
-                    [p.top_k if p.top_k > 0 else self.vocab_size for p in ps], device=dev
-                )
+                ks = to_device([p.top_k if p.top_k > 0 else self.vocab_size for p in ps], dev)
                 pos = torch.arange(self.vocab_size, device=dev)[None, :]
                 sorted_logits.masked_fill_(pos >= ks[:, None], float("-inf"))
             if use_top_p:
                 probs = sorted_logits.softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-                top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+                top_p = to_device([p.top_p for p in ps], dev, torch.float32)[:, None]
                 sorted_logits.masked_fill_(before > top_p, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in ps):
-            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+            min_p = to_device([p.min_p for p in ps], dev, torch.float32)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
-        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        seeds = to_device([r.seed for r in reqs], dev)
+        steps = to_device([len(r.output_ids) + ahead for r in reqs], dev)
         noise = -torch.log(hash_uniform(seeds, steps, self.vocab_size))
         drawn = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=dev), greedy_ids, drawn)
+        return torch.where(to_device(greedy, dev, torch.bool), greedy_ids, drawn)
 
     def _fill_logprobs(self, result: SampleResult, raw: torch.Tensor, ps) -> None:
         chosen = raw.gather(1, result.next_ids[:, None])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode, to_device
 from braid.runtime.scheduler.request import Req
 
 
@@ -19,13 +19,15 @@ class StepPlan:
     `last_rows[i]` is the logits row of `sampling[i]`'s last token; in an extend, the
     `sampling[i].unverified` rows before it score its unverified jump-forward tokens (the row
     before each token predicts it). `prompt_rows` maps an index of `sampling` to the logits
-    rows covering its whole prompt (prompt logprobs)."""
+    rows covering its whole prompt (prompt logprobs). `ends[i]`: how many tokens of `reqs[i]`
+    have KV once the forward has run (the host's copy of `batch.seq_lens`)."""
 
     reqs: list[Req]
     sampling: list[Req]
     batch: ForwardBatch
     last_rows: list[int]
     prompt_rows: dict[int, tuple[int, int]]
+    ends: list[int]
 
 
 def assign_slots(
@@ -40,7 +42,7 @@ def assign_slots(
         assert pages is not None, "no free KV pages: the scheduler must make room first"
         req.pages.extend(pages)
     slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
-    table.table[req.pool_row, req.kv_len : new_len] = torch.tensor(slots, dtype=torch.int64)
+    table.table[req.pool_row, req.kv_len : new_len] = to_device(slots, table.table.device)
     return slots
 
 
@@ -81,23 +83,32 @@ def build_extend(
         last_rows.append(len(logits_rows) - 1)
         sampling.append(r)
     reqs = [r for r, _ in items]
+    ends = [end for _, end in items]
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=device),
-        req_pool_indices=torch.tensor([r.pool_row for r in reqs], dtype=torch.int64, device=device),
-        seq_lens=torch.tensor([end for _, end in items], dtype=torch.int64, device=device),
+        input_ids=to_device(ids, device),
+        positions=to_device(positions, device),
+        out_cache_loc=to_device(locs, device),
+        req_pool_indices=to_device([r.pool_row for r in reqs], device),
+        seq_lens=to_device(ends, device),
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_indices=to_device(logits_rows, device),
     )
-    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows)
+    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows, ends)
 
 
 def build_decode(
-    reqs: list[Req], allocator: PageAllocator, table: ReqToTokenPool, device: torch.device
+    reqs: list[Req],
+    allocator: PageAllocator,
+    table: ReqToTokenPool,
+    device: torch.device,
+    input_ids: torch.Tensor | None = None,
 ) -> StepPlan:
+    """A decode batch: each request computes the KV of its last token (at position
+    `req.kv_len`) and samples the next. `input_ids`, when given, are those last tokens already
+    on the device (the previous step's samples, not yet read back); else each request's last
+    output token."""
     ps = allocator.page_size
     rows, positions, locs = [], [], []
     for r in reqs:
@@ -109,14 +120,16 @@ def build_decode(
         rows.append(r.pool_row)
         positions.append(pos)
         locs.append(r.pages[pos // ps] * ps + pos % ps)
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-    locs_t = torch.tensor(locs, dtype=torch.int64, device=device)
-    table.table[rows_t, pos_t] = locs_t
+    # One copy to the device for the three vectors.
     n = len(reqs)
+    packed = to_device(rows + positions + locs, device)
+    rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n :]
+    table.table[rows_t, pos_t] = locs_t
+    if input_ids is None:
+        input_ids = to_device([r.output_ids[-1] for r in reqs], device)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device),
+        input_ids=input_ids,
         positions=pos_t,
         out_cache_loc=locs_t,
         req_pool_indices=rows_t,
@@ -125,4 +138,4 @@ def build_decode(
         extend_lens=[1] * n,
         logits_indices=torch.arange(n, device=device),
     )
-    return StepPlan(reqs, reqs, batch, list(range(n)), {})
+    return StepPlan(reqs, reqs, batch, list(range(n)), {}, [p + 1 for p in positions])

@@ -53,6 +53,7 @@ def build_scheduler(
         grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
         grammar_compile_timeout_s=config.grammar_compile_timeout_s,
         disable_jump_forward=config.disable_jump_forward,
+        overlap_schedule=config.use_overlap_schedule,
     )
 
 

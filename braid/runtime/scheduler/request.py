@@ -10,7 +10,7 @@ from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: list membership tests compare identity
 class Req:
     """One sample being generated.
 

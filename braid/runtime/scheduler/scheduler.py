@@ -9,6 +9,9 @@ before the next prefill, so long prompts never starve them. Admission is optimis
 is admitted when its prefill fits and the decodes in flight keep an estimated reserve; when
 decoding runs out of pages anyway, the newest requests are retracted (their KV goes to the
 prefix cache, they wait again with their output kept) and resume later.
+
+With `overlap_schedule`, a decode step is read back only after the next one is queued on the
+device (`overlap.py`), so the host's work for one step runs while the GPU computes the next.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from braid.runtime.constrained.bitmask import BitmaskBuffer, bitmask_words
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
 from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.constrained.jump_forward import jump_tokens
+from braid.runtime.executor.forward_batch import ForwardMode, to_device
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.sampler import Sampler, SampleResult, SamplingInput
 from braid.runtime.ipc.to_detokenizer import DetokSpec, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.scheduler.batch import StepPlan, build_decode, build_extend
 from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
+from braid.runtime.scheduler.overlap import Launched, can_run_ahead, finishes_by_length
 from braid.runtime.scheduler.policy import (
     POLICIES,
     candidates,
@@ -93,6 +98,7 @@ class Scheduler:
         grammar_compiler: Callable[[], GrammarCompiler] | None = None,
         grammar_compile_timeout_s: float = 30.0,
         disable_jump_forward: bool = False,
+        overlap_schedule: bool = False,
     ) -> None:
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -131,6 +137,8 @@ class Scheduler:
         self._bitmask: BitmaskBuffer | None = None
         self._new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._last_was_prefill = False
+        self.overlap = overlap_schedule
+        self._launched: Launched | None = None  # a decode step queued, not yet read back
 
     # ---- messages in ----------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq) -> list[TokenOut]:
@@ -206,13 +214,27 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.waiting or self.running or self.prefilling or self.jumped or self.grammar_waiting
+            self.waiting
+            or self.running
+            or self.prefilling
+            or self.jumped
+            or self.grammar_waiting
+            or self._launched
         )
 
     def step(self) -> list[TokenOut]:
         """Run one forward and return what each request in it gained (plus requests that
-        failed while scheduling)."""
+        failed while scheduling). With `overlap`, a decode step's tokens come out of the next
+        call, which first queues the decode after it when nothing else should run next."""
         outs = self._poll_grammars()
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            ahead = self._run_ahead(launched)
+            outs += self._process(launched.plan, launched.result, None)
+            if ahead is not None:
+                self._launched = ahead
+                return outs
+            self.in_flight = []
         plan = None
         if not (self._last_was_prefill and self.running):
             plan = self._schedule_prefill()
@@ -226,15 +248,65 @@ class Scheduler:
                 self.grammar_waiting.wait(GRAMMAR_POLL_S)  # nothing else to do but not spin
             return outs
         self.in_flight = plan.reqs
-        logits = self.runner.forward(plan.batch)
-        result = None
-        if plan.sampling:
-            last = logits[plan.last_rows] if len(plan.last_rows) != logits.shape[0] else logits
-            inputs = [r.sampling for r in plan.sampling]
-            result = self.sampler.sample(last, inputs, **self._grammar_mask(plan.sampling))
-        outs += self._process(plan, result, logits)
+        if plan.batch.mode is ForwardMode.DECODE:
+            launched = self._launch_decode(plan)
+            if self.overlap:
+                self._launched = launched
+                return outs
+            outs += self._process(plan, launched.result, None)
+        else:
+            logits = self.runner.forward(plan.batch)
+            result = None
+            if plan.sampling:
+                rows = plan.last_rows
+                last = logits[rows] if len(rows) != logits.shape[0] else logits
+                inputs = [r.sampling for r in plan.sampling]
+                result = self.sampler.sample(last, inputs, **self._grammar_mask(plan.sampling))
+            outs += self._process(plan, result, logits)
         self.in_flight = []
         return outs
+
+    def _launch_decode(self, plan: StepPlan, ahead: int = 0) -> Launched:
+        """Queue a decode forward and its sampling on the device; nothing is read back. The
+        requests' `kv_len` counts the KV this step writes from now on: whatever later reads it
+        is queued after it."""
+        for req, end in zip(plan.reqs, plan.ends):
+            req.kv_len = end
+        logits = self.runner.forward(plan.batch)
+        inputs = [r.sampling for r in plan.sampling]
+        mask = self._grammar_mask(plan.sampling)
+        result = self.sampler.sample(logits, inputs, **mask, ahead=ahead)
+        result.copy_to_host_async()
+        return Launched(plan, result)
+
+    def _run_ahead(self, launched: Launched) -> Launched | None:
+        """Queue the decode step that follows `launched`, fed by its samples on the device,
+        when that step is what would run next anyway (nothing to admit, every request able to
+        sample ahead, pages free); else None."""
+        if not self.overlap or launched.plan.batch.mode is not ForwardMode.DECODE:
+            return None
+        if self.prefilling is not None or self.jumped:
+            return None
+        if self.waiting and len(self.running) < self.max_running:
+            return None  # admit them first
+        reqs = launched.plan.reqs
+        in_step = {id(r) for r in reqs}
+        if any(id(r) not in in_step for r in self.running):
+            return None
+        keep = [i for i, r in enumerate(reqs) if not r.finished and not finishes_by_length(r)]
+        if not keep or not all(can_run_ahead(reqs[i]) for i in keep):
+            return None
+        nxt = [reqs[i] for i in keep]
+        need = sum(1 for r in nxt if r.kv_len % self.page_size == 0)
+        if not self._free_pages_after_evicting(need):
+            return None
+        ids = launched.result.next_ids
+        if len(keep) < len(reqs):
+            ids = ids[to_device(keep, self.device)]
+        self._count_decode_step()
+        plan = build_decode(nxt, self.allocator, self.table, self.device, input_ids=ids)
+        self.in_flight = nxt
+        return self._launch_decode(plan, ahead=1)
 
     def fail_all(self, error: str) -> list[TokenOut]:
         """Fail every request, including those of a step that raised midway (admitted but not
@@ -244,6 +316,11 @@ class Scheduler:
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
         self.waiting.clear()
         self.in_flight = []
+        self._launched = None
+        for r in reqs:
+            # Whatever KV the failed step was writing is suspect: none of it goes to the cache.
+            if r.pool_row is not None or r.pages:
+                self._release(r, keep_kv=False)
         return [self._finish(r, "abort", error) for r in reqs]
 
     # ---- prefill --------------------------------------------------------------------------
@@ -394,11 +471,14 @@ class Scheduler:
             self._retract(self.running[-1])
         if not self.running:
             return None
+        self._count_decode_step()
+        return build_decode(list(self.running), self.allocator, self.table, self.device)
+
+    def _count_decode_step(self) -> None:
         self.stats.decode_steps += 1
         self._new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        return build_decode(list(self.running), self.allocator, self.table, self.device)
 
     def _retract(self, req: Req) -> None:
         """Free a running request's KV (into the cache) and queue it again, output kept."""
@@ -412,12 +492,14 @@ class Scheduler:
 
     # ---- after the forward ----------------------------------------------------------------
     def _process(
-        self, plan: StepPlan, result: SampleResult | None, logits: torch.Tensor
+        self, plan: StepPlan, result: SampleResult | None, logits: torch.Tensor | None
     ) -> list[TokenOut]:
-        for req, end in zip(plan.reqs, (int(x) for x in plan.batch.seq_lens.tolist())):
-            req.kv_len = end
-        prefilled = plan.batch.mode.value == "extend"
+        """Apply a step's samples. `logits` are needed only by an extend (jump verification,
+        prompt logprobs); a decode's requests already count its KV (`_launch_decode`)."""
+        prefilled = plan.batch.mode is ForwardMode.EXTEND
         if prefilled:
+            for req, end in zip(plan.reqs, plan.ends):
+                req.kv_len = end
             for req in plan.reqs:
                 if self.prefilling is req and req.kv_len == req.seq_len:
                     self.prefilling = None
@@ -425,9 +507,12 @@ class Scheduler:
                     self.running.append(req)
         outs = []
         if result is not None:
+            result = result.on_host()
             next_ids = result.next_ids.tolist()
             logprobs = token_logprobs(result) if result.logprobs is not None else None
             for i, req in enumerate(plan.sampling):
+                if req.finished:
+                    continue  # aborted, or stopped the step before this one ran ahead
                 tok = next_ids[i]
                 if req.unverified:
                     last = plan.last_rows[i]
@@ -487,9 +572,10 @@ class Scheduler:
             self.table.table[req.pool_row, : full * self.page_size] = self._slots(req.pages[:full])
         req.shared_pages = full
 
-    def _release(self, req: Req) -> None:
+    def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Give a request's KV back: whole pages to the prefix cache (which keeps what it did
-        not already hold), the rest to the allocator; unlock its prefix; free its table row."""
+        not already hold), the rest to the allocator; unlock its prefix; free its table row.
+        With `keep_kv` False, nothing new goes to the cache."""
         if req in self.running:
             self.running.remove(req)
         if req in self.jumped:
@@ -497,6 +583,8 @@ class Scheduler:
         if self.prefilling is req:
             self.prefilling = None
         full = min(req.kv_len // self.page_size, len(req.pages))
+        if not keep_kv:
+            full = req.shared_pages
         offered = req.pages[:full]
         duplicates = self.cache.insert(req.tokens(full * self.page_size), offered)
         own = set(req.pages[req.shared_pages :])

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--disable-cuda-graph", action="store_true", help="run every decode step eagerly"
     )
+    s.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step back before queuing the next (overlap is on with CUDA)",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
         "--grammar-compile-timeout",
@@ -114,6 +119,7 @@ def serve(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
+            overlap_schedule=False if args.disable_overlap_schedule else None,
         )
         assets = ModelAssets.load(args.model)
     except ValueError as e:

@@ -1,0 +1,242 @@
+"""Where a decode step's time goes, measured in process (no ZMQ, no front end).
+
+    python benchmarks/gpu_step.py                  # Llama-3.1-8B shapes, batch 1, 128-token context
+    python benchmarks/gpu_step.py --batch 32 --context 1024
+    python benchmarks/gpu_step.py --extend 16x512      # one prefill step of 16 prompts of 512
+
+With dummy bf16 weights it reports, in one run:
+- `graph_ms`: replaying the captured decode graph alone (CUDA events): the forward's GPU time;
+- `step_ms`: `Scheduler.step()` in a loop, with the overlapped schedule and without: what the
+  sampler, the batch building and the host's per-step work add to the graph;
+- `roofline_ms`: weight bytes / the copy rate measured in the same run;
+- `kernels`: every kernel of one graph-replayed step under torch.profiler, grouped by name
+  (GPU microseconds per step), and their sum: the step's time minus that sum is idle GPU.
+With `--extend BxL` it times prefill steps instead: B fresh prompts of L tokens per step
+(`extend_ms`, the model FLOP utilisation against the measured matmul rate, and the kernels).
+Writes benchmarks/results/gpu_step_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import copy_bandwidth, matmul_rate, write_result  # noqa: E402
+from benchmarks.gpu_cost import ModelCost  # noqa: E402
+from braid import SamplingParams  # noqa: E402
+from braid.runtime.config import EngineConfig  # noqa: E402
+from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq  # noqa: E402
+from braid.runtime.models.config import ModelConfig  # noqa: E402
+from braid.runtime.scheduler.process import build_scheduler  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def _start(sched, batch: int, context: int, steps: int) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=steps * 4 + 64, ignore_eos=True)
+    vocab = sched.vocab_size
+    for b in range(batch):
+        prompt = [(7 + 131 * b + 17 * i) % vocab for i in range(context)]
+        sched.handle(GenerateReq(f"r{b}", prompt, sp, b))
+    while len(sched.running) < batch:
+        sched.step()
+
+
+def _stop(sched, batch: int) -> None:
+    for b in range(batch):
+        sched.handle(AbortReq(f"r{b}"))
+    while sched.has_work:
+        sched.step()
+
+
+def step_ms(sched, batch: int, context: int, steps: int, overlap: bool) -> float:
+    sched.overlap = overlap
+    _start(sched, batch, context, steps)
+    for _ in range(10):
+        sched.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps * 1e3
+    _stop(sched, batch)
+    return dt
+
+
+def graph_ms(sched, batch: int, context: int, steps: int) -> float:
+    """The decode graph of this batch size replayed alone, over the inputs of a real step."""
+    sched.overlap = False
+    _start(sched, batch, context, steps)
+    sched.step()
+    graphs = sched.runner.graph_runner
+    graph = graphs._graphs[graphs._bucket[batch]]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    _stop(sched, batch)
+    return start.elapsed_time(end) / steps
+
+
+def kernel_table(sched, batch: int, context: int, steps: int) -> tuple[list[dict], float]:
+    """GPU microseconds per step by kernel name over `steps` overlapped steps, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched.overlap = True
+    _start(sched, batch, context, steps)
+    for _ in range(5):
+        sched.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            sched.step()
+        torch.cuda.synchronize()
+    _stop(sched, batch)
+    rows = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = evt.cuda_time_total
+        if us <= 0:
+            continue
+        calls = evt.count / steps
+        rows.append({"kernel": evt.key[:120], "calls_per_step": calls, "us": us / steps})
+    rows.sort(key=lambda r: -r["us"])
+    return rows, sum(r["us"] for r in rows)
+
+
+def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float, list, float]:
+    """Best wall ms of a prefill step of `batch` fresh prompts of `length` tokens (each step
+    admits exactly that batch; the requests are aborted after), and one step's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched.overlap = False
+    vocab = sched.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times, prof = [], None
+    for rep in range(repeats + 2):
+        for b in range(batch):
+            # Fresh tokens each repeat: nothing comes from the prefix cache.
+            prompt = [(rep * 7919 + b * 104729 + 31 * i) % vocab for i in range(length)]
+            sched.handle(GenerateReq(f"e{rep}-{b}", prompt, sp, b))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if rep == repeats + 1:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                sched.step()
+                torch.cuda.synchronize()
+        else:
+            sched.step()
+            torch.cuda.synchronize()
+        if rep >= 1:
+            times.append((time.perf_counter() - t0) * 1e3)
+        while sched.has_work:
+            sched.step()
+        sched.flush_cache()
+    rows = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = evt.cuda_time_total
+        if us > 0:
+            rows.append({"kernel": evt.key[:120], "calls_per_step": evt.count, "us": us})
+    rows.sort(key=lambda r: -r["us"])
+    return min(times), rows, sum(r["us"] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(CONFIGS / "llama-3.1-8b"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--extend", default=None, metavar="BxL", help="time prefill steps instead")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu_step.py: needs a CUDA device")
+    model_dir = Path(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    cost = ModelCost.of(cfg, torch.bfloat16)
+    copy = copy_bandwidth("cuda")
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        kv_tokens=65536 + args.batch * (args.context + args.steps * 4 + 64),
+        max_running_requests=max(8, args.batch),
+        cuda_graph_max_bs=max(8, args.batch),
+        show_progress=False,
+    )
+    if args.extend:
+        b, _, length = args.extend.partition("x")
+        b, length = int(b), int(length)
+        config = EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype="bfloat16",
+            kv_tokens=65536 + 2 * b * length,
+            max_running_requests=max(8, b),
+            max_prefill_tokens=b * length,
+            chunked_prefill_size=b * length,
+            disable_cuda_graph=True,
+            show_progress=False,
+        )
+        sched = build_scheduler(config, model_dir, frozenset())
+        mm = matmul_rate("cuda", 8192, torch.bfloat16)
+        ms, kernels, total_us = extend_profile(sched, b, length, 5)
+        flops = b * cost.forward_flops(length)
+        res = {
+            "model": model_dir.name,
+            "extend": {"batch": b, "length": length},
+            "matmul": mm,
+            "extend_ms": ms,
+            "flops": flops,
+            "mfu": flops / (ms / 1e3) / mm["flops_per_s"],
+            "kernel_us_per_step": total_us,
+            "kernels": kernels[:40],
+        }
+        print(f"extend {b}x{length}: {ms:.2f} ms, MFU {res['mfu']:.3f}")
+        print(f"kernel ms per step | {total_us / 1e3:.3f}")
+        for r in kernels[:25]:
+            print(f"{r['us']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['kernel'][:90]}")
+        write_result("gpu_step", "cuda", args.out, res, script="benchmarks/gpu_step.py")
+        return
+    sched = build_scheduler(config, model_dir, frozenset())
+    n, ctx, steps = args.batch, args.context, args.steps
+    res = {
+        "model": model_dir.name,
+        "batch": n,
+        "context": ctx,
+        "steps": steps,
+        "copy_bandwidth": copy,
+        "weight_bytes": cost.weight_bytes,
+        "roofline_ms": cost.weight_bytes / copy["bytes_per_s"] * 1e3,
+        "graph_ms": graph_ms(sched, n, ctx, steps),
+        "step_ms_overlap": step_ms(sched, n, ctx, steps, overlap=True),
+        "step_ms_no_overlap": step_ms(sched, n, ctx, steps, overlap=False),
+    }
+    kernels, total_us = kernel_table(sched, n, ctx, min(steps, 50))
+    res["kernel_us_per_step"] = total_us
+    res["kernels"] = kernels[:40]
+    for k in ("roofline_ms", "graph_ms", "step_ms_overlap", "step_ms_no_overlap"):
+        print(f"{k:>20} | {res[k]:.3f}")
+    print(f"{'kernel ms per step':>20} | {total_us / 1e3:.3f}")
+    for r in kernels[:25]:
+        print(f"{r['us']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['kernel'][:90]}")
+    write_result("gpu_step", "cuda", args.out, res, script="benchmarks/gpu_step.py")
+
+
+if __name__ == "__main__":
+    main()

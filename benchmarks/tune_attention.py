@@ -1,0 +1,121 @@
+"""Sweep the decode-attention split kernel's (BLOCK_N, num_warps, num_stages) on this GPU.
+
+    python benchmarks/tune_attention.py      # Llama-3.1-8B heads (32 q, 8 kv, dim 128), bf16
+
+For each case (batch, sequence length) it times `decode_attention` at braid's split count for
+that batch (`TritonBackend.kv_splits_for`), CUDA events over back-to-back launches, for every
+config, and reports each config's time and its fraction of the copy bound (the K/V bytes read
+/ the copy rate measured in the same run). The default in `attention_decode._stage1_config`
+is chosen from this table. Writes benchmarks/results/tune_attention_cuda.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import copy_bandwidth, write_result  # noqa: E402
+from braid.kernels.attention_decode import _stage1_config, decode_attention  # noqa: E402
+from braid.runtime.attention.triton_backend import _TARGET_PROGRAMS, MAX_KV_SPLITS  # noqa: E402
+
+CASES = [(1, 4096), (32, 4096), (256, 640), (1024, 640)]
+CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+
+
+def splits_for(bs: int, kv_heads: int) -> int:
+    programs, splits = max(1, bs * kv_heads), 1
+    while splits < MAX_KV_SPLITS and programs * splits < _TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
+def time_us(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def tune_case(bs: int, seq: int, copy_bytes_per_s: float) -> dict:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    heads, kv_heads, dim = 32, 8, 128
+    k = torch.randn(bs * seq + 1, kv_heads, dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
+    table = (1 + torch.arange(bs * seq, device=dev)).view(bs, seq)
+    rows_idx = torch.arange(bs, device=dev)
+    lens = torch.full((bs,), seq, device=dev)
+    splits = splits_for(bs, kv_heads)
+    kv_bytes = 2 * bs * seq * kv_heads * dim * k.element_size()
+    bound_us = kv_bytes / (copy_bytes_per_s / 2) * 1e6  # reads only: half the copy's bytes
+
+    def launch(cfg: tuple[int, int, int]) -> None:
+        decode_attention(
+            q, k, v, table, rows_idx, lens, dim**-0.5, num_kv_splits=splits, stage1_config=cfg
+        )
+
+    results = {}
+    for cfg in CONFIGS:
+        try:
+            results[cfg] = time_us(lambda cfg=cfg: launch(cfg))
+        except Exception as e:  # a config the compiler rejects (shared memory): skip it
+            print(f"bs {bs} seq {seq} {cfg}: {type(e).__name__}")
+    best = min(results, key=results.get)
+    default = _stage1_config(dim)
+    print(
+        f"bs {bs:5d} seq {seq:5d} splits {splits:2d}: default {default} "
+        f"{results[default]:8.1f} us ({bound_us / results[default]:.0%} of read bound), "
+        f"best {best} {results[best]:8.1f} us ({bound_us / results[best]:.0%})",
+        flush=True,
+    )
+    return {
+        "batch": bs,
+        "seq": seq,
+        "splits": splits,
+        "kv_bytes": kv_bytes,
+        "read_bound_us": bound_us,
+        "default": list(default),
+        "default_us": results[default],
+        "best": list(best),
+        "best_us": results[best],
+        "all": {"/".join(map(str, c)): us for c, us in results.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/tune_attention.py: needs a CUDA device")
+    copy = copy_bandwidth("cuda")
+    rows = []
+    for bs, seq in CASES:
+        rows.append(tune_case(bs, seq, copy["bytes_per_s"]))
+        torch.cuda.empty_cache()
+    # The config closest to each case's best over all cases (sum of time / case best).
+    common = set.intersection(*(set(r["all"]) for r in rows))
+    overall = min(common, key=lambda c: sum(r["all"][c] / r["best_us"] for r in rows))
+    print(f"best overall (sum of time / case best): {overall}")
+    write_result(
+        "tune_attention",
+        "cuda",
+        args.out,
+        {"copy_bandwidth": copy, "cases": rows, "best_overall": overall},
+        script="benchmarks/tune_attention.py",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Overlapped decode: queue the next decode step on the device before reading back this one.
+
+Without it, every decode step ends with the host waiting for the sampled ids and then doing
+its own work (finishing requests, sending tokens out, building the next batch) while the GPU
+sits idle: at batch 1 on an 8B model that is a quarter of the step. With it, step n+1 is
+launched with step n's samples as its input ids, still on the device, and the host reads
+back and processes step n while the GPU runs n+1.
+
+What that costs and why it stays exact:
+- A request step n finishes (a stop token) has already been given step n+1; that row's
+  sample is dropped. Its KV for the final token is valid (its input was the real token).
+- A request that reaches its length limit at step n is known to before reading step n back,
+  so it is left out of step n+1.
+- Only requests whose sampling reads nothing the host has not yet seen run ahead: no
+  grammar (the mask needs the previous token), no penalties (they count output tokens), and
+  `min_tokens` already reached. Any other request in the batch makes the step wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from braid.runtime.executor.sampler import SampleResult
+from braid.runtime.scheduler.batch import StepPlan
+from braid.runtime.scheduler.request import Req
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device whose samples the host has not read yet."""
+
+    plan: StepPlan
+    result: SampleResult
+
+
+def can_run_ahead(req: Req) -> bool:
+    """Whether `req` can sample its next token before its current one is read back."""
+    p = req.params
+    return (
+        req.grammar is None
+        and req.unverified == 0
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and len(req.output_ids) + 1 >= p.min_tokens
+    )
+
+
+def finishes_by_length(req: Req) -> bool:
+    """Whether the token `req` is sampling now (not yet appended) is its last allowed one."""
+    return len(req.output_ids) + 1 >= req.max_new_tokens

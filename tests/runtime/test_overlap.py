@@ -1,0 +1,211 @@
+"""Overlapped decode (`overlap_schedule`): the next decode step is queued before the current one
+is read back. It must change nothing a caller sees: the same tokens, logprobs and finish
+reasons as reading every step back at once, with every KV page accounted for after aborts,
+stop tokens, length limits and requests joining mid-flight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import braid
+from braid import SamplingParams
+from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
+from tests.conftest import hf_greedy, local_scheduler
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _scheduler(path, overlap: bool, device: str = "cpu"):
+    sched = local_scheduler(
+        path, kv_tokens=1024, overlap_schedule=overlap, device=device, dtype="float32"
+    )
+    ran_ahead = []
+    real = sched._run_ahead
+
+    def counting(launched):
+        step = real(launched)
+        ran_ahead.append(step is not None)
+        return step
+
+    sched._run_ahead = counting
+    return sched, ran_ahead
+
+
+def _step(sched, got: dict[str, dict]) -> None:
+    """One step, adding each request's new tokens, logprobs and finish reason to `got`."""
+    for out in sched.step():
+        g = got.setdefault(out.rid, {"ids": [], "lp": [], "finish": None})
+        g["ids"] += out.new_token_ids
+        g["lp"] += [lp.logprob for lp in out.logprobs or []]
+        g["finish"] = out.finish_reason
+    sched.check_invariants()
+
+
+def _run(sched, got: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Step to the end."""
+    got = {} if got is None else got
+    while sched.has_work:
+        _step(sched, got)
+    return got
+
+
+def _all_kv_free_or_cached(sched) -> None:
+    a = sched.allocator
+    assert not sched.running and not sched.waiting and sched._launched is None
+    assert a.free_pages + sched.cache.total_pages == a.capacity_pages
+    assert sched.table.free_slots == sched.table.size
+
+
+def _mixed_requests(stop_token: int | None) -> list[GenerateReq]:
+    reqs = [
+        GenerateReq("greedy-5", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY), 0),
+        GenerateReq("greedy-17", [4, 5, 6, 7, 8], SamplingParams(max_tokens=17, **GREEDY), 0),
+        # The draw's noise is indexed by output position: running ahead must keep the index.
+        GenerateReq(
+            "sampled",
+            [9, 10, 11],
+            SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, ignore_eos=True),
+            1234,
+        ),
+        GenerateReq(
+            "min-tokens",
+            [12, 13],
+            SamplingParams(max_tokens=9, min_tokens=6, temperature=0.0),
+            0,
+        ),
+        GenerateReq(
+            "logprobs", [14, 15, 16], SamplingParams(max_tokens=8, logprobs=3, **GREEDY), 0
+        ),
+    ]
+    if stop_token is not None:
+        reqs.append(
+            GenerateReq(
+                "stops",
+                [1, 2, 3],
+                SamplingParams(max_tokens=12, stop_token_ids=[stop_token], temperature=0.0),
+                0,
+            )
+        )
+    return reqs
+
+
+def _same_tokens_logprobs_and_finishes(path, device: str) -> None:
+    plain, _ = _scheduler(path, overlap=False, device=device)
+    for r in _mixed_requests(None):
+        plain.handle(r)
+    first = _run(plain)
+    # Stop "stops" (same prompt as "greedy-5") at its 4th greedy token: the step run ahead
+    # of that one is dropped.
+    stop = first["greedy-5"]["ids"][3]
+    plain, _ = _scheduler(path, overlap=False, device=device)
+    over, ran_ahead = _scheduler(path, overlap=True, device=device)
+    for s in (plain, over):
+        for r in _mixed_requests(stop):
+            s.handle(r)
+    expected, got = _run(plain), _run(over)
+    assert got.keys() == expected.keys()
+    for rid, want in expected.items():
+        assert (got[rid]["ids"], got[rid]["finish"]) == (want["ids"], want["finish"]), rid
+        assert got[rid]["lp"] == pytest.approx(want["lp"], abs=1e-4), rid
+    assert expected["stops"]["finish"] == "stop" and expected["stops"]["ids"][-1] == stop
+    assert len(expected["stops"]["ids"]) <= 4
+    assert expected["min-tokens"]["finish"] == "length"
+    assert len(expected["logprobs"]["lp"]) == 8
+    assert sum(ran_ahead) >= 10, "decode steps should have run ahead"
+    _all_kv_free_or_cached(over)
+    # Same step count apart from the steps run ahead of a stop (length limits are foreseen).
+    assert over.stats.decode_steps - plain.stats.decode_steps in (0, 1)
+
+
+def test_overlap_gives_the_same_tokens_logprobs_and_finishes(tiny_model_dirs):
+    _same_tokens_logprobs_and_finishes(tiny_model_dirs["qwen3"], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlap_on_cuda_gives_the_same_tokens_logprobs_and_finishes(tiny_model_dirs):
+    """On CUDA the step ahead really runs while the host reads the last one back (triton
+    backend, CUDA graphs, pinned copies)."""
+    _same_tokens_logprobs_and_finishes(tiny_model_dirs["llama"], "cuda")
+
+
+def test_a_penalised_request_makes_its_batch_wait(tiny_model_dirs):
+    path = tiny_model_dirs["qwen3"]
+    plain, _ = _scheduler(path, overlap=False)
+    over, ran_ahead = _scheduler(path, overlap=True)
+    sp = SamplingParams(max_tokens=10, repetition_penalty=1.3, **GREEDY)
+    for s in (plain, over):
+        s.handle(GenerateReq("pen", [5, 5, 6], sp, 0))
+        s.handle(GenerateReq("free", [7, 8], SamplingParams(max_tokens=10, **GREEDY), 0))
+    assert _run(over) == _run(plain)
+    assert not any(ran_ahead), "penalties read the output on the host: no step may run ahead"
+    _all_kv_free_or_cached(over)
+
+
+def test_abort_while_a_step_runs_ahead_frees_its_kv(tiny_model_dirs):
+    over, ran_ahead = _scheduler(tiny_model_dirs["qwen3"], overlap=True)
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    over.handle(GenerateReq("keep", [1, 2, 3, 4], sp, 0))
+    over.handle(GenerateReq("drop", [5, 6, 7], sp, 0))
+    got: dict[str, dict] = {}
+    while not any(ran_ahead):
+        _step(over, got)
+    assert over._launched is not None
+    outs = over.handle(AbortReq("drop"))
+    assert [(o.rid, o.finish_reason) for o in outs] == [("drop", "abort")]
+    over.check_invariants()
+    got = _run(over, got)
+    assert got["drop"]["finish"] is None, "the aborted request's run-ahead step was dropped"
+    assert got["keep"]["finish"] == "length" and len(got["keep"]["ids"]) == 40
+    _all_kv_free_or_cached(over)
+
+
+def test_a_request_arriving_mid_flight_gets_the_tokens_it_gets_alone(tiny_model_dirs):
+    path = tiny_model_dirs["qwen3"]
+    alone, _ = _scheduler(path, overlap=False)
+    late = GenerateReq("late", [9, 8, 7, 6], SamplingParams(max_tokens=9, **GREEDY), 0)
+    alone.handle(late)
+    expected = _run(alone)["late"]["ids"]
+    over, ran_ahead = _scheduler(path, overlap=True)
+    over.handle(GenerateReq("early", [1, 2], SamplingParams(max_tokens=30, **GREEDY), 0))
+    got: dict[str, dict] = {}
+    while not any(ran_ahead):
+        _step(over, got)
+    over.handle(late)
+    got = _run(over, got)
+    assert got["late"]["ids"] == expected
+    assert len(got["early"]["ids"]) == 30
+    _all_kv_free_or_cached(over)
+
+
+@pytest.mark.parametrize("overlap", [None, True, False])
+def test_overlap_setting_defaults_to_cuda_only(overlap):
+    cfg = braid.runtime.config.EngineConfig(device="cpu", overlap_schedule=overlap)
+    assert cfg.use_overlap_schedule is bool(overlap)
+    cuda = braid.runtime.config.EngineConfig(device="cuda", overlap_schedule=overlap)
+    assert cuda.use_overlap_schedule is (overlap is not False)
+
+
+def test_overlap_setting_rejects_non_booleans():
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        braid.runtime.config.EngineConfig(overlap_schedule="yes")
+
+
+def test_smollm2_with_overlap_matches_transformers(smollm2_dir, hf_smollm2):
+    """Real weights, stops at EOS (so steps run ahead of a stop are dropped), batched."""
+    with braid.LLM(smollm2_dir, kv_tokens=4096, overlap_schedule=True, show_progress=False) as llm:
+        tok = llm.tokenizer
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2+2?"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+        ids.append(tok.encode(chat, add_special_tokens=False))
+        expected = [hf_greedy(hf_smollm2, p, 24) for p in ids]
+        sp = SamplingParams(temperature=0.0, max_tokens=24)
+        got = [o.outputs[0].token_ids for o in llm.generate(ids, sp, use_tqdm=False)]
+        llm.check_invariants()
+    assert got == expected
+    assert any(len(t) < 24 for t in expected), "one prompt should stop at EOS"
