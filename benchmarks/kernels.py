@@ -13,7 +13,15 @@ captured in a CUDA graph, which is how decode steps run under graphs, so it is d
 The bound is bytes moved / the measured device copy rate (`copy_bandwidth`: read + write per
 second), for the kernels whose traffic is what limits them; extend attention instead reports
 its FLOP rate and the bound from a measured bf16 matmul rate. Inputs are warm in L2 only
-where they fit (the decode KV of large batches does not).
+where they fit (the decode KV of large batches does not), except skinny_linear's weights,
+which rotate through copies of at least 256 MiB in all so each call reads its weight from
+HBM, as a decode step does. skinny_linear's torch side is also replayed from a graph and its
+speedup is graph time over graph time: the plain kernel against `F.linear` (o_proj, batch 1:
+measured equal, which is why plain linears stay on cuBLAS), and down_proj with the MLP's
+activation fused in against the `silu_and_mul` kernel followed by `F.linear`, at batch 1 (what
+the runtime fuses) and 16 (to decide whether it should); and qkv_proj and gate_up_proj at batch
+1 with the RMSNorm before each (residual add included) fused in, against the `rmsnorm` kernel
+followed by `F.linear`.
 
 Writes benchmarks/results/kernels_cuda.json (or --out).
 """
@@ -21,6 +29,8 @@ Writes benchmarks/results/kernels_cuda.json (or --out).
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -42,6 +52,7 @@ KERNELS = (
     "rotary",
     "silu_and_mul",
     "apply_token_bitmask_",
+    "skinny_linear",
 )
 
 # Llama-3.1-8B (benchmarks/configs/llama-3.1-8b).
@@ -70,9 +81,13 @@ class Row:
     bytes: int | None = None
     flops: int | None = None
     bound_us: float | None = None
+    torch_graph_us: float | None = None
 
     @property
     def speedup(self) -> float | None:
+        """torch time / Triton time: graph over graph where both were replayed, else eager."""
+        if self.torch_graph_us is not None and self.triton_graph_us is not None:
+            return self.torch_graph_us / self.triton_graph_us
         return None if self.torch_us is None else self.torch_us / self.triton_us
 
     @property
@@ -178,6 +193,26 @@ class Sizes:
     @property
     def bitmask_batches(self) -> list[int]:
         return self.pick([1, 32, 256], [2])
+
+    @property
+    def linear_cases(self) -> list[tuple[str, int, int, int, str | None]]:
+        """(projection, rows M, out features N, in features K, activation): o_proj plain at
+        batch 1, and down_proj with silu_and_mul fused in at batch 1 and 16."""
+        heads, _, d = self.heads
+        h, inter = self.hidden, self.intermediate
+        return [
+            ("o_proj", 1, h, heads * d, None),
+            ("down_proj", 1, h, inter, "silu_and_mul"),
+            ("down_proj", 16, h, inter, "silu_and_mul"),
+        ]
+
+    @property
+    def norm_linear_cases(self) -> list[tuple[str, int, int]]:
+        """(projection, out features N, in features K) of the projections that follow an
+        RMSNorm with a residual add, at batch 1: qkv_proj and gate_up_proj."""
+        heads, kv_heads, d = self.heads
+        h = self.hidden
+        return [("qkv_proj", (heads + 2 * kv_heads) * d, h), ("gate_up", 2 * self.intermediate, h)]
 
 
 def _paged_batch(batch, prefix, new, heads, kvh, d, dtype, device):
@@ -436,6 +471,93 @@ def bench_bitmask(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
     return rows
 
 
+# Weight bytes each skinny_linear case cycles through: several times an H200's 50 MB L2.
+COLD_WEIGHT_BYTES = 256 << 20
+
+
+def _rotating(fn: Callable, x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], object]:
+    """`fn(x, w)` with the next of `weights` at each call (a fresh cycle per timing)."""
+    ws = itertools.cycle(weights)
+    return lambda: fn(x, next(ws))
+
+
+def _norm_then_linear(
+    x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor, residual: torch.Tensor
+) -> torch.Tensor:
+    """The unfused form of a norm-fused skinny_linear: the `rmsnorm` kernel, then cuBLAS."""
+    import torch.nn.functional as F
+
+    from braid.kernels import rmsnorm
+
+    return F.linear(rmsnorm(x, norm_weight, EPS, residual)[0], w)
+
+
+def bench_skinny_linear(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
+    import torch.nn.functional as F
+
+    from braid.kernels import silu_and_mul, skinny_linear
+
+    def unfused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(x), w)
+
+    rows = []
+    for name, m, n, k, activation in sz.linear_cases:
+        w_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(1, math.ceil(sz.pick(COLD_WEIGHT_BYTES, 0) / w_bytes))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(copies)]
+        x = torch.randn(m, k if activation is None else 2 * k, dtype=dtype, device=device)
+        if activation is None:
+            kernel, torch_fn, case = skinny_linear, F.linear, ""
+            torch_what = "F.linear (cuBLAS); speedup from graph times"
+        else:
+            kernel, torch_fn = partial(skinny_linear, activation=activation), unfused
+            case = " fused"  # the case column is 36 wide
+            torch_what = f"{activation} kernel + F.linear (cuBLAS); speedup from graph times"
+        rows.append(
+            Row(
+                "skinny_linear",
+                f"{name} M={m} N={n} K={k}{case}",
+                t.eager(_rotating(kernel, x, weights)),
+                t.graph(_rotating(kernel, x, weights)),
+                t.eager(_rotating(torch_fn, x, weights)),
+                torch_what,
+                bytes=w_bytes + (x.numel() + m * n) * x.element_size(),
+                torch_graph_us=t.graph(_rotating(torch_fn, x, weights)),
+            )
+        )
+    for name, n, k in sz.norm_linear_cases:
+        w_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(1, math.ceil(sz.pick(COLD_WEIGHT_BYTES, 0) / w_bytes))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(copies)]
+        x, residual = (torch.randn(1, k, dtype=dtype, device=device) for _ in range(2))
+        norm_weight = torch.randn(k, dtype=dtype, device=device)
+        residual_out = torch.empty_like(x)
+        fused = partial(
+            skinny_linear,
+            norm_weight=norm_weight,
+            eps=EPS,
+            residual=residual,
+            residual_out=residual_out,
+        )
+        norm_then_linear = partial(_norm_then_linear, norm_weight=norm_weight, residual=residual)
+
+        rows.append(
+            Row(
+                "skinny_linear",
+                f"{name} M=1 N={n} K={k} norm+res",
+                t.eager(_rotating(fused, x, weights)),
+                t.graph(_rotating(fused, x, weights)),
+                t.eager(_rotating(norm_then_linear, x, weights)),
+                "rmsnorm kernel (+residual) + F.linear (cuBLAS); speedup from graph times",
+                # The weight, plus x, residual and the norm weight read, new residual and out
+                # written (the unfused path also writes and reads back the normalised row).
+                bytes=w_bytes + (4 * k + n) * x.element_size(),
+                torch_graph_us=t.graph(_rotating(norm_then_linear, x, weights)),
+            )
+        )
+    return rows
+
+
 BENCHES = {
     "store_kv": bench_store_kv,
     "decode_attention": bench_decode,
@@ -444,6 +566,7 @@ BENCHES = {
     "rotary": bench_rotary,
     "silu_and_mul": bench_silu_and_mul,
     "apply_token_bitmask_": bench_bitmask,
+    "skinny_linear": bench_skinny_linear,
 }
 
 
@@ -457,7 +580,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def print_table(rows: list[Row]) -> None:
     head = (
         f"{'kernel':<20} {'case':<36} {'triton us':>10} {'graph us':>9} {'torch us':>10} "
-        f"{'speedup':>7} {'bound us':>9} {'of bound':>8} {'TFLOP/s':>8}"
+        f"{'t.graph us':>10} {'speedup':>7} {'bound us':>9} {'of bound':>8} {'TFLOP/s':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -466,7 +589,8 @@ def print_table(rows: list[Row]) -> None:
         tflops = None if r.flops is None else r.flops / (t * 1e-6) / 1e12
         print(
             f"{r.kernel:<20} {r.case:<36} {r.triton_us:10.1f} {_fmt(r.triton_graph_us, '9.1f')} "
-            f"{_fmt(r.torch_us, '10.1f')} {_fmt(r.speedup, '7.2f')} {_fmt(r.bound_us, '9.1f')} "
+            f"{_fmt(r.torch_us, '10.1f')} {_fmt(r.torch_graph_us, '10.1f')} "
+            f"{_fmt(r.speedup, '7.2f')} {_fmt(r.bound_us, '9.1f')} "
             f"{_fmt(r.of_bound, '8.0%')} {_fmt(tflops, '8.1f')}"
         )
 

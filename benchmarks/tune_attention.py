@@ -6,7 +6,9 @@ For each case (batch, sequence length) it times `decode_attention` at braid's sp
 that batch (`TritonBackend.kv_splits_for`), CUDA events over back-to-back launches, for every
 config, and reports each config's time and its fraction of the copy bound (the K/V bytes read
 / the copy rate measured in the same run). The default in `attention_decode._stage1_config`
-is chosen from this table. Writes benchmarks/results/tune_attention_cuda.json.
+is chosen from this table (the committed JSON was timed with back-to-back eager launches, so
+its batch-1 row measured launch time; the script now times CUDA graphs). Writes
+benchmarks/results/tune_attention_cuda.json.
 """
 
 from __future__ import annotations
@@ -36,12 +38,19 @@ def splits_for(bs: int, kv_heads: int) -> int:
 
 
 def time_us(fn, repeats: int = 20) -> float:
+    """Device time per call, from a CUDA graph of `repeats` calls: the small cases' kernels
+    take less time than launching them from Python."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(repeats):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / repeats
@@ -58,7 +67,8 @@ def tune_case(bs: int, seq: int, copy_bytes_per_s: float) -> dict:
     lens = torch.full((bs,), seq, device=dev)
     splits = splits_for(bs, kv_heads)
     kv_bytes = 2 * bs * seq * kv_heads * dim * k.element_size()
-    bound_us = kv_bytes / (copy_bytes_per_s / 2) * 1e6  # reads only: half the copy's bytes
+    # A copy's rate counts bytes read + written: HBM moves that many bytes a second either way.
+    bound_us = kv_bytes / copy_bytes_per_s * 1e6
 
     def launch(cfg: tuple[int, int, int]) -> None:
         decode_attention(

@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from braid.kernels.activation import silu_and_mul
+    from braid.kernels.argmax import argmax_rows
     from braid.kernels.attention_decode import decode_attention
     from braid.kernels.attention_extend import extend_attention
     from braid.kernels.kv_store import store_kv
     from braid.kernels.norm import rmsnorm
     from braid.kernels.rope import rotary
+    from braid.kernels.skinny_gemm import skinny_linear
     from braid.kernels.token_bitmask import apply_token_bitmask_
 
 _LAUNCHERS = {
+    "argmax_rows": "braid.kernels.argmax",
     "store_kv": "braid.kernels.kv_store",
     "decode_attention": "braid.kernels.attention_decode",
     "extend_attention": "braid.kernels.attention_extend",
@@ -29,15 +32,18 @@ _LAUNCHERS = {
     "rotary": "braid.kernels.rope",
     "silu_and_mul": "braid.kernels.activation",
     "apply_token_bitmask_": "braid.kernels.token_bitmask",
+    "skinny_linear": "braid.kernels.skinny_gemm",
 }
 
 __all__ = [
     "apply_token_bitmask_",
+    "argmax_rows",
     "decode_attention",
     "extend_attention",
     "rmsnorm",
     "rotary",
     "silu_and_mul",
+    "skinny_linear",
     "store_kv",
 ]
 

@@ -56,20 +56,14 @@ def _check_rows(name: str, t: torch.Tensor, kv_heads: int, head_dim: int) -> Non
         raise ValueError(f"{name} must be contiguous within a token, got strides {t.stride()}")
 
 
-def store_kv(
+def check_store_kv_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     loc: torch.Tensor,
-) -> None:
-    """`k_cache[loc[i]] = k[i]` and `v_cache[loc[i]] = v[i]` for every i, in place.
-
-    `k_cache`, `v_cache`: contiguous [slots, kv_heads, head_dim] (one layer of `KVPool`);
-    `k`, `v`: [n, kv_heads, head_dim] of the cache's dtype, contiguous within each token;
-    `loc`: int64 [n] slot indices on the same device, each in [0, slots). Slots in `loc`
-    should be distinct (a repeated slot gets one of the writes). No host synchronisation.
-    """
+) -> int:
+    """Check `store_kv`'s arguments (ValueError naming the bad one); returns the row count."""
     check_tensor("k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES)
     device = k_cache.device
     check_tensor("v_cache", v_cache, ndim=3, device=device)
@@ -89,6 +83,25 @@ def store_kv(
     check_shape("v", v, tuple(k.shape))
     if loc.shape[0] != n:
         raise ValueError(f"loc has {loc.shape[0]} entries, but k has {n} rows")
+    return n
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """`k_cache[loc[i]] = k[i]` and `v_cache[loc[i]] = v[i]` for every i, in place.
+
+    `k_cache`, `v_cache`: contiguous [slots, kv_heads, head_dim] (one layer of `KVPool`);
+    `k`, `v`: [n, kv_heads, head_dim] of the cache's dtype, contiguous within each token;
+    `loc`: int64 [n] slot indices on the same device, each in [0, slots). Slots in `loc`
+    should be distinct (a repeated slot gets one of the writes). No host synchronisation.
+    """
+    n = check_store_kv_args(k_cache, v_cache, k, v, loc)
+    kv_heads, head_dim = k_cache.shape[1:]
     if n == 0:
         return
     row = kv_heads * head_dim

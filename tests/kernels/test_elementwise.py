@@ -8,6 +8,8 @@ import torch
 
 from braid.kernels import apply_token_bitmask_, rmsnorm, rotary, silu_and_mul
 from braid.kernels.activation import silu_and_mul_reference
+from braid.kernels.argmax import CHUNK, argmax_rows, argmax_rows_reference
+from braid.kernels.kv_store import store_kv_reference
 from braid.kernels.norm import rmsnorm_reference
 from braid.kernels.rope import rotary_reference
 from braid.kernels.token_bitmask import apply_token_bitmask_reference
@@ -123,6 +125,46 @@ def test_rotary_rejects_bad_arguments(device):
         rotary(q, torch.randn(3, 1, 16, device=device), pos, (rope.cos, rope.sin))
     with pytest.raises(ValueError, match="rotary dim 32"):
         rotary(q, k, pos, torch.randn(8, 32, device=device))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("rot_dim, is_neox", [(32, True), (16, True), (16, False)])
+def test_rotary_with_store_writes_the_rotated_k_and_v_into_the_pool(
+    device, dtype, rot_dim, is_neox
+):
+    heads, kv_heads, d, slots = 4, 2, 32, 20
+    rope = RotaryEmbedding(rot_dim, 64, 10000.0, None, dtype).to(device)
+    cache = (rope.cos, rope.sin)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, device=device).to(dtype)
+    q = qkv[:, : heads * d].view(5, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(5, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(5, kv_heads, d)
+    positions = torch.tensor([3, 0, 63, 9, 9], device=device)
+    loc = torch.tensor([7, 19, 1, 12, 4], device=device)
+    want_q, want_k = rotary_reference(q, k, positions, cache, is_neox)
+    want_k_cache = torch.zeros(slots, kv_heads, d, device=device, dtype=dtype)
+    want_v_cache = torch.zeros_like(want_k_cache)
+    store_kv_reference(want_k_cache, want_v_cache, want_k, v, loc)
+    k_cache, v_cache = torch.zeros_like(want_k_cache), torch.zeros_like(want_v_cache)
+    rotary(q, k, positions, cache, is_neox, store=(v, k_cache, v_cache, loc))
+    _ulp_close(q, want_q)
+    _ulp_close(k, want_k)
+    assert torch.equal(k_cache, k.new_zeros(k_cache.shape).index_copy_(0, loc, k))
+    _ulp_close(k_cache, want_k_cache)
+    assert torch.equal(v_cache, want_v_cache)
+
+
+def test_rotary_store_rejects_bad_pool_arguments(device):
+    rope = RotaryEmbedding(16, 8, 10000.0, None, torch.float32).to(device)
+    q, k = torch.randn(2, 2, 16, device=device), torch.randn(2, 1, 16, device=device)
+    v, pos = torch.randn(2, 1, 16, device=device), torch.tensor([0, 1], device=device)
+    pool = torch.zeros(4, 1, 16, device=device)
+    with pytest.raises(ValueError, match="loc has 1"):
+        rotary(q, k, pos, (rope.cos, rope.sin), store=(v, pool, pool.clone(), pos[:1]))
+    with pytest.raises(ValueError, match="v_cache"):
+        rotary(q, k, pos, (rope.cos, rope.sin), store=(v, pool, pool[:2], pos))
+    with pytest.raises(ValueError, match="store must be"):
+        rotary(q, k, pos, (rope.cos, rope.sin), store=(v, pool))
 
 
 # ---- silu_and_mul -----------------------------------------------------------------------
@@ -262,3 +304,39 @@ def test_bitmask_real_sizes_gpu(dtype):
     apply_token_bitmask_reference(want, bitmask, indices)
     apply_token_bitmask_(logits, bitmask, indices)
     assert torch.equal(logits, want)
+
+
+# ---- argmax_rows ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_argmax_rows_matches_torch_with_ties_and_masked_rows(device, dtype):
+    v = 2 * CHUNK + 37  # three chunks, the last one partial
+    x = torch.randn(5, v, device=device).to(dtype)
+    x[1, 5] = x[1, CHUNK + 3] = x[1, 2 * CHUNK + 1] = 40.0  # ties across chunks: the first wins
+    x[2, :] = float("-inf")  # every token banned: index 0, as torch
+    x[3, :] = float("-inf")
+    x[3, v - 1] = 1.0  # the max in the partial last chunk
+    x[4, CHUNK + 9] = x[4, CHUNK + 2] = 50.0  # a tie inside one chunk
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, argmax_rows_reference(x))
+    assert got.tolist()[1:] == [5, 0, v - 1, CHUNK + 2]
+
+
+def test_argmax_rows_rejects_bad_arguments(device):
+    with pytest.raises(ValueError, match="x"):
+        argmax_rows(torch.randn(3, device=device))
+    with pytest.raises(ValueError, match="unit stride"):
+        argmax_rows(torch.randn(8, 4, device=device).T)
+    with pytest.raises(ValueError, match="x"):
+        argmax_rows(torch.zeros(2, 5, dtype=torch.int64, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 160])
+def test_argmax_rows_real_vocab_gpu(rows):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x = torch.randn(rows, 128256, device="cuda")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

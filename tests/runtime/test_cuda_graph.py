@@ -296,3 +296,26 @@ def test_8b_shaped_dummy_model_serves_with_cuda_graphs():
         assert len(one) == 128
         llm.check_invariants()
     print(f"8B-shaped bf16 batch-1 greedy: {128 / dt:.1f} tok/s end to end (prefill included)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_one_token_fused_layers_give_the_unfused_tokens(tiny_model_dirs, arch):
+    """bf16 on CUDA: batch-1 decode runs each layer's norms, projections and activation in
+    fused skinny kernels (`select_one_row_forward`); with it switched off, the same greedy
+    tokens, eagerly and from CUDA graphs (qwen2 has QKV bias, qwen3 per-head q/k norms)."""
+    path = tiny_model_dirs[arch]
+    kw = dict(dtype="bfloat16", kv_tokens=4096)
+    fused = local_scheduler(path, **kw)
+    fused_eager = local_scheduler(path, disable_cuda_graph=True, **kw)
+    plain = local_scheduler(path, disable_cuda_graph=True, **kw)
+    layers = plain.runner.model.model.layers
+    assert all(layer.one_row is not None for layer in layers)
+    for layer in layers:
+        layer.one_row = None
+    prompts = [[7, 100, 3, 42, 9], [300, 1]]
+    want = _generate(plain, prompts[:1], [10]) + _generate(plain, prompts[1:], [10])
+    for sched in (fused_eager, fused):
+        got = _generate(sched, prompts[:1], [10]) + _generate(sched, prompts[1:], [10])
+        assert got == want

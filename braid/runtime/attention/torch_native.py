@@ -9,6 +9,7 @@ gathered into a padded [batch, max_len, kv_heads, head_dim] block with a length 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from braid.runtime.attention import register_backend
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.layers.rotary import apply_rotary
 
 
 @dataclass
@@ -92,7 +94,10 @@ class TorchNativeBackend(AttentionBackend):
         v: torch.Tensor,
         layer_id: int,
         batch: ForwardBatch,
+        rotary: tuple[Any, Any] | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            q, k = apply_rotary(q, k, *rotary)
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf = self.kv_pool.k[layer_id]
         v_buf = self.kv_pool.v[layer_id]

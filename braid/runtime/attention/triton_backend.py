@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from braid.runtime.attention import register_backend
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.layers.rotary import FusedRotaryTables, apply_rotary
 
 # Decode splits: enough programs to fill a GPU (about this many) without merging many tiny
 # partial results; a power of two between 1 and MAX_KV_SPLITS.
@@ -181,10 +183,18 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         layer_id: int,
         batch: ForwardBatch,
+        rotary: tuple[Any, Any] | None = None,
     ) -> torch.Tensor:
         k_buf = self.kv_pool.k[layer_id]
         v_buf = self.kv_pool.v[layer_id]
-        store_kv(k_buf, v_buf, k, v, batch.out_cache_loc)
+        if rotary is not None and isinstance(rotary[1], FusedRotaryTables):
+            # One kernel rotates q and k and writes K and V (saves a launch per layer).
+            positions, tables = rotary
+            tables.rotate(q, k, positions, store=(v, k_buf, v_buf, batch.out_cache_loc))
+        else:
+            if rotary is not None:
+                q, k = apply_rotary(q, k, *rotary)
+            store_kv(k_buf, v_buf, k, v, batch.out_cache_loc)
         meta = batch.attn_metadata
         table = self.req_to_token.table
         if isinstance(meta, _DecodeMeta):

@@ -12,7 +12,7 @@ batch it lands in or on the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,10 +105,19 @@ def _padded(seqs: list[Sequence[int]], pad: int, device) -> torch.Tensor:
     return out.to(device)
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self._argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+        if device.type == "cuda":
+            from braid.kernels.argmax import argmax_rows
+
+            self._argmax = argmax_rows
 
     def _counts(self, seqs: list[Sequence[int]]) -> torch.Tensor:
         ids = _padded(seqs, self.vocab_size, self.device)
@@ -171,14 +180,24 @@ class Sampler:
         ps = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone()
+        edits = bitmask is not None or any(
+            p.logit_bias
+            or len(r.output_ids) + ahead < p.min_tokens
+            or p.repetition_penalty != 1.0
+            or p.frequency_penalty
+            or p.presence_penalty
+            for p, r in zip(ps, reqs)
+        )
+        if edits:
+            # The edits below are in place; `logits` may be a CUDA graph's output buffer.
+            logits = logits.clone()
         if bitmask is not None:
             assert bitmask_rows is not None, "a bitmask needs its rows"
             apply_token_bitmask(logits, bitmask, bitmask_rows)
         self._apply_bias_and_min_tokens(logits, reqs, ahead)
         self._apply_penalties(logits, reqs)
 
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self._argmax(logits)
         greedy = [p.greedy for p in ps]
         if all(greedy):
             next_ids = greedy_ids

@@ -34,7 +34,9 @@ def select_linear_fn(device: torch.device, dtype: torch.dtype) -> LinearFn:
 
     On CPU in float32, oneDNN's linear is used where torch has it: measured on the 2-core
     development machine it runs the LM head (49152 x 576) about 2x faster than the BLAS
-    `F.linear` path at batch 1 and 16. Elsewhere, `F.linear`.
+    `F.linear` path at batch 1 and 16. Elsewhere, `F.linear`: a Triton GEMV
+    (`braid.kernels.skinny_linear`) measured equal to cuBLAS at batch 1 on Llama-3.1-8B shapes
+    on an H200, so plain linears stay on cuBLAS.
     """
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         if _onednn_works():

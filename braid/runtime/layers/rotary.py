@@ -61,9 +61,15 @@ class FusedRotaryTables:
     kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def rotate(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernel(q, k, positions, (self.cos, self.sin))
+        """Rotate q and k in place; with `store=(v, k_cache, v_cache, loc)` also write the
+        rotated k and v into the pool (`braid.kernels.rotary`)."""
+        return self.kernel(q, k, positions, (self.cos, self.sin), store=store)
 
 
 class RotaryEmbedding(nn.Module):
