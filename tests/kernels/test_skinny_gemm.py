@@ -545,3 +545,41 @@ def test_tiny_bf16_llama_gives_the_same_greedy_tokens_with_and_without_the_fused
             tokens.append(run_to_end(sched)[f"r{i}"])
         assert len(tokens[0]) == 16
         assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_one_token_fused_layer_gives_the_unfused_tokens(tiny_model_dirs, device, arch):
+    """`select_one_row_forward`'s layer (norms inside the projections, the activation inside
+    down_proj, o_proj in the skinny kernel) on the device the kernels run on here (on CPU:
+    the interpreter, float16, with the CUDA choice forced), against the layer's own path:
+    the same greedy tokens for every prefill of one token and batch-1 decode step."""
+    import types
+
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from braid.runtime.models.llama import select_one_row_forward
+    from braid.runtime.sampling_params import SamplingParams
+    from tests.conftest import local_scheduler, run_to_end
+
+    dtype = "float16" if device.type == "cpu" else "bfloat16"
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = []
+    for fused in (False, True):
+        sched = local_scheduler(
+            tiny_model_dirs[arch],
+            kv_tokens=2048,
+            dtype=dtype,
+            device=device.type,
+            disable_cuda_graph=True,
+        )
+        fn = select_one_row_forward(types.SimpleNamespace(type="cuda"), getattr(torch, dtype))
+        assert fn is not None
+        for layer in sched.runner.model.model.layers:
+            layer.one_row = fn if fused else None
+        # One at a time: batch-1 decode steps; "b" is also a one-token prefill.
+        tokens = {}
+        for rid, prompt in (("a", [7, 100, 3, 42, 9]), ("b", [300])):
+            sched.handle(GenerateReq(rid, prompt, sp, 0))
+            tokens |= run_to_end(sched)
+        got.append(tokens)
+    assert got[1] == got[0]
+    assert [len(t) for t in got[0].values()] == [8, 8]

@@ -169,39 +169,22 @@ def select_one_row_forward(
         return None
     from braid.kernels.skinny_gemm import skinny_linear
 
+    def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """`proj(norm(x + residual))` and the new residual `x + residual`, in one kernel."""
+        w = dict(norm_weight=norm.weight, eps=norm.eps)
+        if residual is None:
+            return skinny_linear(x, proj.weight, proj.bias, **w), x
+        new = torch.empty_like(x)
+        out = skinny_linear(x, proj.weight, proj.bias, **w, residual=residual, residual_out=new)
+        return out, new
+
     def forward(layer, x, residual, cos_sin, batch, attn):
         sa, mlp = layer.self_attn, layer.mlp
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        if residual is None:
-            qkv = skinny_linear(
-                x, sa.qkv_proj.weight, sa.qkv_proj.bias, norm_weight=n1.weight, eps=n1.eps
-            )
-            residual = x
-        else:
-            new = torch.empty_like(x)
-            qkv = skinny_linear(
-                x,
-                sa.qkv_proj.weight,
-                sa.qkv_proj.bias,
-                norm_weight=n1.weight,
-                eps=n1.eps,
-                residual=residual,
-                residual_out=new,
-            )
-            residual = new
+        qkv, residual = norm_then(sa.qkv_proj, layer.input_layernorm, x, residual)
         h = sa.attend(qkv, cos_sin, batch, attn)
         h = skinny_linear(h, sa.o_proj.weight, sa.o_proj.bias)
-        new = torch.empty_like(h)
-        gate_up = skinny_linear(
-            h,
-            mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias,
-            norm_weight=n2.weight,
-            eps=n2.eps,
-            residual=residual,
-            residual_out=new,
-        )
-        return mlp.silu_mul_down(gate_up, mlp.down_proj), new
+        gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
+        return mlp.silu_mul_down(gate_up, mlp.down_proj), residual
 
     return forward
 
