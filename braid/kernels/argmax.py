@@ -4,7 +4,9 @@
 H200 (a batch-1 decode step is ~4.4 ms, so half a percent of it). Here the row is cut into
 chunks reduced in parallel (stage 1: each chunk's max and first index of it), then one program
 per row picks the first chunk holding the row's max (stage 2): two short launches. Ties go to
-the lowest index, as in `torch.argmax`; a row of all -inf gives 0, as there.
+the lowest index, as in `torch.argmax`; a row of all -inf gives 0, as there. NaN counts as the
+maximum, as there (a NaN row gives its first NaN, unless a +inf comes before it); whatever a
+row holds, the index is in range, since greedy ids go straight into the next step's input.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _argmax_chunks(X, Vals, Idx, stride_x, V, NUM_CHUNKS, CHUNK: tl.constexpr):
     part = tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
     best = tl.max(x, 0)
     # The first position holding the chunk's max; for a chunk of all -inf that is its first
     # position, which is < V (padding past V never comes first).
@@ -42,13 +45,14 @@ def _argmax_merge(Vals, Idx, Out, NUM_CHUNKS, BLOCK_P: tl.constexpr):
     best = tl.max(vals, 0)
     # Chunks are in index order: the first chunk with the max holds the first index of it.
     part = tl.min(tl.where(mask & (vals == best), offs, BLOCK_P), 0)
+    part = tl.minimum(part, NUM_CHUNKS - 1)  # never read past the row
     tl.store(Out + row, tl.load(Idx + row * NUM_CHUNKS + part))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for a 2-D float tensor with unit stride in its last dimension: int64
-    [rows], the first index of each row's maximum. Rows must hold no NaN (torch would return
-    the NaN's index). No host synchronisation."""
+    [rows], the first index of each row's maximum (NaN counting as the maximum). No host
+    synchronisation."""
     check_tensor("x", x, ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     rows, v = x.shape
     if v < 1:

@@ -116,7 +116,7 @@ class EngineConfig:
             raise ValueError(
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
             )
-        if self.overlap_schedule not in (None, True, False):
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(
                 f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
             )

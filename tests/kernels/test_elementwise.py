@@ -340,3 +340,14 @@ def test_argmax_rows_real_vocab_gpu(rows):
         pytest.skip("needs a CUDA device")
     x = torch.randn(rows, 128256, device="cuda")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_counts_nan_as_the_maximum_and_stays_in_range(device):
+    x = torch.randn(3, 2 * CHUNK + 5, device=device)
+    x[0, :] = float("nan")  # every entry NaN: index 0, as torch
+    x[1, CHUNK + 7] = float("nan")  # one NaN among finite values: its index, as torch
+    x[2, :] = float("nan")
+    x[2, 2 * CHUNK + 1] = 3.0
+    got = argmax_rows(x)
+    assert got.tolist()[:2] == argmax_rows_reference(x).tolist()[:2] == [0, CHUNK + 7]
+    assert 0 <= got[2] < x.shape[1]

@@ -187,9 +187,10 @@ def test_overlap_setting_defaults_to_cuda_only(overlap):
     assert cuda.use_overlap_schedule is (overlap is not False)
 
 
-def test_overlap_setting_rejects_non_booleans():
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_overlap_setting_rejects_non_booleans(bad):
     with pytest.raises(ValueError, match="overlap_schedule"):
-        braid.runtime.config.EngineConfig(overlap_schedule="yes")
+        braid.runtime.config.EngineConfig(overlap_schedule=bad)
 
 
 def test_smollm2_with_overlap_matches_transformers(smollm2_dir, hf_smollm2):
@@ -209,3 +210,33 @@ def test_smollm2_with_overlap_matches_transformers(smollm2_dir, hf_smollm2):
         llm.check_invariants()
     assert got == expected
     assert any(len(t) < 24 for t in expected), "one prompt should stop at EOS"
+
+
+def test_steps_run_ahead_while_a_backlog_waits_for_kv(tiny_model_dirs):
+    """Requests that cannot be admitted until KV frees up do not stop the running ones from
+    running ahead, and are admitted (not starved) once it does: same tokens as plain."""
+    path = tiny_model_dirs["qwen3"]
+    sp = SamplingParams(max_tokens=30, **GREEDY)
+    reqs = [GenerateReq(f"r{i}", [1 + i] * 10, sp, 0) for i in range(4)]
+    runs = []
+    for overlap in (False, True):
+        sched = local_scheduler(
+            path, kv_tokens=96, overlap_schedule=overlap, device="cpu", dtype="float32"
+        )
+        ran_ahead_waiting = []
+        real = sched._run_ahead
+
+        def counting(launched, sched=sched, real=real, log=ran_ahead_waiting):
+            step = real(launched)
+            log.append(step is not None and bool(sched.waiting))
+            return step
+
+        sched._run_ahead = counting
+        for r in reqs:
+            sched.handle(r)
+        runs.append((_run(sched), ran_ahead_waiting, sched))
+    (plain, _, _), (over, ahead_waiting, sched) = runs
+    assert {rid: g["ids"] for rid, g in over.items()} == {rid: g["ids"] for rid, g in plain.items()}
+    assert all(len(g["ids"]) == 30 for g in over.values())
+    assert sum(ahead_waiting) >= 5, "decode should run ahead while the backlog waits"
+    _all_kv_free_or_cached(sched)

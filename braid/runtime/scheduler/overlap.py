@@ -11,6 +11,8 @@ What that costs and why it stays exact:
   sample is dropped. Its KV for the final token is valid (its input was the real token).
 - A request that reaches its length limit at step n is known to before reading step n back,
   so it is left out of step n+1.
+- It runs ahead only when the decode is what would run next anyway: no prompt mid-chunk and
+  no waiting request a prefill would admit now (a backlog waiting for KV does not stop it).
 - Only requests whose sampling reads nothing the host has not yet seen run ahead: no
   grammar (the mask needs the previous token), no penalties (they count output tokens), and
   `min_tokens` already reached. Any other request in the batch makes the step wait.
@@ -25,7 +27,7 @@ from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.request import Req
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launched:
     """A decode step queued on the device whose samples the host has not read yet."""
 

@@ -14,7 +14,9 @@ from braid.runtime.sampling_params import SamplingParams
 class Req:
     """One sample being generated.
 
-    The first `kv_len` tokens of the sequence (prompt, then output) have KV, in `pages`. The
+    The first `kv_len` tokens of the sequence (prompt, then output) have KV, in `pages`, or
+    will have once the forwards already queued on the device have run (a decode counts its
+    token from launch; see `scheduler/overlap.py`), so anything queued later may read it. The
     first `shared_pages` of those pages belong to the prefix cache (locked through
     `cache_node`); the rest belong to this request. `cached_tokens` is how many prompt tokens
     the cache supplied at first admission.

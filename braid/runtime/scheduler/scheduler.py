@@ -287,8 +287,8 @@ class Scheduler:
             return None
         if self.prefilling is not None or self.jumped:
             return None
-        if self.waiting and len(self.running) < self.max_running:
-            return None  # admit them first
+        if self._admits_now():
+            return None  # a prefill comes first
         reqs = launched.plan.reqs
         in_step = {id(r) for r in reqs}
         if any(id(r) not in in_step for r in self.running):
@@ -473,6 +473,31 @@ class Scheduler:
             return None
         self._count_decode_step()
         return build_decode(list(self.running), self.allocator, self.table, self.device)
+
+    def _admits_now(self) -> bool:
+        """Whether a prefill step now would admit a waiting request: the first in policy
+        order, the one `_schedule_prefill` tries first (it stops at the first that does not
+        fit), with its cached prefix and, when chunking, only its first chunk. Under a backlog
+        that must wait for KV, decode steps keep running ahead."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        if self.table.free_slots == 0:
+            return False
+        policy = effective_policy(self.policy, len(self.waiting))
+        cand = candidates(list(self.waiting), self.cache, policy)[0]
+        req = cand.req
+        cached = 0
+        if cand.use_cache:
+            cached = len(self.cache.match_prefix(req.tokens(match_limit(req))).pages)
+        start = cached * self.page_size
+        end = req.seq_len
+        chunks = self.chunked_prefill and req.params.prompt_logprobs is None
+        if end - start > self.prefill_budget and chunks:
+            end = self._chunk_end(start, req, self.prefill_budget)
+        grow = self.allocator.pages_for(end) - cached
+        room = self.allocator.free_pages + self.cache.evictable_pages
+        reserve = self._decode_reserve(self.running + [req])
+        return grow + reserve <= room or (not self.running and grow <= room)
 
     def _count_decode_step(self) -> None:
         self.stats.decode_steps += 1
