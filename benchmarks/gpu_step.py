@@ -103,15 +103,21 @@ def kernel_table(sched, batch: int, context: int, steps: int) -> tuple[list[dict
             sched.step()
         torch.cuda.synchronize()
     _stop(sched, batch)
+    return _kernel_rows(prof, steps)
+
+
+def _kernel_rows(prof, steps: int) -> tuple[list[dict], float]:
+    """The profiled kernels by name, slowest first, per step (GPU us and launches), and
+    their total."""
     rows = []
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None)
         if us is None:
             us = evt.cuda_time_total
-        if us <= 0:
-            continue
-        calls = evt.count / steps
-        rows.append({"kernel": evt.key[:120], "calls_per_step": calls, "us": us / steps})
+        if us > 0:
+            rows.append(
+                {"kernel": evt.key[:120], "calls_per_step": evt.count / steps, "us": us / steps}
+            )
     rows.sort(key=lambda r: -r["us"])
     return rows, sum(r["us"] for r in rows)
 
@@ -144,15 +150,7 @@ def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float,
         while sched.has_work:
             sched.step()
         sched.flush_cache()
-    rows = []
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None)
-        if us is None:
-            us = evt.cuda_time_total
-        if us > 0:
-            rows.append({"kernel": evt.key[:120], "calls_per_step": evt.count, "us": us})
-    rows.sort(key=lambda r: -r["us"])
-    return min(times), rows, sum(r["us"] for r in rows)
+    return (min(times), *_kernel_rows(prof, 1))
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python benchmarks/tune_attention.py      # Llama-3.1-8B heads (32 q, 8 kv, dim 128), bf16
 
 For each case (batch, sequence length) it times `decode_attention` at braid's split count for
-that batch (`TritonBackend.kv_splits_for`), CUDA events over back-to-back launches, for every
+that batch (`triton_backend.kv_splits_for_batch`), CUDA events over back-to-back launches, for every
 config, and reports each config's time and its fraction of the copy bound (the K/V bytes read
 / the copy rate measured in the same run). The default in `attention_decode._stage1_config`
 is chosen from this table (the committed JSON was timed with back-to-back eager launches, so
@@ -24,17 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import copy_bandwidth, write_result  # noqa: E402
 from braid.kernels.attention_decode import _stage1_config, decode_attention  # noqa: E402
-from braid.runtime.attention.triton_backend import _TARGET_PROGRAMS, MAX_KV_SPLITS  # noqa: E402
+from braid.runtime.attention.triton_backend import kv_splits_for_batch  # noqa: E402
 
 CASES = [(1, 4096), (32, 4096), (256, 640), (1024, 640)]
 CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
-
-
-def splits_for(bs: int, kv_heads: int) -> int:
-    programs, splits = max(1, bs * kv_heads), 1
-    while splits < MAX_KV_SPLITS and programs * splits < _TARGET_PROGRAMS:
-        splits *= 2
-    return splits
 
 
 def time_us(fn, repeats: int = 20) -> float:
@@ -65,7 +58,7 @@ def tune_case(bs: int, seq: int, copy_bytes_per_s: float) -> dict:
     table = (1 + torch.arange(bs * seq, device=dev)).view(bs, seq)
     rows_idx = torch.arange(bs, device=dev)
     lens = torch.full((bs,), seq, device=dev)
-    splits = splits_for(bs, kv_heads)
+    splits = kv_splits_for_batch(bs, kv_heads)
     kv_bytes = 2 * bs * seq * kv_heads * dim * k.element_size()
     # A copy's rate counts bytes read + written: HBM moves that many bytes a second either way.
     bound_us = kv_bytes / copy_bytes_per_s * 1e6

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
+from braid.runtime.layers.activation import silu_and_mul_torch
 
 
 @triton.jit
@@ -44,6 +45,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+# The reference is the layer's own torch path (its CPU forward).
+silu_and_mul_reference = silu_and_mul_torch

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from braid.kernels._checks import FLOAT_DTYPES, check_contiguous, check_tensor, next_pow2
+from braid.runtime.layers.norm import rmsnorm_torch
 
 MAX_HIDDEN = 65536
 
@@ -114,16 +115,5 @@ def rmsnorm(
     return out if new_res is None else (out, new_res)
 
 
-def rmsnorm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`RMSNorm.forward` in plain torch."""
-    if residual is not None:
-        x = residual + x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, x)
+# The reference is the module's own torch path (its CPU forward).
+rmsnorm_reference = rmsnorm_torch

@@ -174,6 +174,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies (they read the tokens
+        generated so far)."""
+        return self.repetition_penalty != 1.0 or bool(
+            self.frequency_penalty or self.presence_penalty
+        )
+
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -39,6 +39,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
+def kv_splits_for_batch(bs: int, num_kv_heads: int) -> int:
+    """Decode split count on a GPU for a batch of `bs` requests: enough (request, KV head,
+    split) programs to fill it, a power of two up to MAX_KV_SPLITS."""
+    programs = max(1, bs * num_kv_heads)
+    splits = 1
+    while splits < MAX_KV_SPLITS and programs * splits < _TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
 @dataclass(frozen=True)
 class _DecodeMeta:
     req_pool_indices: torch.Tensor  # [bs] rows of the request-to-token table
@@ -138,11 +148,7 @@ class TritonBackend(AttentionBackend):
             # The CPU interpreter runs programs one after another: splitting only adds work
             # (two splits still exercise the merge).
             return 2
-        programs = max(1, bs * self.num_kv_heads)
-        splits = 1
-        while splits < MAX_KV_SPLITS and programs * splits < _TARGET_PROGRAMS:
-            splits *= 2
-        return splits
+        return kv_splits_for_batch(bs, self.num_kv_heads)
 
     def _workspace(self, bs: int, splits: int) -> torch.Tensor:
         n = workspace_numel(bs, self.num_heads, self.head_dim, splits)

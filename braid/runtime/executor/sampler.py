@@ -181,11 +181,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         edits = bitmask is not None or any(
-            p.logit_bias
-            or len(r.output_ids) + ahead < p.min_tokens
-            or p.repetition_penalty != 1.0
-            or p.frequency_penalty
-            or p.presence_penalty
+            p.logit_bias or p.penalized or len(r.output_ids) + ahead < p.min_tokens
             for p, r in zip(ps, reqs)
         )
         if edits:

@@ -41,9 +41,7 @@ def can_run_ahead(req: Req) -> bool:
     return (
         req.grammar is None
         and req.unverified == 0
-        and p.repetition_penalty == 1.0
-        and not p.frequency_penalty
-        and not p.presence_penalty
+        and not p.penalized
         and len(req.output_ids) + 1 >= p.min_tokens
     )
 

@@ -381,9 +381,7 @@ class Scheduler:
                 if match is not None:
                     self.cache.lock(match.node)
                 grow = self.allocator.pages_for(end) - len(prefix_pages)
-                room = self.allocator.free_pages + self.cache.evictable_pages
-                reserve = self._decode_reserve(self.running + [r for r, _ in items] + [req])
-                fits = grow + reserve <= room or (not items and not self.running and grow <= room)
+                fits = self._fits(grow, self.running + [r for r, _ in items] + [req])
                 if not fits or not self._free_pages_after_evicting(grow):
                     if match is not None:
                         self.cache.unlock(match.node)
@@ -484,7 +482,9 @@ class Scheduler:
         if self.table.free_slots == 0:
             return False
         policy = effective_policy(self.policy, len(self.waiting))
-        cand = candidates(list(self.waiting), self.cache, policy)[0]
+        # fcfs keeps arrival order: the head is the first candidate.
+        considered = list(self.waiting) if policy == "lpm" else [self.waiting[0]]
+        cand = candidates(considered, self.cache, policy)[0]
         req = cand.req
         cached = 0
         if cand.use_cache:
@@ -494,10 +494,15 @@ class Scheduler:
         chunks = self.chunked_prefill and req.params.prompt_logprobs is None
         if end - start > self.prefill_budget and chunks:
             end = self._chunk_end(start, req, self.prefill_budget)
-        grow = self.allocator.pages_for(end) - cached
+        return self._fits(self.allocator.pages_for(end) - cached, self.running + [req])
+
+    def _fits(self, grow: int, decoding: list[Req]) -> bool:
+        """Whether `grow` new pages fit in free and evictable pages with the decode reserve of
+        `decoding` (the running requests plus those being admitted); a request admitted alone
+        needs no reserve."""
         room = self.allocator.free_pages + self.cache.evictable_pages
-        reserve = self._decode_reserve(self.running + [req])
-        return grow + reserve <= room or (not self.running and grow <= room)
+        reserve = self._decode_reserve(decoding)
+        return grow + reserve <= room or (len(decoding) == 1 and grow <= room)
 
     def _count_decode_step(self) -> None:
         self.stats.decode_steps += 1
