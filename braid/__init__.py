@@ -29,6 +29,8 @@ _LANG = (
     "gen_string",
     "select",
     "image",
+    "video",
+    "separate_reasoning",
     "system",
     "user",
     "assistant",
@@ -38,14 +40,24 @@ _LANG = (
     "user_end",
     "assistant_begin",
     "assistant_end",
+    "flush_cache",
+    "get_server_info",
     "set_default_backend",
     "get_default_backend",
+    "global_config",
+    "using_backend",
     "ProgramState",
     "ProgramError",
     "RequestGraph",
     "TraceError",
+    "Runtime",
     "RuntimeEndpoint",
     "OpenAI",
+    "Anthropic",
+    "LiteLLM",
+    "VertexAI",
+    "ChoicesSamplingMethod",
+    "ChoicesDecision",
     "token_length_normalized",
     "greedy_token_selection",
     "unconditional_likelihood_normalized",
@@ -74,3 +86,8 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'braid' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # PEP 562: list the lazily exported names too (tab completion, tools that copy names).
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -14,6 +14,8 @@ import asyncio
 import linecache
 import os
 import queue
+import random
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,7 +25,8 @@ from typing import Any
 
 from braid.lang.backends.base import Backend, Prompt
 from braid.lang.ir import (
-    DTYPE_REGEX,
+    DTYPE_RULES,
+    DtypeRule,
     Expr,
     Gen,
     Image,
@@ -31,6 +34,7 @@ from braid.lang.ir import (
     RoleEnd,
     SamplingArgs,
     Select,
+    SeparateReasoning,
     Seq,
     Text,
     VarScopeBegin,
@@ -122,7 +126,11 @@ class _Executor:
         self.open_role = parent.open_role if parent else None
         self.role_start = parent.role_start if parent else 0
         self.images: list[str | bytes] = list(parent.images) if parent else []
+        # A variable is the text generated (SGLang's contract); `values` holds the converted
+        # value of a typed gen (dtype=int, ...), `spans` where each gen's text lies in `text`.
         self.variables: dict[str, Any] = dict(parent.variables) if parent else {}
+        self.values: dict[str, Any] = dict(parent.values) if parent else {}
+        self.spans: dict[str, tuple[int, int]] = dict(parent.spans) if parent else {}
         self.meta: dict[str, dict[str, Any]] = dict(parent.meta) if parent else {}
         self.scopes: list[tuple[str, int]] = []
         self.error: ProgramError | None = None
@@ -254,6 +262,8 @@ class _Executor:
             self._gen(node)
         elif isinstance(node, Select):
             self._select(node)
+        elif isinstance(node, SeparateReasoning):
+            self._separate_reasoning(node)
         elif isinstance(node, VarScopeBegin):
             self.scopes.append((node.name, len(self.text)))
         elif isinstance(node, VarScopeEnd):
@@ -293,38 +303,98 @@ class _Executor:
     def _gen(self, node: Gen) -> None:
         sampling = node.sampling.over(self.defaults)
         constraint = node.constraint
+        rule = None
         if node.dtype is not None and constraint is None:
-            constraint = ("regex", DTYPE_REGEX[node.dtype])
+            rule = DTYPE_RULES[node.dtype]
+            constraint = ("regex", rule.regex)
+            sampling = sampling.with_stop_regex(rule.stop_regex)
+        sent = 0
 
         def on_delta(piece: str, meta: dict[str, Any]) -> None:
+            # Each chunk carries the logprobs of its own tokens (SGLang's incremental stream
+            # meta), and how many there are so far.
+            nonlocal sent
+            chunk = dict(meta)
+            if "output_token_logprobs" in meta:
+                total = len(meta["output_token_logprobs"])
+                chunk["output_token_logprobs"] = meta["output_token_logprobs"][sent:total]
+                if "output_top_logprobs" in meta:
+                    chunk["output_top_logprobs"] = meta["output_top_logprobs"][sent:total]
+                chunk["output_token_logprobs_length"] = total
+                sent = total
             if piece:
-                self._log(node.name, piece, meta)
+                self._log(node.name, piece, chunk)
 
-        out = self.backend.generate(self.prompt(), sampling, constraint, on_delta)
-        self.text += out.text
+        # A typed value is cut to its literal when it ends, so it streams whole, at the end.
+        out = self.backend.generate(
+            self.prompt(), sampling, constraint, on_delta if rule is None else None
+        )
+        text, value = out.text, out.texts if out.texts is not None else out.text
+        if rule is not None:
+            text = _literal(text, rule)
+            value = [_literal(t, rule) for t in value] if out.texts else text
+            self._log(node.name, text, out.meta)
+        start = len(self.text)
+        self.text += text
         if node.name is not None:
             self.meta[node.name] = out.meta
+            self.spans[node.name] = (start, len(self.text))
+            if node.dtype is not None:
+                self.values[node.name] = _Typed(value, node.dtype, node.name)
             self._log(node.name, None, out.meta)
-            self._set_var(node.name, _convert(out.text, node.dtype, node.name))
+            self._set_var(node.name, value)
 
     def _select(self, node: Select) -> None:
         method = node.method
         scores = self.backend.score_choices(
-            self.prompt(), list(node.choices), method.requires_unconditional
+            self.prompt(), list(node.choices), method.requires_unconditional_logprobs
         )
-        decision = method(scores.conditional, scores.unconditional, node.temperature)
-        choice = node.choices[decision.index]
+        for choice, toks in zip(node.choices, scores.tokens):
+            if not toks:
+                raise ValueError(f"select: choice {choice!r} has no scored tokens")
+        args = dict(
+            choices=list(node.choices),
+            normalized_prompt_logprobs=[sum(lp) / len(lp) for lp in scores.conditional],
+            input_token_logprobs=scores.tokens,
+            output_token_logprobs=[[] for _ in node.choices],
+            unconditional_token_logprobs=scores.unconditional,
+        )
+        if node.temperature > 0:
+            decision = method.sample(node.temperature, random.Random(), **args)
+        else:
+            decision = method(**args)
+        choice = decision.decision
+        if choice not in node.choices:
+            raise ValueError(
+                f"select: choices method {method!r} decided {choice!r}, which is not a choice"
+            )
         self._append(choice)
         if node.name is not None:
-            self.meta[node.name] = {
-                **scores.meta,
-                "scores": decision.scores,
-                "choice_index": decision.index,
-                "conditional_logprobs": scores.conditional,
-            }
-            self._log(node.name, choice, self.meta[node.name])
-            self._log(node.name, None, self.meta[node.name])
+            meta = dict(decision.meta_info or {})
+            meta.update(scores.meta)
+            meta["choice_index"] = node.choices.index(choice)
+            if hasattr(method, "scores"):
+                meta["scores"] = method.scores(scores.tokens, scores.unconditional)
+            self.meta[node.name] = meta
+            self.spans[node.name] = (len(self.text) - len(choice), len(self.text))
+            self._log(node.name, choice, meta)
+            self._log(node.name, None, meta)
             self._set_var(node.name, choice)
+
+    def _separate_reasoning(self, node: SeparateReasoning) -> None:
+        from braid.runtime.reasoning import split_reasoning
+
+        # Later gens first: replacing a gen's text shifts only what comes after it.
+        for name in sorted(node.names, key=lambda n: self.spans[n][0], reverse=True):
+            value = self.variables[name]
+            if not isinstance(value, str):
+                raise ValueError(f"separate_reasoning: {name!r} has several samples (n > 1)")
+            reasoning, answer = split_reasoning(value, node.model_type)
+            start, end = self.spans[name]
+            self.text = self.text[:start] + answer + self.text[end:]
+            self.spans[name] = (start, start + len(answer))
+            self._set_var(f"{name}_reasoning_content", reasoning)
+            self._set_var(name, answer)
 
     def _join(self, join: _Join) -> None:
         for member in join.group.members:
@@ -345,28 +415,58 @@ class _Executor:
             member._ex.end()
 
 
-def _convert(text: str, dtype: type | None, name: str) -> Any:
-    if dtype is None:
-        return text
-    try:
-        if dtype is bool:
-            return text.strip() == "True"
-        if dtype is str:
-            t = text.strip()
+def _literal(text: str, rule: DtypeRule) -> str:
+    """The typed literal at the start of `text`; a text that is no whole literal (cut off by
+    max_tokens) gets the rule's closing characters if they complete one, else stays as it
+    is."""
+    m = re.match(rule.value, text)
+    if m is not None and (m.end() == len(text) or not rule.close):
+        return m.group(0)
+    if rule.close and re.fullmatch(rule.value, text + rule.close):
+        return text + rule.close
+    return m.group(0) if m else text
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """A typed gen's text, converted when asked (`ProgramState.get_value`): a text the type
+    does not parse (a gen cut off by max_tokens) fails then, not the program."""
+
+    text: str | list[str]
+    dtype: type
+    name: str
+
+    def value(self) -> Any:
+        if isinstance(self.text, list):
+            return [_Typed(t, self.dtype, self.name).value() for t in self.text]
+        t = self.text.strip()
+        if self.dtype is bool:
+            return t == "True"
+        if self.dtype is str:
             return t[1:-1] if len(t) >= 2 and t[0] == t[-1] == '"' else t
-        return dtype(text.strip())
-    except ValueError:
-        raise ValueError(f"gen({name!r}): {text!r} is not a {dtype.__name__}") from None
+        try:
+            return self.dtype(t)
+        except ValueError:
+            raise ValueError(
+                f"gen({self.name!r}): {self.text!r} is not a {self.dtype.__name__}"
+            ) from None
 
 
 class ProgramState:
-    """The state a program appends to (`s`). See the module docstring for when calls block."""
+    """The state a program appends to (`s`), and what `run` returns. SGLang's `ProgramState`:
+    `s[name]` / `get_var` read a variable (the generated text), `s[name] = v` / `set_var` set
+    one, `get_value` the converted value of a typed gen, `get_meta_info` its meta info,
+    `text()`, `messages()`, `error()`, the streaming iterators. See the module docstring for
+    when calls block."""
 
     def __init__(self, executor: _Executor) -> None:
         self._ex = executor
+        self.ret_value: Any = None  # what the program function returned
 
     # ---- building -----------------------------------------------------------------------
     def __iadd__(self, other: Any) -> ProgramState:
+        if other is None:
+            raise ValueError("cannot append None to a program state")
         self._ex.submit(as_expr(other), caller_location())
         return self
 
@@ -399,10 +499,14 @@ class ProgramState:
         yield
         self._ex.submit(VarScopeEnd(name), caller_location())
 
-    def fork(self, n: int = 1) -> ForkGroup:
-        """`n` copies of this state that run in parallel from here, the prefix computed once."""
+    def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> ForkGroup:
+        """`size` copies of this state that run in parallel from here, the prefix computed
+        once. (`position_ids_offset`, an SGLang runtime option, is not supported.)"""
+        n = size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"fork: n must be a positive integer, got {n!r}")
+            raise ValueError(f"fork: size must be a positive integer, got {n!r}")
+        if position_ids_offset is not None:
+            raise ValueError("fork: position_ids_offset is not supported by braid")
         ex = self._ex
         ex.sync()
         if n > 1 and ex.text:
@@ -415,12 +519,36 @@ class ProgramState:
             members.append(ProgramState(child))
         return ForkGroup(self, members, len(ex.text), dict(ex.variables))
 
+    @contextmanager
+    def copy(self) -> Iterator[ProgramState]:
+        """A fork of one, joined when the block ends (SGLang's `s.copy()`)."""
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
     # ---- reading ------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
         return self._ex.get_var(name)
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
+
     def get_var(self, name: str) -> Any:
+        """The variable's value: the text a gen produced (a list with `n > 1`), the choice a
+        select made, what `set_var` stored."""
         return self._ex.get_var(name)
+
+    def get_value(self, name: str) -> Any:
+        """The converted value of a typed gen (`dtype=int` gives an int, `str` the string
+        without its quotes, `bool` True or False); for any other variable, `get_var`.
+        `ValueError` if the text does not parse as the type (e.g. cut off by max_tokens)."""
+        var = self._ex.get_var(name)
+        typed = self._ex.values.get(name)
+        if typed is None or typed.text is not var:
+            return var
+        return typed.value()
 
     def set_var(self, name: str, value: Any) -> None:
         self._ex.sync()
@@ -439,8 +567,12 @@ class ProgramState:
         return [dict(m) for m in self._ex.messages]
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
-        """For variable `name`: prompt_tokens, completion_tokens, cached_tokens,
-        finish_reason, and output_token_logprobs when asked (select: scores)."""
+        """For variable `name`, SGLang's meta info: `id`, `prompt_tokens`,
+        `completion_tokens`, `cached_tokens`, `finish_reason` (`{"type": ...}`), and when
+        asked `output_token_logprobs`, `output_top_logprobs`, `input_token_logprobs`,
+        `input_top_logprobs`; for a select, `normalized_prompt_logprobs`,
+        `input_token_logprobs`, `output_token_logprobs` and the method's own keys, plus
+        braid's `choice_index` and `scores`."""
         self._ex.get_var(name)
         self._ex.sync()
         return dict(self._ex.meta[name])
@@ -448,12 +580,14 @@ class ProgramState:
     def sync(self) -> None:
         self._ex.sync()
 
-    @property
     def error(self) -> ProgramError | None:
+        """The error that stopped the program, or None (waits for what is queued)."""
+        with self._ex._cond:
+            self._ex._cond.wait_for(lambda: self._ex._pending == 0 or self._ex.ended)
         return self._ex.error
 
     def __repr__(self) -> str:
-        return f"ProgramState({self._ex.text!r})"
+        return f"ProgramState({self.text()})"
 
     # ---- streaming ----------------------------------------------------------------------
     def _chunks(self, var: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -487,18 +621,20 @@ class ProgramState:
                     raise UnknownVariable(f"variable {var!r} is not set by this program")
                 return
 
-    def text_iter(self, var: str | None = None) -> Iterator[str]:
-        """The program's text as it is produced (only variable `var`'s, if given)."""
-        for piece, _ in self._chunks(var):
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The program's text as it is produced (only variable `var_name`'s, if given)."""
+        for piece, _ in self._chunks(var_name):
             yield piece
 
     async def text_async_iter(
-        self, var: str | None = None, return_meta_data: bool = False
+        self, var_name: str | None = None, return_meta_data: bool = False
     ) -> AsyncIterator[Any]:
-        """`text_iter` for asyncio; with `return_meta_data`, `(piece, meta)` pairs whose meta
-        grows with each piece (`completion_tokens`, `output_token_logprobs`)."""
+        """`text_iter` for asyncio; with `return_meta_data`, `(piece, meta)` pairs: the meta
+        info so far, with `output_token_logprobs` (and `output_top_logprobs`) of this chunk's
+        tokens only and `output_token_logprobs_length` counting all so far (when logprobs
+        were asked for)."""
         loop = asyncio.get_running_loop()
-        it = self._chunks(var)
+        it = self._chunks(var_name)
         done = object()
         while True:
             item = await loop.run_in_executor(None, next, it, done)
@@ -508,8 +644,9 @@ class ProgramState:
 
 
 class ForkGroup:
-    """The states made by `fork(n)`. `forks += x` appends `x` to each (`x` may be a function of
-    the member's index); `join()` waits for them and merges into the parent."""
+    """The states made by `fork(n)` (SGLang's `ProgramStateGroup`). `forks += x` appends `x`
+    to each (`x` may be a function of the member's index, or a list with one item per member);
+    `forks[i] += x` appends to one; `join()` waits for them and merges into the parent."""
 
     def __init__(
         self,
@@ -523,19 +660,40 @@ class ForkGroup:
         self.fork_text_len = fork_text_len
         self.parent_vars = parent_vars
 
+    @property
+    def states(self) -> list[ProgramState]:
+        return self.members
+
+    @property
+    def src_state(self) -> ProgramState:
+        return self.parent
+
     def __len__(self) -> int:
         return len(self.members)
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.members[i]
 
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        # `forks[i] += x` appends through the member, then assigns the member back.
+        if value is not self.members[i]:
+            raise ValueError("fork group: members cannot be replaced; append to forks[i]")
+
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.members)
 
     def __iadd__(self, other: Any | Callable[[int], Any]) -> ForkGroup:
         where = caller_location()
-        for i, m in enumerate(self.members):
-            m._ex.submit(as_expr(other(i) if callable(other) else other), where)
+        if isinstance(other, (list, tuple)):
+            if len(other) != len(self.members):
+                raise ValueError(f"fork group: {len(other)} items for {len(self.members)} members")
+            items = list(other)
+        elif callable(other) and not isinstance(other, Expr):
+            items = [other(i) for i in range(len(self.members))]
+        else:
+            items = [other] * len(self.members)
+        for m, item in zip(self.members, items):
+            m._ex.submit(as_expr(item), where)
         return self
 
     def join(self, mode: str = "gather_variable") -> None:

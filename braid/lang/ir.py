@@ -7,21 +7,49 @@ tracer records them, the backends never see them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-# The texts `gen(dtype=...)` constrains to. Generation stops when the pattern cannot grow.
-REGEX_INT = r"[-+]?[0-9]{1,18}"
-REGEX_FLOAT = r"[-+]?[0-9]{1,18}(\.[0-9]{1,12})?"
+# SGLang's patterns, for programs that pass them as `regex=` (with stop=[" ", "\n"], as its
+# examples do): a number may end with spaces or newlines.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
-REGEX_STR = r"\"[^\"\\\n]{0,200}\""
+# A JSON string without escapes: any character but the quote, the backslash and control
+# characters (SGLang's REGEX_STR, `"[\w\d\s]*"`, refuses punctuation and lets tabs through,
+# which JSON does not allow).
+REGEX_STR = r'"[^"\\\x00-\x1f]*"'
 
-DTYPE_REGEX: dict[type, str] = {
-    int: REGEX_INT,
-    float: REGEX_FLOAT,
-    bool: REGEX_BOOL,
-    str: REGEX_STR,
+
+@dataclass(frozen=True)
+class DtypeRule:
+    """How `gen(dtype=...)` constrains and ends a typed value.
+
+    A number may be followed by whatever the model writes next (" hours", ".", "\n"): the
+    first character that cannot continue the number (`stop_regex` matches the last digit and
+    it) ends the gen, and `value` takes the number from the text. A model that splits digits
+    into single tokens (SmolLM2) would otherwise have to choose between a bare space token and
+    one more digit, and writes 240000000000. Strings and booleans end by themselves; a string
+    that max_tokens cuts off is closed."""
+
+    regex: str
+    value: str  # the typed text, matched at the start of what was generated
+    stop_regex: str | None = None
+    # Appended to a value cut off by max_tokens before it ended (a string's closing quote), so
+    # the text stays a literal of its type (a JSON document built from it stays valid).
+    close: str = ""
+
+
+_INT = r"[-+]?[0-9]+"
+_FLOAT = r"[-+]?([0-9]+(\.[0-9]+)?|\.[0-9]+)"
+DTYPE_RULES: dict[type, DtypeRule] = {
+    int: DtypeRule(_INT + r"([^0-9].*)?", _INT, r"[0-9][^0-9]"),
+    float: DtypeRule(_FLOAT + r"([^0-9.].*)?", _FLOAT, r"[0-9][^0-9.]"),
+    bool: DtypeRule(REGEX_BOOL, REGEX_BOOL),
+    str: DtypeRule(REGEX_STR, REGEX_STR, close='"'),
 }
+DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -31,13 +59,19 @@ class SamplingArgs:
     """The sampling keyword arguments of `gen`, `run` and `run_batch`, defined once.
 
     Every field is optional: None means "not given here", so a gen's arguments can be laid
-    over the run's (`over`). Names are braid's (vLLM's); `max_new_tokens` is accepted as SGLang's
-    name for `max_tokens` where a user passes keywords (`from_kwargs`)."""
+    over the run's (`over`). Names are SGLang's frontend names (vLLM's `max_tokens`; SGLang's
+    `max_new_tokens` / `min_new_tokens` are accepted where a user passes keywords,
+    `from_kwargs`). `n` samples several completions (the variable is then their list);
+    `return_logprob` adds the output tokens' log-probabilities to the meta info,
+    `top_logprobs_num` the most likely alternatives at each, `logprob_start_len` the prompt's
+    from that position (`input_token_logprobs`)."""
 
     max_tokens: int | None = None
     min_tokens: int | None = None
+    n: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -46,15 +80,19 @@ class SamplingArgs:
     presence_penalty: float | None = None
     ignore_eos: bool | None = None
     return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> SamplingArgs:
         """Sampling arguments from keywords; `ValueError` naming an unknown keyword."""
         kw = dict(kwargs)
-        if "max_new_tokens" in kw:
-            if kw.get("max_tokens") is not None:
-                raise ValueError(f"{where}: give max_tokens or max_new_tokens, not both")
-            kw["max_tokens"] = kw.pop("max_new_tokens")
+        for alias, name in SAMPLING_ALIASES.items():
+            if alias in kw:
+                if kw.get(name) is not None:
+                    raise ValueError(f"{where}: give {name} or {alias}, not both")
+                kw[name] = kw.pop(alias)
         unknown = sorted(set(kw) - SAMPLING_FIELDS)
         if unknown:
             raise ValueError(
@@ -75,7 +113,17 @@ class SamplingArgs:
         """The fields that are set, by name."""
         return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
 
+    def with_stop_regex(self, pattern: str | None) -> SamplingArgs:
+        """These arguments with `pattern` added to `stop_regex`."""
+        if pattern is None:
+            return self
+        given = self.stop_regex
+        patterns = [given] if isinstance(given, str) else list(given or [])
+        return dataclasses.replace(self, stop_regex=[*patterns, pattern])
 
+
+# SGLang's keyword names -> braid's.
+SAMPLING_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingArgs))
 
 
@@ -155,6 +203,16 @@ class VarScopeBegin(Expr):
 @dataclass(frozen=True, eq=False)
 class VarScopeEnd(Expr):
     name: str
+
+
+@dataclass(frozen=True, eq=False)
+class SeparateReasoning(Expr):
+    """After the gens named in `names` have run, split each one's text into its reasoning
+    (variable `<name>_reasoning_content`) and its answer (the variable and the program text keep
+    the answer only), with the reasoning format of `model_type` ("deepseek-r1", "qwen3")."""
+
+    model_type: str | None
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,6 +23,7 @@ from braid.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     Seq,
     Text,
     VarRef,
@@ -102,10 +103,39 @@ def _expr(value: Any) -> Expr:
 class GraphNode:
     id: int
     kind: str  # text, arg, var, role_begin, role_end, gen, select, image, scope_begin,
-    # scope_end, fork, join
+    # scope_end, separate_reasoning, fork, join
     branch: tuple[int, ...]  # fork member indices from the root, () for the main line
     node: Any = None
     label: str = ""
+    graph: RequestGraph | None = field(default=None, repr=False, compare=False)
+
+    def print_graph_dfs(self) -> str:
+        """SGLang's tracer view: one line per node this one depends on (itself last), each
+        as `%id = %previous + node`, forks and joins by their inputs."""
+        assert self.graph is not None
+        g = self.graph
+        seen: set[int] = set()
+        order: list[int] = []
+        stack = [self.id]
+        while stack:
+            gid = stack.pop()
+            if gid in seen:
+                continue
+            seen.add(gid)
+            order.append(gid)
+            stack.extend(g.predecessors(gid))
+        lines = []
+        for gid in sorted(order):
+            n = g.nodes[gid]
+            preds = g.predecessors(gid)
+            what = f"{n.kind}({n.label})" if n.label else n.kind
+            if n.kind == "join":
+                lines.append(f"%{gid} = join({', '.join(f'%{p}' for p in preds)}, {n.label})")
+            elif preds:
+                lines.append(f"%{gid} = %{preds[0]} + {what}")
+            else:
+                lines.append(f"%{gid} = {what}")
+        return "\n".join(lines) + "\n"
 
 
 _KIND = {
@@ -119,6 +149,7 @@ _KIND = {
     Image: "image",
     VarScopeBegin: "scope_begin",
     VarScopeEnd: "scope_end",
+    SeparateReasoning: "separate_reasoning",
 }
 
 
@@ -141,6 +172,8 @@ def _label(node: Expr) -> str:
         return f"{node.name!r} choices={list(node.choices)}"
     if isinstance(node, Image):
         return "<image>"
+    if isinstance(node, SeparateReasoning):
+        return f"{list(node.names)} ({node.model_type or 'deepseek-r1'})"
     return ""
 
 
@@ -157,7 +190,7 @@ class RequestGraph:
 
     def add(self, kind: str, branch: tuple[int, ...], after: list[int], node=None, label="") -> int:
         gid = len(self.nodes)
-        self.nodes.append(GraphNode(gid, kind, branch, node, label))
+        self.nodes.append(GraphNode(gid, kind, branch, node, label, self))
         self.edges += [(a, gid) for a in after]
         return gid
 
@@ -172,6 +205,17 @@ class RequestGraph:
 
     def predecessors(self, gid: int) -> list[int]:
         return [a for a, b in self.edges if b == gid]
+
+    @property
+    def last_node(self) -> GraphNode | None:
+        """The last node on the main line (SGLang's `tracer.last_node`)."""
+        main = [n for n in self.nodes if not n.branch]
+        return main[-1] if main else None
+
+    def flatten_nodes(self) -> list[Expr]:
+        """The IR nodes in program order (SGLang's `tracer.flatten_nodes()`); fork and join
+        points, which are not IR nodes, are left out."""
+        return [n.node for n in self.nodes if n.node is not None]
 
     def constant_prefix(self) -> list[Expr]:
         """The leading text and role boundaries on the main line, before anything that
@@ -246,13 +290,20 @@ class TracingState:
         return _Placeholder(VarRef(name), f"variable {name!r}")
 
     get_var = __getitem__
+    get_value = __getitem__
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._graph.variables.add(name)  # set in Python: its value is not part of the graph
+
+    set_var = __setitem__
 
     def __contains__(self, name: str) -> bool:
         return name in self._graph.variables
 
-    def fork(self, n: int = 1) -> TracingForkGroup:
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracingForkGroup:
+        n = size
         if not isinstance(n, int) or n < 1:
-            raise TraceError(f"fork: n must be a positive integer, got {n!r}")
+            raise TraceError(f"fork: size must be a positive integer, got {n!r}")
         gid = self._graph.add("fork", self._branch, self._last, None, f"n={n}")
         self._last = [gid]
         members = [TracingState(self._graph, self._branch + (i,), [gid]) for i in range(n)]
@@ -273,6 +324,15 @@ class TracingState:
     def sync(self) -> None:
         return None
 
+    def error(self) -> None:
+        return None
+
+    @contextmanager
+    def copy(self) -> Iterator[TracingState]:
+        group = self.fork(1)
+        yield group[0]
+        group.join()
+
 
 class TracingForkGroup:
     def __init__(self, parent: TracingState, members: list[TracingState]) -> None:
@@ -288,9 +348,16 @@ class TracingForkGroup:
     def __iter__(self):
         return iter(self.members)
 
+    def __setitem__(self, i: int, value: TracingState) -> None:
+        if value is not self.members[i]:
+            raise TraceError("fork group: members cannot be replaced; append to forks[i]")
+
     def __iadd__(self, other: Any) -> TracingForkGroup:
         for i, m in enumerate(self.members):
-            m += other(i) if callable(other) else other
+            if isinstance(other, (list, tuple)):
+                m += other[i]
+            else:
+                m += other(i) if callable(other) and not isinstance(other, Expr) else other
         return self
 
     def join(self, mode: str = "gather_variable") -> None:

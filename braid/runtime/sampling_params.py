@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,11 @@ class SamplingParams:
     """Sampling settings for one prompt; invalid values raise `ValueError` naming the field.
 
     `temperature=0` means greedy. `top_k` of 0 or -1 turns top-k off. `max_tokens=None` generates
-    until a stop condition or the context length. `stop` strings end generation on the detokenized
-    text; `stop_token_ids` end it on a token (even with `ignore_eos`). `seed` makes the request's
+    until a stop condition or the context length; `max_tokens=0` only prefills the prompt (its
+    KV is cached, prompt logprobs are scored) and generates nothing. `stop` strings end
+    generation on the detokenized text (cut before the stop string); `stop_regex` patterns end it
+    where a match ends (SGLang's field; the matched text is kept); `stop_token_ids` end it on a
+    token (even with `ignore_eos`). `seed` makes the request's
     samples the same whatever batch it lands in. `logprobs=k` returns, for every generated token,
     its log-probability and the `k` most likely alternatives; `prompt_logprobs=k` does the same
     for the prompt; with `logprob_start_len=p` only positions from `p` on are scored (earlier
@@ -53,6 +57,7 @@ class SamplingParams:
     seed: int | None = None
     # Lists on input (tuples accepted too); stored as tuples.
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -89,6 +94,12 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop))
+        stop_regex = self.stop_regex
+        if stop_regex is None:
+            stop_regex = ()
+        elif isinstance(stop_regex, str):
+            stop_regex = (stop_regex,)
+        object.__setattr__(self, "stop_regex", tuple(stop_regex))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.logit_bias is not None:
             object.__setattr__(
@@ -98,8 +109,8 @@ class SamplingParams:
     def _first_error(self) -> str | None:  # noqa: C901 - one flat list of checks reads best
         if not _is_int(self.n) or self.n < 1:
             return f"n must be an integer >= 1, got {self.n!r}"
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            return f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}"
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            return f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}"
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -130,6 +141,18 @@ class SamplingParams:
                 isinstance(s, str) and s for s in items
             ):
                 return f"stop must be a non-empty string or a list of them, got {stop!r}"
+        if self.stop_regex is not None:
+            items = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
+            if not isinstance(items, (list, tuple)) or not all(
+                isinstance(s, str) and s for s in items
+            ):
+                return f"stop_regex must be a non-empty string or a list of them, got {items!r}"
+            for pattern in items:
+                try:
+                    if re.compile(pattern).match(""):
+                        return f"stop_regex {pattern!r} matches the empty string"
+                except re.error as e:
+                    return f"stop_regex {pattern!r} is not a valid regex: {e}"
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids

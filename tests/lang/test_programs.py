@@ -44,7 +44,7 @@ def test_few_shot_qa_matches_plain_generation(smollm2, backend):
     assert state.text() == prompt + state["answer"]
     meta = state.get_meta_info("answer")
     assert meta["prompt_tokens"] == len(smollm2.tokenizer.encode(prompt))
-    assert meta["completion_tokens"] >= 1 and meta["finish_reason"] in ("stop", "length")
+    assert meta["completion_tokens"] >= 1 and meta["finish_reason"]["type"] in ("stop", "length")
 
 
 @sgl.function
@@ -99,8 +99,12 @@ def test_select_scores_match_transformers_and_share_the_prefix(smollm2, hf_smoll
     prefix += "Question: What is the capital of France?\nAnswer:"
     choices = [" Paris", " London", " Berlin", " Madrid"]
     ref = [hf_choice_logprobs(hf_smollm2, smollm2.tokenizer, prefix, c) for c in choices]
-    for got, want in zip(meta["conditional_logprobs"], ref):
+    got_lps = [[t[0] for t in toks] for toks in meta["input_token_logprobs"]]
+    for got, want in zip(got_lps, ref):
         assert got == pytest.approx(want, abs=2e-3)
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(
+        [sum(r) / len(r) for r in ref], abs=2e-3
+    )
     means = [sum(r) / len(r) for r in ref]
     assert state["city"] == choices[max(range(4), key=lambda i: means[i])]
     # One batched request: the shared prefix is computed once, not once per choice.
@@ -130,12 +134,15 @@ def typed(s):
     s += sgl.gen_string("name", max_tokens=8)
 
 
-def test_typed_gens_give_python_values(backend):
+def test_typed_gens_keep_text_and_give_python_values(backend):
     state = typed.run(backend=backend, temperature=0)
-    assert isinstance(state["age"], int)
-    assert isinstance(state["adult"], bool)
-    assert isinstance(state["height"], float)
-    assert isinstance(state["name"], str)
+    # As in SGLang, a variable is the generated text; get_value converts a typed one.
+    for name, kind in (("age", int), ("adult", bool), ("height", float), ("name", str)):
+        assert isinstance(state[name], str), name
+        assert isinstance(state.get_value(name), kind), name
+    assert state.get_value("age") == int(state["age"])
+    assert "Her age in years is " + state["age"] + "." in state.text()
+    assert state["name"] == '"' + state.get_value("name") + '"'
     assert re.fullmatch(r'"[^"]*"', state.text().rsplit("quotes: ", 1)[1])
 
 
@@ -311,9 +318,7 @@ def test_unreachable_backend_is_a_clear_error():
 
 
 def test_no_backend_is_a_clear_error(monkeypatch):
-    import braid.lang.program as program
-
-    monkeypatch.setattr(program, "_default_backend", None)
+    monkeypatch.setattr(sgl.global_config, "_default_backend", None)
     with pytest.raises(ValueError, match="set_default_backend"):
         few_shot_qa.run(question="x")
 

@@ -101,3 +101,25 @@ def test_fast_decoder_decodes_as_the_transformers_tokenizer(tok, smollm2_dir):
             assert fast.decode(ids, skip_special_tokens=skip) == tok.decode(
                 ids, skip_special_tokens=skip
             )
+
+
+def test_stop_regex_ends_where_the_match_ends(tok):
+    ids = tok.encode("Item 12: apples, item 13: pears.", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop_regex=(r"\d+:",))
+    pieces = []
+    for t in ids:
+        pieces.append(d.add_tokens([t]))
+        if d.stopped:
+            break
+    assert d.text == "Item 12:" and d.stop_reason == r"\d+:"
+    assert "".join(pieces) == d.text  # nothing streamed is taken back
+
+
+def test_stop_regex_never_cuts_what_was_already_checked(tok):
+    # "a(?=b)" matches only once the "b" arrives; its match ends before the text already
+    # checked (and perhaps streamed), so the cut falls at the checked end instead.
+    d = IncrementalDetokenizer(tok, [], stop_regex=(r"a(?=b)",))
+    d.add_tokens(tok.encode("xa", add_special_tokens=False))
+    assert not d.stopped
+    d.add_tokens(tok.encode("b", add_special_tokens=False))
+    assert d.stopped and d.text == "xa"

@@ -83,3 +83,22 @@ def test_abort_frees_a_running_and_a_waiting_request(sched):
     sched.abort_all()
     sched.check_invariants()
     assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages
+
+
+def test_max_tokens_zero_prefills_and_caches_without_generating(sched):
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2]
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=1, logprob_start_len=2)
+    sched.handle(GenerateReq("prefill", prompt, sp, 1))
+    outs = []
+    while sched.has_work:
+        outs += sched.step()
+        sched.check_invariants()
+    (out,) = outs
+    assert out.new_token_ids == [] and out.finish_reason == "length" and out.logprobs is None
+    assert [lp is None for lp in out.prompt_logprobs] == [True, True] + [False] * 6
+    # The prompt's KV went to the prefix cache: the same prompt now hits it.
+    sched.handle(GenerateReq("again", prompt + [1], SamplingParams(max_tokens=1, **GREEDY), 2))
+    again = []
+    while sched.has_work:
+        again += sched.step()
+    assert again[-1].cached_tokens == len(prompt)

@@ -50,7 +50,6 @@ BAD = [
     (C, {"prompt": "x", "stop": [""]}, 400, "stop"),
     (C, {"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
     (C, {"prompt": "word " * 9000}, 400, "context length"),
-    (C, {"prompt": "x", "model": "gpt-5"}, 404, "does not exist"),
     (C, {"prompt": "x", "seed": "abc"}, 400, "seed"),
     (C, {"prompt": "x", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
     (C, {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
@@ -62,7 +61,9 @@ BAD = [
     (CH, {"messages": MSG, "max_completion_tokens": -1}, 400, "max_tokens"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
     (G, {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
-    (G, {"text": "x", "sampling_params": {"max_new_tokens": 0}}, 400, "max_tokens"),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_tokens"),
+    (G, {"text": "x", "sampling_params": {"stop_regex": "("}}, 400, "stop_regex"),
+    (CH, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     (G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
 ]
 

@@ -289,3 +289,72 @@ def test_completions_echo_returns_prompt_logprobs(client, server):
     again = more.choices[0].logprobs.token_logprobs
     assert again[0] is None and again[1:n] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
     assert len(again) == n + 2
+
+
+def test_generate_speaks_sglangs_native_fields(server):
+    url = server.url
+    gen = f"{url}/generate"
+    # n samples of one prompt: a list, one result per sample.
+    two = httpx.post(
+        gen,
+        json={
+            "text": "Once upon a time",
+            "rid": "two",
+            "sampling_params": {"n": 2, "max_new_tokens": 3},
+        },
+    ).json()
+    assert [r["meta_info"]["id"] for r in two] == ["two/0", "two/1"]
+    # max_new_tokens 0: the prompt is prefilled (and cached) and nothing is generated.
+    zero = httpx.post(
+        gen, json={"text": "A prompt to cache", "sampling_params": {"max_new_tokens": 0}}
+    ).json()
+    assert zero["text"] == "" and zero["output_ids"] == []
+    assert zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    again = httpx.post(
+        gen, json={"text": "A prompt to cache, again", "sampling_params": {"max_new_tokens": 1}}
+    ).json()
+    assert again["meta_info"]["cached_tokens"] >= 3
+    # Top logprobs for the output and the prompt (the prompt's first position has none).
+    scored = httpx.post(
+        gen,
+        json={
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "logprob_start_len": 0,
+        },
+    ).json()["meta_info"]
+    assert scored["output_token_logprobs_length"] == 2
+    assert [len(t) for t in scored["output_top_logprobs"]] == [3, 3]
+    assert scored["output_top_logprobs"][0][0][1] == scored["output_token_logprobs"][0][1]
+    assert scored["input_token_logprobs"][0][0] is None and scored["input_top_logprobs"][0] is None
+    assert all(len(t) == 3 for t in scored["input_top_logprobs"][1:])
+    # stop_regex ends the output where a match ends, the match kept.
+    stopped = httpx.post(
+        gen,
+        json={
+            "text": "List three fruits separated by commas:",
+            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "stop_regex": ","},
+        },
+    ).json()
+    assert stopped["text"].endswith(",") and stopped["text"].count(",") == 1, stopped["text"]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ","}
+
+
+def test_any_model_name_gets_the_served_model(client):
+    # As SGLang: a server of one model answers whatever `model` a client names.
+    for name in ("gpt-5", ""):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=2, temperature=0)
+        assert out.model == "smollm2-135m"
+
+
+def test_strict_model_name_refuses_other_names():
+    from braid.runtime.server.app import APIError, ServerState, _check_model
+
+    state = ServerState(None, None, "smollm2-135m", "/models/smollm2", None, strict_model_name=True)
+    _check_model(state, "smollm2-135m")
+    _check_model(state, "/models/smollm2")
+    with pytest.raises(APIError, match="does not exist") as e:
+        _check_model(state, "gpt-5")
+    assert e.value.status == 404

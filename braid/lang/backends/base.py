@@ -37,22 +37,50 @@ class Prompt:
 
 @dataclass
 class GenOutput:
-    """A finished generation. `meta` has `prompt_tokens`, `completion_tokens`,
-    `cached_tokens`, `finish_reason`, and `output_token_logprobs` (a list of
-    `(logprob, token_id, token_text)`) when logprobs were asked for."""
+    """A finished generation. `meta` is SGLang's meta info: `id`, `prompt_tokens`,
+    `completion_tokens`, `cached_tokens`, `finish_reason` (`{"type": "stop" | "length" |
+    "abort", ...}`), `e2e_latency`, and with logprobs `output_token_logprobs` (a list of
+    `[logprob, token_id, token_text]`), `output_top_logprobs` (per token, the most likely
+    alternatives in that shape), `input_token_logprobs` / `input_top_logprobs` (the prompt's,
+    from `logprob_start_len`). With `n > 1`, `texts` holds every sample (`text`, `meta` are the
+    first's)."""
 
     text: str
     meta: dict[str, Any]
+    texts: list[str] | None = None
 
 
 @dataclass
 class ChoiceScores:
-    """Per choice, the log-probabilities of its tokens after the prompt, and (when asked) the
-    same tokens scored without it."""
+    """Per choice, its tokens after the prompt as `[logprob, token_id, text]` (token id None
+    where the backend does not know it), and (when asked) the same tokens scored without the
+    prompt (the first, which then has no context, has logprob None)."""
 
-    conditional: list[list[float]]
-    unconditional: list[list[float]] | None
+    tokens: list[list[list[Any]]]
+    unconditional: list[list[list[Any]]] | None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def conditional(self) -> list[list[float]]:
+        """Per choice, just the log-probabilities."""
+        return [[t[0] for t in toks] for toks in self.tokens]
+
+
+def finish_reason_info(
+    reason: str | None, matched: Any = None, length: int = 0, message: str | None = None
+) -> dict[str, Any] | None:
+    """SGLang's `finish_reason` object for a runtime finish reason."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "abort":
+        return {"type": "abort", "message": message}
+    return {"type": reason, "matched": matched}
+
+
+def logprob_entry(logprob: float | None, token_id: int | None, text: str | None) -> list[Any]:
+    return [logprob, token_id, text]
 
 
 class Backend(ABC):
@@ -95,18 +123,46 @@ class Backend(ABC):
         """Release what the backend owns (processes it started, connections)."""
         return None
 
+    # ---- SGLang's backend surface -------------------------------------------------------
+    @property
+    def endpoint(self) -> Backend:
+        """What requests go to. SGLang code unwraps `backend.endpoint` (a `Runtime`'s
+        server); a backend is its own endpoint."""
+        return self
+
+    def get_model_name(self) -> str:
+        """The model this backend serves (a path for braid's own runtime)."""
+        raise NotImplementedError
+
+    def flush_cache(self) -> bool:
+        """Empty the runtime's prefix cache; whether it did (False where it cannot)."""
+        return False
+
+    def get_server_info(self) -> dict[str, Any] | None:
+        """The runtime's state and counters, where the backend can read them."""
+        return None
+
 
 def max_tokens_of(sampling: SamplingArgs) -> int:
     return DEFAULT_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
 
 
+# SamplingArgs fields that say what to report, not how to sample.
+_REPORTING = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+
 def runtime_sampling(sampling: SamplingArgs) -> dict[str, Any]:
     """SamplingArgs as braid runtime `SamplingParams` fields (also /generate's names)."""
     fields = sampling.given()
-    fields.pop("return_logprob", None)
+    for name in _REPORTING:
+        fields.pop(name, None)
     fields["max_tokens"] = max_tokens_of(sampling)
     if sampling.return_logprob:
-        fields["logprobs"] = 0
+        top = sampling.top_logprobs_num or 0
+        fields["logprobs"] = top
+        if sampling.logprob_start_len is not None and sampling.logprob_start_len >= 0:
+            fields["prompt_logprobs"] = top
+            fields["logprob_start_len"] = sampling.logprob_start_len
     return fields
 
 
@@ -122,8 +178,10 @@ def choice_span(prompt_ids: list[int], full_ids: list[int]) -> int:
     return min(n, len(full_ids) - 1)
 
 
-def unconditional_scores(alone: list[float], n: int) -> list[float]:
-    """A choice's unconditional scores aligned to its `n` scored tokens: `alone` holds the
-    log-probabilities of the choice's tokens after its first (which has no context and scores
-    0, see choices.py); the last `n` of them are kept, zero-padded in front."""
-    return ([0.0] + alone + [0.0] * n)[-n:]
+def unconditional_tokens(alone: list[list[Any]], n: int) -> list[list[Any]]:
+    """A choice's tokens scored alone, aligned to its `n` scored tokens in context: `alone`
+    holds `[logprob, token_id, text]` for every token of the choice tokenized by itself (the
+    first has no context: logprob None); the last `n` are kept, padded in front with entries
+    of logprob None."""
+    padded = [logprob_entry(None, None, None)] * n + list(alone)
+    return padded[-n:]

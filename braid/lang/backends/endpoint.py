@@ -1,9 +1,11 @@
 """`RuntimeEndpoint`: programs run on a `braid serve` (or SGLang-compatible) server over HTTP,
-through its native `/generate` API, with program sessions and batched `select` scoring."""
+through its native `/generate` API, with program sessions and batched `select` scoring; and
+`Runtime`, which starts that server as a subprocess (SGLang's `sgl.Runtime`)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from braid.lang.backends.base import (
     Prompt,
     choice_span,
     runtime_sampling,
-    unconditional_scores,
+    unconditional_tokens,
 )
 from braid.lang.ir import SamplingArgs
 from braid.runtime.tokenizer.roles import RoleTemplate
@@ -43,6 +45,11 @@ class RuntimeEndpoint(Backend):
     @property
     def role_template(self) -> RoleTemplate:
         return self._roles
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """The server's /get_model_info answer (SGLang's attribute name)."""
+        return self.info
 
     # ---- HTTP ---------------------------------------------------------------------------
     def _open(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -78,15 +85,26 @@ class RuntimeEndpoint(Backend):
         if prompt.images:
             raise ValueError("image(): this server's model takes text only")
         params = runtime_sampling(sampling)
+        for name in ("logprobs", "prompt_logprobs", "logprob_start_len"):
+            params.pop(name, None)  # /generate takes them as top-level fields
         if constraint is not None:
             params[constraint[0]] = constraint[1]
-        body = {
+        body: dict[str, Any] = {
             "text": prompt.text,
             "sampling_params": params,
-            "stream": True,
             "return_logprob": bool(sampling.return_logprob),
+            "top_logprobs_num": sampling.top_logprobs_num or 0,
             "session_id": prompt.session,
         }
+        if sampling.logprob_start_len is not None:
+            body["logprob_start_len"] = sampling.logprob_start_len
+        if params.get("n", 1) > 1:
+            results = self._request("POST", "/generate", body)
+            for r in results:
+                self._raise_failure(r["meta_info"])
+            texts = [r["text"] for r in results]
+            return GenOutput(texts[0], results[0]["meta_info"], texts)
+        body["stream"] = True
         text, meta = "", {}
         with self._open("POST", "/generate", body) as resp:
             for raw in resp:
@@ -99,27 +117,17 @@ class RuntimeEndpoint(Backend):
                 event = json.loads(payload)
                 piece = event["text"][len(text) :]
                 text = event["text"]
-                meta = self._meta(event["meta_info"])
+                meta = event["meta_info"]
                 if on_delta is not None and piece:
                     on_delta(piece, dict(meta))
-        finish = meta.get("finish_reason_detail") or {}
-        if finish.get("type") == "abort" and finish.get("message"):
-            raise RuntimeError(f"generation failed: {finish['message']}")
+        self._raise_failure(meta)
         return GenOutput(text, meta)
 
     @staticmethod
-    def _meta(m: dict[str, Any]) -> dict[str, Any]:
-        fr = m.get("finish_reason")
-        out = {
-            "prompt_tokens": m.get("prompt_tokens", 0),
-            "completion_tokens": m.get("completion_tokens", 0),
-            "cached_tokens": m.get("cached_tokens", 0),
-            "finish_reason": fr.get("type") if isinstance(fr, dict) else fr,
-            "finish_reason_detail": fr,
-        }
-        if "output_token_logprobs" in m:
-            out["output_token_logprobs"] = [tuple(x) for x in m["output_token_logprobs"]]
-        return out
+    def _raise_failure(meta: dict[str, Any]) -> None:
+        finish = meta.get("finish_reason") or {}
+        if finish.get("type") == "abort" and finish.get("message"):
+            raise RuntimeError(f"generation failed: {finish['message']}")
 
     def score_choices(
         self, prompt: Prompt, choices: list[str], unconditional: bool
@@ -130,43 +138,128 @@ class RuntimeEndpoint(Backend):
         jobs = [(fulls, spans, prompt.session)]
         if unconditional:
             alone = [self._tokenize(c) for c in choices]
-            jobs.append((alone, [1] * len(alone), None))
+            jobs.append((alone, [0] * len(alone), None))
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda j: self._score(*j), jobs))
-        cond = results[0]
+        tokens = results[0]
         unc = None
         if unconditional:
-            unc = [unconditional_scores(u, len(c)) for u, c in zip(results[1], cond)]
-        return ChoiceScores(cond, unc, {"prompt_tokens": len(prompt_ids)})
+            unc = [unconditional_tokens(u, len(c)) for u, c in zip(results[1], tokens)]
+        return ChoiceScores(tokens, unc, {"prompt_tokens": len(prompt_ids)})
 
     def _tokenize(self, text: str) -> list[int]:
         return self._request("POST", "/tokenize", {"prompt": text})["tokens"]
 
     def _score(
         self, ids: list[list[int]], spans: list[int], session: str | None
-    ) -> list[list[float]]:
-        """Log-probabilities of `ids[i][spans[i]:]`, all in one /generate batch."""
+    ) -> list[list[list[Any]]]:
+        """`[logprob, token_id, text]` of `ids[i][spans[i]:]`, all in one /generate batch."""
         first = min(spans)
         body = {
             "input_ids": ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "logprob_start_len": first,
             "session_id": session,
         }
         outs = self._request("POST", "/generate", body)
-        scores = []
-        for o, span in zip(outs, spans):
-            lps = o["meta_info"]["input_token_logprobs"][span - first :]
-            scores.append([x[0] for x in lps])
-        return scores
+        return [
+            list(o["meta_info"]["input_token_logprobs"][span - first :])
+            for o, span in zip(outs, spans)
+        ]
 
     def cache_prefix(self, text: str) -> None:
         self._request(
             "POST",
             "/generate",
-            {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+            {"text": text, "sampling_params": {"max_new_tokens": 0, "temperature": 0}},
         )
 
     def close_session(self, session: str) -> None:
         self._request("POST", "/close_session", {"session_id": session})
+
+    def get_model_name(self) -> str:
+        return self.info["model_path"]
+
+    def flush_cache(self) -> bool:
+        try:
+            with self._open("POST", "/flush_cache"):
+                return True
+        except ValueError:  # 400: requests are running
+            return False
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._request("GET", "/get_server_info")
+
+
+class Runtime:
+    """SGLang's `sgl.Runtime`: starts `braid serve` as a subprocess on a free port and talks to
+    it through `self.endpoint` (a `RuntimeEndpoint`); `set_default_backend(runtime)` runs
+    programs there. Keywords are `braid serve` flags by their Python names
+    (`max_total_tokens=8192` is `--max-total-tokens 8192`; True is a bare flag); `model_path`
+    is the model (None: the embedded one). Stop it with `shutdown()` or a `with` block."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        log_level: str = "error",
+        launch_timeout: float = 300.0,
+        **server_args: Any,
+    ) -> None:
+        from braid.runtime.server.launcher import start_server
+
+        args: list[str] = ["--log-level", log_level]
+        if model_path is not None:
+            args += ["--model", str(model_path)]
+        kv_tokens = server_args.pop("max_total_tokens", 8192)
+        for key, value in server_args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value not in (False, None):
+                args += [flag, str(value)]
+        self._log_dir = tempfile.TemporaryDirectory(prefix="braid-runtime-")
+        self._server = start_server(
+            self._log_dir.name, *args, kv_tokens=kv_tokens, timeout=launch_timeout
+        )
+        self.url = self._server.url
+        self.generate_url = self.url + "/generate"
+        self.endpoint = RuntimeEndpoint(self.url)
+
+    def shutdown(self) -> None:
+        self._server.stop()
+        self._log_dir.cleanup()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def cache_prefix(self, prefix: str) -> None:
+        self.endpoint.cache_prefix(prefix)
+
+    def get_tokenizer(self):
+        from braid.utils import get_tokenizer
+
+        return get_tokenizer(self.endpoint.get_model_name())
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        sampling_params: dict[str, Any] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+    ) -> str:
+        """One /generate call; the JSON answer as a string (as SGLang's Runtime returns it)."""
+        body: dict[str, Any] = {
+            "text": prompt,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "top_logprobs_num": top_logprobs_num or 0,
+        }
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        return json.dumps(self.endpoint._request("POST", "/generate", body))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import time
 import uuid
 from typing import Any
 
@@ -16,15 +17,82 @@ from braid.lang.backends.base import (
     OnDelta,
     Prompt,
     choice_span,
+    finish_reason_info,
+    logprob_entry,
     runtime_sampling,
-    unconditional_scores,
+    unconditional_tokens,
 )
 from braid.lang.ir import SamplingArgs
+from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 
 _DONE = object()
+
+
+class SampleMeta:
+    """One sample's SGLang-shaped meta info, accumulated from its `StrOut`s."""
+
+    def __init__(self, rid: str, sampling: SamplingArgs, prompt_ids: list[int]) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.logprobs = bool(sampling.return_logprob)
+        self.top = sampling.top_logprobs_num or 0
+        start = sampling.logprob_start_len
+        self.input_start = start if self.logprobs and start is not None and start >= 0 else None
+        self.t0 = time.perf_counter()
+        self.text = ""
+        self.meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": None,
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+        }
+        if self.logprobs:
+            self.meta["output_token_logprobs"] = []
+            if self.top:
+                self.meta["output_top_logprobs"] = []
+
+    def _entries(self, lp: TokenLogprob, texts: dict[int, str]) -> tuple[list, list]:
+        chosen = logprob_entry(lp.logprob, lp.token_id, texts.get(lp.token_id, ""))
+        top = [logprob_entry(v, t, texts.get(t, "")) for t, v in lp.top[: self.top]]
+        return chosen, top
+
+    def absorb(self, out: StrOut) -> None:
+        m = self.meta
+        self.text += out.text
+        m["prompt_tokens"] = out.prompt_tokens
+        m["completion_tokens"] = out.completion_tokens
+        m["cached_tokens"] = out.cached_tokens
+        texts = out.token_texts or {}
+        if self.logprobs and out.logprobs:
+            for lp in out.logprobs:
+                chosen, top = self._entries(lp, texts)
+                m["output_token_logprobs"].append(chosen)
+                if self.top:
+                    m["output_top_logprobs"].append(top)
+        if self.input_start is not None and out.prompt_logprobs is not None:
+            inputs, tops = [], []
+            for pos in range(self.input_start, len(self.prompt_ids)):
+                lp = out.prompt_logprobs[pos]
+                tid = self.prompt_ids[pos]
+                if lp is None:
+                    inputs.append(logprob_entry(None, tid, texts.get(tid, "")))
+                    tops.append(None)
+                else:
+                    chosen, top = self._entries(lp, texts)
+                    inputs.append(chosen)
+                    tops.append(top)
+            m["input_token_logprobs"] = inputs
+            if self.top:
+                m["input_top_logprobs"] = tops
+        if out.finish_reason is not None:
+            m["finish_reason"] = finish_reason_info(
+                out.finish_reason, out.stop_reason, out.completion_tokens, out.error
+            )
+            m["e2e_latency"] = time.perf_counter() - self.t0
 
 
 class EngineBackend(Backend):
@@ -54,17 +122,24 @@ class EngineBackend(Backend):
     def _params(self, fields: dict[str, Any]) -> SamplingParams:
         return self.llm.get_default_sampling_params().replace(**fields)
 
+    def _rid(self) -> str:
+        return f"prog-{self._prefix}-{next(self._ids)}"
+
     def _stream(self, ids: list[int], params: SamplingParams, session: str | None):
-        """StrOut messages of one request, as a blocking iterator usable from any thread."""
+        """(sample index, StrOut) of one request's samples as they arrive, as a blocking
+        iterator usable from any thread."""
         self.llm.tm.validate(ids, params)
-        rid = f"prog-{self._prefix}-{next(self._ids)}"
         q: queue.Queue = queue.Queue()
 
         async def pump() -> None:
             try:
-                self.llm.tm.submit(rid, ids, params, session_id=session)
-                async for out in self.llm.tm.stream(rid):
-                    q.put(out)
+                rids = self.llm.tm.submit(self._rid(), ids, params, session_id=session)
+
+                async def one(k: int, rid: str) -> None:
+                    async for out in self.llm.tm.stream(rid):
+                        q.put((k, out))
+
+                await asyncio.gather(*(one(k, r) for k, r in enumerate(rids)))
             except BaseException as e:  # delivered to the waiting thread, which raises it
                 q.put(e)
             finally:
@@ -83,8 +158,7 @@ class EngineBackend(Backend):
         """Several requests submitted together (so the scheduler batches them); their StrOuts."""
 
         async def one(ids, params, session) -> list[StrOut]:
-            rid = f"prog-{self._prefix}-{next(self._ids)}"
-            self.llm.tm.submit(rid, ids, params, session_id=session)
+            rid = self.llm.tm.submit(self._rid(), ids, params, session_id=session)[0]
             return [out async for out in self.llm.tm.stream(rid)]
 
         async def all_() -> list[list[StrOut]]:
@@ -111,86 +185,85 @@ class EngineBackend(Backend):
         if constraint is not None:
             fields[constraint[0]] = constraint[1]
         params = self._params(fields)
-        meta: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        if sampling.return_logprob:
-            meta["output_token_logprobs"] = []
-        text = ""
-        for out in self._stream(self._encode(prompt.text), params, prompt.session):
-            text += out.text
-            meta["prompt_tokens"] = out.prompt_tokens
-            meta["completion_tokens"] = out.completion_tokens
-            meta["cached_tokens"] = out.cached_tokens
-            if out.logprobs and "output_token_logprobs" in meta:
-                texts = out.token_texts or {}
-                meta["output_token_logprobs"] += [
-                    (lp.logprob, lp.token_id, texts.get(lp.token_id, "")) for lp in out.logprobs
-                ]
-            if out.finish_reason is not None:
-                meta["finish_reason"] = out.finish_reason
-                if out.error:
-                    raise RuntimeError(f"generation failed: {out.error}")
-            if on_delta is not None and (out.text or out.finish_reason):
-                on_delta(out.text, dict(meta))
-        return GenOutput(text, meta)
+        ids = self._encode(prompt.text)
+        rid = self._rid()
+        samples = [SampleMeta(f"{rid}/{k}", sampling, ids) for k in range(params.n)]
+        for k, out in self._stream(ids, params, prompt.session):
+            sample = samples[k]
+            sample.absorb(out)
+            if out.finish_reason is not None and out.error:
+                raise RuntimeError(f"generation failed: {out.error}")
+            if on_delta is not None and k == 0 and (out.text or out.finish_reason):
+                on_delta(out.text, dict(sample.meta))
+        texts = [s.text for s in samples] if params.n > 1 else None
+        return GenOutput(samples[0].text, samples[0].meta, texts)
 
     def score_choices(
         self, prompt: Prompt, choices: list[str], unconditional: bool
     ) -> ChoiceScores:
         prompt_ids = self._encode(prompt.text)
-        jobs, spans = [], []
+        jobs, spans, fulls = [], [], []
+        scoring = {"max_tokens": 0, "temperature": 0.0, "prompt_logprobs": 0}
         for c in choices:
             full = self._encode(prompt.text + c)
             start = max(1, choice_span(prompt_ids, full))
             spans.append(start)
-            params = self._params(
-                {
-                    "max_tokens": 1,
-                    "temperature": 0.0,
-                    "prompt_logprobs": 0,
-                    "logprob_start_len": start,
-                }
-            )
+            fulls.append(full)
+            params = self._params({**scoring, "logprob_start_len": start})
             jobs.append((full, params, prompt.session))
         if unconditional:
             for c in choices:
                 ids = self._encode(c)
-                jobs.append(
-                    (
-                        ids,
-                        self._params({"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}),
-                        None,
-                    )
-                )
+                fulls.append(ids)
+                spans.append(0)
+                jobs.append((ids, self._params(scoring), None))
         results = self._run_all(jobs)
         scored = []
         cached = 0
-        for outs in results:
+        for outs, ids, start in zip(results, fulls, spans):
+            if outs[-1].error:
+                raise RuntimeError(f"select failed: {outs[-1].error}")
             lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
             if lps is None:
                 raise RuntimeError("select: the runtime returned no prompt log-probabilities")
-            if outs[-1].error:
-                raise RuntimeError(f"select failed: {outs[-1].error}")
+            texts: dict[int, str] = {}
+            for o in outs:
+                texts.update(o.token_texts or {})
             cached += outs[-1].cached_tokens
-            scored.append(lps)
-        cond = [[lp.logprob for lp in s[start:]] for s, start in zip(scored, spans)]
+            scored.append(
+                [
+                    logprob_entry(None if lp is None else lp.logprob, t, texts.get(t, ""))
+                    for lp, t in zip(lps[start:], ids[start:])
+                ]
+            )
+        tokens = scored[: len(choices)]
         unc = None
         if unconditional:
             unc = [
-                unconditional_scores([lp.logprob for lp in s[1:]], len(c_lps))
-                for s, c_lps in zip(scored[len(choices) :], cond)
+                unconditional_tokens(alone, len(toks))
+                for alone, toks in zip(scored[len(choices) :], tokens)
             ]
         meta = {"prompt_tokens": len(prompt_ids), "cached_tokens": cached}
-        return ChoiceScores(cond, unc, meta)
+        return ChoiceScores(tokens, unc, meta)
 
     def cache_prefix(self, text: str) -> None:
         ids = self._encode(text)
-        for _ in self._stream(ids, self._params({"max_tokens": 1, "temperature": 0.0}), None):
+        for _ in self._stream(ids, self._params({"max_tokens": 0, "temperature": 0.0}), None):
             pass
 
     def close_session(self, session: str) -> None:
         if self.llm.tm.failure:
             return
         self.llm.run_coroutine(self.llm.tm.control("close_session", arg=session)).result()
+
+    def get_model_name(self) -> str:
+        return str(self.llm.model_path)
+
+    def flush_cache(self) -> bool:
+        return self.llm.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"model_path": self.get_model_name(), "stats": self.llm.stats()}
 
     def shutdown(self) -> None:
         if self.owns:

@@ -2,12 +2,17 @@
 
 A program that uses roles talks to `/v1/chat/completions` with its messages (a gen must then
 open an assistant turn); one without roles talks to `/v1/completions` with its text. `select`
-needs prompt log-probabilities (`/v1/completions` with `echo` and `logprobs`); a server that
-does not give them gets a clear error. Sampling arguments OpenAI does not define (`top_k`,
-`min_p`, `ignore_eos`, `regex`, `json_schema`) go in the request body as extras."""
+and `logprob_start_len` need prompt log-probabilities (`/v1/completions` with `echo` and
+`logprobs`); a server that does not give them gets a clear error. Sampling arguments OpenAI
+does not define (`top_k`, `min_p`, `ignore_eos`, `stop_regex`, `regex`, `json_schema`) go in
+the request body as extras. OpenAI's wire format has no token ids: logprob entries carry None
+there."""
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from typing import Any
 
 from braid.lang.backends.base import (
@@ -16,14 +21,16 @@ from braid.lang.backends.base import (
     GenOutput,
     OnDelta,
     Prompt,
+    finish_reason_info,
+    logprob_entry,
     max_tokens_of,
-    unconditional_scores,
+    unconditional_tokens,
 )
 from braid.lang.ir import SamplingArgs
 from braid.runtime.tokenizer.roles import RoleTemplate
 
-_OPENAI_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
-_EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids")
+_OPENAI_FIELDS = ("n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
+_EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "stop_regex")
 
 
 class OpenAI(Backend):
@@ -34,7 +41,6 @@ class OpenAI(Backend):
             raise ValueError(
                 "the OpenAI backend needs the `openai` package: pip install openai"
             ) from None
-        import os
 
         self.model = model
         self._openai = openai
@@ -47,6 +53,9 @@ class OpenAI(Backend):
     def role_template(self) -> RoleTemplate:
         return self._roles
 
+    def get_model_name(self) -> str:
+        return self.model
+
     def _kwargs(self, sampling: SamplingArgs, constraint) -> dict[str, Any]:
         given = sampling.given()
         kw: dict[str, Any] = {"max_tokens": max_tokens_of(sampling)}
@@ -56,8 +65,6 @@ class OpenAI(Backend):
             extra[constraint[0]] = constraint[1]
         if extra:
             kw["extra_body"] = extra
-        if sampling.return_logprob:
-            kw["logprobs"] = True
         return kw
 
     def _call(self, fn, **kw):
@@ -81,14 +88,25 @@ class OpenAI(Backend):
             raise ValueError("image(): the OpenAI backend sends text only in this version")
         kw = self._kwargs(sampling, constraint)
         chat = bool(prompt.messages) or prompt.open_role is not None
-        if chat:
+        top = sampling.top_logprobs_num or 0
+        wants_input = sampling.return_logprob and sampling.logprob_start_len is not None
+        if kw["max_tokens"] == 0:
+            stream = []  # nothing to generate (OpenAI refuses max_tokens=0): no call
+        elif chat:
             if prompt.open_role != "assistant" or prompt.open_content:
                 raise ValueError(
                     "OpenAI backend: with roles, a gen must come first inside an assistant turn "
                     "(`with s.assistant(): s += gen(...)`)"
                 )
+            if wants_input:
+                raise ValueError(
+                    "OpenAI backend: logprob_start_len needs prompt log-probabilities, which "
+                    "chat completions do not return; use it outside roles"
+                )
             if sampling.return_logprob:
                 kw["logprobs"] = True
+                if top:
+                    kw["top_logprobs"] = top
             stream = self._call(
                 self.client.chat.completions.create,
                 model=self.model,
@@ -99,7 +117,7 @@ class OpenAI(Backend):
             )
         else:
             if sampling.return_logprob:
-                kw["logprobs"] = 0
+                kw["logprobs"] = top
             stream = self._call(
                 self.client.completions.create,
                 model=self.model,
@@ -108,19 +126,103 @@ class OpenAI(Backend):
                 stream_options={"include_usage": True},
                 **kw,
             )
-        text, meta = "", {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        n = kw.get("n", 1)
+        t0 = time.perf_counter()
+        texts = [""] * n
+        metas = [self._new_meta(sampling) for _ in range(n)]
+        usage = None
         for chunk in stream:
             if chunk.usage is not None:
-                meta["prompt_tokens"] = chunk.usage.prompt_tokens
-                meta["completion_tokens"] = chunk.usage.completion_tokens
+                usage = chunk.usage
             for choice in chunk.choices:
+                i = choice.index
                 piece = (choice.delta.content if chat else choice.text) or ""
-                text += piece
+                texts[i] += piece
+                if sampling.return_logprob and choice.logprobs is not None:
+                    self._absorb_logprobs(metas[i], choice.logprobs, chat, top)
                 if choice.finish_reason:
-                    meta["finish_reason"] = choice.finish_reason
-                if piece and on_delta is not None:
-                    on_delta(piece, dict(meta))
-        return GenOutput(text, meta)
+                    metas[i]["finish_reason"] = finish_reason_info(
+                        choice.finish_reason, None, len(metas[i].get("output_token_logprobs", []))
+                    )
+                if piece and i == 0 and on_delta is not None:
+                    on_delta(piece, dict(metas[0]))
+        for meta in metas:
+            meta["e2e_latency"] = time.perf_counter() - t0
+            if meta["finish_reason"] is None:
+                meta["finish_reason"] = finish_reason_info("length", None, 0)
+            if usage is not None:
+                meta["prompt_tokens"] = usage.prompt_tokens
+                meta["completion_tokens"] = usage.completion_tokens // n
+        if wants_input:
+            entries = self._echo_entries(prompt.text, max(0, sampling.logprob_start_len), top)
+            for meta in metas:
+                meta["input_token_logprobs"] = entries[0]
+                if top:
+                    meta["input_top_logprobs"] = entries[1]
+        return GenOutput(texts[0], metas[0], texts if n > 1 else None)
+
+    @staticmethod
+    def _new_meta(sampling: SamplingArgs) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": f"openai-{uuid.uuid4().hex[:12]}",
+            "finish_reason": None,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+        }
+        if sampling.return_logprob:
+            meta["output_token_logprobs"] = []
+            if sampling.top_logprobs_num:
+                meta["output_top_logprobs"] = []
+        return meta
+
+    @staticmethod
+    def _absorb_logprobs(meta: dict[str, Any], lp, chat: bool, top: int) -> None:
+        if chat:
+            for item in lp.content or []:
+                meta["output_token_logprobs"].append(logprob_entry(item.logprob, None, item.token))
+                if top:
+                    meta["output_top_logprobs"].append(
+                        [logprob_entry(t.logprob, None, t.token) for t in item.top_logprobs or []]
+                    )
+            return
+        for k, (tok, value) in enumerate(zip(lp.tokens or [], lp.token_logprobs or [])):
+            meta["output_token_logprobs"].append(logprob_entry(value, None, tok))
+            if top:
+                alts = (lp.top_logprobs or [{}] * (k + 1))[k] or {}
+                meta["output_top_logprobs"].append(
+                    [logprob_entry(v, None, t) for t, v in alts.items()]
+                )
+
+    def _echo(self, texts: list[str], top: int = 0) -> list:
+        """The prompt logprobs of each text (one completions request with all of them)."""
+        out = self._call(
+            self.client.completions.create,
+            model=self.model,
+            prompt=texts,
+            max_tokens=0,
+            echo=True,
+            logprobs=top,
+        )
+        by_index = sorted(out.choices, key=lambda c: c.index)
+        lps = [c.logprobs for c in by_index]
+        if len(lps) != len(texts) or any(lp is None or not lp.token_logprobs for lp in lps):
+            raise ValueError(
+                f"OpenAI backend: {self.client.base_url} returned no prompt log-probabilities "
+                "(completions with echo and logprobs); select and logprob_start_len need them"
+            )
+        return lps
+
+    def _echo_entries(self, text: str, start: int, top: int) -> tuple[list, list]:
+        """The prompt's `[logprob, None, token]` entries from token `start` on, and their top
+        alternatives."""
+        lp = self._echo([text], top)[0]
+        entries = [logprob_entry(v, None, t) for t, v in zip(lp.tokens, lp.token_logprobs)]
+        tops = [
+            None if alts is None else [logprob_entry(v, None, t) for t, v in alts.items()]
+            for alts in (lp.top_logprobs or [None] * len(entries))
+        ]
+        return entries[start:], tops[start:]
 
     def score_choices(
         self, prompt: Prompt, choices: list[str], unconditional: bool
@@ -130,39 +232,28 @@ class OpenAI(Backend):
                 "OpenAI backend: select needs prompt log-probabilities, which chat completions "
                 "do not return; use select outside roles, or the Engine / RuntimeEndpoint backend"
             )
-        cond = [self._echo_scores(prompt.text, c) for c in choices]
+        texts = [prompt.text + c for c in choices]
+        if unconditional:
+            texts += list(choices)
+        lps = self._echo(texts)
+        tokens = [self._choice_entries(lp, prompt.text, c) for lp, c in zip(lps, choices)]
         unc = None
         if unconditional:
-            unc = [
-                unconditional_scores(self._echo_scores("", c, whole=True)[1:], len(lps))
-                for c, lps in zip(choices, cond)
-            ]
-        return ChoiceScores(cond, unc)
+            unc = []
+            for lp, toks in zip(lps[len(choices) :], tokens):
+                alone = [logprob_entry(v, None, t) for t, v in zip(lp.tokens, lp.token_logprobs)]
+                unc.append(unconditional_tokens(alone, len(toks)))
+        return ChoiceScores(tokens, unc)
 
-    def _echo_scores(self, prefix: str, choice: str, whole: bool = False) -> list[float]:
-        out = self._call(
-            self.client.completions.create,
-            model=self.model,
-            prompt=prefix + choice,
-            max_tokens=0,
-            echo=True,
-            logprobs=0,
-        )
-        lp = out.choices[0].logprobs
-        if lp is None or not lp.token_logprobs:
-            raise ValueError(
-                f"OpenAI backend: {self.client.base_url} returned no prompt log-probabilities "
-                "(completions with echo and logprobs); select needs them"
-            )
-        if whole:
-            return [x or 0.0 for x in lp.token_logprobs]
-        # Tokens that start inside the choice (a token spanning the boundary counts as the
+    @staticmethod
+    def _choice_entries(lp, prefix: str, choice: str) -> list[list[Any]]:
+        # Tokens that end inside the choice (a token spanning the boundary counts as the
         # choice's).
-        scores = [
-            x
+        entries = [
+            logprob_entry(x, None, tok)
             for x, off, tok in zip(lp.token_logprobs, lp.text_offset, lp.tokens)
             if off + len(tok) > len(prefix) and x is not None
         ]
-        if not scores:
+        if not entries:
             raise ValueError(f"select: choice {choice!r} added no scored tokens")
-        return scores
+        return entries

@@ -33,12 +33,25 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# Uniforms keep 23 bits of the hash: k + 0.5 with k < 2**23 is exact in float32, so every value
+# lies strictly inside (0, 1). With 24 bits, k = 2**24 - 1 rounded to exactly 1.0 (one token in
+# 16.7M per draw): its exponential noise was 0, and probs / noise made that token win whatever its
+# probability: NaN (= the maximum for argmax) for a token a grammar had banned.
+UNIFORM_BITS = 23
+
+
+def bits_to_uniform(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hash values (int64 tensor) -> float32 uniforms strictly inside (0, 1)."""
+    k = (x >> (32 - UNIFORM_BITS)).to(torch.float32)
+    return (k + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] float32 in (0, 1), a pure function of (seed, step, token index)."""
+    """[B, vocab] float32 strictly inside (0, 1), a pure function of (seed, step, token index)."""
     row = _fmix32((seeds + steps * 0x9E3779B9) & _MASK32)
     cols = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F) & _MASK32
     x = _fmix32(row[:, None] ^ cols[None, :])
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(x)
 
 
 def fold_seed(seed: int) -> int:
@@ -230,6 +243,8 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         seeds = to_device([r.seed for r in reqs], dev)
         steps = to_device([len(r.output_ids) + ahead for r in reqs], dev)
+        # Exponential noise, > 0 and finite: a token of probability 0 (banned by a grammar or
+        # a filter) scores 0 and never beats a token the distribution allows.
         noise = -torch.log(hash_uniform(seeds, steps, self.vocab_size))
         drawn = (probs / noise).argmax(dim=-1)
         return torch.where(to_device(greedy, dev, torch.bool), greedy_ids, drawn)

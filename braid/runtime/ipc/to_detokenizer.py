@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,6 +25,7 @@ class DetokSpec:
     stop: list[str]
     include_stop_str_in_output: bool
     min_tokens: int
+    stop_regex: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -51,7 +51,7 @@ class Req:
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
-        assert self.max_new_tokens >= 1
+        assert self.max_new_tokens >= 0  # 0: prefill only
         self._sampling = SamplingInput(
             params=self.params,
             seed=self.seed,

@@ -172,7 +172,7 @@ class Scheduler:
             max_new_tokens=max_new,
             session_id=msg.session_id,
         )
-        if msg.params.constraint is not None:
+        if msg.params.constraint is not None and max_new > 0:
             if not self._has_tokenizer:
                 raise ValueError("json_schema/regex/choice: this model has no tokenizer")
             self.grammar_waiting.add(req, *msg.params.constraint)
@@ -543,26 +543,15 @@ class Scheduler:
             for i, req in enumerate(plan.sampling):
                 if req.finished:
                     continue  # aborted, or stopped the step before this one ran ahead
-                tok = next_ids[i]
-                if req.unverified:
-                    last = plan.last_rows[i]
-                    chosen = self._verify_jump(req, logits[last - req.unverified : last])
-                    tok = tok if chosen is None else chosen
-                req.output_ids.append(tok)
-                req.verified = len(req.output_ids)
                 error = None
-                if req.grammar is not None and tok not in self.eos_token_ids:
-                    try:
-                        req.grammar.advance(tok)
-                    except ValueError as e:
-                        req.finish_reason, error = "abort", f"grammar: {e}"
-                if not req.finished:
-                    req.check_finished(tok)
-                if req.grammar is not None and not req.finished:
-                    self._jump_forward(req)
+                if req.max_new_tokens == 0:
+                    req.finish_reason = "length"  # prefill only: the sample is not kept
+                else:
+                    error = self._append_sample(req, next_ids[i], plan.last_rows[i], logits)
                 out = self._out(req, req.take_unreported())
                 out.error = error
-                if logprobs is not None and req.params.logprobs is not None:
+                kept = req.max_new_tokens > 0
+                if kept and logprobs is not None and req.params.logprobs is not None:
                     lp = logprobs[i]
                     lp.top = lp.top[: req.params.logprobs]
                     out.logprobs = [lp]
@@ -580,6 +569,27 @@ class Scheduler:
                 if req.pool_row is not None:
                     self._cache_unfinished(req)
         return outs
+
+    def _append_sample(self, req: Req, tok: int, last_row: int, logits) -> str | None:
+        """Append the token sampled for `req` (or the model's own token where it rejects
+        jump-forward tokens), advance its grammar, check whether it finished, and jump forward;
+        returns the error that failed it, if any."""
+        if req.unverified:
+            chosen = self._verify_jump(req, logits[last_row - req.unverified : last_row])
+            tok = tok if chosen is None else chosen
+        req.output_ids.append(tok)
+        req.verified = len(req.output_ids)
+        error = None
+        if req.grammar is not None and tok not in self.eos_token_ids:
+            try:
+                req.grammar.advance(tok)
+            except ValueError as e:
+                req.finish_reason, error = "abort", f"grammar: {e}"
+        if not req.finished:
+            req.check_finished(tok)
+        if req.grammar is not None and not req.finished:
+            self._jump_forward(req)
+        return error
 
     def _cache_unfinished(self, req: Req) -> None:
         full = req.kv_len // self.page_size
@@ -743,6 +753,7 @@ class Scheduler:
                 stop=list(p.stop),
                 include_stop_str_in_output=p.include_stop_str_in_output,
                 min_tokens=p.min_tokens,
+                stop_regex=list(p.stop_regex),
             )
         return out
 

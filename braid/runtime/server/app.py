@@ -76,6 +76,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
+    strict_model_name: bool = False  # 404 for a model name that is not the served one
 
     @functools.cached_property
     def role_template(self) -> RoleTemplate:
@@ -90,7 +91,12 @@ def _param_of(message: str) -> str | None:
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in (state.served_model_name, state.model_path):
+    """As SGLang does, a server serves its one model whatever name a request gives (empty,
+    another alias, a path): clients written for another server work unchanged. With
+    `--strict-model-name`, any name but the served name (or the model path) is a 404."""
+    if not state.strict_model_name or model is None:
+        return
+    if model not in (state.served_model_name, state.model_path):
         raise APIError(
             404,
             f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
@@ -207,6 +213,18 @@ def _finish(c: _Choice) -> str | None:
     if c.finish_reason == "abort" and c.error:
         return "abort"
     return c.finish_reason
+
+
+def _native_finish(c: _Choice) -> dict[str, Any] | None:
+    """SGLang's finish_reason object: stop (with what matched), length, or abort (why)."""
+    reason = _finish(c)
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if reason == "abort":
+        return {"type": "abort", "message": c.error}
+    return {"type": reason, "matched": c.stop_reason}
 
 
 def _sse(obj: Any) -> str:
@@ -515,6 +533,8 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             raise APIError(400, "echo: not supported with stream=true", "echo")
         prompts = _tokenize_prompts(state, req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        if max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
         if req.echo and max_tokens == 0:
             max_tokens = 1  # echo only: one token is generated and dropped
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=req.logprobs)
@@ -537,6 +557,8 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
+        if max_tokens == 0:
+            raise APIError(400, "max_tokens must be >= 1", "max_tokens")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
         if plan is not None:
@@ -557,55 +579,68 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         )
         prompts = _tokenize_prompts(state, req.text if req.text is not None else req.input_ids)
         params = native_sampling_params(req.sampling_params, state.defaults)
+        top = req.top_logprobs_num
         if req.return_logprob:
-            params = params.replace(logprobs=req.top_logprobs_num)
+            params = params.replace(logprobs=top)
             if req.logprob_start_len >= 0:
                 params = params.replace(
-                    prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
+                    prompt_logprobs=top, logprob_start_len=req.logprob_start_len
                 )
-        if params.n != 1:
-            raise APIError(400, "sampling_params.n: /generate takes n=1; send a batch", "n")
         for i, (_, ids) in enumerate(prompts):
             state.tm.validate(ids, params, where="text" if single else f"text {i}")
+        # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
+        # sampled once.
+        n = params.n
         base = req.rid or f"gen-{uuid.uuid4().hex[:12]}"
         rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
         t0 = time.perf_counter()
         state.metrics.requests += 1
-        streams = []
-        for rid, (_, ids) in zip(rids, prompts):
+        streams, prompt_of = [], []
+        for i, (rid, (_, ids)) in enumerate(zip(rids, prompts)):
             state.metrics.prompt_tokens += len(ids)
-            rid = state.tm.submit(rid, ids, params, session_id=req.session_id)[0]
-            streams.append(state.tm.stream(rid))
-        choices = [_Choice() for _ in prompts]
+            for srid in state.tm.submit(rid, ids, params, session_id=req.session_id):
+                streams.append(state.tm.stream(srid))
+                prompt_of.append(i)
+        sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
+        choices = [_Choice() for _ in streams]
+
+        def entry(lp, tid: int, texts: dict[int, str]) -> list[Any]:
+            return [None if lp is None else lp, tid, _text_of(state, tid, texts)]
 
         def native(i: int) -> dict[str, Any]:
             c = choices[i]
+            ids = prompts[prompt_of[i]][1]
             meta = {
-                "id": rids[i],
+                "id": sample_rids[i],
                 "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": len(c.token_ids),
                 "cached_tokens": c.cached_tokens,
-                "finish_reason": None
-                if c.finish_reason is None
-                else {"type": _finish(c), "matched": c.stop_reason, "message": c.error},
+                "finish_reason": _native_finish(c),
                 "e2e_latency": time.perf_counter() - t0,
             }
             if req.return_logprob:
                 meta["output_token_logprobs"] = [
-                    [lp.logprob, lp.token_id, _text_of(state, lp.token_id, c.token_texts)]
-                    for lp in c.logprobs
+                    entry(lp.logprob, lp.token_id, c.token_texts) for lp in c.logprobs
                 ]
+                meta["output_token_logprobs_length"] = len(c.logprobs)
+                if top:
+                    meta["output_top_logprobs"] = [
+                        [entry(v, t, c.token_texts) for t, v in lp.top[:top]] for lp in c.logprobs
+                    ]
                 if c.prompt_logprobs is not None:
                     start = max(0, req.logprob_start_len)
+                    scored = list(enumerate(c.prompt_logprobs))[start:]
                     meta["input_token_logprobs"] = [
-                        [
-                            None if lp is None else lp.logprob,
-                            prompts[i][1][pos],
-                            _text_of(state, prompts[i][1][pos], c.token_texts),
-                        ]
-                        for pos, lp in enumerate(c.prompt_logprobs)
-                        if pos >= start
+                        entry(None if lp is None else lp.logprob, ids[pos], c.token_texts)
+                        for pos, lp in scored
                     ]
+                    if top:
+                        meta["input_top_logprobs"] = [
+                            None
+                            if lp is None
+                            else [entry(v, t, c.token_texts) for t, v in lp.top[:top]]
+                            for _, lp in scored
+                        ]
             return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
         if req.stream:
@@ -619,8 +654,8 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
         async for i, out in _merge(streams):
             _absorb(state, choices[i], out, time.perf_counter(), t0)
-        results = [native(i) for i in range(len(prompts))]
-        return results[0] if single else results
+        results = [native(i) for i in range(len(streams))]
+        return results[0] if single and n == 1 else results
 
     return app
 

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the chat template; none: never parse)",
     )
     s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="answer 404 to a request naming another model (default: serve the one model "
+        "whatever name is given, as SGLang does)",
+    )
     s.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     s.add_argument(
         "--attention-backend",
@@ -155,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_bytes,
         server_args={k: v for k, v in vars(args).items() if k != "api_key"},
         tool_call_parser=tool_call_parser,
+        strict_model_name=args.strict_model_name,
     )
 
     def on_ready() -> None:

@@ -53,6 +53,7 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format, or braid's extras
@@ -95,6 +96,7 @@ class _SamplingFields(_Body):
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            stop_regex=self.stop_regex,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -144,6 +146,8 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Token texts are always in the logprob entries; accepted for SGLang clients.
+    return_text_in_logprobs: bool = False
     # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
     logprob_start_len: int = -1
     rid: str | None = None

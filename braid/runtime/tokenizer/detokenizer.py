@@ -1,4 +1,5 @@
-"""Incremental detokenization of one output stream, with stop strings applied on the text.
+"""Incremental detokenization of one output stream, with stop strings and stop regexes applied
+on the text.
 
 Text is produced as tokens arrive, never emitting a half-decoded multi-byte character: a
 token whose bytes do not yet complete a character is held until they do. A few prompt tokens
@@ -7,6 +8,7 @@ are kept as context so that the first generated token gets its leading space rig
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 
 # Prompt tokens kept as decoding context (enough for any tokenizer's merges at the boundary).
 CONTEXT_TOKENS = 6
+# A stop regex must match within the last this many characters of the output.
+STOP_REGEX_WINDOW = 4096
 
 
 class IncrementalDetokenizer:
@@ -26,10 +30,12 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        stop_regex: tuple[str, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.stop_regex = tuple(re.compile(p) for p in stop_regex)
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -40,6 +46,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
         self._checked_len = 0
+        self._regex_checked = 0
 
     @property
     def stopped(self) -> bool:
@@ -63,7 +70,11 @@ class IncrementalDetokenizer:
                 self.text += full[len(prefix) :]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
-            if self.stop and self.num_output_tokens >= self.min_tokens and self._check_stop():
+            if self.num_output_tokens < self.min_tokens:
+                continue
+            if self.stop and self._check_stop():
+                break
+            if self.stop_regex and self._check_stop_regex():
                 break
         return self.text[before:]
 
@@ -81,6 +92,24 @@ class IncrementalDetokenizer:
         i, s = best
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.stop_reason = s
+        return True
+
+    def _check_stop_regex(self) -> bool:
+        """A stop regex ends the text where its first match ends (the matched text is kept,
+        as SGLang does). Text already checked may have been streamed, so the cut never falls
+        before it."""
+        checked, self._regex_checked = self._regex_checked, len(self.text)
+        start = max(0, len(self.text) - STOP_REGEX_WINDOW)
+        best: tuple[int, re.Pattern] | None = None
+        for pattern in self.stop_regex:
+            m = pattern.search(self.text, start)
+            if m is not None and (best is None or m.end() < best[0]):
+                best = (m.end(), pattern)
+        if best is None:
+            return False
+        end, pattern = best
+        self.text = self.text[: max(end, checked)]
+        self.stop_reason = pattern.pattern
         return True
 
     def stream_safe_len(self) -> int:

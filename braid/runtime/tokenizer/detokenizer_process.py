@@ -57,6 +57,7 @@ class DetokenizerManager:
                         stop=tuple(spec.stop),
                         include_stop_str_in_output=spec.include_stop_str_in_output,
                         min_tokens=spec.min_tokens,
+                        stop_regex=tuple(spec.stop_regex),
                     )
                 st = self.states[out.rid] = _State(detok)
             st.completion_tokens += len(out.new_token_ids)
