@@ -6,9 +6,10 @@ submodules SGLang programs import: `sglang.lang.ir`, `sglang.utils`, ...) resolv
     import sglang as sgl            # braid, under SGLang's names
 
 The alias maps module names to braid's own modules (the same objects, so `sglang.lang.ir` and
-`braid.lang.ir` are one module, and state such as the default backend is shared); it never
-shadows a real SGLang installation: where `sglang` is importable, `install()` refuses. A
-submodule braid does not provide fails to import with a message naming it.
+`braid.lang.ir` are one module, and state such as the default backend is shared); `sglang`
+itself is a small module that forwards every name to `braid`. It never shadows a real SGLang
+installation: where `sglang` is importable, `install()` refuses. A submodule braid does not
+provide fails to import with a message naming it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import sys
 import types
 
 # SGLang module name -> braid module name ("" for a package braid has no counterpart of).
+# `sglang` itself is a proxy module that forwards to braid (see `install`).
 MODULES = {
-    "sglang": "braid",
     "sglang.api": "braid.lang.api",
     "sglang.global_config": "braid.lang.config",
     "sglang.utils": "braid.utils",
@@ -42,6 +43,7 @@ MODULES = {
     "sglang.srt.hf_transformers_utils": "braid.utils",
     "sglang.srt.utils.hf_transformers_utils": "braid.utils",
 }
+_PACKAGES = {"sglang.lang", "sglang.lang.backend", "sglang.srt", "sglang.srt.utils"}
 
 
 class _Alias(importlib.abc.Loader):
@@ -61,20 +63,32 @@ class _Alias(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "sglang" and not fullname.startswith("sglang."):
+        if not fullname.startswith("sglang."):
             return None
         if fullname not in MODULES:
             raise ModuleNotFoundError(
-                f"braid's SGLang alias has no module {fullname!r} (it provides: "
+                f"braid's SGLang alias has no module {fullname!r} (it provides: sglang, "
                 f"{', '.join(sorted(MODULES))})",
                 name=fullname,
             )
-        target = MODULES[fullname]
-        is_pkg = not target or target in ("braid", "braid.lang", "braid.lang.backends")
-        return importlib.machinery.ModuleSpec(fullname, _Alias(target), is_package=is_pkg)
+        return importlib.machinery.ModuleSpec(
+            fullname, _Alias(MODULES[fullname]), is_package=fullname in _PACKAGES
+        )
 
 
 _FINDER = _Finder()
+
+
+def _proxy() -> types.ModuleType:
+    """`sglang`: braid's public names. A separate module, so that importing a submodule
+    (`sglang.global_config`) binds it on the proxy, not over `braid.global_config`."""
+    import braid
+
+    module = types.ModuleType("sglang", "braid under SGLang's name (braid.lang.sglang_alias)")
+    module.__path__ = []
+    module.__getattr__ = lambda name: getattr(braid, name)  # PEP 562
+    module.__dir__ = lambda: dir(braid)
+    return module
 
 
 def install() -> None:
@@ -84,7 +98,16 @@ def install() -> None:
         return
     if "sglang" not in sys.modules and importlib.util.find_spec("sglang") is not None:
         raise ValueError("sglang is installed here: braid will not shadow it")
+    import braid.lang
+    from braid.lang.config import global_config
+
+    sys.modules["sglang"] = _proxy()
     sys.meta_path.insert(0, _FINDER)
+    # As SGLang's __init__ does: import the config modules, then bind the object over them.
+    importlib.import_module("sglang.global_config")
+    importlib.import_module("sglang.lang.global_config")
+    sys.modules["sglang"].global_config = global_config
+    braid.lang.global_config = global_config
 
 
 def uninstall() -> None:

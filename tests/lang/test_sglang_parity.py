@@ -122,7 +122,7 @@ def test_gen_keywords(smollm2, backend):
     stopped = state["stopped"]
     assert stopped[-1] in ".,!" and not any(c in ".,!" for c in stopped[:-1]), stopped
     scored = state.get_meta_info("scored")
-    text_before = state.text()[: -len(state["scored"])]
+    text_before = state.text()[: len(state.text()) - len(state["scored"])]
     ids = tok.encode(text_before)
     assert [t[1] for t in scored["input_token_logprobs"]] == ids[2:]
     assert all(t[0] <= 0 for t in scored["input_token_logprobs"])
@@ -339,8 +339,9 @@ def test_sglang_alias_maps_modules_to_braid():
 
         import braid.lang.ir
 
-        assert sglang is sgl and sglang.lang.ir is braid.lang.ir
-        assert global_config is sgl.global_config
+        assert sglang.gen is sgl.gen and sglang.lang.ir is braid.lang.ir
+        assert global_config is sgl.global_config is sglang.global_config
+        assert braid.lang.global_config is sgl.global_config  # the submodule did not shadow it
         assert callable(get_tokenizer) and callable(download_and_cache_file)
         with pytest.raises(ModuleNotFoundError, match="no module 'sglang.srt.managers'"):
             import sglang.srt.managers  # noqa: F401
