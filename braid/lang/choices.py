@@ -93,19 +93,27 @@ class ScoredChoicesMethod(ChoicesSamplingMethod):
     ) -> ChoicesDecision:
         scores = self.scores(input_token_logprobs, unconditional_token_logprobs)
         return self._decision(
-            choices,
             _argmax_first(scores),
             scores,
-            normalized_prompt_logprobs,
-            input_token_logprobs,
-            output_token_logprobs,
-            unconditional_token_logprobs,
+            choices=choices,
+            normalized_prompt_logprobs=normalized_prompt_logprobs,
+            input_token_logprobs=input_token_logprobs,
+            output_token_logprobs=output_token_logprobs,
+            unconditional_token_logprobs=unconditional_token_logprobs,
         )
 
-    def sample(
+    def sample(self, temperature: float, rng: random.Random, **args: Any) -> ChoicesDecision:
+        """The decision drawn with probabilities softmax(scores / temperature); `args` are
+        the keywords a method is called with."""
+        scores = self.scores(args["input_token_logprobs"], args.get("unconditional_token_logprobs"))
+        top = max(scores)
+        weights = [math.exp((s - top) / temperature) for s in scores]
+        return self._decision(rng.choices(range(len(scores)), weights)[0], scores, **args)
+
+    def _decision(
         self,
-        temperature: float,
-        rng: random.Random,
+        index: int,
+        scores: list[float],
         *,
         choices,
         normalized_prompt_logprobs,
@@ -113,30 +121,14 @@ class ScoredChoicesMethod(ChoicesSamplingMethod):
         output_token_logprobs,
         unconditional_token_logprobs=None,
     ) -> ChoicesDecision:
-        """The decision drawn with probabilities softmax(scores / temperature)."""
-        scores = self.scores(input_token_logprobs, unconditional_token_logprobs)
-        top = max(scores)
-        weights = [math.exp((s - top) / temperature) for s in scores]
-        index = rng.choices(range(len(scores)), weights)[0]
-        return self._decision(
-            choices,
-            index,
-            scores,
-            normalized_prompt_logprobs,
-            input_token_logprobs,
-            output_token_logprobs,
-            unconditional_token_logprobs,
-        )
-
-    def _decision(self, choices, index, scores, normalized, inputs, outputs, unconditional):
         meta = {
-            "normalized_prompt_logprobs": normalized,
-            "input_token_logprobs": inputs,
-            "output_token_logprobs": outputs,
-            **self.extra_meta(inputs, scores),
+            "normalized_prompt_logprobs": normalized_prompt_logprobs,
+            "input_token_logprobs": input_token_logprobs,
+            "output_token_logprobs": output_token_logprobs,
+            **self.extra_meta(input_token_logprobs, scores),
         }
-        if unconditional is not None:
-            meta["unconditional_token_logprobs"] = unconditional
+        if unconditional_token_logprobs is not None:
+            meta["unconditional_token_logprobs"] = unconditional_token_logprobs
         return ChoicesDecision(choices[index], meta)
 
     def __repr__(self) -> str:

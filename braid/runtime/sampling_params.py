@@ -88,18 +88,11 @@ class SamplingParams:
             if self.choice is not None:
                 object.__setattr__(self, "choice", tuple(self.choice))
         # Normalise containers so the object is hashable-ish and never aliases caller state.
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
-        stop_regex = self.stop_regex
-        if stop_regex is None:
-            stop_regex = ()
-        elif isinstance(stop_regex, str):
-            stop_regex = (stop_regex,)
-        object.__setattr__(self, "stop_regex", tuple(stop_regex))
+        for name in ("stop", "stop_regex"):  # one string or a list of them -> a tuple
+            value = getattr(self, name)
+            object.__setattr__(
+                self, name, (value,) if isinstance(value, str) else tuple(value or ())
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.logit_bias is not None:
             object.__setattr__(

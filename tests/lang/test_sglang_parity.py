@@ -356,3 +356,23 @@ def test_server_helpers_and_runtime_free_kv(smollm2, backend):
     assert info["stats"]["kv_capacity_tokens"] > 0
     assert sgl.flush_cache() is True
     assert_kv_all_free_or_cached(smollm2)
+
+
+def test_select_with_a_temperature_samples_by_the_methods_scores():
+    import random
+
+    def toks(*lps):
+        return [[lp, i, "t"] for i, lp in enumerate(lps)]
+
+    args = dict(
+        choices=["a", "b"],
+        normalized_prompt_logprobs=[-0.1, -2.0],
+        input_token_logprobs=[toks(-0.1), toks(-2.0)],
+        output_token_logprobs=[[], []],
+    )
+    rng = random.Random(0)
+    picks = [sgl.token_length_normalized.sample(1.0, rng, **args).decision for _ in range(2000)]
+    share = picks.count("a") / len(picks)
+    # softmax([-0.1, -2.0]) gives "a" 0.87 of the time; greedy would give it always.
+    assert 0.83 < share < 0.91, share
+    assert sgl.token_length_normalized(**args).decision == "a"
