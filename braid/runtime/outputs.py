@@ -49,3 +49,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def finish_reason_info(
+    reason: str | None, matched: Any = None, length: int = 0, message: str | None = None
+) -> dict[str, Any] | None:
+    """SGLang's `finish_reason` object for a runtime finish reason: stop (with what matched),
+    length (how many tokens), abort (why)."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "abort":
+        return {"type": "abort", "message": message}
+    return {"type": reason, "matched": matched}

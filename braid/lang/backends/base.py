@@ -66,19 +66,6 @@ class ChoiceScores:
         return [[t[0] for t in toks] for toks in self.tokens]
 
 
-def finish_reason_info(
-    reason: str | None, matched: Any = None, length: int = 0, message: str | None = None
-) -> dict[str, Any] | None:
-    """SGLang's `finish_reason` object for a runtime finish reason."""
-    if reason is None:
-        return None
-    if reason == "length":
-        return {"type": "length", "length": length}
-    if reason == "abort":
-        return {"type": "abort", "message": message}
-    return {"type": reason, "matched": matched}
-
-
 def logprob_entry(logprob: float | None, token_id: int | None, text: str | None) -> list[Any]:
     return [logprob, token_id, text]
 

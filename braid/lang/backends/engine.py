@@ -17,7 +17,6 @@ from braid.lang.backends.base import (
     OnDelta,
     Prompt,
     choice_span,
-    finish_reason_info,
     logprob_entry,
     runtime_sampling,
     unconditional_tokens,
@@ -25,6 +24,7 @@ from braid.lang.backends.base import (
 from braid.lang.ir import SamplingArgs
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.outputs import finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 
@@ -125,7 +125,7 @@ class EngineBackend(Backend):
     def _rid(self) -> str:
         return f"prog-{self._prefix}-{next(self._ids)}"
 
-    def _stream(self, ids: list[int], params: SamplingParams, session: str | None):
+    def _stream(self, ids: list[int], params: SamplingParams, session: str | None, rid: str):
         """(sample index, StrOut) of one request's samples as they arrive, as a blocking
         iterator usable from any thread."""
         self.llm.tm.validate(ids, params)
@@ -133,7 +133,7 @@ class EngineBackend(Backend):
 
         async def pump() -> None:
             try:
-                rids = self.llm.tm.submit(self._rid(), ids, params, session_id=session)
+                rids = self.llm.tm.submit(rid, ids, params, session_id=session)
 
                 async def one(k: int, rid: str) -> None:
                     async for out in self.llm.tm.stream(rid):
@@ -187,8 +187,10 @@ class EngineBackend(Backend):
         params = self._params(fields)
         ids = self._encode(prompt.text)
         rid = self._rid()
-        samples = [SampleMeta(f"{rid}/{k}", sampling, ids) for k in range(params.n)]
-        for k, out in self._stream(ids, params, prompt.session):
+        # The ids TokenizerManager.submit gives the samples.
+        names = [f"{rid}/{k}" for k in range(params.n)] if params.n > 1 else [rid]
+        samples = [SampleMeta(name, sampling, ids) for name in names]
+        for k, out in self._stream(ids, params, prompt.session, rid):
             sample = samples[k]
             sample.absorb(out)
             if out.finish_reason is not None and out.error:
@@ -248,7 +250,8 @@ class EngineBackend(Backend):
 
     def cache_prefix(self, text: str) -> None:
         ids = self._encode(text)
-        for _ in self._stream(ids, self._params({"max_tokens": 0, "temperature": 0.0}), None):
+        params = self._params({"max_tokens": 0, "temperature": 0.0})
+        for _ in self._stream(ids, params, None, self._rid()):
             pass
 
     def close_session(self, session: str) -> None:

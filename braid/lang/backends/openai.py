@@ -21,12 +21,12 @@ from braid.lang.backends.base import (
     GenOutput,
     OnDelta,
     Prompt,
-    finish_reason_info,
     logprob_entry,
     max_tokens_of,
     unconditional_tokens,
 )
 from braid.lang.ir import SamplingArgs
+from braid.runtime.outputs import finish_reason_info
 from braid.runtime.tokenizer.roles import RoleTemplate
 
 _OPENAI_FIELDS = ("n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")

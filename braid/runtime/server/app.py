@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from braid.runtime.function_call.base import ToolCallStream
 from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.outputs import finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.protocol import (
@@ -213,18 +214,6 @@ def _finish(c: _Choice) -> str | None:
     if c.finish_reason == "abort" and c.error:
         return "abort"
     return c.finish_reason
-
-
-def _native_finish(c: _Choice) -> dict[str, Any] | None:
-    """SGLang's finish_reason object: stop (with what matched), length, or abort (why)."""
-    reason = _finish(c)
-    if reason is None:
-        return None
-    if reason == "length":
-        return {"type": "length", "length": len(c.token_ids)}
-    if reason == "abort":
-        return {"type": "abort", "message": c.error}
-    return {"type": reason, "matched": c.stop_reason}
 
 
 def _sse(obj: Any) -> str:
@@ -615,7 +604,9 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
                 "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": len(c.token_ids),
                 "cached_tokens": c.cached_tokens,
-                "finish_reason": _native_finish(c),
+                "finish_reason": finish_reason_info(
+                    _finish(c), c.stop_reason, len(c.token_ids), c.error
+                ),
                 "e2e_latency": time.perf_counter() - t0,
             }
             if req.return_logprob:
