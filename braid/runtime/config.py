@@ -44,6 +44,9 @@ class EngineConfig:
       before it, so the host's per-step work overlaps the GPU's (`scheduler/overlap.py`). None:
       on with CUDA, off elsewhere (CPU forwards are synchronous: nothing to overlap). False is
       `--disable-overlap-schedule`; True forces it on (tests exercise it on CPU).
+    - `max_session_pins`, `session_ttl_s`: at most this many program sessions keep their state
+      pinned in the cache (the least recently used is released first), each until this long
+      after its last request (`scheduler/sessions.py`).
     """
 
     model: str | None = None
@@ -68,6 +71,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 160
     disable_cuda_graph: bool = False
     overlap_schedule: bool | None = None
+    max_session_pins: int = 64
+    session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -98,6 +103,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.max_session_pins, int) or self.max_session_pins < 1:
+            raise ValueError(f"max_session_pins must be >= 1, got {self.max_session_pins!r}")
+        if not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
         t = self.grammar_compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {t!r}")

@@ -16,8 +16,16 @@ from typing import Any
 MAX_LOGPROBS = 20
 
 
+# Integers travel to the scheduler as 64-bit values.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _too_big(x: object) -> bool:
+    return _is_int(x) and not INT64_MIN <= x <= INT64_MAX  # type: ignore[operator]
 
 
 def _is_number(x: object) -> bool:
@@ -100,6 +108,11 @@ class SamplingParams:
             )
 
     def _first_error(self) -> str | None:  # noqa: C901 - one flat list of checks reads best
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            values = v if isinstance(v, (list, tuple)) else [v]
+            if any(_too_big(x) for x in values):
+                return f"{f.name}: {v!r} is out of range (integers must fit in 64 bits)"
         if not _is_int(self.n) or self.n < 1:
             return f"n must be an integer >= 1, got {self.n!r}"
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):

@@ -1,14 +1,21 @@
 """Grammars compile off the scheduler's critical path: a constrained request waits (unadmitted)
 while its grammar compiles and other requests keep running; a compile that fails or overruns
 its time limit fails that request alone, with a clear message, and the runtime keeps serving
-with no KV slot lost. Runs on a tiny random Llama with a real byte-level BPE tokenizer, where
-`\\w{0,500}` (every Unicode word character, 500 times) takes seconds to compile."""
+with no KV slot lost; an overrunning compile's worker process is killed, so no CPU keeps
+burning, and workers die with their parent. Runs on a tiny random Llama with a real byte-level
+BPE tokenizer, where `\\w{0,500}` (every Unicode word character, 500 times) takes seconds to
+compile."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from braid import SamplingParams
@@ -21,6 +28,9 @@ from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
 
 SLOW = r"\w{0,500}"  # seconds to compile on the tiny vocabulary
 SLOWER = r"\w{0,1000}"  # several seconds: far longer than a short request on the tiny model
+# Its automaton has 2**18 states: several seconds and hundreds of MB on the tiny vocabulary,
+# and far longer on a real one (issue 13 saw (a|b)*a(a|b){14} run ~50 s on SmolLM2's).
+PATHOLOGICAL = "(a|b)*a(a|b){17}"
 PROMPT = [11, 12, 13, 14]
 
 
@@ -29,12 +39,27 @@ def tiny(tmp_path_factory):
     return build_tiny_constrained_model(tmp_path_factory.mktemp("tiny-grammar"))
 
 
-def _scheduler(tiny, **config):
-    path, eos = tiny
-    sched = local_scheduler(path, frozenset({eos}), kv_tokens=2048, **config)
-    # Load the vocabulary first, so that time limits measure compiles alone.
-    sched.grammar_waiting.compiler.submit("regex", "warm").result()
-    return sched
+@pytest.fixture
+def pools():
+    """Grammar compile pools a test starts; their workers are shut down after it, so no compile
+    it leaves running burns CPU under the next test."""
+    started: list[AsyncGrammarCompiler] = []
+    yield started
+    for pool in started:
+        pool.shutdown()
+
+
+@pytest.fixture
+def make_scheduler(tiny, pools):
+    def make(**config):
+        path, eos = tiny
+        sched = local_scheduler(path, frozenset({eos}), kv_tokens=2048, **config)
+        pools.append(sched.grammar_waiting.compiler)
+        # Load the vocabulary first, so that time limits measure compiles alone.
+        sched.grammar_waiting.compiler.submit("regex", "warm").result()
+        return sched
+
+    return make
 
 
 def _drain(sched) -> tuple[dict[str, list[int]], dict[str, str], dict[str, str]]:
@@ -62,8 +87,10 @@ def free_alone(tiny):
     return run_to_end(sched)["free"]
 
 
-def test_overrunning_compile_fails_with_a_clear_error_and_serving_continues(tiny, free_alone):
-    sched = _scheduler(tiny, grammar_compile_timeout_s=0.3)
+def test_overrunning_compile_fails_with_a_clear_error_and_serving_continues(
+    tiny, make_scheduler, free_alone
+):
+    sched = make_scheduler(grammar_compile_timeout_s=0.3)
     sched.handle(GenerateReq("slow", PROMPT, SamplingParams(regex=SLOW, max_tokens=4), 0))
     sched.handle(GenerateReq("free", PROMPT, FREE, 0))
     ids, finish, errors = _drain(sched)
@@ -71,7 +98,7 @@ def test_overrunning_compile_fails_with_a_clear_error_and_serving_continues(tiny
     assert "regex: grammar compilation timed out after 0.3 s" in errors["slow"]
     assert "--grammar-compile-timeout" in errors["slow"]
     assert finish["free"] == "length" and ids["free"] == free_alone
-    # The runtime keeps serving constrained requests (a spare worker took over).
+    # The runtime keeps serving constrained requests (a fresh worker took over).
     yes_no = SamplingParams(temperature=1.0, seed=3, max_tokens=8, regex="(yes|no)")
     sched.handle(GenerateReq("after", PROMPT, yes_no, 3))
     ids, finish, errors = _drain(sched)
@@ -81,8 +108,8 @@ def test_overrunning_compile_fails_with_a_clear_error_and_serving_continues(tiny
     assert usage["kv_free_tokens"] + usage["kv_cached_tokens"] == usage["kv_capacity_tokens"]
 
 
-def test_compile_error_fails_just_that_request(tiny, free_alone):
-    sched = _scheduler(tiny)
+def test_compile_error_fails_just_that_request(make_scheduler, free_alone):
+    sched = make_scheduler()
     # Python's re accepts a backreference; outlines-core cannot build an automaton for it.
     sched.handle(GenerateReq("bad", PROMPT, SamplingParams(regex=r"(a)\1", max_tokens=4), 0))
     sched.handle(GenerateReq("free", PROMPT, FREE, 0))
@@ -94,8 +121,8 @@ def test_compile_error_fails_just_that_request(tiny, free_alone):
     assert finish["ok"] == "stop" and "ok" not in errors
 
 
-def test_free_request_runs_while_a_grammar_compiles(tiny, free_alone):
-    sched = _scheduler(tiny)
+def test_free_request_runs_while_a_grammar_compiles(make_scheduler, free_alone):
+    sched = make_scheduler()
     slow = SamplingParams(temperature=1.0, seed=2, max_tokens=6, regex=SLOWER)
     sched.handle(GenerateReq("slow", PROMPT, slow, 2))
     sched.handle(GenerateReq("free", PROMPT, FREE, 0))
@@ -117,8 +144,8 @@ def test_free_request_runs_while_a_grammar_compiles(tiny, free_alone):
     assert finish["slow"] in ("stop", "length") and not errors and 1 <= len(ids["slow"]) <= 6
 
 
-def test_abort_while_waiting_for_a_grammar(tiny):
-    sched = _scheduler(tiny)
+def test_abort_while_waiting_for_a_grammar(make_scheduler):
+    sched = make_scheduler()
     sched.handle(GenerateReq("slow", PROMPT, SamplingParams(regex=SLOW, max_tokens=4), 0))
     outs = sched.handle(AbortReq("slow"))
     assert [(o.rid, o.finish_reason) for o in outs] == [("slow", "abort")]
@@ -132,8 +159,61 @@ def tiny_tokenizer(tiny):
     return load_tokenizer(tiny[0])
 
 
-def test_identical_specs_share_one_compile_and_a_cached_one_is_ready_at_once(tiny_tokenizer):
-    pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tiny_tokenizer))
+@pytest.fixture
+def make_pool(tiny_tokenizer, pools):
+    def make(workers: int = 2, built: list | None = None) -> AsyncGrammarCompiler:
+        def make_compiler() -> GrammarCompiler:
+            if built is not None:
+                built.append(time.monotonic())
+            return GrammarCompiler(tiny_tokenizer)
+
+        pool = AsyncGrammarCompiler(make_compiler, workers=workers)
+        pools.append(pool)
+        return pool
+
+    return make
+
+
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[pid] = t.user + t.system
+    return out
+
+
+def _busy_cpu_seconds(window_s: float = 1.0) -> float:
+    """CPU time this process and its descendants use over `window_s` (while this thread
+    sleeps), counting the processes alive throughout."""
+    me = psutil.Process()
+    pids = [me.pid, *(p.pid for p in me.children(recursive=True))]
+    before = _cpu_seconds(pids)
+    time.sleep(window_s)
+    after = _cpu_seconds(pids)
+    return sum(after[p] - before[p] for p in after if p in before)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_identical_specs_share_one_compile_and_a_cached_one_is_ready_at_once(make_pool):
+    pool = make_pool()
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     first = pool.submit("json_schema", schema)
     same = pool.submit("json_schema", dict(reversed(list(schema.items()))))
@@ -144,30 +224,110 @@ def test_identical_specs_share_one_compile_and_a_cached_one_is_ready_at_once(tin
     assert pool.compiler.misses == 1
 
 
-def test_compile_error_fails_its_future_naming_the_field(tiny_tokenizer):
-    pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tiny_tokenizer))
+def test_compile_error_fails_its_future_naming_the_field(make_pool):
+    pool = make_pool()
     with pytest.raises(ValueError, match="regex: cannot be compiled"):
         pool.submit("regex", r"(?=a)a").result(timeout=30)
+    with pytest.raises(ValueError, match="choice: must be a non-empty list"):
+        pool.submit("choice", []).result(timeout=30)
     assert pool.submit("regex", "a+").result(timeout=30) is not None
 
 
-def test_an_overrunning_compile_gets_a_spare_worker(tiny_tokenizer):
-    pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tiny_tokenizer), workers=1)
+def test_workers_start_with_the_first_compile_and_stay_warm(make_pool):
+    built: list[float] = []
+    pool = make_pool(built=built)
+    time.sleep(0.2)
+    assert pool.worker_pids == [] and built == [] and pool.compiler is None
     pool.submit("regex", "warm").result(timeout=30)
-    pending: PendingGrammars[str] = PendingGrammars(pool, timeout_s=0.2)
-    pending.add("slow", "regex", SLOW)
-    slow_future = pool.submit("regex", SLOW)  # the same compile, shared
-    time.sleep(0.3)
+    assert _wait_for(lambda: len(pool.worker_pids) == 2, 10)
+    warm = pool.worker_pids
+    for i in range(4):
+        pool.submit("regex", f"(yes|no){i}").result(timeout=30)
+    assert pool.worker_pids == warm and len(built) == 1
+
+
+def test_an_overrunning_compile_is_killed_and_the_next_one_compiles_promptly(make_pool):
+    pool = make_pool(workers=1)
+    pool.submit("regex", "warm").result(timeout=30)
+    [worker] = pool.worker_pids
+    pending: PendingGrammars[str] = PendingGrammars(pool, timeout_s=0.5)
+    pending.add("slow", "regex", PATHOLOGICAL)
+    shared = pool.submit("regex", PATHOLOGICAL)  # the same compile, shared
+    time.sleep(0.6)
     ready, failed = pending.poll()
-    assert ready == [] and failed[0][0] == "slow" and "timed out after 0.2 s" in failed[0][1]
+    assert ready == [] and failed[0][0] == "slow" and "timed out after 0.5 s" in failed[0][1]
+    with pytest.raises(ValueError, match="regex: grammar compilation timed out"):
+        shared.result(timeout=0)  # whoever shares the compile fails with it
+    # The worker is gone, and nothing here keeps compiling the abandoned grammar.
+    assert _wait_for(lambda: _gone(worker), 5)
+    time.sleep(0.5)  # let the replacement worker finish starting
+    assert _busy_cpu_seconds() < 0.3
+    t0 = time.monotonic()
     pending.add("quick", "regex", "(yes|no)")
-    deadline = time.monotonic() + 5
-    while not ready and time.monotonic() < deadline:
+    while not ready and time.monotonic() - t0 < 5:
         pending.wait(0.05)
         ready, failed = pending.poll()
     assert [item for item, _ in ready] == ["quick"] and not failed
-    assert not slow_future.done()  # the one worker is still on the slow grammar
-    slow_future.result(timeout=60)
+    assert worker not in pool.worker_pids
+
+
+def test_a_compile_that_runs_out_of_time_while_queued_never_runs(make_pool):
+    pool = make_pool(workers=1)
+    pool.submit("regex", "warm").result(timeout=30)
+    pending: PendingGrammars[str] = PendingGrammars(pool, timeout_s=0.4)
+    pending.add("slow", "regex", PATHOLOGICAL)
+    pending.add("queued", "regex", PATHOLOGICAL.replace("17", "16"))  # behind it: one worker
+    time.sleep(0.5)
+    _, failed = pending.poll()
+    assert sorted(item for item, _ in failed) == ["queued", "slow"]
+    time.sleep(1.0)  # the replacement worker starts, and must find nothing to compile
+    assert _busy_cpu_seconds() < 0.3
+
+
+def test_a_worker_that_dies_fails_its_compile_and_is_replaced(make_pool):
+    pool = make_pool(workers=1)
+    pool.submit("regex", "warm").result(timeout=30)
+    [worker] = pool.worker_pids
+    fut = pool.submit("regex", PATHOLOGICAL)
+    time.sleep(0.3)
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(ValueError, match="regex: grammar compilation failed: .*SIGKILL"):
+        fut.result(timeout=10)
+    assert pool.submit("regex", "(yes|no)").result(timeout=10) is not None
+    assert len(pool.worker_pids) == 1 and worker not in pool.worker_pids
+
+
+_PARENT = """
+import sys, time
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
+from braid.runtime.constrained.grammar import GrammarCompiler
+from braid.runtime.tokenizer.tokenizer import load_tokenizer
+
+tokenizer = load_tokenizer(sys.argv[1])
+pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tokenizer), workers=2)
+pool.submit("regex", "warm").result()
+pool.submit("regex", sys.argv[2])
+while len(pool.worker_pids) < 2:
+    time.sleep(0.05)
+time.sleep(0.3)
+print(*pool.worker_pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_die_with_a_killed_parent(tiny):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tiny[0]), PATHOLOGICAL],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        workers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2 and not any(_gone(pid) for pid in workers)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_for(lambda: all(_gone(pid) for pid in workers), 5)
 
 
 def test_the_time_limit_is_a_validated_config_field_and_a_serve_flag():

@@ -186,3 +186,19 @@ def test_bad_tool_fields_are_400_naming_the_field(client, extra, param):
     err = e.value.response.json()["error"]
     assert err["param"].startswith(param) and err["type"] == "invalid_request_error"
     assert err["message"].startswith(param)
+
+
+def test_a_call_cut_off_by_max_tokens_is_no_call(client):
+    # Issue 13: the arguments of a call that ran out of tokens are not JSON; OpenAI answers
+    # finish_reason "length" and no tool_calls (the text stays as content).
+    out = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=4,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and out.usage.completion_tokens == 4

@@ -1,10 +1,9 @@
-"""Grammars: a constraint spec -> regex -> outlines-core `Index` (cached), and a per-request
-matcher that walks the index as tokens are sampled and writes its allowed-token bitmask."""
+"""Grammars: a constraint spec -> regex -> outlines-core `Index` (see `spec`), cached with its
+forced strings, and a per-request matcher that walks the index as tokens are sampled and writes
+its allowed-token bitmask."""
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -12,43 +11,11 @@ from typing import Any
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
 from braid.runtime.constrained.jump_forward import MAX_FORCED_BYTES, ForcedStrings
+from braid.runtime.constrained.spec import build_index, grammar_key
+from braid.runtime.constrained.spec import to_regex as to_regex  # callers import it from here
 from braid.runtime.constrained.vocab import token_vocab
-
-KINDS = ("json_schema", "regex", "choice")
-
-
-def to_regex(kind: str, spec: Any) -> str:
-    """The regex for a constraint; `ValueError` naming the field if the spec is bad."""
-    if kind == "regex":
-        if not isinstance(spec, str) or not spec:
-            raise ValueError("regex: must be a non-empty string")
-        try:
-            re.compile(spec)
-        except re.error as e:
-            raise ValueError(f"regex: invalid pattern: {e}") from None
-        return spec
-    if kind == "choice":
-        if (
-            not isinstance(spec, (list, tuple))
-            or not spec
-            or not all(isinstance(c, str) and c for c in spec)
-        ):
-            raise ValueError("choice: must be a non-empty list of non-empty strings")
-        return "(" + "|".join(re.escape(c) for c in spec) + ")"
-    if kind == "json_schema":
-        text = spec if isinstance(spec, str) else json.dumps(spec)
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema: not valid JSON: {e}") from None
-        try:
-            return build_regex_from_schema(text)
-        except Exception as e:  # outlines-core raises several types for bad schemas
-            raise ValueError(f"json_schema: unsupported or invalid schema: {e}") from None
-    raise ValueError(f"unknown constraint kind {kind!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,11 +26,6 @@ class CompiledGrammar:
     kind: str
     index: Index
     forced: ForcedStrings | None
-
-
-def grammar_key(kind: str, spec: Any) -> tuple[str, str]:
-    """The cache key of a constraint: equal specs (dicts in any key order) give equal keys."""
-    return kind, spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
 
 
 class GrammarCompiler:
@@ -91,16 +53,17 @@ class GrammarCompiler:
             return grammar
 
     def compile(self, kind: str, spec: Any) -> CompiledGrammar:
-        """The compiled grammar, from the cache or built now; `ValueError` naming the field if
-        the spec is bad or outlines-core cannot build an automaton for it."""
+        """The compiled grammar, from the cache or built now in this thread; `ValueError`
+        naming the field if the spec is bad or outlines-core cannot build an automaton for it.
+        (`AsyncGrammarCompiler` builds indexes in worker processes and hands them to `add`.)"""
         hit = self.cached(kind, spec)
         if hit is not None:
             return hit
-        regex = to_regex(kind, spec)
-        try:
-            index = Index(regex, self.vocabulary)
-        except Exception as e:  # e.g. a regex outlines-core cannot turn into an automaton
-            raise ValueError(f"{kind}: cannot be compiled: {e}") from None
+        return self.add(kind, spec, build_index(kind, spec, self.vocabulary))
+
+    def add(self, kind: str, spec: Any, index: Index) -> CompiledGrammar:
+        """Cache `index`, built for (kind, spec) over `self.vocabulary` (counts as a miss), and
+        return its compiled grammar."""
         forced = ForcedStrings(index, self.vocab) if self.jump_forward_supported else None
         grammar = CompiledGrammar(kind, index, forced)
         with self._lock:

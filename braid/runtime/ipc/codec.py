@@ -11,7 +11,13 @@ import msgspec
 
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
-from braid.runtime.ipc.to_tokenizer import BatchStrOut, ControlOut, ProcessFailed, SchedulerReady
+from braid.runtime.ipc.to_tokenizer import (
+    BatchStrOut,
+    ControlOut,
+    ProcessFailed,
+    SchedulerHeartbeat,
+    SchedulerReady,
+)
 
 # Tags are part of the wire format: append, never renumber.
 MESSAGE_TYPES: dict[int, type] = {
@@ -24,6 +30,7 @@ MESSAGE_TYPES: dict[int, type] = {
     7: ControlOut,
     8: SchedulerReady,
     9: ProcessFailed,
+    10: SchedulerHeartbeat,
 }
 _TAGS = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()

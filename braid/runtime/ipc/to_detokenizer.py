@@ -47,6 +47,7 @@ class TokenOut:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     detok: DetokSpec | None = None
+    refused: bool = False  # `error` is the request's own fault (a grammar that cannot compile)
 
 
 @dataclass

@@ -26,6 +26,7 @@ class StrOut:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_texts: dict[int, str] | None = None
+    refused: bool = False  # the error is the request's own: it was refused before it ran
 
 
 @dataclass
@@ -61,3 +62,14 @@ class ProcessFailed:
 
     process: str
     error: str
+
+
+@dataclass
+class SchedulerHeartbeat:
+    """Sent by a thread of the scheduler process twice a second: its latest stats, and how long
+    ago its loop last completed an iteration. The front end answers `/metrics` and
+    `/get_server_info` from it and `/health` by its age, so none of them waits on a scheduler
+    that is stuck (or stopped)."""
+
+    stats: dict[str, float]
+    loop_age_s: float

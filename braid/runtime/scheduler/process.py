@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -17,7 +18,12 @@ from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import Addresses, die_with_parent, parent_alive, send
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
-from braid.runtime.ipc.to_tokenizer import ControlOut, ProcessFailed, SchedulerReady
+from braid.runtime.ipc.to_tokenizer import (
+    ControlOut,
+    ProcessFailed,
+    SchedulerHeartbeat,
+    SchedulerReady,
+)
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.scheduler.scheduler import Scheduler
 from braid.runtime.tokenizer.tokenizer import has_tokenizer
@@ -54,6 +60,8 @@ def build_scheduler(
         grammar_compile_timeout_s=config.grammar_compile_timeout_s,
         disable_jump_forward=config.disable_jump_forward,
         overlap_schedule=config.use_overlap_schedule,
+        max_session_pins=config.max_session_pins,
+        session_ttl_s=config.session_ttl_s,
     )
 
 
@@ -71,7 +79,9 @@ class SchedulerLoop:
                 s.handle(msg)
             except ValueError as e:
                 # The front end validates first; this is the last line of defence.
-                failed = TokenOut(msg.rid, [], len(msg.input_ids), 0, "abort", error=str(e))
+                failed = TokenOut(
+                    msg.rid, [], len(msg.input_ids), 0, "abort", error=str(e), refused=True
+                )
                 return [BatchTokenOut([failed])]
             return []
         if isinstance(msg, AbortReq):
@@ -142,7 +152,10 @@ def run_scheduler_process(
     loop = SchedulerLoop(scheduler)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    beat = Heartbeat(ctx, addrs.tokenizer, scheduler)
+    beat.start()
     while not loop.stopping:
+        beat.loop_iterated()
         timeout = 0 if scheduler.has_work else 500
         replies: list[object] = []
         if poller.poll(timeout):
@@ -159,9 +172,54 @@ def run_scheduler_process(
         if not scheduler.has_work and not parent_alive(parent_pid):
             break
     logger.debug("scheduler process %d exits", os.getpid())
+    beat.stop()
     inbox.close(0)
     out.close(0)
     ctx.term()
+
+
+class Heartbeat:
+    """A daemon thread that tells the front end, twice a second, the scheduler's latest stats
+    and how long ago its loop last iterated (`SchedulerHeartbeat`), on a socket of its own. The
+    loop refreshes the stats at most every `refresh_s`; a loop stuck in one long step keeps
+    beating (torch releases the GIL) with a growing age, and a stopped process stops beating."""
+
+    def __init__(
+        self, ctx: zmq.Context, address: str, scheduler: Scheduler, period_s: float = 0.5
+    ) -> None:
+        self.scheduler = scheduler
+        self.period_s = period_s
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, 4)  # a front end that stops reading loses beats only
+        self._sock.connect(address)
+        self._stats: dict[str, float] = scheduler.control("stats")
+        self._stats_at = self._iterated_at = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="braid-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def loop_iterated(self) -> None:
+        """Called by the scheduler loop at the top of every iteration."""
+        now = time.monotonic()
+        self._iterated_at = now
+        if now - self._stats_at >= self.period_s / 2:
+            self._stats = self.scheduler.control("stats")  # a new dict: the thread reads it whole
+            self._stats_at = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            msg = SchedulerHeartbeat(self._stats, time.monotonic() - self._iterated_at)
+            try:
+                self._sock.send_multipart(codec.encode(msg), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(0)
 
 
 def recv_nowait(sock: zmq.Socket) -> object | None:

@@ -99,6 +99,8 @@ class Scheduler:
         grammar_compile_timeout_s: float = 30.0,
         disable_jump_forward: bool = False,
         overlap_schedule: bool = False,
+        max_session_pins: int = 64,
+        session_ttl_s: float = 600.0,
     ) -> None:
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -124,7 +126,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.in_flight: list[Req] = []  # the requests of the step being run
         # Program sessions: the cache path of each running program's state stays locked.
-        self.sessions = SessionPins(self.cache, self.allocator.capacity_pages // 2)
+        self.sessions = SessionPins(
+            self.cache, self.allocator.capacity_pages // 2, max_session_pins, session_ttl_s
+        )
         # Constrained requests wait in `grammar_waiting` (not admitted) while their grammar
         # compiles on worker threads. `jumped`: running requests holding jump-forward tokens
         # whose KV the next extend computes (they are out of `running` until then).
@@ -194,7 +198,10 @@ class Scheduler:
             req.grammar = GrammarMatcher(grammar)
             self._jump_forward(req)
             self.waiting.append(req)
-        return [self._finish(req, "abort", error) for req, error in failed]
+        outs = [self._finish(req, "abort", error) for req, error in failed]
+        for out in outs:
+            out.refused = True  # the grammar is the request's: the front end answers 400
+        return outs
 
     def _abort(self, rid: str, error: str | None = None) -> list[TokenOut]:
         for req in self.grammar_waiting:
@@ -226,6 +233,7 @@ class Scheduler:
         """Run one forward and return what each request in it gained (plus requests that
         failed while scheduling). With `overlap`, a decode step's tokens come out of the next
         call, which first queues the decode after it when nothing else should run next."""
+        self.sessions.expire()
         outs = self._poll_grammars()
         launched, self._launched = self._launched, None
         if launched is not None:

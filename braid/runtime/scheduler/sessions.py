@@ -1,31 +1,69 @@
 """Program sessions: the prefix-cache path a running program's state occupies, kept locked
-between its requests so eviction cannot take it."""
+between its requests so eviction cannot take it.
+
+Any client can name a session, so pins are bounded three ways: all pins together hold at most
+`max_pages` pages (half the pool), one session at most a quarter of that, and at most
+`max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
+also expires `ttl_s` after its session's last request.
+"""
 
 from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
 
 
 class SessionPins:
-    """One locked cache node per session. Pins never hold more than `max_pages` pages in
-    total: past that, a session's newest state is simply not pinned (its old pin is still
-    released)."""
+    """One locked cache node per session, least recently pinned first."""
 
-    def __init__(self, cache: PrefixCache, max_pages: int) -> None:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        max_pages: int,
+        max_sessions: int = 64,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sessions < 1 or not ttl_s > 0:
+            raise ValueError(
+                f"session pins need max_sessions >= 1 and ttl_s > 0, got {max_sessions}, {ttl_s}"
+            )
         self.cache = cache
         self.max_pages = max_pages
-        self._pins: dict[str, tuple[TreeNode, int]] = {}
+        self.max_session_pages = max(1, max_pages // 4)
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._pins: OrderedDict[str, tuple[TreeNode, int, float]] = OrderedDict()
 
     def pin(self, session: str, tokens: list[int]) -> None:
         """Lock `tokens`' cached path for `session` (whole pages already in the cache),
-        replacing the session's previous pin."""
+        replacing the session's previous pin. A path past the per-session or total limit is
+        not pinned (the old pin is still released)."""
+        self.expire()
         match = self.cache.match_prefix(tokens)
         old = self._pins.pop(session, None)
-        if match.pages and self.pinned_pages + len(match.pages) <= self.max_pages:
+        pages = len(match.pages)
+        if pages and pages <= self.max_session_pages:
+            while self._pins and (
+                len(self._pins) >= self.max_sessions or self.pinned_pages + pages > self.max_pages
+            ):
+                self.close(next(iter(self._pins)))  # the least recently used goes first
             self.cache.lock(match.node)
-            self._pins[session] = (match.node, len(match.pages))
+            self._pins[session] = (match.node, pages, self.clock())
         if old is not None:
             self.cache.unlock(old[0])
+
+    def expire(self) -> int:
+        """Release the pins whose session has been quiet for `ttl_s`; how many."""
+        cutoff = self.clock() - self.ttl_s
+        stale = [s for s, (_, _, at) in self._pins.items() if at < cutoff]
+        for s in stale:
+            self.close(s)
+        return len(stale)
 
     def close(self, session: str) -> bool:
         """Release `session`'s pin; whether it had one."""
@@ -40,11 +78,11 @@ class SessionPins:
 
     def nodes(self) -> list[TreeNode]:
         """The pinned nodes (each holds one lock on its path)."""
-        return [node for node, _ in self._pins.values()]
+        return [node for node, _, _ in self._pins.values()]
 
     @property
     def pinned_pages(self) -> int:
-        return sum(pages for _, pages in self._pins.values())
+        return sum(pages for _, pages, _ in self._pins.values())
 
     def __len__(self) -> int:
         return len(self._pins)

@@ -17,17 +17,21 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from braid.runtime.function_call.base import ToolCallStream
 from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.protocol import (
     AbortRequest,
@@ -40,29 +44,10 @@ from braid.runtime.server.protocol import (
 )
 from braid.runtime.tokenizer.manager import RuntimeDied, TokenizerManager
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
+from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
 from braid.runtime.tokenizer.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "invalid_request_error",
-        }.get(status, "server_error")
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, kind: str = ""
-) -> JSONResponse:
-    e = APIError(status, message, param, kind)
-    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": status}}
-    return JSONResponse(body, status_code=status)
 
 
 @dataclass
@@ -78,11 +63,29 @@ class ServerState:
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
     strict_model_name: bool = False  # 404 for a model name that is not the served one
+    bind_host: str = "127.0.0.1"
+    allowed_origins: tuple[str, ...] = ()
+    max_samples: int = 128  # samples one request may ask for (n x prompts)
+    # A request's own chat_template: refused unless allowed; then rendered in a sandbox process.
+    allow_request_chat_template: bool = False
+    template_sandbox: TemplateSandbox | None = None
+    # /health fails when the scheduler sends no heartbeat for this long, or is in one step
+    # for longer than health_stuck_s.
+    health_silent_s: float = 5.0
+    health_stuck_s: float = 120.0
 
     @functools.cached_property
     def role_template(self) -> RoleTemplate:
         """The chat template's role boundaries, for language clients (RuntimeEndpoint)."""
         return role_template(self.tokenizer)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit the context, whatever it says: every token spells
+        at most the longest vocabulary entry (twice that, for normalisers that shrink text).
+        Such a prompt is refused without being tokenized (10 MB takes the tokenizer ~10 s)."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return 2 * max(longest, 1) * self.tm.ready.context_length
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -106,24 +109,170 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _tokenize_prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+def _encode(
+    state: ServerState, text: str, where: str, add_special_tokens: bool = True
+) -> list[int]:
+    """`text`'s token ids; a text that cannot fit the context is refused before tokenizing."""
+    if len(text) > state.max_prompt_chars:
+        raise APIError(
+            400,
+            f"{where}: {len(text)} characters is longer than the context length allows "
+            f"({state.tm.ready.context_length} tokens)",
+            where.split(" ")[0],
+        )
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _tokenize_prompts(
+    state: ServerState, prompt: Any, where: str = "prompt"
+) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "prompt: must not be empty", "prompt")
+        raise APIError(400, f"{where}: must not be empty", where)
+    if len(prompt) > state.max_samples:
+        raise APIError(
+            400,
+            f"{where}: {len(prompt)} prompts is more than this server takes in one request "
+            f"({state.max_samples}; --max-samples-per-request)",
+            where,
+        )
     out = []
     for p in prompt:
         if isinstance(p, str):
             if not p:
-                raise APIError(400, "prompt: must not be empty", "prompt")
+                raise APIError(400, f"{where}: must not be empty", where)
             if state.tokenizer is None:
-                raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-            out.append((p, state.tokenizer.encode(p)))
+                raise APIError(400, f"{where}: this model has no tokenizer; send token ids", where)
+            out.append((p, _encode(state, p, where)))
         else:
             out.append((None, list(p)))
     return out
+
+
+def _check_fan_out(state: ServerState, params: SamplingParams, prompts: int) -> None:
+    if params.n * prompts > state.max_samples:
+        each = f" x {prompts} prompts" if prompts > 1 else ""
+        raise APIError(
+            400,
+            f"n: {params.n} samples{each} is more than this server runs for one request "
+            f"({state.max_samples}; --max-samples-per-request)",
+            "n",
+        )
+
+
+def _validate(state: ServerState, prompts: list, params: SamplingParams, where: str) -> None:
+    _check_fan_out(state, params, len(prompts))
+    for i, (_, ids) in enumerate(prompts):
+        state.tm.validate(ids, params, where=where if len(prompts) == 1 else f"{where} {i}")
+
+
+# ---- bodies, disconnects, first outputs -----------------------------------------------------
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    first = e.errors()[0] if e.errors() else {}
+    names: list[str] = []  # the field's path; pydantic's union-member tags are left out
+    for x in first.get("loc", []):
+        if isinstance(x, int) and names:
+            names[-1] += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier():
+            names.append(x)
+    param = ".".join(names) or None
+    what = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"{param or 'body'}: {what}", param)
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """`raw` as a `model`; an `APIError` (400) names what is wrong."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def _body(model: type[BaseModel]) -> Any:
+    """A dependency: the JSON body parsed and validated as `model` on a worker thread (FastAPI
+    runs plain functions off the event loop), so a large body never stalls other requests."""
+
+    def parse(raw: bytes = Depends(_raw_body)) -> Any:
+        return parse_body(model, raw)
+
+    return Depends(parse)
+
+
+_GONE = object()  # the client disconnected
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, aw: Any) -> Any:
+    """`aw`'s result, or `_GONE` if the client disconnects first: then `aw` is cancelled, which
+    aborts every sample it was waiting on (their KV is freed at once)."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:  # the client left (or this handler was cancelled): stop the work
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if gone:
+        logger.info("client disconnected: aborted %s %s", request.method, request.url.path)
+        return _GONE
+    return work.result()
+
+
+def _refused(out: StrOut) -> APIError | None:
+    """The 400 for an output that says the scheduler refused the request (a grammar that does
+    not compile, or does not compile in time)."""
+    if out.finish_reason and out.refused and out.error:
+        return APIError(400, out.error, _param_of(out.error))
+    return None
+
+
+async def _first_output(
+    streams: list[AsyncIterator[StrOut]],
+) -> AsyncIterator[tuple[int, StrOut]]:
+    """The merged outputs, after waiting for the first: a request the scheduler refuses raises
+    its `APIError` here, before any response (or stream) has started."""
+    merged = _merge(streams)
+    first = await merged.__anext__()
+    err = _refused(first[1])
+    if err is not None:
+        await merged.aclose()
+        raise err
+
+    async def outputs() -> AsyncIterator[tuple[int, StrOut]]:
+        try:
+            yield first
+            async for item in merged:
+                yield item
+        finally:
+            await merged.aclose()
+
+    return outputs()
 
 
 async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[int, StrOut]]:
@@ -307,9 +456,7 @@ def _echo(
     return out
 
 
-def _render_messages(
-    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
-) -> str:
+def _template_messages(state: ServerState, req: ChatCompletionRequest) -> list[dict[str, Any]]:
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
     messages = []
@@ -329,13 +476,21 @@ def _render_messages(
                     )
             content = "".join(parts)
         messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
-    return render_chat(
+    return messages
+
+
+def _render_messages(
+    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The conversation as prompt text, with the server's chat template (on a worker thread;
+    a request's own template goes to the sandbox process instead, see `chat`)."""
+    text = render_chat(
         state.tokenizer,
-        messages,
+        _template_messages(state, req),
         add_generation_prompt=req.add_generation_prompt,
-        chat_template=req.chat_template,
         tools=tools,
     )
+    return text
 
 
 def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
@@ -353,6 +508,12 @@ def _chat_message(c: _Choice, plan: ToolPlan | None) -> tuple[dict[str, Any], st
     if plan is None:
         return {"role": "assistant", "content": c.text}, _finish(c)
     content, calls = plan.parse(c.text)
+    if _finish(c) == "length":
+        # Cut off by max_tokens: a call whose arguments did not finish is no call (OpenAI sends
+        # finish_reason "length" and no broken tool_calls); the text is the content.
+        calls = [call for call in calls if _is_json_object(call.arguments)]
+        if not calls:
+            return {"role": "assistant", "content": c.text}, "length"
     if not calls:
         return {"role": "assistant", "content": content}, _finish(c)
     message = {
@@ -363,6 +524,13 @@ def _chat_message(c: _Choice, plan: ToolPlan | None) -> tuple[dict[str, Any], st
     return message, finish_reason(_finish(c), len(calls))
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def _tool_deltas(ts: ToolCallStream, out: StrOut) -> list[dict[str, Any]]:
     deltas = ts.feed(out.text) if out.text else []
     if out.finish_reason:
@@ -371,45 +539,112 @@ def _tool_deltas(ts: ToolCallStream, out: StrOut) -> list[dict[str, Any]]:
 
 
 # ---- the app ------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error, from every route (unknown ones too): OpenAI's shape."""
+
+    error: ErrorInfo
+
+
+_BODY_MODELS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    AbortRequest,
+    CloseSessionRequest,
+)
+_ERROR = {
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "the request is invalid (the message names the field)", **_ERROR},
+    401: {"description": "missing or invalid API key", **_ERROR},
+    403: {"description": "a cross-origin or foreign-Host request", **_ERROR},
+    413: {"description": "the body is larger than --max-request-bytes", **_ERROR},
+    503: {"description": "the runtime is down or does not answer", **_ERROR},
+    "default": {"description": "any other error", **_ERROR},
+}
+_STREAMED = {
+    200: {"description": "the result, or its SSE stream", "content": {"text/event-stream": {}}}
+}
+
+
+def _takes(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a route whose body `_body(model)` parses (FastAPI cannot see it)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (*_BODY_MODELS, ErrorResponse):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(js.pop("$defs", {}))
+            schemas[model.__name__] = js
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def create_app(state: ServerState, on_ready=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.tm.start()
+        if state.template_sandbox is not None:
+            await asyncio.to_thread(state.template_sandbox.start)
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
             await state.tm.shutdown()
-            logger.info("braid serve: shut down cleanly (runtime processes stopped)")
+            if state.template_sandbox is not None:
+                state.template_sandbox.close()
+            if not state.tm.failure:
+                logger.info("braid serve: shut down cleanly (runtime processes stopped)")
 
-    app = FastAPI(title="braid", lifespan=lifespan)
+    app = FastAPI(title="braid", lifespan=lifespan, responses=_ERRORS)
     app.state.braid = state
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    guard = GuardConfig(
+        api_key=state.api_key,
+        max_body_bytes=state.max_body_bytes,
+        bind_host=state.bind_host,
+        allowed_origins=state.allowed_origins,
+    )
+    app.add_middleware(Guard, cfg=guard)
+    if state.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            return error_response(
-                413, f"request body is {length} bytes; the limit is {state.max_body_bytes}"
-            )
-        if state.api_key is not None and request.url.path not in ("/health",):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
-                msg = "missing API key" if not auth else "invalid API key"
-                return error_response(401, f"{msg}: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}", 405: "method not allowed"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        if exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON")
-        what = first.get("msg", "invalid value")
-        return error_response(400, f"{param or 'body'}: {what}", param)
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", []) if x != "body") or None
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -424,22 +659,40 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
     async def on_died(request: Request, exc: RuntimeDied):
         return error_response(503, f"the runtime is down: {exc}", kind="server_error")
 
+    @app.exception_handler(TimeoutError)
+    async def on_timeout(request: Request, exc: TimeoutError):
+        return error_response(503, "the scheduler did not answer in time", kind="server_error")
+
+    async def off_loop(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
     # ---- info ----
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if state.tm.failure:
-            return error_response(503, state.tm.failure)
+        problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
+        if problem:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/health_generate")
-    async def health_generate():
+    async def health_generate(request: Request):
+        problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
+        if problem:
+            return error_response(503, problem)
         rid = f"health-{uuid.uuid4().hex[:8]}"
         params = SamplingParams(max_tokens=1, temperature=0.0)
         state.tm.submit(rid, [0], params)
-        async for out in state.tm.stream(rid):
-            if out.finish_reason and out.error:
-                return error_response(503, out.error)
-        return Response(status_code=200)
+
+        async def one() -> str | None:
+            async for out in state.tm.stream(rid):
+                if out.finish_reason and out.error:
+                    return out.error
+            return None
+
+        error = await asyncio.wait_for(_unless_gone(request, one()), 60.0)
+        if error is _GONE:
+            return Response(status_code=499)
+        return error_response(503, error) if error else Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():
@@ -449,7 +702,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             "object": "model",
             "created": 0,
             "owned_by": "braid",
-            "root": state.model_path,
+            "root": state.served_model_name,  # the model's path stays on the server
             "max_model_len": r.context_length if r else None,
         }
         return {"object": "list", "data": [card]}
@@ -458,6 +711,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
     async def model_info():
         r = state.tm.ready
         return {
+            # SGLang clients load the tokenizer from here (a client on the server's machine).
             "model_path": state.model_path,
             "tokenizer_path": state.model_path if state.tokenizer is not None else None,
             "served_model_name": state.served_model_name,
@@ -470,7 +724,10 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info():
         r = state.tm.ready
-        stats = await state.tm.control("stats")
+        try:  # fresh stats if the scheduler answers within a second, else its last heartbeat
+            stats = await state.tm.control("stats", timeout=1.0)
+        except TimeoutError:
+            stats = {**state.tm.stats_snapshot(), "stale": True}
         return {
             **state.server_args,
             "context_length": r.context_length,
@@ -481,45 +738,47 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             "load_time_s": r.load_time_s,
             "pids": {"server": os.getpid(), **{n: p.pid for n, p in state.tm.procs.items()}},
             "stats": stats,
+            "problem": state.tm.problem(state.health_silent_s, state.health_stuck_s),
         }
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", response_class=PlainTextResponse)
     async def flush_cache():
-        res = await state.tm.control("flush_cache")
+        res = await state.tm.control("flush_cache", timeout=10.0)
         if not res.get("flushed"):
             return error_response(400, "cannot flush the cache while requests are running")
         return PlainTextResponse("Cache flushed.\n")
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    @app.post("/tokenize", openapi_extra=_takes(TokenizeRequest))
+    async def tokenize(body: Annotated[TokenizeRequest, _body(TokenizeRequest)]):
         """vLLM's /tokenize: the prompt's token ids as this server would feed them."""
-        ids = _tokenize_prompts(state, body.prompt)[0][1]
+        ids = (await off_loop(_tokenize_prompts, state, body.prompt))[0][1]
         return {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
 
-    @app.post("/close_session")
-    async def close_session(body: CloseSessionRequest):
+    @app.post("/close_session", openapi_extra=_takes(CloseSessionRequest))
+    async def close_session(body: Annotated[CloseSessionRequest, _body(CloseSessionRequest)]):
         """Release what a program session keeps cached."""
-        result = await state.tm.control("close_session", arg=body.session_id)
+        result = await state.tm.control("close_session", timeout=10.0, arg=body.session_id)
         return {"success": bool(result.get("closed"))}
 
-    @app.post("/abort_request")
-    async def abort_request(body: AbortRequest):
+    @app.post("/abort_request", openapi_extra=_takes(AbortRequest))
+    async def abort_request(body: Annotated[AbortRequest, _body(AbortRequest)]):
         state.tm.abort(body.rid)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        stats = await state.tm.control("stats")
         return PlainTextResponse(
-            state.metrics.render(stats), media_type="text/plain; version=0.0.4"
+            state.metrics.render(state.tm.stats_snapshot()),
+            media_type="text/plain; version=0.0.4",
         )
 
     # ---- OpenAI ----
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    def prepare_completion(req: CompletionRequest):
         _check_model(state, req.model)
         if req.echo and req.stream:
             raise APIError(400, "echo: not supported with stream=true", "echo")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of: not supported (only best_of equal to n)", "best_of")
         prompts = _tokenize_prompts(state, req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         if max_tokens == 0 and not req.echo:
@@ -529,20 +788,21 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=req.logprobs)
         if req.echo and req.logprobs is not None:
             params = params.replace(prompt_logprobs=req.logprobs)
-        for i, (_, ids) in enumerate(prompts):
-            state.tm.validate(ids, params, where="prompt" if len(prompts) == 1 else f"prompt {i}")
-        return await _run_openai(state, "text_completion", req, prompts, params)
+        _validate(state, prompts, params, "prompt")
+        return prompts, params
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
-        _check_model(state, req.model)
-        if not req.messages:
-            raise APIError(400, "messages: must not be empty", "messages")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+    @app.post("/v1/completions", openapi_extra=_takes(CompletionRequest), responses=_STREAMED)
+    async def completions(
+        request: Request, req: Annotated[CompletionRequest, _body(CompletionRequest)]
+    ):
+        prompts, params = await off_loop(prepare_completion, req)
+        return await _run_openai(state, request, "text_completion", req, prompts, params)
+
+    def prepare_chat(req: ChatCompletionRequest, text: str | None):
         plan = _tool_plan(state, req)
-        text = _render_messages(state, req, plan.template_tools if plan else None)
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        if text is None:
+            text = _render_messages(state, req, plan.template_tools if plan else None)
+        ids = _encode(state, text, "messages", add_special_tokens=False)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -555,28 +815,74 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
                 params = plan.sampling_params(params)
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
-        state.tm.validate(ids, params, where="messages")
-        return await _run_openai(state, "chat.completion", req, [(text, ids)], params, plan)
+        _validate(state, [(text, ids)], params, "messages")
+        return text, ids, params, plan
+
+    @app.post(
+        "/v1/chat/completions", openapi_extra=_takes(ChatCompletionRequest), responses=_STREAMED
+    )
+    async def chat(
+        request: Request, req: Annotated[ChatCompletionRequest, _body(ChatCompletionRequest)]
+    ):
+        _check_model(state, req.model)
+        if not req.messages:
+            raise APIError(400, "messages: must not be empty", "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        text = None
+        if req.chat_template is not None:
+            text = await render_request_template(req)
+        text, ids, params, plan = await off_loop(prepare_chat, req, text)
+        return await _run_openai(
+            state, request, "chat.completion", req, [(text, ids)], params, plan
+        )
+
+    async def render_request_template(req: ChatCompletionRequest) -> str:
+        sandbox = state.template_sandbox
+        if not state.allow_request_chat_template or sandbox is None:
+            raise APIError(
+                400,
+                "chat_template: this server does not take a chat template from requests "
+                "(the operator can allow it with --allow-request-chat-template)",
+                "chat_template",
+            )
+        plan = await off_loop(_tool_plan, state, req)
+        messages = await off_loop(_template_messages, state, req)
+        return await off_loop(
+            functools.partial(
+                sandbox.render,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template,
+                tools=plan.template_tools if plan else None,
+            )
+        )
 
     # ---- native ----
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
+    def prepare_generate(req: GenerateRequest):
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
         single = isinstance(req.text, str) or (
             req.input_ids is not None and all(isinstance(t, int) for t in req.input_ids)
         )
-        prompts = _tokenize_prompts(state, req.text if req.text is not None else req.input_ids)
+        where = "text" if req.text is not None else "input_ids"
+        prompts = _tokenize_prompts(
+            state, req.text if req.text is not None else req.input_ids, where
+        )
         params = native_sampling_params(req.sampling_params, state.defaults)
-        top = req.top_logprobs_num
         if req.return_logprob:
-            params = params.replace(logprobs=top)
+            params = params.replace(logprobs=req.top_logprobs_num)
             if req.logprob_start_len >= 0:
                 params = params.replace(
-                    prompt_logprobs=top, logprob_start_len=req.logprob_start_len
+                    prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
                 )
-        for i, (_, ids) in enumerate(prompts):
-            state.tm.validate(ids, params, where="text" if single else f"text {i}")
+        _validate(state, prompts, params, "text")
+        return prompts, params, single
+
+    @app.post("/generate", openapi_extra=_takes(GenerateRequest), responses=_STREAMED)
+    async def generate(request: Request, req: Annotated[GenerateRequest, _body(GenerateRequest)]):
+        prompts, params, single = await off_loop(prepare_generate, req)
+        top = req.top_logprobs_num
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
         n = params.n
@@ -584,12 +890,11 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
         t0 = time.perf_counter()
         state.metrics.requests += 1
-        streams, prompt_of = [], []
-        for i, (rid, (_, ids)) in enumerate(zip(rids, prompts)):
-            state.metrics.prompt_tokens += len(ids)
-            for srid in state.tm.submit(rid, ids, params, session_id=req.session_id):
-                streams.append(state.tm.stream(srid))
-                prompt_of.append(i)
+        state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+        streams = _submit_all(
+            state, [(rid, ids) for rid, (_, ids) in zip(rids, prompts)], params, req.session_id
+        )
+        prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
         sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
         choices = [_Choice() for _ in streams]
 
@@ -635,24 +940,51 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
         if req.stream:
+            outs = await _unless_gone(request, _first_output(streams))
+            if outs is _GONE:
+                return Response(status_code=499)
 
             async def events():
-                async for i, out in _merge(streams):
+                async for i, out in outs:
                     _absorb(state, choices[i], out, time.perf_counter(), t0)
                     yield _sse({"index": i, **native(i)})
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        async for i, out in _merge(streams):
-            _absorb(state, choices[i], out, time.perf_counter(), t0)
+
+        async def collect() -> None:
+            async for i, out in await _first_output(streams):
+                _absorb(state, choices[i], out, time.perf_counter(), t0)
+
+        if await _unless_gone(request, collect()) is _GONE:
+            return Response(status_code=499)
         results = [native(i) for i in range(len(streams))]
         return results[0] if single and n == 1 else results
 
     return app
 
 
+def _submit_all(
+    state: ServerState,
+    jobs: list[tuple[str, list[int]]],
+    params: SamplingParams,
+    session_id: str | None = None,
+) -> list[AsyncIterator[StrOut]]:
+    """Submit `params.n` samples of every (rid, prompt): all of them or (on an error) none."""
+    rids: list[str] = []
+    try:
+        for rid, ids in jobs:
+            rids += state.tm.submit(rid, ids, params, session_id=session_id)
+    except BaseException:
+        for r in rids:
+            state.tm.cancel(r)
+        raise
+    return [state.tm.stream(r) for r in rids]
+
+
 async def _run_openai(
     state: ServerState,
+    request: Request,
     kind: str,
     req: CompletionRequest | ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
@@ -666,12 +998,11 @@ async def _run_openai(
     created = int(time.time())
     t0 = time.perf_counter()
     state.metrics.requests += 1
-    streams, prompt_choice = [], []
-    for i, (_, ids) in enumerate(prompts):
-        state.metrics.prompt_tokens += len(ids)
-        prompt_choice.append(len(streams))
-        for srid in state.tm.submit(f"{rid}-{i}", ids, params):
-            streams.append(state.tm.stream(srid))
+    state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+    streams = _submit_all(
+        state, [(f"{rid}-{i}", ids) for i, (_, ids) in enumerate(prompts)], params
+    )
+    prompt_choice = [i * params.n for i in range(len(prompts))]
     choices = [_Choice() for _ in streams]
     prompt_of = [i for i in range(len(prompts)) for _ in range(params.n)]
     top = params.logprobs or 0
@@ -682,8 +1013,13 @@ async def _run_openai(
         return _chat_logprobs(state, c, top) if chat else _completion_logprobs(state, c, offset)
 
     if not req.stream:
-        async for i, out in _merge(streams):
-            _absorb(state, choices[i], out, time.perf_counter(), t0)
+
+        async def collect() -> None:
+            async for i, out in await _first_output(streams):
+                _absorb(state, choices[i], out, time.perf_counter(), t0)
+
+        if await _unless_gone(request, collect()) is _GONE:
+            return Response(status_code=499)
         failed = [c.error for c in choices if c.error]
         if failed and state.tm.failure:
             raise RuntimeDied(state.tm.failure)
@@ -702,6 +1038,8 @@ async def _run_openai(
                 item["text"] = c.text
             if c.stop_reason is not None:
                 item["stop_reason"] = c.stop_reason
+            if c.error:  # it failed after it started: the reason, with finish_reason "abort"
+                item["error"] = {"message": c.error, "type": "server_error"}
             body_choices.append(item)
         return {
             "id": rid,
@@ -727,6 +1065,10 @@ async def _run_openai(
             body["usage"] = usage
         return _sse(body)
 
+    outs = await _unless_gone(request, _first_output(streams))
+    if outs is _GONE:
+        return Response(status_code=499)
+
     async def events():
         if chat:
             yield chunk(
@@ -745,7 +1087,7 @@ async def _run_openai(
         # One tool-call stream per choice when the output is parsed into calls.
         parsers = [tools.stream() for _ in choices] if chat and tools is not None else []
         calls: list[ToolCallStream] | None = parsers if parsers and parsers[0] else None
-        async for i, out in _merge(streams):
+        async for i, out in outs:
             c = choices[i]
             _absorb(state, c, out, time.perf_counter(), t0)
             deltas = _tool_deltas(calls[i], out) if calls is not None else None
@@ -760,6 +1102,8 @@ async def _run_openai(
                 "logprobs": lp,
                 "finish_reason": _finish(c) if out.finish_reason else None,
             }
+            if out.error:  # the stream's last chunk says why it failed
+                item["error"] = {"message": out.error, "type": "server_error"}
             if deltas is not None and calls is not None:
                 # One chunk per delta: logprobs on the first, the finish reason on the last.
                 finish = finish_reason(item["finish_reason"], calls[i].num_calls)

@@ -10,6 +10,7 @@ import sys
 
 from braid._logging import configure_logging
 from braid.runtime.function_call import PARSER_NAMES
+from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
 
 logger = logging.getLogger("braid.serve")
 
@@ -27,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (also $BRAID_API_KEY; --api-key-file reads "
+        "it from a file, which keeps it out of the process list)",
+    )
+    s.add_argument("--api-key-file", default=None, help="a file holding the API key")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default=None)
     s.add_argument("--context-length", type=int, default=None)
@@ -86,20 +93,97 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sample every token a grammar forces instead of appending it",
     )
-    s.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body, counted as it arrives (default: 16 MiB)",
+    )
+    s.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=128,
+        help="most samples one request may ask for, n x prompts (default: 128, OpenAI's n limit)",
+    )
+    s.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="accept a chat_template field in chat requests (rendered in a sandbox process with "
+        "a time and size limit); refused by default",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins allowed to call the server (CORS); by default "
+        "cross-origin browser requests are refused",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help=f"seconds a client has to send a request's headers (default: {HEADER_TIMEOUT_S:g})",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help=f"seconds a client has to send a request's body (default: {BODY_TIMEOUT_S:g})",
+    )
+    s.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=KEEP_ALIVE_S,
+        help=f"seconds an idle keep-alive connection stays open (default: {KEEP_ALIVE_S:g})",
+    )
+    s.add_argument(
+        "--health-timeout",
+        type=float,
+        default=120.0,
+        help="/health fails when the scheduler is in one step this long (default: 120); it "
+        "also fails after 5 s without the scheduler's heartbeat",
+    )
+    s.add_argument(
+        "--max-session-pins",
+        type=int,
+        default=64,
+        help="most program sessions kept pinned in the cache at once; the least recently used "
+        "pin is released first (default: 64)",
+    )
+    s.add_argument(
+        "--session-ttl",
+        type=float,
+        default=600.0,
+        help="seconds a session pin lasts without a new request (default: 600)",
+    )
     s.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
     )
     return ap
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, else --api-key-file, else $BRAID_API_KEY (ValueError if the
+    file cannot be read or is empty)."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            key = open(args.api_key_file).read().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return os.environ.get("BRAID_API_KEY") or None
 
+
+def serve(args: argparse.Namespace) -> int:
     from braid.runtime.assets import ModelAssets
     from braid.runtime.config import EngineConfig
     from braid.runtime.server.app import ServerState, create_app
+    from braid.runtime.server.http import run_server
     from braid.runtime.tokenizer.manager import TokenizerManager
+    from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
 
     level = args.log_level.upper()
     configure_logging(level)
@@ -126,8 +210,13 @@ def serve(args: argparse.Namespace) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
             overlap_schedule=False if args.disable_overlap_schedule else None,
+            max_session_pins=args.max_session_pins,
+            session_ttl_s=args.session_ttl,
         )
         assets = ModelAssets.load(args.model)
+        api_key = _api_key(args)
+        if args.max_samples_per_request < 1:
+            raise ValueError("--max-samples-per-request must be at least 1")
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
@@ -157,11 +246,19 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=name,
         model_path=str(model_path),
         defaults=assets.default_sampling_params(),
-        api_key=args.api_key,
+        api_key=api_key,
         max_body_bytes=args.max_request_bytes,
-        server_args={k: v for k, v in vars(args).items() if k != "api_key"},
+        server_args={k: v for k, v in vars(args).items() if not k.startswith("api_key")},
         tool_call_parser=tool_call_parser,
         strict_model_name=args.strict_model_name,
+        bind_host=args.host,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        max_samples=args.max_samples_per_request,
+        allow_request_chat_template=args.allow_request_chat_template,
+        template_sandbox=TemplateSandbox(str(model_path))
+        if args.allow_request_chat_template and tokenizer is not None
+        else None,
+        health_stuck_s=args.health_timeout,
     )
 
     def on_ready() -> None:
@@ -179,8 +276,13 @@ def serve(args: argparse.Namespace) -> int:
 
     app = create_app(state, on_ready=on_ready)
     try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        run_server(
+            app,
+            args.host,
+            args.port,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive_timeout,
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
         logger.error("braid serve: %s", e)
@@ -188,6 +290,7 @@ def serve(args: argparse.Namespace) -> int:
     if tm.failure:
         logger.error("braid serve: exited after a runtime failure: %s", tm.failure)
         return 1
+    logger.info("braid serve: exit 0")
     return 0
 
 

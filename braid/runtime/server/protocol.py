@@ -1,18 +1,72 @@
 """Request bodies of the HTTP API (OpenAI-compatible and native), and how each becomes
-`SamplingParams`. Validation errors become OpenAI-style 400s in `app.py`."""
+`SamplingParams`. Validation errors become OpenAI-style 400s in `app.py`.
+
+Types are strict, as OpenAI's are (`"0.5"` is not a temperature, `"yes"` is not a bool).
+Integers must fit in 64 bits and strings must be valid Unicode (no lone surrogates such as
+`"\\ud800"`, which JSON can spell but UTF-8 cannot): both are refused here, naming the field,
+rather than failing later on their way to the scheduler. Unions list the list-of-ints member
+first, so a long token-id prompt validates in one pass.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogates(s: str) -> str:
+    m = _SURROGATE.search(s)
+    if m:
+        raise ValueError(
+            f"contains a lone surrogate ({m.group()!a} at character {m.start()}), "
+            "which is not valid Unicode"
+        )
+    return s
+
+
+def check_json_value(v: Any, where: str = "") -> Any:
+    """`v` unchanged if every string in it is valid Unicode and every integer fits in 64 bits;
+    else `ValueError` naming the path (for free-form fields: schemas, tools, sampling_params)."""
+    stack = [(v, where)]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, str):
+            try:
+                _no_surrogates(x)
+            except ValueError as e:
+                raise ValueError(f"{at}: {e}" if at else str(e)) from None
+        elif isinstance(x, bool) or x is None or isinstance(x, float):
+            continue
+        elif isinstance(x, int):
+            if not INT64_MIN <= x <= INT64_MAX:
+                raise ValueError(
+                    f"{at or 'value'}: {x} is out of range (integers must fit in 64 bits)"
+                )
+        elif isinstance(x, dict):
+            for k, item in x.items():
+                stack.append((k, at))
+                stack.append((item, f"{at}.{k}" if at else str(k)))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(x))
+    return v
+
+
+Text = Annotated[str, AfterValidator(_no_surrogates)]
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_value)]
+JsonValue = Annotated[Any, AfterValidator(check_json_value)]
 
 
 class _Body(BaseModel):
     # Unknown fields are ignored (as OpenAI and vLLM do); known fields are strictly typed.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -20,8 +74,8 @@ class StreamOptions(_Body):
 
 
 class JsonSchemaFormat(_Body):
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    name: Text | None = None
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -33,34 +87,34 @@ class ResponseFormat(_Body):
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
-    model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
+    model: Text | None = None
+    n: Int = 1
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # braid / vLLM / SGLang extras (the openai client sends them via extra_body)
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    stop_regex: Text | list[Text] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format, or braid's extras
     response_format: ResponseFormat | None = None
-    regex: str | None = None
-    json_schema: dict[str, Any] | str | None = None
-    choice: list[str] | None = None
+    regex: Text | None = None
+    json_schema: JsonObject | Text | None = None
+    choice: list[Text] | None = None
 
     def constraint_fields(self) -> dict[str, Any]:
         fields = {k: getattr(self, k) for k in ("regex", "json_schema", "choice")}
@@ -112,59 +166,66 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Text | list[Int] | list[list[Int]] | list[Text] = Field(union_mode="left_to_right")
+    logprobs: Int | None = None
     echo: bool = False
+    best_of: Int | None = None  # only equal to n (braid returns every sample)
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Text
+    content: Text | list[JsonObject] | None = None
+
+    @model_validator(mode="after")
+    def _check_extra(self) -> ChatMessage:
+        check_json_value(self.model_extra or {})
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    # Refused unless the server runs with --allow-request-chat-template (see app.py).
+    chat_template: Text | None = None
     # Tool calling: shapes are checked by braid.runtime.function_call, whose errors name the
     # field precisely (tools[i].function.name, tool_choice.function.name, ...).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = True
+    tools: list[JsonValue] | None = None
+    tool_choice: JsonValue = None
+    parallel_tool_calls: JsonValue = True
 
 
 class GenerateRequest(_Body):
     """SGLang's native /generate body."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    text: Text | list[Text] | None = Field(None, union_mode="left_to_right")
+    input_ids: list[Int] | list[list[Int]] | None = Field(None, union_mode="left_to_right")
+    sampling_params: JsonObject = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Int = 0
     # Token texts are always in the logprob entries; accepted for SGLang clients.
     return_text_in_logprobs: bool = False
     # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
-    logprob_start_len: int = -1
-    rid: str | None = None
+    logprob_start_len: Int = -1
+    rid: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
-    session_id: str | None = None
+    session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
 
 
 class AbortRequest(_Body):
-    rid: str
+    rid: Annotated[Text, Field(min_length=1)]
 
 
 class CloseSessionRequest(_Body):
-    session_id: str
+    session_id: Annotated[Text, Field(min_length=1)]
 
 
 class TokenizeRequest(_Body):
-    prompt: str
+    prompt: Text
 
 
 # SGLang's native sampling_params names -> braid's

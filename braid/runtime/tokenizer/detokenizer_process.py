@@ -95,6 +95,7 @@ class DetokenizerManager:
             finish_reason=finish,
             stop_reason=stop_reason,
             error=out.error,
+            refused=out.refused,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
             token_texts=texts,

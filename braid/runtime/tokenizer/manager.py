@@ -34,6 +34,7 @@ from braid.runtime.ipc.to_tokenizer import (
     BatchStrOut,
     ControlOut,
     ProcessFailed,
+    SchedulerHeartbeat,
     SchedulerReady,
     StrOut,
 )
@@ -53,7 +54,7 @@ class _Pending:
 
 
 @contextmanager
-def _without_main_reimport() -> Iterator[None]:
+def without_main_reimport() -> Iterator[None]:
     """Spawned children normally re-run the caller's main script, so a script without an
     `if __name__ == "__main__"` guard would start the engine again in every child. braid's
     children need nothing from `__main__`, so hide it from multiprocessing while they start."""
@@ -93,6 +94,9 @@ class TokenizerManager:
         self._rng = random.Random(config.seed)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # The scheduler's latest heartbeat and when it came (event-loop time).
+        self.heartbeat: SchedulerHeartbeat | None = None
+        self._beat_at = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -120,7 +124,7 @@ class TokenizerManager:
             name="braid-scheduler",
             daemon=True,
         )
-        with _without_main_reimport():
+        with without_main_reimport():
             for p in self.procs.values():
                 p.start()
 
@@ -139,6 +143,7 @@ class TokenizerManager:
                 msg = codec.decode(await self._inbox.recv_multipart())
                 if isinstance(msg, SchedulerReady):
                     self.ready = msg
+                    self._beat_at = loop.time()
                 elif isinstance(msg, ProcessFailed):
                     await self.shutdown()
                     raise ValueError(f"the {msg.process} process failed to start: {msg.error}")
@@ -230,8 +235,36 @@ class TokenizerManager:
                 fut = self._control.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, SchedulerHeartbeat):
+                self.heartbeat = msg
+                self._beat_at = asyncio.get_running_loop().time()
             elif isinstance(msg, ProcessFailed):
                 self._fail(f"the {msg.process} process failed: {msg.error}")
+
+    # ---- health ---------------------------------------------------------------------------
+    def problem(self, silent_s: float = 5.0, stuck_s: float = 120.0) -> str | None:
+        """Why the runtime cannot serve now, or None: a process died, the scheduler has sent
+        no heartbeat for `silent_s` (stopped, or too busy to run its threads), or its loop has
+        not come round for `stuck_s` (one step that does not end)."""
+        if self.failure:
+            return self.failure
+        if self.ready is None:
+            return "the runtime is not started"
+        quiet = asyncio.get_running_loop().time() - self._beat_at
+        if quiet > silent_s:
+            return f"the scheduler has not reported for {quiet:.1f} s"
+        if self.heartbeat is not None and self.heartbeat.loop_age_s > stuck_s:
+            return f"the scheduler has been in one step for {self.heartbeat.loop_age_s:.0f} s"
+        return None
+
+    def stats_snapshot(self) -> dict[str, float]:
+        """The scheduler's stats from its latest heartbeat, with `stats_age_s` (how old they
+        are) and `loop_age_s`; never waits on the scheduler."""
+        beat = self.heartbeat
+        if beat is None:
+            return {}
+        age = asyncio.get_running_loop().time() - self._beat_at
+        return {**beat.stats, "stats_age_s": age, "loop_age_s": beat.loop_age_s + age}
 
     # ---- requests -------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -275,17 +308,26 @@ class TokenizerManager:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session."""
         self._check_alive()
-        rids = []
-        for k in range(params.n):
-            srid = f"{rid}/{k}" if params.n > 1 else rid
+        rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
+        for srid in rids:
             if srid in self._pending:
                 raise ValueError(f"request id {srid!r} is already in use")
+        # Encode every sample before registering any: a request that cannot be sent leaves
+        # nothing behind (its rid stays free).
+        try:
+            frames = [
+                codec.encode(
+                    GenerateReq(
+                        srid, list(input_ids), params, self.sample_seed(params, k), session_id
+                    )
+                )
+                for k, srid in enumerate(rids)
+            ]
+        except (TypeError, ValueError, OverflowError, UnicodeError) as e:
+            raise ValueError(f"the request cannot be sent to the scheduler: {e}") from None
+        for srid, f in zip(rids, frames):
             self._pending[srid] = _Pending()
-            msg = GenerateReq(
-                srid, list(input_ids), params, self.sample_seed(params, k), session_id
-            )
-            self._to_sched.send_multipart(codec.encode(msg))
-            rids.append(srid)
+            self._to_sched.send_multipart(f)
         return rids
 
     async def stream(self, rid: str) -> AsyncIterator[StrOut]:
@@ -301,6 +343,11 @@ class TokenizerManager:
             self._pending.pop(rid, None)
             if not p.finished and not self.failure:
                 self.abort(rid)
+
+    def cancel(self, rid: str) -> None:
+        """Forget a submitted sample whose stream will never be read, and abort it."""
+        if self._pending.pop(rid, None) is not None:
+            self.abort(rid)
 
     def abort(self, rid: str) -> None:
         if self.failure or self._closing:

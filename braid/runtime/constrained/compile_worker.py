@@ -1,0 +1,97 @@
+"""A grammar compile worker: a small process that builds outlines-core indexes for
+`compile_pool`, which starts it as
+`python -m braid.runtime.constrained.compile_worker TASKS RESULTS PARENT_PID` and kills it when
+a compile overruns its time limit.
+
+TASKS and RESULTS are pipe fds. Each message is a frame: an 8-byte little-endian length, then
+that many bytes of pickle. The parent sends the outlines-core `Vocabulary` first, then one
+`(kind, spec)` task at a time; the worker answers each with `(index, None)` or
+`(None, message)`, the message naming the field as `spec.build_index`'s `ValueError` does.
+
+The worker never outlives its parent: it exits when the task pipe closes, and Linux kills it
+(PR_SET_PDEATHSIG) when the parent thread that started it ends, which covers a parent killed
+while the worker is deep in a compile. It imports outlines-core and no torch, so it starts in
+about 0.1 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import struct
+import sys
+from typing import Any
+
+from outlines_core import Index, Vocabulary
+
+from braid.runtime.constrained.spec import build_index
+
+_HEADER = struct.Struct("<Q")
+
+
+def write_frame(fd: int, data: bytes) -> None:
+    """Write one frame (blocks until the reader has taken what the pipe cannot hold);
+    `BrokenPipeError` if the reader is gone."""
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def read_frame(fd: int) -> bytes | None:
+    """The next frame's bytes, or None if the writer closed the pipe (or died mid-frame)."""
+    header = _read_exactly(fd, _HEADER.size)
+    if header is None:
+        return None
+    return _read_exactly(fd, _HEADER.unpack(header)[0])
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def compile_task(task: tuple[str, Any], vocabulary: Vocabulary) -> tuple[Index | None, str | None]:
+    """One task's answer: the index, or the message of why the spec cannot be compiled."""
+    kind, spec = task
+    try:
+        return build_index(kind, spec, vocabulary), None
+    except ValueError as e:
+        return None, str(e)
+    except Exception as e:  # anything else fails this grammar alone, not the worker
+        return None, f"{kind}: grammar compilation failed: {type(e).__name__}: {e}"
+
+
+def _die_with_parent_thread() -> None:
+    # ipc.sockets has the same call, but importing it loads zmq and the message codec.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the closed task pipe still ends an idle worker
+
+
+def main(argv: list[str]) -> None:
+    tasks, results, parent_pid = (int(a) for a in argv)
+    _die_with_parent_thread()
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getppid() != parent_pid:
+        return  # the parent died before the line above took effect
+    data = read_frame(tasks)
+    if data is None:
+        return
+    vocabulary = pickle.loads(data)
+    while (data := read_frame(tasks)) is not None:
+        answer = compile_task(pickle.loads(data), vocabulary)
+        write_frame(results, pickle.dumps(answer, pickle.HIGHEST_PROTOCOL))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

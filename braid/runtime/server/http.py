@@ -1,0 +1,322 @@
+"""The HTTP front of `braid serve`: uvicorn's h11 protocol with deadlines for slow clients, and a
+runner that returns after SIGTERM/SIGINT instead of dying of the signal.
+
+uvicorn on its own times a connection out only while it is idle after a response
+(`timeout_keep_alive`, cancelled by any byte that arrives). A connection that never sends a
+request, sends its headers a byte at a time, or never finishes its body stays open for good, and
+uvicorn re-raises the signal it shut down for, so `kill` makes the process exit with status 143.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import HANDLED_SIGNALS
+
+logger = logging.getLogger(__name__)
+
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 5.0  # uvicorn's own default
+GRACEFUL_S = 5.0
+MAX_HEADER_BYTES = 16 * 1024  # Node's limit; nginx's default buffers hold 4 x 8 KiB
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How long a client may take to send a request, and how large its headers may be."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    """The request line and headers must be complete this long after the connection opened, or
+    after the previous response on it ended (keep-alive); otherwise the connection is closed."""
+    body_timeout_s: float = BODY_TIMEOUT_S
+    """The body must be complete this long after the headers; otherwise 408 and close. This is a
+    deadline for the whole body, not an idle timeout, so a body sent a byte at a time cannot hold
+    a connection open."""
+    keep_alive_s: float = KEEP_ALIVE_S
+    """A connection that sends nothing this long after a response is closed (uvicorn's timer)."""
+    max_header_bytes: int = MAX_HEADER_BYTES
+    """A request line plus headers larger than this gets 400 and a close."""
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+
+
+class ServerStartError(RuntimeError):
+    """The server did not start: its address could not be bound, or the app's start-up failed."""
+
+
+class _HeaderCappedConnection(h11.Connection):
+    """h11's size limit holds only for headers still incomplete in its buffer: a header block
+    that arrives whole in one read passes at any size. This applies the limit to those too."""
+
+    def __init__(self, max_header_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self.max_header_bytes = max_header_bytes
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            size = (
+                len(event.method)
+                + len(event.target)
+                + sum(len(k) + len(v) + 4 for k, v in event.headers)
+            )
+            if size > self.max_header_bytes:
+                # uvicorn answers this as it does h11's own protocol errors: 400 and a close
+                raise h11.RemoteProtocolError("request headers too large", error_status_hint=431)
+        return event
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each part of a request the client sends.
+
+    One deadline runs at a time, chosen by the client's h11 state: while it is IDLE (no complete
+    request line and headers yet) the header deadline, while it is in SEND_BODY the body deadline.
+    Once the request is complete nothing runs: the app may take as long as it needs to answer.
+    uvicorn's keep-alive timer still runs beside the header deadline after each response.
+    Headers over `max_header_bytes` get 400 and a close, however they arrive.
+    """
+
+    def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self.conn = _HeaderCappedConnection(limits.max_header_bytes)
+        self._deadline: asyncio.TimerHandle | None = None
+        # the client state the running deadline belongs to; a new state starts a new deadline
+        self._deadline_state: object | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._track_state()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._track_state()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track_state()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _track_state(self) -> None:
+        if self.transport.is_closing():
+            self._cancel_deadline()
+            return
+        state = self.conn.their_state
+        if state is self._deadline_state:
+            return
+        self._cancel_deadline()
+        self._deadline_state = state
+        if state is h11.IDLE:
+            self._deadline = self.loop.call_later(
+                self.limits.header_timeout_s, self._headers_too_slow
+            )
+        elif state is h11.SEND_BODY:
+            self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._body_too_slow)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._deadline_state = None
+
+    def _headers_too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        logger.debug(
+            "braid serve: closed a connection from %s: no complete request headers within %g s",
+            _address(self.client),
+            self.limits.header_timeout_s,
+        )
+        self.transport.close()
+
+    def _body_too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        logger.info(
+            "braid serve: %s %s from %s: body not complete within %g s of its headers",
+            self.scope["method"],
+            self.scope["path"],
+            _address(self.client),
+            self.limits.body_timeout_s,
+        )
+        # The app is still waiting for the rest of the body; from now on it reads a disconnect
+        # and whatever it sends is dropped.
+        self.cycle.disconnected = True
+        if self.conn.our_state is h11.SEND_RESPONSE:
+            self._send_408()
+        self.transport.close()
+
+    def _send_408(self) -> None:
+        message = (
+            f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+            "of its headers"
+        )
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": 408}
+        body = json.dumps({"error": error}).encode()
+        headers = self.server_state.default_headers + [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        response = h11.Response(status_code=408, headers=headers, reason=b"Request Timeout")
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that it does not raise the signal it shut down for again
+    afterwards (uvicorn does, so that the process dies of it), so the caller returns normally."""
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class _AppWatch:
+    """Wraps the ASGI app for two things uvicorn does not do.
+
+    It keeps the exception the app's lifespan raised: uvicorn logs a start-up failure and calls
+    `sys.exit(3)`, and `run_server` raises ServerStartError with this instead. And an exception
+    a request raises after the app was told the client is gone (a body cut off at its deadline,
+    a client that hung up) is one debug line, not an error traceback: a client that sends bodies
+    slowly on purpose must not be able to fill the log.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.lifespan_error: BaseException | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            try:
+                await self.app(scope, receive, send)
+            except BaseException as e:
+                self.lifespan_error = e
+                raise
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        told = False
+
+        async def watched_receive() -> Any:
+            nonlocal told
+            message = await receive()
+            told = told or message["type"] == "http.disconnect"
+            return message
+
+        try:
+            await self.app(scope, watched_receive, send)
+        except Exception as e:
+            if not told:
+                raise
+            logger.debug(
+                "braid serve: %s %s ended after its client left: %r",
+                scope["method"],
+                scope["path"],
+                e,
+            )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    # Bound here so that a taken port raises in the caller; not listening yet, so that clients
+    # are refused, not queued, until the app's start-up is done and uvicorn starts serving.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServerStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+def run_server(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    keep_alive_s: float = KEEP_ALIVE_S,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    graceful_s: float = GRACEFUL_S,
+) -> None:
+    """Serve the ASGI `app` on host:port until SIGTERM or SIGINT, then shut down and return.
+
+    Shutting down stops accepting, lets running requests finish for up to `graceful_s` (then
+    cancels them) and runs the app's lifespan shutdown. The signal is not raised again, so the
+    caller decides the exit status. A second SIGINT during the wait skips the rest of it and the
+    lifespan shutdown (uvicorn's force exit).
+
+    Raises ValueError for a bad limit and ServerStartError when the address cannot be bound
+    (port in use, unknown host) or the app's lifespan start-up fails; nothing is served then.
+    The limits are those of `HttpLimits`.
+    """
+    limits = HttpLimits(
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+        keep_alive_s=keep_alive_s,
+        max_header_bytes=max_header_bytes,
+    )
+    watch = _AppWatch(app)
+    config = uvicorn.Config(
+        watch,
+        host=host,
+        port=port,
+        http=functools.partial(LimitedH11Protocol, limits=limits),  # type: ignore[arg-type]
+        ws="none",
+        lifespan="on",
+        log_level="warning",
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
+    )
+    sock = _bind(host, port)
+    try:
+        _Server(config).run(sockets=[sock])
+    except SystemExit as e:
+        if e.code != STARTUP_FAILURE:
+            raise
+        error = watch.lifespan_error
+        reason = f": {error}" if error is not None else ""
+        raise ServerStartError(f"application start-up failed{reason}") from error
+    finally:
+        sock.close()
