@@ -576,6 +576,9 @@ _STREAMED = {
 }
 
 
+_EMPTY = {200: {"description": "done (no body)", "content": {}}}
+
+
 def _takes(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI for a route whose body `_body(model)` parses (FastAPI cannot see it)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
@@ -638,7 +641,9 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         )
         if exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        return error_response(exc.status_code, message)
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -667,14 +672,18 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         return await asyncio.to_thread(fn, *args)
 
     # ---- info ----
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health", response_class=Response, responses=_EMPTY)
     async def health():
         problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
         if problem:
             return error_response(503, problem)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    app.head("/health", response_class=Response, responses=_EMPTY, operation_id="health_head")(
+        health
+    )
+
+    @app.get("/health_generate", response_class=Response, responses=_EMPTY)
     async def health_generate(request: Request):
         problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
         if problem:
@@ -760,7 +769,12 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         result = await state.tm.control("close_session", timeout=10.0, arg=body.session_id)
         return {"success": bool(result.get("closed"))}
 
-    @app.post("/abort_request", openapi_extra=_takes(AbortRequest))
+    @app.post(
+        "/abort_request",
+        openapi_extra=_takes(AbortRequest),
+        response_class=Response,
+        responses=_EMPTY,
+    )
     async def abort_request(body: Annotated[AbortRequest, _body(AbortRequest)]):
         state.tm.abort(body.rid)
         return Response(status_code=200)

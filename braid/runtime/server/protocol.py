@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from braid.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from braid.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -60,6 +60,14 @@ def check_json_value(v: Any, where: str = "") -> Any:
 Text = Annotated[str, AfterValidator(_no_surrogates)]
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _doc(**bounds: Any) -> Any:
+    """Bounds stated in the OpenAPI schema only: `SamplingParams` checks them, with messages
+    that name the field (and say why)."""
+    return Field(json_schema_extra=bounds)
+
+
 JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_value)]
 JsonValue = Annotated[Any, AfterValidator(check_json_value)]
 
@@ -88,23 +96,23 @@ class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
     model: Text | None = None
-    n: Int = 1
-    max_tokens: Int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Annotated[Int, _doc(minimum=1)] = 1
+    max_tokens: Annotated[Int, _doc(minimum=0)] | None = None
+    temperature: Annotated[float, _doc(minimum=0)] | None = None
+    top_p: Annotated[float, _doc(exclusiveMinimum=0, maximum=1)] | None = None
     stop: Text | list[Text] | None = None
     seed: Int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: Annotated[float, _doc(minimum=-2, maximum=2)] = 0.0
+    presence_penalty: Annotated[float, _doc(minimum=-2, maximum=2)] = 0.0
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # braid / vLLM / SGLang extras (the openai client sends them via extra_body)
     top_k: Int | None = None
-    min_p: float | None = None
+    min_p: Annotated[float, _doc(minimum=0, maximum=1)] | None = None
     repetition_penalty: float | None = None
-    min_tokens: Int = 0
+    min_tokens: Annotated[Int, _doc(minimum=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     stop_regex: Text | list[Text] | None = None
@@ -167,7 +175,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Int] | list[list[Int]] | list[Text] = Field(union_mode="left_to_right")
-    logprobs: Int | None = None
+    logprobs: Annotated[Int, _doc(minimum=0, maximum=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Int | None = None  # only equal to n (braid returns every sample)
 
@@ -184,10 +192,10 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], _doc(minItems=1)]
     max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Annotated[Int, _doc(minimum=0, maximum=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     # Refused unless the server runs with --allow-request-chat-template (see app.py).
     chat_template: Text | None = None
@@ -225,7 +233,7 @@ class CloseSessionRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    prompt: Text
+    prompt: Annotated[Text, _doc(minLength=1)]
 
 
 # SGLang's native sampling_params names -> braid's
