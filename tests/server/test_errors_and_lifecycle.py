@@ -224,3 +224,22 @@ def test_children_die_with_a_killed_server(tmp_path):
     while any(_alive(pids[n]) for n in ("scheduler", "detokenizer")) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pids[n]) for n in ("scheduler", "detokenizer"))
+
+
+def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeypatch):
+    from braid.runtime.server.cli import _api_key, build_parser
+
+    def key(*flags: str) -> str | None:
+        return _api_key(build_parser().parse_args(["serve", *flags]))
+
+    monkeypatch.delenv("BRAID_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("BRAID_API_KEY", "from-env")
+    assert key() == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert key("--api-key-file", str(f)) == "from-file"
+    assert key("--api-key", "from-flag", "--api-key-file", str(f)) == "from-flag"
+    f.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        key("--api-key-file", str(f))
