@@ -64,7 +64,8 @@ RSS_TOLERANCE = 0.10
 RID_POOL = 24
 SESSIONS = 8
 SESSION_MAX_CHARS = 1500  # a session this long is closed and a fresh one started
-REQUEST_TIMEOUT_S = 60.0
+# Bounds a hang, not latency: a 40-token request at batch 16 on 2 busy cores can take a minute.
+REQUEST_TIMEOUT_S = 180.0
 RID_BUSY_TIMEOUT_S = 15.0  # a rid still "in use" this long after its request ended is leaked
 
 # The probe runs in its own process: a thread of this one would share its GIL and its
@@ -287,6 +288,8 @@ class Soak:
             self.sessions.append(self._new_session(random.Random(self.session_gen)))
         self.sessions_closed: Counter = Counter()
         self.unexpected_aborts = 0
+        self.rid_left: set[str] = set()  # pool rids whose last request's client left
+        self.latency: dict[str, list[float]] = defaultdict(list)
         limits = httpx.Limits(max_connections=2 * args.concurrency + 8)
         self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
 
@@ -333,6 +336,11 @@ class Soak:
         self.rid_uses += 1
         return rid
 
+    def release_rid(self, rid: str, left: bool = False) -> None:
+        """Back to the pool at once (`left`: its client left; the server may still hold it)."""
+        (self.rid_left.add if left else self.rid_left.discard)(rid)
+        self.rid_free.put_nowait(rid)
+
     # ---- HTTP -----------------------------------------------------------------------------
     async def post(self, path: str, body: dict) -> httpx.Response:
         return await self.client.post(self.url + path, json=body)
@@ -350,9 +358,15 @@ class Soak:
                 raise Unexpected(f"rid {body['rid']} still in use after {RID_BUSY_TIMEOUT_S} s")
             await asyncio.sleep(0.2)
 
-    async def sse(self, path: str, body: dict, leave_after: int | None = None) -> tuple[list, bool]:
+    async def sse(
+        self,
+        path: str,
+        body: dict,
+        leave_after: int | None = None,
+        on_event: Callable[[], None] | None = None,
+    ) -> tuple[list, bool]:
         """The events of a stream and whether it ended with [DONE]; with `leave_after`, the
-        client disconnects after that many events."""
+        client disconnects after that many events; `on_event` is called after each."""
         events: list[dict] = []
         async with self.client.stream("POST", self.url + path, json=body) as r:
             if r.status_code != 200:
@@ -364,15 +378,23 @@ class Soak:
                 if line == "data: [DONE]":
                     return events, True
                 events.append(json.loads(line[6:]))
+                if on_event is not None:
+                    on_event()
                 if leave_after is not None and len(events) >= leave_after:
                     return events, False
         return events, False
 
-    async def sse_rid(self, body: dict, leave_after: int | None = None) -> tuple[list, bool]:
+    async def sse_rid(
+        self,
+        body: dict,
+        leave_after: int | None = None,
+        on_event: Callable[[], None] | None = None,
+    ) -> tuple[list, bool]:
+        """`sse` on /generate with a pool rid, retried as `post_rid` does."""
         deadline = time.monotonic() + RID_BUSY_TIMEOUT_S
         while True:
             try:
-                return await self.sse("/generate", body, leave_after)
+                return await self.sse("/generate", body, leave_after, on_event)
             except Unexpected as e:
                 if "already in use" not in str(e):
                     raise
@@ -433,6 +455,12 @@ class Soak:
         finish = meta["finish_reason"]["type"] if meta["finish_reason"] else None
         if finish == "abort" and "abort" not in allowed:
             self.unexpected_aborts += 1
+            if rid in self.rid_left:
+                raise Unexpected(
+                    f"{what}: rid {rid} reused right after its client left a request got "
+                    f"finish_reason abort and {meta['completion_tokens']} token(s) "
+                    f"({out['text']!r}): the left request's output"
+                )
         check_finish(finish, allowed, f"{what} {rid}")
         return finish
 
@@ -549,9 +577,9 @@ class Soak:
                     r = await self.post_rid("/generate", body)
                     expect_status(r, 200, "session")
                     out = r.json()
+                self.native(out, rid, "session", ("stop", "length"))
             finally:
-                self.rid_free.put_nowait(rid)
-            self.native(out, rid, "session", ("stop", "length"))
+                self.release_rid(rid)
             s.text += out["text"] + " " + " ".join(rng.choices(WORDS, k=rng.randint(2, 8)))
             if len(s.text) > SESSION_MAX_CHARS:
                 await self.close_session(s.sid)
@@ -584,7 +612,7 @@ class Soak:
             self.native(r.json(), rid, "generate_rid", ("stop", "length"))
             return "200"
         finally:
-            self.rid_free.put_nowait(rid)
+            self.release_rid(rid)
 
     async def disconnect(self, rng: random.Random) -> str:
         """A client that leaves mid-request; its rid (if any) goes straight back to the pool."""
@@ -605,6 +633,7 @@ class Soak:
             self.openai_full(r, 1, True, "disconnect")
             return "finished first"
         rid = await self.lease_rid()
+        left = False
         try:
             sp = {"max_new_tokens": long["max_tokens"], "ignore_eos": True}
             body = {"text": self.prompt(rng), "rid": rid, "sampling_params": sp}
@@ -614,16 +643,18 @@ class Soak:
                 if done:
                     self.native(events[-1], rid, "disconnect", ("stop", "length"))
                     return "finished first"
+                left = True
                 return "left a rid stream"
             try:
                 r = await asyncio.wait_for(self.post_rid("/generate", body), rng.uniform(0.05, 2.0))
             except TimeoutError:
+                left = True
                 return "left a rid"
             expect_status(r, 200, "disconnect")
             self.native(r.json(), rid, "disconnect", ("stop", "length"))
             return "finished first"
         finally:
-            self.rid_free.put_nowait(rid)
+            self.release_rid(rid, left)
 
     async def abort(self, rng: random.Random) -> str:
         """/abort_request of an in-flight rid: it must end with finish_reason abort (or have
@@ -636,22 +667,12 @@ class Soak:
             if streamed:
                 body["stream"] = True
                 first = asyncio.Event()
-                events: list[dict] = []
 
-                async def consume() -> bool:
-                    async with self.client.stream("POST", self.url + "/generate", json=body) as r:
-                        if r.status_code != 200:
-                            await r.aread()
-                            first.set()
-                            expect_status(r, 200, "abort")
-                        async for line in r.aiter_lines():
-                            if line == "data: [DONE]":
-                                return True
-                            if line.startswith("data: "):
-                                events.append(json.loads(line[6:]))
-                                first.set()
-                    first.set()
-                    return False
+                async def consume() -> tuple[list, bool]:
+                    try:
+                        return await self.sse_rid(body, on_event=first.set)
+                    finally:
+                        first.set()
 
                 task = asyncio.create_task(consume())
                 try:
@@ -659,14 +680,15 @@ class Soak:
                     # The request is in the scheduler now: the abort must reach it.
                     await asyncio.sleep(rng.uniform(0.0, 1.0))
                     expect_status(await self.post("/abort_request", {"rid": rid}), 200, "abort")
-                    if not await task or not events:
-                        raise Unexpected("abort: the stream ended without [DONE]")
+                    events, done = await task
                 finally:
                     if not task.done():
                         task.cancel()
+                if not done or not events:
+                    raise Unexpected("abort: the stream ended without [DONE]")
                 out = events[-1]
             else:
-                task = asyncio.create_task(self.post("/generate", body))
+                task = asyncio.create_task(self.post_rid("/generate", body))
                 try:
                     await asyncio.sleep(rng.uniform(0.1, 1.5))
                     expect_status(await self.post("/abort_request", {"rid": rid}), 200, "abort")
@@ -680,15 +702,19 @@ class Soak:
             label = "aborted" if finish == "abort" else "finished before the abort"
             return f"{label} (streamed)" if streamed else label
         finally:
-            self.rid_free.put_nowait(rid)
+            self.release_rid(rid)
 
     async def bad_input(self, rng: random.Random) -> str:
         bad = rng.choice(self.bad)
         headers = {"content-type": "application/json"}
         method = "GET" if bad.body is None else "POST"
-        r = await self.client.request(
-            method, self.url + bad.path, content=bad.body, headers=headers
-        )
+        try:
+            r = await self.client.request(
+                method, self.url + bad.path, content=bad.body, headers=headers
+            )
+        except httpx.TransportError as e:
+            # A refusal the client cannot read (the connection reset under it) fails too.
+            raise Unexpected(f"bad input {bad.name}: {type(e).__name__}: {e}") from None
         if r.status_code != bad.status:
             raise Unexpected(f"bad input {bad.name}: HTTP {r.status_code}, expected {bad.status}")
         if "error" not in r.json():
@@ -698,6 +724,7 @@ class Soak:
     # ---- driving --------------------------------------------------------------------------
     async def run_one(self, kind: str, rng: random.Random) -> None:
         fn: Callable = getattr(self, kind)
+        t0 = time.perf_counter()
         try:
             label = await fn(rng)
         except Unexpected as e:
@@ -708,6 +735,7 @@ class Soak:
             self.fail(kind, f"{type(e).__name__}: {e}")
         else:
             self.outcomes[kind][label] += 1
+            self.latency[kind].append(time.perf_counter() - t0)
 
     async def worker(self, index: int, until: float, phase: int) -> None:
         rng = random.Random(f"{self.args.seed}/{phase}/{index}")
@@ -737,7 +765,7 @@ class Soak:
         expect_status(r, 200, "get_server_info")
         return r.json()["stats"]
 
-    async def wait_idle(self, timeout: float = 120.0) -> dict:
+    async def wait_idle(self, timeout: float = 300.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             s = await self.stats()
@@ -1035,6 +1063,10 @@ def main() -> None:
             "requests": s.requests,
             "requests_per_s": s.requests / result["traffic_s"],
             "outcomes": by_kind,
+            "latency_s": {
+                k: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99), "max": max(v)}
+                for k, v in sorted(s.latency.items())
+            },
             "failures": len(s.failures),
             "failure_examples": s.failures[:50],
             "unexpected_aborts": s.unexpected_aborts,

@@ -125,6 +125,7 @@ def test_oversized_body_is_refused_then_sigterm_exits_0(tmp_path):
 
         r = httpx.post(s.url + C, content=chunks(), headers=h)
         assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        assert r.headers["connection"] == "close"  # the rest of the body is never read
         # API key: missing and wrong keys are 401, the right one works.
         assert httpx.post(s.url + C, json={"prompt": "x"}).status_code == 401
         wrong = httpx.post(s.url + C, json={"prompt": "x"}, headers={"Authorization": "Bearer no"})

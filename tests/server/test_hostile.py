@@ -31,6 +31,8 @@ def server(tmp_path_factory):
         "8",
         "--header-timeout",
         "2",
+        "--heartbeat-timeout",
+        "3",
     )
     yield s
     s.stop()
@@ -191,3 +193,32 @@ def test_a_stopped_scheduler_shows_in_health_not_in_metrics(server):
         time.sleep(0.2)
     out = post(server.url + C, {"prompt": "Hi", "max_tokens": 2})
     assert out.status_code == 200 and json.loads(out.text)["usage"]["completion_tokens"] == 2
+
+
+def test_a_rid_is_free_again_the_moment_its_client_leaves(server):
+    # The abandoned sample's late outputs carry its own wire id: the new request with the same
+    # rid gets only its own tokens.
+    body = {"text": "Tell me a story", "rid": "again", "sampling_params": {"max_new_tokens": 300}}
+    body["sampling_params"]["ignore_eos"] = True
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + G, json=body, timeout=1.5)
+    body["sampling_params"] = {"max_new_tokens": 2, "temperature": 0}
+    out = post(server.url + G, body).json()
+    assert out["meta_info"]["id"] == "again" and len(out["output_ids"]) == 2
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    wait_idle(server.url, timeout=5)
+
+
+def test_host_names_a_server_answers():
+    from braid.runtime.server.guard import GuardConfig, origin_problem
+
+    def refused(bind: str, host: str, allowed: tuple[str, ...] = ()) -> bool:
+        cfg = GuardConfig(bind_host=bind, allowed_hosts=allowed)
+        return origin_problem(cfg, {"host": host}) is not None
+
+    assert not refused("127.0.0.1", "localhost:30000") and not refused("127.0.0.1", "[::1]:80")
+    assert refused("127.0.0.1", "api.example.com")  # a proxy passing its public Host...
+    assert not refused("127.0.0.1", "api.example.com", ("api.example.com",))  # ...allowed
+    assert not refused("0.0.0.0", "10.1.2.3:30000") and not refused("0.0.0.0", "[fe80::1]:1")
+    assert refused("0.0.0.0", "evil.example:30000")  # a rebound domain
+    assert not refused("0.0.0.0", "anything", ("*",))

@@ -154,25 +154,27 @@ def run_scheduler_process(
     poller.register(inbox, zmq.POLLIN)
     beat = Heartbeat(ctx, addrs.tokenizer, scheduler)
     beat.start()
-    while not loop.stopping:
-        beat.loop_iterated()
-        timeout = 0 if scheduler.has_work else 500
-        replies: list[object] = []
-        if poller.poll(timeout):
-            while True:
-                try:
-                    msg = recv_nowait(inbox)
-                except zmq.Again:
-                    break
-                if msg is not None:
-                    replies += loop.handle(msg)
-        replies += loop.step()
-        for r in replies:
-            send(out, r)
-        if not scheduler.has_work and not parent_alive(parent_pid):
-            break
+    try:
+        while not loop.stopping:
+            beat.loop_iterated()
+            timeout = 0 if scheduler.has_work else 500
+            replies: list[object] = []
+            if poller.poll(timeout):
+                while True:
+                    try:
+                        msg = recv_nowait(inbox)
+                    except zmq.Again:
+                        break
+                    if msg is not None:
+                        replies += loop.handle(msg)
+            replies += loop.step()
+            for r in replies:
+                send(out, r)
+            if not scheduler.has_work and not parent_alive(parent_pid):
+                break
+    finally:
+        beat.stop()
     logger.debug("scheduler process %d exits", os.getpid())
-    beat.stop()
     inbox.close(0)
     out.close(0)
     ctx.term()

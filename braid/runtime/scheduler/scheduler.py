@@ -130,7 +130,7 @@ class Scheduler:
             self.cache, self.allocator.capacity_pages // 2, max_session_pins, session_ttl_s
         )
         # Constrained requests wait in `grammar_waiting` (not admitted) while their grammar
-        # compiles on worker threads. `jumped`: running requests holding jump-forward tokens
+        # compiles in worker processes. `jumped`: running requests holding jump-forward tokens
         # whose KV the next extend computes (they are out of `running` until then).
         self._has_tokenizer = grammar_compiler is not None
         self.grammar_waiting: PendingGrammars[Req] = PendingGrammars(

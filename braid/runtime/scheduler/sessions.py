@@ -2,7 +2,7 @@
 between its requests so eviction cannot take it.
 
 Any client can name a session, so pins are bounded three ways: all pins together hold at most
-`max_pages` pages (half the pool), one session at most a quarter of that, and at most
+`max_pages` pages (half the pool), one session at most half of that, and at most
 `max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
 also expires `ttl_s` after its session's last request.
 """
@@ -33,7 +33,7 @@ class SessionPins:
             )
         self.cache = cache
         self.max_pages = max_pages
-        self.max_session_pages = max(1, max_pages // 4)
+        self.max_session_pages = max(1, max_pages // 2)
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.clock = clock

@@ -8,6 +8,7 @@ itself died (then the server exits).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -31,7 +32,13 @@ from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
+from braid.runtime.server.guard import (
+    MAX_BODY_BYTES,
+    APIError,
+    Guard,
+    GuardConfig,
+    error_response,
+)
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.protocol import (
     AbortRequest,
@@ -58,20 +65,21 @@ class ServerState:
     model_path: str
     defaults: SamplingParams
     api_key: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
     strict_model_name: bool = False  # 404 for a model name that is not the served one
     bind_host: str = "127.0.0.1"
     allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     max_samples: int = 128  # samples one request may ask for (n x prompts)
     # A request's own chat_template: refused unless allowed; then rendered in a sandbox process.
     allow_request_chat_template: bool = False
     template_sandbox: TemplateSandbox | None = None
     # /health fails when the scheduler sends no heartbeat for this long, or is in one step
     # for longer than health_stuck_s.
-    health_silent_s: float = 5.0
+    health_silent_s: float = 10.0
     health_stuck_s: float = 120.0
 
     @functools.cached_property
@@ -209,7 +217,8 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 
 def _body(model: type[BaseModel]) -> Any:
     """A dependency: the JSON body parsed and validated as `model` on a worker thread (FastAPI
-    runs plain functions off the event loop), so a large body never stalls other requests."""
+    runs plain functions off the event loop). JSON decoding and pydantic hold the GIL while they
+    run, so this bounds, not removes, what a large body costs the loop (see docs/server.md)."""
 
     def parse(raw: bytes = Depends(_raw_body)) -> Any:
         return parse_body(model, raw)
@@ -279,16 +288,18 @@ async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[in
     """Interleave several sample streams as their outputs arrive; cancelling the consumer
     cancels (and so aborts) every sample still running."""
     if len(streams) == 1:  # the common case: no pump tasks, no extra queue hop per token
-        async for out in streams[0]:
-            yield 0, out
+        async with contextlib.aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
     async def pump(i: int, s: AsyncIterator[StrOut]) -> None:
         try:
-            async for out in s:
-                await queue.put((i, out))
+            async with contextlib.aclosing(s) as outs:
+                async for out in outs:
+                    await queue.put((i, out))
         finally:
             await queue.put((i, done))
 
@@ -363,6 +374,23 @@ def _finish(c: _Choice) -> str | None:
     if c.finish_reason == "abort" and c.error:
         return "abort"
     return c.finish_reason
+
+
+def _dumps(
+    head: dict[str, Any] | None, key: str | None, items: list[Any], as_list: bool = False
+) -> bytes:
+    """JSON of `head` with `items` under `key` (or of `items` alone: one item, or a list),
+    encoded item by item so that a large body lets other threads (and the event loop) run
+    between items."""
+    parts = [json.dumps(x, ensure_ascii=False, separators=(",", ":")) for x in items]
+    if head is None:
+        return ("[" + ",".join(parts) + "]" if as_list else parts[0]).encode()
+    encoded = json.dumps(head, ensure_ascii=False, separators=(",", ":"))
+    return (encoded[:-1] + f',"{key}":[' + ",".join(parts) + "]}").encode()
+
+
+def _json_response(body: bytes) -> Response:
+    return Response(content=body, media_type="application/json")
 
 
 def _sse(obj: Any) -> str:
@@ -622,6 +650,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
         max_body_bytes=state.max_body_bytes,
         bind_host=state.bind_host,
         allowed_origins=state.allowed_origins,
+        allowed_hosts=state.allowed_hosts,
     )
     app.add_middleware(Guard, cfg=guard)
     if state.allowed_origins:
@@ -631,7 +660,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             CORSMiddleware,
             allow_origins=list(state.allowed_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type"],
+            allow_headers=["*"],  # the openai JS client sends its x-stainless-* headers
         )
 
     @app.exception_handler(StarletteHTTPException)
@@ -862,14 +891,15 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
             )
         plan = await off_loop(_tool_plan, state, req)
         messages = await off_loop(_template_messages, state, req)
-        return await off_loop(
+        return await asyncio.get_running_loop().run_in_executor(
+            sandbox.executor,
             functools.partial(
                 sandbox.render,
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
                 tools=plan.template_tools if plan else None,
-            )
+            ),
         )
 
     # ---- native ----
@@ -972,8 +1002,13 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
 
         if await _unless_gone(request, collect()) is _GONE:
             return Response(status_code=499)
-        results = [native(i) for i in range(len(streams))]
-        return results[0] if single and n == 1 else results
+
+        def build() -> bytes:
+            if single and n == 1:
+                return _dumps(None, None, [native(0)])
+            return _dumps(None, None, [native(i) for i in range(len(streams))], as_list=True)
+
+        return _json_response(await asyncio.to_thread(build))
 
     return app
 
@@ -1037,32 +1072,36 @@ async def _run_openai(
         failed = [c.error for c in choices if c.error]
         if failed and state.tm.failure:
             raise RuntimeDied(state.tm.failure)
-        body_choices = []
-        for i, c in enumerate(choices):
-            item: dict[str, Any] = {
-                "index": i,
-                "finish_reason": _finish(c),
-                "logprobs": logprobs_of(c),
+
+        def build() -> bytes:  # a worker thread's job: long logprob lists take a while
+            body_choices = []
+            for i, c in enumerate(choices):
+                item: dict[str, Any] = {
+                    "index": i,
+                    "finish_reason": _finish(c),
+                    "logprobs": logprobs_of(c),
+                }
+                if chat:
+                    item["message"], item["finish_reason"] = _chat_message(c, tools)
+                elif getattr(req, "echo", False):
+                    item.update(_echo(state, req, prompts[prompt_of[i]], c))
+                else:
+                    item["text"] = c.text
+                if c.stop_reason is not None:
+                    item["stop_reason"] = c.stop_reason
+                if c.error:  # it failed after it started: the reason, finish_reason "abort"
+                    item["error"] = {"message": c.error, "type": "server_error"}
+                body_choices.append(item)
+            head = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": state.served_model_name,
+                "usage": _usage(choices, prompt_choice),
             }
-            if chat:
-                item["message"], item["finish_reason"] = _chat_message(c, tools)
-            elif getattr(req, "echo", False):
-                item.update(_echo(state, req, prompts[prompt_of[i]], c))
-            else:
-                item["text"] = c.text
-            if c.stop_reason is not None:
-                item["stop_reason"] = c.stop_reason
-            if c.error:  # it failed after it started: the reason, with finish_reason "abort"
-                item["error"] = {"message": c.error, "type": "server_error"}
-            body_choices.append(item)
-        return {
-            "id": rid,
-            "object": kind,
-            "created": created,
-            "model": state.served_model_name,
-            "choices": body_choices,
-            "usage": _usage(choices, prompt_choice),
-        }
+            return _dumps(head, "choices", body_choices)
+
+        return _json_response(await asyncio.to_thread(build))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"

@@ -10,6 +10,7 @@ import sys
 
 from braid._logging import configure_logging
 from braid.runtime.function_call import PARSER_NAMES
+from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
 
 logger = logging.getLogger("braid.serve")
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-request-bytes",
         type=int,
-        default=16 * 1024 * 1024,
+        default=MAX_BODY_BYTES,
         help="largest request body, counted as it arrives (default: 16 MiB)",
     )
     s.add_argument(
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="comma-separated browser origins allowed to call the server (CORS); by default "
         "cross-origin browser requests are refused",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names the server answers besides its own (a reverse "
+        "proxy's public name; '*' for any); others get 403 (DNS rebinding)",
     )
     s.add_argument(
         "--header-timeout",
@@ -141,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="/health fails when the scheduler is in one step this long (default: 120); it "
         "also fails after 5 s without the scheduler's heartbeat",
+    )
+    s.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="/health fails when the scheduler sends no heartbeat this long (default: 10)",
     )
     s.add_argument(
         "--max-session-pins",
@@ -259,6 +272,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.allow_request_chat_template and tokenizer is not None
         else None,
         health_stuck_s=args.health_timeout,
+        health_silent_s=args.heartbeat_timeout,
+        allowed_hosts=tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip()),
     )
 
     def on_ready() -> None:

@@ -15,8 +15,11 @@ an OpenAI-style 500 (the server keeps serving).
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,16 +67,23 @@ def error_response(
 async def send_error(send: Send, status: int, message: str) -> None:
     body = json.dumps(error_body(status, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status in (408, 413):  # the body was not read to its end: the connection cannot go on
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-@dataclass
+MAX_BODY_BYTES = 16 * 1024 * 1024
+WILDCARD = frozenset({"0.0.0.0", "::", ""})
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     api_key: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = MAX_BODY_BYTES
     bind_host: str = "127.0.0.1"
     allowed_origins: tuple[str, ...] = ()  # "*" allows any
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones ("*": any)
 
 
 def _host_name(netloc: str) -> str:
@@ -83,13 +93,40 @@ def _host_name(netloc: str) -> str:
     return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
 
 
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _host_allowed(cfg: GuardConfig, name: str) -> bool:
+    """Whether a request addressed to `name` is one this server answers. A loopback server
+    answers loopback names (a browser page that rebinds its own domain to 127.0.0.1 keeps its
+    domain in Host); a server on a wildcard address also answers IP literals and this
+    machine's names; `--allowed-hosts` adds names (a reverse proxy's), "*" any."""
+    if "*" in cfg.allowed_hosts or name in LOOPBACK or name in cfg.allowed_hosts:
+        return True
+    if cfg.bind_host in LOOPBACK:
+        return False
+    if cfg.bind_host in WILDCARD:
+        return _is_ip(name) or name in _machine_names()
+    return name == cfg.bind_host.lower()
+
+
+@functools.cache
+def _machine_names() -> frozenset[str]:
+    return frozenset(n.lower() for n in (socket.gethostname(), socket.getfqdn()))
+
+
 def origin_problem(cfg: GuardConfig, headers: dict[str, str]) -> str | None:
     """Why a request must be refused for where it comes from, or None."""
     host = headers.get("host", "")
-    if cfg.bind_host in LOOPBACK and host and _host_name(host).lower() not in LOOPBACK:
+    if host and not _host_allowed(cfg, _host_name(host).lower()):
         return (
-            f"Host {host!r} is refused: this server listens on {cfg.bind_host} and answers "
-            "only requests addressed to a loopback name"
+            f"Host {host!r} is refused: this server (on {cfg.bind_host}) answers only the "
+            "names it listens on (add others with --allowed-hosts)"
         )
     origin = headers.get("origin")
     if origin is None or origin in cfg.allowed_origins or "*" in cfg.allowed_origins:

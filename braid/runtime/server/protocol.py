@@ -21,6 +21,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _no_surrogates(s: str) -> str:
+    if s.isascii():  # the common case, in microseconds even for megabytes
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        pass
     m = _SURROGATE.search(s)
     if m:
         raise ValueError(

@@ -88,7 +88,12 @@ class TokenizerManager:
         self.procs: dict[str, mp.Process] = {}
         self.ready: SchedulerReady | None = None
         self.failure: str | None = None
+        # Samples in flight by wire id: the rid the scheduler knows, the caller's rid plus a
+        # submission number, so a rid can be reused the moment its sample is left (an abort's
+        # late outputs carry the old wire id and are dropped). `_wire`: caller's rid -> wire id.
         self._pending: dict[str, _Pending] = {}
+        self._wire: dict[str, str] = {}
+        self._submissions = itertools.count()
         self._control: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -242,7 +247,7 @@ class TokenizerManager:
                 self._fail(f"the {msg.process} process failed: {msg.error}")
 
     # ---- health ---------------------------------------------------------------------------
-    def problem(self, silent_s: float = 5.0, stuck_s: float = 120.0) -> str | None:
+    def problem(self, silent_s: float = 10.0, stuck_s: float = 120.0) -> str | None:
         """Why the runtime cannot serve now, or None: a process died, the scheduler has sent
         no heartbeat for `silent_s` (stopped, or too busy to run its threads), or its loop has
         not come round for `stuck_s` (one step that does not end)."""
@@ -310,29 +315,33 @@ class TokenizerManager:
         self._check_alive()
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
-            if srid in self._pending:
+            if srid in self._wire:
                 raise ValueError(f"request id {srid!r} is already in use")
+        wires = [f"{srid}#{next(self._submissions)}" for srid in rids]
         # Encode every sample before registering any: a request that cannot be sent leaves
         # nothing behind (its rid stays free).
         try:
             frames = [
                 codec.encode(
                     GenerateReq(
-                        srid, list(input_ids), params, self.sample_seed(params, k), session_id
+                        wire, list(input_ids), params, self.sample_seed(params, k), session_id
                     )
                 )
-                for k, srid in enumerate(rids)
+                for k, wire in enumerate(wires)
             ]
         except (TypeError, ValueError, OverflowError, UnicodeError) as e:
             raise ValueError(f"the request cannot be sent to the scheduler: {e}") from None
-        for srid, f in zip(rids, frames):
-            self._pending[srid] = _Pending()
+        for srid, wire, f in zip(rids, wires, frames):
+            self._wire[srid] = wire
+            self._pending[wire] = _Pending()
             self._to_sched.send_multipart(f)
         return rids
 
     async def stream(self, rid: str) -> AsyncIterator[StrOut]:
-        """The outputs of one sample until it finishes. Leaving early aborts it."""
-        p = self._pending[rid]
+        """The outputs of one sample until it finishes (each `StrOut.rid` is its wire id).
+        Leaving early aborts it."""
+        wire = self._wire[rid]
+        p = self._pending[wire]
         try:
             while True:
                 out = await p.queue.get()
@@ -340,19 +349,26 @@ class TokenizerManager:
                 if out.finish_reason:
                     return
         finally:
-            self._pending.pop(rid, None)
-            if not p.finished and not self.failure:
-                self.abort(rid)
+            self._release(rid, wire, aborted=not p.finished)
+
+    def _release(self, rid: str, wire: str, aborted: bool) -> None:
+        if self._wire.get(rid) == wire:
+            del self._wire[rid]
+        self._pending.pop(wire, None)
+        if aborted and not self.failure and not self._closing:
+            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
 
     def cancel(self, rid: str) -> None:
         """Forget a submitted sample whose stream will never be read, and abort it."""
-        if self._pending.pop(rid, None) is not None:
-            self.abort(rid)
+        wire = self._wire.get(rid)
+        if wire is not None:
+            self._release(rid, wire, aborted=True)
 
     def abort(self, rid: str) -> None:
-        if self.failure or self._closing:
-            return
-        self._to_sched.send_multipart(codec.encode(AbortReq(rid)))
+        """Abort the sample `rid` if it runs (its stream ends with finish_reason "abort")."""
+        wire = self._wire.get(rid)
+        if wire is not None and not self.failure and not self._closing:
+            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
 
     async def control(
         self, op: str, timeout: float = 60.0, arg: str | None = None

@@ -5,8 +5,12 @@ nested loops over `range(100000)` run for hours. The operator's template is trus
 on a worker thread of the server; a template that came with a request (accepted only with
 `--allow-request-chat-template`) renders here: in one worker process, started once and reused,
 that is killed and replaced when a render overruns its time limit. Inside the worker, jinja's
-sandbox also refuses any `*`, `+` or `**` whose result would pass the output limit, so a
-template cannot exhaust memory before the clock stops it.
+sandbox refuses any `*`, `+` or `**` whose result would pass the output limit, the output is
+counted as it is joined, and the worker's address space is capped (`RLIMIT_AS`, 1 GiB past
+what it holds after loading the tokenizer), so a template that builds large strings some other
+way (`'%09000000d' % 1`, `center`) fails with a MemoryError in the worker instead of taking
+the machine's memory. Renders run one at a time on the sandbox's own thread, so a slow
+template never occupies the server's worker threads.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +30,7 @@ DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_CHARS = 4 * 1024 * 1024
 # The worker loads the tokenizer (its special tokens feed the template) once, at start.
 _START_TIMEOUT_S = 120.0
+_MEMORY_HEADROOM = 1 << 30
 
 
 def _limit_sandbox(max_chars: int) -> None:
@@ -52,8 +58,31 @@ def _limit_sandbox(max_chars: int) -> None:
             raise SecurityError(f"'**' with exponent {right} is refused (at most 64)")
         return base(self, context, operator, left, right)
 
+    def concat(pieces) -> str:
+        out, total = [], 0
+        for piece in pieces:
+            total += len(piece)
+            if total > max_chars:
+                raise SecurityError(f"the output passed {max_chars} characters")
+            out.append(piece)
+        return "".join(out)
+
     ImmutableSandboxedEnvironment.intercepted_binops = frozenset({"*", "+", "**"})
     ImmutableSandboxedEnvironment.call_binop = call_binop
+    ImmutableSandboxedEnvironment.concat = staticmethod(concat)  # type: ignore[assignment]
+
+
+def _cap_memory(extra_bytes: int) -> None:
+    """Limit this process's address space to what it maps now plus `extra_bytes`."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def _worker(model_path: str, max_chars: int, conn: Connection) -> None:
@@ -63,6 +92,8 @@ def _worker(model_path: str, max_chars: int, conn: Connection) -> None:
     die_with_parent()
     _limit_sandbox(max_chars)
     tokenizer = load_tokenizer(model_path)
+    render_chat(tokenizer, [{"role": "user", "content": "x"}], chat_template="{{ 'x' }}")
+    _cap_memory(_MEMORY_HEADROOM)
     conn.send(("ready", None))
     while True:
         try:
@@ -98,6 +129,8 @@ class TemplateSandbox:
         self.timeout_s = timeout_s
         self.max_chars = max_chars
         self._lock = threading.Lock()
+        # Requests' renders queue here, not on the server's shared worker threads.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="braid-template")
         self._proc: mp.Process | None = None
         self._conn: Connection | None = None
 
@@ -170,3 +203,4 @@ class TemplateSandbox:
     def close(self) -> None:
         with self._lock:
             self._kill()
+        self.executor.shutdown(wait=False, cancel_futures=True)
