@@ -125,7 +125,14 @@ def test_oversized_body_is_refused_then_sigterm_exits_0(tmp_path):
 
         r = httpx.post(s.url + C, content=chunks(), headers=h)
         assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
-        assert r.headers["connection"] == "close"  # the rest of the body is never read
+        assert r.headers["connection"] == "close"  # the rest of the body is never parsed
+        # The refused body is drained before the answer: the client gets the 413, not a reset
+        # (the server closing on unread data made TCP reset the connection).
+        big = b'{"prompt": "' + b"x" * 200_000 + b'"}'
+        for _ in range(5):
+            with httpx.Client(headers=h) as c:
+                assert c.get(s.url + "/no/such/route").status_code == 404
+                assert c.post(s.url + C, content=big).status_code == 413
         # API key: missing and wrong keys are 401, the right one works.
         assert httpx.post(s.url + C, json={"prompt": "x"}).status_code == 401
         wrong = httpx.post(s.url + C, json={"prompt": "x"}, headers={"Authorization": "Bearer no"})

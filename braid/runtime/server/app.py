@@ -393,6 +393,28 @@ def _json_response(body: bytes) -> Response:
     return Response(content=body, media_type="application/json")
 
 
+def _event_stream(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
+    """An SSE response of `events`; a client that leaves before the end is logged (closing
+    `events` aborts what it still streams)."""
+
+    async def logged() -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for event in events:
+                yield event
+            finished = True
+        finally:
+            if not finished:
+                logger.info(
+                    "client disconnected: aborted %s %s (streaming)",
+                    request.method,
+                    request.url.path,
+                )
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(logged(), media_type="text/event-stream")
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -994,7 +1016,7 @@ def create_app(state: ServerState, on_ready=None) -> FastAPI:
                     yield _sse({"index": i, **native(i)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(request, events())
 
         async def collect() -> None:
             async for i, out in await _first_output(streams):
@@ -1182,4 +1204,4 @@ async def _run_openai(
             yield chunk([], _usage(choices, prompt_choice))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _event_stream(request, events())

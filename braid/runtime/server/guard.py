@@ -140,6 +140,9 @@ class Guard:
     def __init__(self, app: Callable, cfg: GuardConfig) -> None:
         self.app = app
         self.cfg = cfg
+        # A refused body is read and dropped up to this much before the 413, so the client
+        # (still sending) gets the answer rather than a reset; past it the connection just ends.
+        self._drain_bytes = max(4 * cfg.max_body_bytes, 64 * 1024 * 1024)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -159,6 +162,7 @@ class Guard:
                 return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > cfg.max_body_bytes:
+            await _drain(receive, self._drain_bytes)
             await send_error(send, 413, _too_large(length, cfg.max_body_bytes))
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -191,11 +195,23 @@ class Guard:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.cfg.max_body_bytes:
+                if message.get("more_body", False):
+                    await _drain(receive, self._drain_bytes)
                 await send_error(send, 413, _too_large(f"over {total}", self.cfg.max_body_bytes))
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of a body, at most `budget` bytes (the body deadline of
+    `http.py` bounds the time)."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
 
 
 def _too_large(size: str, limit: int) -> str:
