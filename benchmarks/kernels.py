@@ -235,7 +235,7 @@ def _paged_batch(batch, prefix, new, heads, kvh, d, dtype, device):
 
 
 def _forward_batch(mode, batch, prefix, new, device):
-    from braid.runtime.executor.forward_batch import ForwardBatch
+    from braid.runtime.forward_batch import ForwardBatch
 
     seq = prefix + new
     rows = torch.arange(batch, device=device)
@@ -285,7 +285,7 @@ def bench_store_kv(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
 def bench_decode(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
     from braid.kernels import decode_attention
     from braid.kernels.attention_decode import workspace_numel
-    from braid.runtime.executor.forward_batch import ForwardMode
+    from braid.runtime.forward_batch import ForwardMode
 
     heads, kvh, d = sz.heads
     rows = []
@@ -327,7 +327,7 @@ def bench_decode(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
 
 def bench_extend(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
     from braid.kernels import extend_attention
-    from braid.runtime.executor.forward_batch import ForwardMode
+    from braid.runtime.forward_batch import ForwardMode
 
     heads, kvh, d = sz.heads
     rows = []
@@ -427,7 +427,7 @@ def bench_rotary(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
 
 def bench_silu_and_mul(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
     from braid.kernels import silu_and_mul
-    from braid.runtime.layers.activation import silu_and_mul_torch as torch_silu_and_mul
+    from braid.kernels.activation import silu_and_mul_reference
 
     rows = []
     for n in sz.token_counts:
@@ -438,7 +438,7 @@ def bench_silu_and_mul(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
                 f"tokens={n} d={sz.intermediate}",
                 t.eager(partial(silu_and_mul, x)),
                 t.graph(partial(silu_and_mul, x)),
-                t.eager(partial(torch_silu_and_mul, x)),
+                t.eager(partial(silu_and_mul_reference, x)),
                 "layers.activation.silu_and_mul (eager torch)",
                 bytes=3 * x.numel() // 2 * x.element_size(),
             )

@@ -4,7 +4,9 @@ The package exports the launchers, imported on first use: importing `braid.kerne
 import Triton, and the kernels are compiled (or, under TRITON_INTERPRET=1, interpreted)
 according to the environment at that first use. Each launcher checks its arguments and
 raises `ValueError` naming the one that is wrong; the `*_reference` functions live in the
-kernel modules (`braid.kernels.norm.rmsnorm_reference`, ...).
+kernel modules (`braid.kernels.norm.rmsnorm_reference`, ...), except those the runtime's layers
+also run as their CPU path, which live in `braid.kernels.reference` (torch alone, no Triton)
+and are re-exported by their kernel modules.
 """
 
 from __future__ import annotations

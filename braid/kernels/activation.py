@@ -1,4 +1,4 @@
-"""`silu(gate) * up` over `[gate | up]`, as braid/runtime/layers/activation.py computes it."""
+"""`silu(gate) * up` over `[gate | up]`, with `silu_and_mul_reference`'s rounding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
-from braid.runtime.layers.activation import silu_and_mul_torch
+from braid.kernels.reference import silu_and_mul_reference as silu_and_mul_reference
 
 
 @triton.jit
@@ -43,7 +43,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2, o2, x2.stride(0), o2.stride(0), D=d, BLOCK=block, num_warps=4
         )
     return out
-
-
-# The reference is the layer's own torch path (its CPU forward).
-silu_and_mul_reference = silu_and_mul_torch

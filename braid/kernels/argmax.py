@@ -1,7 +1,8 @@
 """Row-wise argmax of logits: greedy sampling's one reduction.
 
-`torch.argmax` over one row of a 128k vocabulary ran as a single-row reduction of ~27 us on an
-H200 (a batch-1 decode step is ~4.4 ms, so half a percent of it). Here the row is cut into
+`torch.argmax` over one row of a 128k vocabulary runs as a single-row reduction: one kernel many
+times longer than a short launch, a small but avoidable share of a batch-1 decode step on an
+H200 (measured: docs/benchmarks.md, Figures behind design choices). Here the row is cut into
 chunks reduced in parallel (stage 1: each chunk's max and first index of it), then one program
 per row picks the first chunk holding the row's max (stage 2): two short launches. Ties go to
 the lowest index, as in `torch.argmax`; a row of all -inf gives 0, as there. NaN counts as the

@@ -166,10 +166,11 @@ def _decode_stage2(
 
 def _stage1_config(block_d: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel for a head dim block. For head dim
-    128 on an H200 (`benchmarks/tune_attention.py`, results/tune_attention_cuda.json), three
-    stages of 64 keys were within 0.4% of the best of 18 configs at batch 32 x 4096, 256 x 640
-    and 1024 x 640 keys, and 18-26% faster than the first choice of two stages. Head dim 256
-    keeps 32 keys and two stages (its tiles are twice as large; not measured)."""
+    128 on an H200 (`benchmarks/tune_attention.py`), three stages of 64 keys were as fast as the
+    best of 18 configs, within noise, at batch 32 x 4096, 256 x 640 and 1024 x 640 keys, and
+    clearly faster than the first choice of two stages (measured: docs/benchmarks.md, Figures
+    behind design choices). Head dim 256 keeps 32 keys and two stages (its tiles are twice as
+    large; not measured)."""
     if block_d >= 256:
         return 32, 4, 2
     return 64, 4, 3

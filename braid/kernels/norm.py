@@ -1,4 +1,4 @@
-"""RMSNorm fused with the residual add, with `RMSNorm`'s rounding (braid/runtime/layers/norm.py).
+"""RMSNorm fused with the residual add, with `RMSNorm`'s rounding (`rmsnorm_reference`).
 
 One program normalises one row held whole in registers. The rounding points are the module's:
 `x + residual` is rounded to x's dtype (that sum is also the new residual), the normalised row
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from braid.kernels._checks import FLOAT_DTYPES, check_contiguous, check_tensor, next_pow2
-from braid.runtime.layers.norm import rmsnorm_torch
+from braid.kernels.reference import rmsnorm_reference as rmsnorm_reference
 
 MAX_HIDDEN = 65536
 
@@ -113,7 +113,3 @@ def rmsnorm(
             num_warps=min(max(block // 256, 1), 16),
         )
     return out if new_res is None else (out, new_res)
-
-
-# The reference is the module's own torch path (its CPU forward).
-rmsnorm_reference = rmsnorm_torch

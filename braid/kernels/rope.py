@@ -7,8 +7,9 @@ One program rotates every head of one token: cos/sin are read once per token.
 
 With `store=(v, k_cache, v_cache, loc)` the same program also writes the token's rotated K and
 its V into the KV pool at slot `loc[t]` (what `store_kv` does), so a layer's attention needs no
-separate store kernel: at batch-1 decode of an 8B model each of those is a ~1.2 us launch,
-32 per step.
+separate store kernel: at batch-1 decode of an 8B model each of those is a launch whose cost is
+its latency, not its work, 32 per step (measured: docs/benchmarks.md, Figures behind design
+choices).
 """
 
 from __future__ import annotations

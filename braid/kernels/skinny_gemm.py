@@ -6,22 +6,24 @@ with masked loads, the smallest `tl.dot` takes) and walks K in BLOCK_K chunks, s
 element is loaded once and shared by all rows, with no split of K and so no second reduce pass.
 Accumulation is float32; the output is rounded once to x's dtype, after the bias.
 
-Measured on an H200 at batch 1 of Llama-3.1-8B, the plain kernel runs exactly as fast as cuBLAS
-(`F.linear`), so the runtime does not route plain linears here. What it adds is fusion: with
-`activation="silu_and_mul"`, x is an MLP's [gate | up] and each K chunk's `silu(gate) * up` is
-made in registers from the two loaded halves, so the down projection of a decode step needs no
-separate activation kernel and no round trip of the activation through memory. Each program
-makes the activation of the chunks it reads again (x is small and stays in L2), N / BLOCK_N
-times over in all. A single row runs as a multiply-add loop rather than `tl.dot`, which makes
-it about twice per program instead of 64 times (see `_row_times_w`). Several
-rows go through `tl.dot`, whose operand layout makes each element 4 times per program (sm_90,
-4 warps); not measured, but by count that is more exp and divide work than the weight stream
-hides at down_proj's shape, so the runtime fuses only single-row steps (runtime/models/llama.py).
+On an H200 at batch 1 of Llama-3.1-8B, the plain kernel runs as fast as cuBLAS (`F.linear`) and
+no faster (measured: docs/benchmarks.md, Figures behind design choices), so the runtime does not
+route plain linears here. What it adds is fusion: with `activation="silu_and_mul"`, x is an
+MLP's [gate | up] and each K chunk's `silu(gate) * up` is made in registers from the two loaded
+halves, so the down projection of a decode step needs no separate activation kernel and no round
+trip of the activation through memory. Each program makes the activation of the chunks it reads
+again (x is small and stays in L2), N / BLOCK_N times over in all. A single row runs as a
+multiply-add loop rather than `tl.dot`, which makes it about twice per program instead of 64
+times (see `_row_times_w`). Several rows go through `tl.dot`, whose operand layout makes each
+element 4 times per program (sm_90, 4 warps); not measured, but by count that is more exp and
+divide work than the weight stream hides at down_proj's shape, so the runtime fuses only
+single-row steps (runtime/layers/fusion.py).
 
 With `norm_weight`, a single row's RMSNorm (after an optional residual add) is the prologue of
 the projection that follows it (qkv after input_layernorm, gate_up after
-post_attention_layernorm), replacing a separate `rmsnorm` launch of about 2 us per norm at
-batch 1 of Llama-3.1-8B. Every program first reads the whole row (and residual) once more to
+post_attention_layernorm), replacing a separate `rmsnorm` launch per norm, which at batch 1 of
+Llama-3.1-8B costs its launch latency, not its work (measured: docs/benchmarks.md, Figures
+behind design choices). Every program first reads the whole row (and residual) once more to
 make its sum of squares, then normalises each K chunk as it reads it; program 0 alone stores
 the new residual. The rounding points are `rmsnorm`'s, but the sum of squares is reduced in
 another order than that kernel's (its warps and blocks differ), so in float32 the result may
@@ -295,9 +297,10 @@ else:
         # The fused activation and norm (and the one-row form) are different loop bodies with
         # different best blocks, so each is tuned on its own.
         key=["N", "K", "ACTIVATION", "ONE_ROW", "NORM", "HAS_RESIDUAL"],
-        # Each call is tens of microseconds: 25 ms per config is hundreds of samples, and keeps
-        # the first call per shape (a model's handful of shapes, at start-up) well under a
-        # second each. The choice is kept on disk, so later processes skip the benchmarking.
+        # Each call is tens of microseconds (measured: docs/benchmarks.md, Figures behind design
+        # choices): 25 ms per config is hundreds of samples, and keeps the first call per shape
+        # (a model's handful of shapes, at start-up) well under a second each. The choice is
+        # kept on disk, so later processes skip the benchmarking.
         do_bench=_bench,
         cache_results=True,
     )(_heuristic_kernel)

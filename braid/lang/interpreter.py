@@ -1,11 +1,12 @@
-"""Running programs: `ProgramState` (the `s` a program appends to), its executor, fork/join,
+"""Running programs: `ProgramState` (the `s` a program appends to), fork/join (`ForkGroup`),
 streaming.
 
 Appending is asynchronous: `s += gen("x")` queues the node and returns at once; a worker
-thread per state runs the queue in order against the backend. The program blocks only when it
-reads a result (`s["x"]`, `s.text()`), so independent states (forks, a batch) run at the same
-time and the runtime batches their requests. A failure stops the state's queue and is raised,
-with the program line that queued the failing node, on the next read (and by `run`).
+thread per state (`braid.lang.executor`) runs the queue in order against the backend. The
+program blocks only when it reads a result (`s["x"]`, `s.text()`), so independent states
+(forks, a batch) run at the same time and the runtime batches their requests. A failure stops
+the state's queue and is raised, with the program line that queued the failing node, on the
+next read (and by `run`).
 """
 
 from __future__ import annotations
@@ -13,49 +14,17 @@ from __future__ import annotations
 import asyncio
 import linecache
 import os
-import queue
-import random
-import re
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from braid.lang.backends.base import Backend, Prompt
-from braid.lang.ir import (
-    DTYPE_RULES,
-    DtypeRule,
-    Expr,
-    Gen,
-    Image,
-    RoleBegin,
-    RoleEnd,
-    SamplingArgs,
-    Select,
-    SeparateReasoning,
-    Seq,
-    Text,
-    VarScopeBegin,
-    VarScopeEnd,
-    as_expr,
-    flatten,
-)
+from braid.lang.executor import Executor, Join, ProgramError, UnknownVariable
+from braid.lang.ir import Expr, RoleBegin, RoleEnd, Seq, VarScopeBegin, VarScopeEnd, as_expr
+
+__all__ = ["ForkGroup", "ProgramError", "ProgramState", "UnknownVariable", "caller_location"]
 
 _LANG_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class ProgramError(RuntimeError):
-    """A program failed; the message starts with the program line that queued the failing
-    step. The original exception is the `__cause__`."""
-
-
-class UnknownVariable(KeyError, ValueError):
-    """A program read a variable that nothing set."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def caller_location() -> str:
@@ -72,386 +41,6 @@ def caller_location() -> str:
     return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}: {code}"
 
 
-_END = object()
-
-
-@dataclass
-class _Join:
-    """Queued on the parent when a fork group joins."""
-
-    group: ForkGroup
-    mode: str
-
-
-@dataclass
-class _Sessions:
-    """The program sessions of one program run (the root state's and its forks'), closed when
-    the run ends."""
-
-    backend: Backend
-    open: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, session: str) -> None:
-        with self.lock:
-            self.open.append(session)
-
-    def close(self, session: str) -> None:
-        with self.lock:
-            if session not in self.open:
-                return
-            self.open.remove(session)
-        self.backend.close_session(session)
-
-
-class _Executor:
-    """Runs one state's queue of nodes in a worker thread."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        defaults: SamplingArgs,
-        session: str | None,
-        sessions: _Sessions | None,
-        parent: _Executor | None = None,
-    ) -> None:
-        self.backend = backend
-        self.defaults = defaults
-        self.session = session
-        self.sessions = sessions
-        if session is not None and sessions is not None:
-            sessions.add(session)
-        self.text = parent.text if parent else ""
-        self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
-        self.open_role = parent.open_role if parent else None
-        self.role_start = parent.role_start if parent else 0
-        self.images: list[str | bytes] = list(parent.images) if parent else []
-        # A variable is the text generated (SGLang's contract); `values` holds the converted
-        # value of a typed gen (dtype=int, ...), `spans` where each gen's text lies in `text`.
-        self.variables: dict[str, Any] = dict(parent.variables) if parent else {}
-        self.values: dict[str, Any] = dict(parent.values) if parent else {}
-        self.spans: dict[str, tuple[int, int]] = dict(parent.spans) if parent else {}
-        self.meta: dict[str, dict[str, Any]] = dict(parent.meta) if parent else {}
-        self.scopes: list[tuple[str, int]] = []
-        self.error: ProgramError | None = None
-        self.ended = False
-        self._end_queued = False
-        # The stream log: (variable or None, text piece or None for "variable done", meta).
-        self.chunks: list[tuple[str | None, str | None, dict[str, Any]]] = []
-        self.children: list[_Executor] = []
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="braid-program", daemon=True)
-        self._thread.start()
-
-    # ---- queue --------------------------------------------------------------------------
-    def submit(self, node: Any, where: str) -> None:
-        with self._cond:
-            if self.ended:
-                raise ProgramError(f"{where}: the program has ended; this state takes no more")
-            self._pending += 1
-        self._queue.put((node, where))
-
-    def end(self) -> None:
-        """Queue the end: after the queued nodes run, close the session and any forks."""
-        with self._cond:
-            if self._end_queued:
-                return
-            self._end_queued = True
-            self._pending += 1
-        self._queue.put((_END, ""))
-
-    def _work(self) -> None:
-        while True:
-            node, where = self._queue.get()
-            if node is _END:
-                for child in self.children:
-                    child.end()
-                    child.wait_ended()
-                if self.session is not None and self.sessions is not None:
-                    try:
-                        self.sessions.close(self.session)
-                    except Exception as e:  # the runtime died: the run reports it below
-                        self._fail("program end", e)
-                with self._cond:
-                    self.ended = True
-                    self._pending -= 1
-                    self._cond.notify_all()
-                return
-            if self.error is None:
-                try:
-                    self._run(node)
-                except Exception as e:
-                    self._fail(where, e)
-            with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
-
-    def _fail(self, where: str, e: Exception) -> None:
-        if isinstance(e, ProgramError):
-            err = ProgramError(str(e))
-        else:
-            err = ProgramError(f"{where}: {type(e).__name__}: {e}")
-        err.__cause__ = e
-        with self._cond:
-            self.error = err
-            self._cond.notify_all()
-
-    def sync(self) -> None:
-        """Wait until everything queued has run; raise the state's error, if any."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0 or self.ended)
-        if self.error is not None:
-            raise self.error
-
-    def wait_ended(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.ended)
-
-    def get_var(self, name: str) -> Any:
-        with self._cond:
-            self._cond.wait_for(
-                lambda: name in self.variables or self.error is not None or self._pending == 0
-            )
-            if name in self.variables:
-                return self.variables[name]
-        if self.error is not None:
-            raise self.error
-        known = sorted(self.variables)
-        raise UnknownVariable(f"variable {name!r} is not set by this program (set: {known})")
-
-    # ---- running nodes ------------------------------------------------------------------
-    def _append(self, text: str) -> None:
-        if not text:
-            return
-        self.text += text
-        self._log(None, text, {})
-
-    def _log(self, var: str | None, piece: str | None, meta: dict[str, Any]) -> None:
-        with self._cond:
-            self.chunks.append((var, piece, meta))
-            self._cond.notify_all()
-
-    def _set_var(self, name: str, value: Any) -> None:
-        with self._cond:
-            self.variables[name] = value
-            self._cond.notify_all()
-
-    def prompt(self) -> Prompt:
-        content = self.text[self.role_start :] if self.open_role else ""
-        return Prompt(
-            self.text, list(self.messages), self.open_role, content, list(self.images), self.session
-        )
-
-    def _run(self, node: Any) -> None:
-        if isinstance(node, _Join):
-            self._join(node)
-            return
-        for leaf in flatten(node):
-            self._run_leaf(leaf)
-
-    def _run_leaf(self, node: Expr) -> None:
-        if isinstance(node, Text):
-            self._append(node.value)
-        elif isinstance(node, RoleBegin):
-            self._role_begin(node.role)
-        elif isinstance(node, RoleEnd):
-            self._role_end(node.role)
-        elif isinstance(node, Gen):
-            self._gen(node)
-        elif isinstance(node, Select):
-            self._select(node)
-        elif isinstance(node, SeparateReasoning):
-            self._separate_reasoning(node)
-        elif isinstance(node, VarScopeBegin):
-            self.scopes.append((node.name, len(self.text)))
-        elif isinstance(node, VarScopeEnd):
-            if not self.scopes or self.scopes[-1][0] != node.name:
-                raise ValueError(f"var_scope({node.name!r}) ends but was not the innermost scope")
-            name, start = self.scopes.pop()
-            self._set_var(name, self.text[start:])
-        elif isinstance(node, Image):
-            if not self.backend.supports_images:
-                raise ValueError(
-                    "image(): this backend's model takes text only; images need a multimodal model"
-                )
-            self.images.append(node.source)
-        else:
-            raise ValueError(f"cannot run {type(node).__name__} in a program")
-
-    def _role_begin(self, role: str) -> None:
-        if self.open_role is not None:
-            raise ValueError(f"{role}(): begun inside the unfinished {self.open_role}() role")
-        template = self.backend.role_template
-        first = not self.messages and not self.text
-        try:
-            opening = template.begin(role, first)
-        except KeyError:
-            raise ValueError(f"{role}(): this model's chat template has no {role} role") from None
-        self._append(opening)
-        self.open_role, self.role_start = role, len(self.text)
-
-    def _role_end(self, role: str) -> None:
-        if self.open_role != role:
-            raise ValueError(f"{role}() ends but the open role is {self.open_role!r}")
-        content = self.text[self.role_start :]
-        self._append(self.backend.role_template.end(role))
-        self.messages.append({"role": role, "content": content})
-        self.open_role = None
-
-    def _gen(self, node: Gen) -> None:
-        sampling = node.sampling.over(self.defaults)
-        constraint = node.constraint
-        rule = None
-        if node.dtype is not None and constraint is None:
-            rule = DTYPE_RULES[node.dtype]
-            constraint = ("regex", rule.regex)
-            sampling = sampling.with_stop_regex(rule.stop_regex)
-        sent = 0
-
-        def on_delta(piece: str, meta: dict[str, Any]) -> None:
-            # Each chunk carries the logprobs of its own tokens (SGLang's incremental stream
-            # meta), and how many there are so far.
-            nonlocal sent
-            chunk = dict(meta)
-            if "output_token_logprobs" in meta:
-                total = len(meta["output_token_logprobs"])
-                chunk["output_token_logprobs"] = meta["output_token_logprobs"][sent:total]
-                if "output_top_logprobs" in meta:
-                    chunk["output_top_logprobs"] = meta["output_top_logprobs"][sent:total]
-                chunk["output_token_logprobs_length"] = total
-                sent = total
-            if piece:
-                self._log(node.name, piece, chunk)
-
-        # A typed value is cut to its literal when it ends, so it streams whole, at the end.
-        out = self.backend.generate(
-            self.prompt(), sampling, constraint, on_delta if rule is None else None
-        )
-        text, value = out.text, out.texts if out.texts is not None else out.text
-        if rule is not None:
-            text = _literal(text, rule)
-            value = [_literal(t, rule) for t in value] if out.texts else text
-            self._log(node.name, text, out.meta)
-        start = len(self.text)
-        self.text += text
-        if node.name is not None:
-            self.meta[node.name] = out.meta
-            self.spans[node.name] = (start, len(self.text))
-            if node.dtype is not None:
-                self.values[node.name] = _Typed(value, node.dtype, node.name)
-            self._log(node.name, None, out.meta)
-            self._set_var(node.name, value)
-
-    def _select(self, node: Select) -> None:
-        method = node.method
-        scores = self.backend.score_choices(
-            self.prompt(), list(node.choices), method.requires_unconditional_logprobs
-        )
-        for choice, toks in zip(node.choices, scores.tokens):
-            if not toks:
-                raise ValueError(f"select: choice {choice!r} has no scored tokens")
-        args = dict(
-            choices=list(node.choices),
-            normalized_prompt_logprobs=[sum(lp) / len(lp) for lp in scores.conditional],
-            input_token_logprobs=scores.tokens,
-            output_token_logprobs=[[] for _ in node.choices],
-            unconditional_token_logprobs=scores.unconditional,
-        )
-        if node.temperature > 0:
-            decision = method.sample(node.temperature, random.Random(), **args)
-        else:
-            decision = method(**args)
-        choice = decision.decision
-        if choice not in node.choices:
-            raise ValueError(
-                f"select: choices method {method!r} decided {choice!r}, which is not a choice"
-            )
-        self._append(choice)
-        if node.name is not None:
-            meta = dict(decision.meta_info or {})
-            meta.update(scores.meta)
-            meta["choice_index"] = node.choices.index(choice)
-            if hasattr(method, "scores"):
-                meta["scores"] = method.scores(scores.tokens, scores.unconditional)
-            self.meta[node.name] = meta
-            self.spans[node.name] = (len(self.text) - len(choice), len(self.text))
-            self._log(node.name, choice, meta)
-            self._log(node.name, None, meta)
-            self._set_var(node.name, choice)
-
-    def _separate_reasoning(self, node: SeparateReasoning) -> None:
-        from braid.runtime.reasoning import split_reasoning
-
-        # Later gens first: replacing a gen's text shifts only what comes after it.
-        for name in sorted(node.names, key=lambda n: self.spans[n][0], reverse=True):
-            value = self.variables[name]
-            if not isinstance(value, str):
-                raise ValueError(f"separate_reasoning: {name!r} has several samples (n > 1)")
-            reasoning, answer = split_reasoning(value, node.model_type)
-            start, end = self.spans[name]
-            self.text = self.text[:start] + answer + self.text[end:]
-            self.spans[name] = (start, start + len(answer))
-            self._set_var(f"{name}_reasoning_content", reasoning)
-            self._set_var(name, answer)
-
-    def _join(self, join: _Join) -> None:
-        for member in join.group.members:
-            member._ex.sync()
-        start = join.group.fork_text_len
-        if join.mode == "gather_variable":
-            names = {
-                k
-                for m in join.group.members
-                for k, v in m._ex.variables.items()
-                if k not in join.group.parent_vars or join.group.parent_vars[k] is not v
-            }
-            for name in sorted(names):
-                self._set_var(name, [m._ex.variables.get(name) for m in join.group.members])
-        elif join.mode == "concate_and_append":
-            self._append("".join(m._ex.text[start:] for m in join.group.members))
-        for member in join.group.members:
-            member._ex.end()
-
-
-def _literal(text: str, rule: DtypeRule) -> str:
-    """The typed literal at the start of `text`; a text that is no whole literal (cut off by
-    max_tokens) gets the rule's closing characters if they complete one, else stays as it
-    is."""
-    m = re.match(rule.value, text)
-    if m is not None and (m.end() == len(text) or not rule.close):
-        return m.group(0)
-    if rule.close and re.fullmatch(rule.value, text + rule.close):
-        return text + rule.close
-    return m.group(0) if m else text
-
-
-@dataclass(frozen=True)
-class _Typed:
-    """A typed gen's text, converted when asked (`ProgramState.get_value`): a text the type
-    does not parse (a gen cut off by max_tokens) fails then, not the program."""
-
-    text: str | list[str]
-    dtype: type
-    name: str
-
-    def value(self) -> Any:
-        if isinstance(self.text, list):
-            return [_Typed(t, self.dtype, self.name).value() for t in self.text]
-        t = self.text.strip()
-        if self.dtype is bool:
-            return t == "True"
-        if self.dtype is str:
-            return t[1:-1] if len(t) >= 2 and t[0] == t[-1] == '"' else t
-        try:
-            return self.dtype(t)
-        except ValueError:
-            raise ValueError(
-                f"gen({self.name!r}): {self.text!r} is not a {self.dtype.__name__}"
-            ) from None
-
-
 class ProgramState:
     """The state a program appends to (`s`), and what `run` returns. SGLang's `ProgramState`:
     `s[name]` / `get_var` read a variable (the generated text), `s[name] = v` / `set_var` set
@@ -459,7 +48,7 @@ class ProgramState:
     `text()`, `messages()`, `error()`, the streaming iterators. See the module docstring for
     when calls block."""
 
-    def __init__(self, executor: _Executor) -> None:
+    def __init__(self, executor: Executor) -> None:
         self._ex = executor
         self.ret_value: Any = None  # what the program function returned
 
@@ -514,7 +103,7 @@ class ProgramState:
         members = []
         for _ in range(n):
             session = f"{ex.session}.{len(ex.children)}" if ex.session else None
-            child = _Executor(ex.backend, ex.defaults, session, ex.sessions, parent=ex)
+            child = Executor(ex.backend, ex.defaults, session, ex.sessions, parent=ex)
             ex.children.append(child)
             members.append(ProgramState(child))
         return ForkGroup(self, members, len(ex.text), dict(ex.variables))
@@ -704,4 +293,4 @@ class ForkGroup:
             raise ValueError(
                 f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}"
             )
-        self.parent._ex.submit(_Join(self, mode), caller_location())
+        self.parent._ex.submit(Join(self, mode), caller_location())

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from braid.lang.backends.base import Backend
 from braid.lang.config import global_config
-from braid.lang.interpreter import ProgramState, _Executor, _Sessions
+from braid.lang.executor import Executor, Sessions
+from braid.lang.interpreter import ProgramState
 from braid.lang.ir import SAMPLING_ALIASES, SAMPLING_FIELDS, SamplingArgs
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ class Program:
     def _start(
         self, backend: Backend, defaults: SamplingArgs, args: tuple, kwargs: dict[str, Any]
     ) -> tuple[ProgramState, Callable[[], None]]:
-        sessions = _Sessions(backend)
+        sessions = Sessions(backend)
         session = f"prog-{uuid.uuid4().hex[:12]}" if self.sessions else None
-        state = ProgramState(_Executor(backend, defaults, session, sessions))
+        state = ProgramState(Executor(backend, defaults, session, sessions))
         call_kwargs = {**self.bound, **kwargs}
 
         def body() -> None:

@@ -1,8 +1,17 @@
-"""`EngineConfig`: every knob of the runtime, validated once at construction."""
+"""`EngineConfig`: every knob of the runtime, declared once and validated at construction.
+
+Each field is declared with `setting(default, doc, ...)`: its default, its doc, SGLang's names
+for it and, where it has one, its set of values. `LLM(**overrides)` resolves its keywords
+against these fields (`resolve_overrides`), `braid serve` generates its flags from them
+(`braid.runtime.server.cli`), and the scheduler reads the config object itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -13,72 +22,165 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+# New tokens one prefill batch may hold when `max_prefill_tokens` is unset.
+_DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    aliases: Sequence[str] = (),
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+    off_flag: str | None = None,
+) -> Any:
+    """A settings field, declared once: its `default` and its `doc` (the `--help` text; it says
+    what an unset value, None, means).
+
+    `aliases`: SGLang's flag names for the field ("--max-total-tokens"); `LLM` accepts their
+    Python spelling (`max_total_tokens`) as a keyword too. `choices`: the values it may take,
+    either a fixed tuple (the CLI refuses others) or a function returning them (an open
+    registry: checked at construction, listed in `--help`); None is allowed besides them when
+    the default is None. `off_flag`: SGLang's flag that sets a bool field to False."""
+    return field(
+        default=default,
+        metadata={"doc": doc, "aliases": tuple(aliases), "choices": choices, "off_flag": off_flag},
+    )
+
+
+def choices_of(f: Field) -> list[Any] | None:
+    """The values field `f` may take besides None, or None when any value of its type goes."""
+    choices = f.metadata.get("choices")
+    if choices is None:
+        return None
+    return list(choices() if callable(choices) else choices)
+
+
+def check_choices(settings: Any) -> None:
+    """`ValueError` for a field of the settings dataclass whose value is not one of its
+    choices (None passes where the default is None)."""
+    for f in fields(settings):
+        allowed, v = choices_of(f), getattr(settings, f.name)
+        if allowed is not None and not (v is None and f.default is None) and v not in allowed:
+            none = "None or " if f.default is None else ""
+            raise ValueError(f"{f.name} must be {none}one of {allowed}, got {v!r}")
+
+
+def python_name(flag: str) -> str:
+    """A flag's Python spelling: "--max-total-tokens" -> "max_total_tokens"."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _attention_backends() -> list[str]:
+    # Imported when asked: the registry is cheap, but config must not import it at load.
+    from braid.runtime.attention import backend_names
+
+    return backend_names()
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Runtime settings. `None` means "size it from the model and the machine".
+    """Runtime settings; each field's doc is its `setting(...)` below (and `braid serve
+    --help`). None means "size it from the model and the machine"; the sized values are the
+    properties (`torch_device`, `effective_*`, `use_*`)."""
 
-    - `kv_tokens`: KV pool capacity in tokens; else `mem_fraction_static` of memory (on CUDA:
-      of total GPU memory, weights included, as SGLang; on CPU: of available RAM).
-    - `context_length`: longest sequence (prompt + output); defaults to the model's, capped
-      by the KV capacity.
-    - `max_running_requests`: requests decoded together; `max_prefill_tokens`: new tokens one
-      prefill batch may hold.
-    - `chunked_prefill_size`: a prompt with more new tokens than this is prefilled in chunks
-      across steps (None: 8192 on CUDA, 4096 on CPU; -1: off, a long prompt runs alone).
-    - `schedule_policy`: "lpm" (longest cached prefix first, shared prefixes computed once)
-      or "fcfs". `disable_radix_cache`: no prefix caching (for A/B measurement).
-    - `generation_config`: "auto" takes default sampling values from the model's
-      generation_config.json (as vLLM does); "braid" uses braid's own defaults.
-    - `grammar_compile_timeout_s`: a constrained request whose grammar takes longer to compile
-      fails with an error saying so. `disable_jump_forward`: sample every token a grammar
-      forces instead of appending it (for A/B measurement).
-    - `attention_backend`: a name from `braid.runtime.attention.backend_names()`; None picks by
-      device: "triton" on CUDA, "torch_native" elsewhere.
-    - `cuda_graph_max_bs`: decode batches of up to this many requests (and at most
-      `max_running_requests`) replay CUDA graphs, padded to the next captured size; larger ones
-      run eagerly. `disable_cuda_graph`: always eager. Graphs are used only with the "triton"
-      backend on CUDA (`use_cuda_graph`).
-    - `overlap_schedule`: queue each decode step on the device before reading back the one
-      before it, so the host's per-step work overlaps the GPU's (`scheduler/overlap.py`). None:
-      on with CUDA, off elsewhere (CPU forwards are synchronous: nothing to overlap). False is
-      `--disable-overlap-schedule`; True forces it on (tests exercise it on CPU).
-    - `max_session_pins`, `session_ttl_s`: at most this many program sessions keep their state
-      pinned in the cache (the least recently used is released first), each until this long
-      after its last request (`scheduler/sessions.py`).
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    kv_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    page_size: int = 1
-    max_running_requests: int | None = None
-    max_prefill_tokens: int | None = None
-    context_length: int | None = None
-    chunked_prefill_size: int | None = None
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    seed: int = 0
-    generation_config: str = "auto"
-    attention_backend: str | None = None
-    load_format: str = "auto"
-    show_progress: bool = True
-    grammar_compile_timeout_s: float = 30.0
-    disable_jump_forward: bool = False
-    cuda_graph_max_bs: int = 160
-    disable_cuda_graph: bool = False
-    overlap_schedule: bool | None = None
-    max_session_pins: int = 64
-    session_ttl_s: float = 600.0
+    model: str | None = setting(
+        None,
+        "a Hugging Face directory, a .gguf file, or 'smollm2-135m'; unset: the embedded "
+        "SmolLM2-135M-Instruct",
+        aliases=("--model-path",),
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and activations; auto: float32 on CPU, the model's 16-bit type (else "
+        "bfloat16) on CUDA",
+        choices=("auto", *_DTYPES),
+    )
+    device: str | None = setting(None, "cpu, cuda or cuda:N; unset: cuda when there is one")
+    kv_tokens: int | None = setting(
+        None,
+        "KV pool capacity in tokens; unset: mem_fraction_static of memory",
+        aliases=("--max-total-tokens",),
+    )
+    mem_fraction_static: float | None = setting(
+        None,
+        "fraction of memory, in (0, 1), for the KV pool: on CUDA of total GPU memory, weights "
+        "included (as SGLang); on CPU of available RAM; unset: 0.85 on CUDA, 0.15 on CPU",
+    )
+    page_size: int = setting(1, "tokens per KV page")
+    max_running_requests: int | None = setting(
+        None, "requests decoded together; unset: sized from the KV capacity"
+    )
+    max_prefill_tokens: int | None = setting(
+        None, "new tokens one prefill batch may hold; unset: 16384 on CUDA, 8192 on CPU"
+    )
+    context_length: int | None = setting(
+        None,
+        "longest sequence (prompt + output); unset: the model's; always capped by the KV capacity",
+    )
+    chunked_prefill_size: int | None = setting(
+        None,
+        "a prompt with more new tokens than this is prefilled in chunks across steps; -1 turns "
+        "it off (a long prompt runs alone); unset: 8192 on CUDA, 4096 on CPU",
+    )
+    schedule_policy: str = setting(
+        "lpm",
+        "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival order",
+        choices=("lpm", "fcfs"),
+    )
+    disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
+    seed: int = setting(0, "seeds the sampling of requests that give no seed")
+    generation_config: str = setting(
+        "auto",
+        "default sampling values; auto: from the model's generation_config.json (as vLLM); "
+        "braid: braid's own",
+        choices=("auto", "braid"),
+    )
+    attention_backend: str | None = setting(
+        None,
+        "attention implementation; unset: triton on CUDA, torch_native elsewhere",
+        choices=_attention_backends,
+    )
+    load_format: str = setting(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights from config.json, for benchmarks",
+        choices=("auto", "dummy"),
+    )
+    show_progress: bool = setting(True, "a progress bar while the weights load")
+    grammar_compile_timeout_s: float = setting(
+        30.0,
+        "seconds a json_schema/regex/choice grammar may take to compile; a request whose "
+        "grammar takes longer fails with an error saying so",
+        aliases=("--grammar-compile-timeout",),
+    )
+    disable_jump_forward: bool = setting(
+        False, "sample every token a grammar forces instead of appending it, for A/B measurement"
+    )
+    cuda_graph_max_bs: int = setting(
+        160,
+        "decode batches of up to this many requests (and at most max_running_requests) replay "
+        "CUDA graphs, padded to the next captured size; larger ones run eagerly. Graphs are "
+        "used only with the triton backend on CUDA",
+    )
+    disable_cuda_graph: bool = setting(False, "run every decode step eagerly")
+    overlap_schedule: bool | None = setting(
+        None,
+        "queue each decode step on the device before reading back the one before it, so the "
+        "host's per-step work overlaps the GPU's; unset: on with CUDA, off elsewhere (CPU "
+        "forwards are synchronous: nothing to overlap)",
+        off_flag="--disable-overlap-schedule",
+    )
+    max_session_pins: int = setting(
+        64,
+        "most program sessions whose state stays pinned in the cache; the least recently used "
+        "is released first",
+    )
+    session_ttl_s: float = setting(
+        600.0, "seconds a session pin lasts after its last request", aliases=("--session-ttl",)
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
+        check_choices(self)
         for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -86,21 +188,11 @@ class EngineConfig:
         cps = self.chunked_prefill_size
         if cps is not None and (not isinstance(cps, int) or (cps < 1 and cps != -1)):
             raise ValueError(f"chunked_prefill_size must be a positive integer or -1, got {cps!r}")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise ValueError(
-                f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}"
-            )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
         frac = self.mem_fraction_static
         if frac is not None and not 0 < frac < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac!r}")
-        if self.generation_config not in ("auto", "braid"):
-            raise ValueError(
-                f"generation_config must be 'auto' or 'braid', got {self.generation_config!r}"
-            )
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.max_session_pins, int) or self.max_session_pins < 1:
@@ -110,14 +202,6 @@ class EngineConfig:
         t = self.grammar_compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {t!r}")
-        if self.attention_backend is not None:
-            from braid.runtime.attention import backend_names
-
-            if self.attention_backend not in backend_names():
-                raise ValueError(
-                    f"attention_backend must be None or one of {backend_names()}, "
-                    f"got {self.attention_backend!r}"
-                )
         bs = self.cuda_graph_max_bs
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
@@ -167,6 +251,13 @@ class EngineConfig:
             return self.chunked_prefill_size
         return 8192 if self.torch_device.type == "cuda" else 4096
 
+    @property
+    def effective_max_prefill_tokens(self) -> int:
+        """`max_prefill_tokens`, or when None: 16384 on CUDA, 8192 elsewhere."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return _DEFAULT_MAX_PREFILL_TOKENS.get(self.torch_device.type, 8192)
+
     def torch_dtype(self, model_dtype: str | None) -> torch.dtype:
         """float32 on CPU for "auto" (CPU half-precision matmuls are slow and less exact);
         on CUDA the model's 16-bit dtype, or bfloat16."""
@@ -177,3 +268,37 @@ class EngineConfig:
         if model_dtype in ("bfloat16", "float16"):
             return _DTYPES[model_dtype]
         return torch.bfloat16
+
+
+def keyword_names() -> dict[str, str]:
+    """Every keyword `LLM` accepts for an engine setting, to the field it sets: each field's
+    name and the Python spelling of each of its aliases."""
+    names: dict[str, str] = {}
+    for f in fields(EngineConfig):
+        names[f.name] = f.name
+        for alias in f.metadata["aliases"]:
+            names[python_name(alias)] = f.name
+    return names
+
+
+def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`LLM`'s keywords to `EngineConfig` field names (values untouched). `ValueError` names
+    a keyword that is no setting, with the close matches, or a field given under two names."""
+    names = keyword_names()
+    resolved: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in overrides.items():
+        name = names.get(key)
+        if name is None:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = (
+                "did you mean " + " or ".join(repr(c) for c in close) + "?"
+                if close
+                else "the settings are " + ", ".join(f.name for f in fields(EngineConfig))
+            )
+            raise ValueError(f"unknown engine setting {key!r}: {hint}")
+        if name in given_as:
+            raise ValueError(f"{name} is given twice: as {given_as[name]!r} and {key!r}")
+        given_as[name] = key
+        resolved[name] = value
+    return resolved

@@ -23,9 +23,10 @@ from typing import Any
 from tqdm import tqdm
 
 from braid.runtime.assets import ModelAssets
-from braid.runtime.config import EngineConfig
+from braid.runtime.config import EngineConfig, resolve_overrides
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.launch import spawn_runtime
 from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.manager import TokenizerManager
@@ -102,62 +103,17 @@ class LLM:
     """An offline engine over braid's runtime.
 
     `model`: None or "smollm2-135m" for the embedded model, a Hugging Face directory, or a
-    .gguf file. Other arguments are `EngineConfig` fields. Use as a context manager or call
+    .gguf file. Every other keyword is an `EngineConfig` field by name (or SGLang's name for
+    it: `max_total_tokens` is `kv_tokens`); an unknown one is a `ValueError` naming it and the
+    close matches, raised before any process starts. Use as a context manager or call
     `shutdown()`.
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str = "auto",
-        kv_tokens: int | None = None,
-        max_running_requests: int | None = None,
-        context_length: int | None = None,
-        seed: int = 0,
-        generation_config: str = "auto",
-        page_size: int = 1,
-        max_prefill_tokens: int | None = None,
-        chunked_prefill_size: int | None = None,
-        schedule_policy: str = "lpm",
-        disable_radix_cache: bool = False,
-        mem_fraction_static: float | None = None,
-        device: str | None = None,
-        attention_backend: str | None = None,
-        load_format: str = "auto",
-        show_progress: bool = True,
-        cuda_graph_max_bs: int = 160,
-        disable_cuda_graph: bool = False,
-        grammar_compile_timeout_s: float = 30.0,
-        disable_jump_forward: bool = False,
-        overlap_schedule: bool | None = None,
-    ) -> None:
+    def __init__(self, model: str | Path | None = None, **overrides: Any) -> None:
         t0 = time.perf_counter()
-        self.config = EngineConfig(
-            model=None if model is None else str(model),
-            dtype=dtype,
-            device=device,
-            kv_tokens=kv_tokens,
-            mem_fraction_static=mem_fraction_static,
-            page_size=page_size,
-            max_running_requests=max_running_requests,
-            max_prefill_tokens=max_prefill_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            schedule_policy=schedule_policy,
-            disable_radix_cache=disable_radix_cache,
-            context_length=context_length,
-            seed=seed,
-            generation_config=generation_config,
-            attention_backend=attention_backend,
-            load_format=load_format,
-            show_progress=show_progress,
-            cuda_graph_max_bs=cuda_graph_max_bs,
-            disable_cuda_graph=disable_cuda_graph,
-            grammar_compile_timeout_s=grammar_compile_timeout_s,
-            disable_jump_forward=disable_jump_forward,
-            overlap_schedule=overlap_schedule,
-        )
-        self.assets = ModelAssets.load(model, with_tokenizer=False)
+        given = overrides if model is None else {"model": str(model), **overrides}
+        self.config = EngineConfig(**resolve_overrides(given))
+        self.assets = ModelAssets.load(self.config.model, with_tokenizer=False)
         self.model_path = self.assets.path
         self.model_config = self.assets.config
         self.eos_token_ids = self.assets.eos_token_ids
@@ -169,7 +125,9 @@ class LLM:
             target=self._loop.run_forever, name="braid-tokenizer-manager", daemon=True
         )
         self._thread.start()
-        self.tm = TokenizerManager(self.config, self.model_path, self.eos_token_ids)
+        self.tm = TokenizerManager(
+            self.config, self.model_path, self.eos_token_ids, spawn=spawn_runtime
+        )
         started = asyncio.run_coroutine_threadsafe(self.tm.start(), self._loop)
         try:
             # The tokenizer loads here while the runtime processes start.

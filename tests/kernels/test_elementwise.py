@@ -13,7 +13,7 @@ from braid.kernels.kv_store import store_kv_reference
 from braid.kernels.norm import rmsnorm_reference
 from braid.kernels.rope import rotary_reference
 from braid.kernels.token_bitmask import apply_token_bitmask_reference
-from braid.runtime.layers.activation import silu_and_mul_torch as layer_silu_and_mul
+from braid.runtime.layers.activation import silu_and_mul as layer_silu_and_mul
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.kernels.conftest import CPU_DTYPES
@@ -55,6 +55,8 @@ def test_rmsnorm_matches_the_module_with_and_without_residual(device, dtype):
 
 
 def test_rmsnorm_promotes_to_weight_dtype_and_reads_strided_rows(device):
+    # Seeded: about 1 draw in 300 puts one element a float32 rounding past the tolerance.
+    torch.manual_seed(0)
     x = torch.randn(6, 80, device=device).half()[:, :48]  # row stride 80
     w = torch.randn(48, device=device)
     got = rmsnorm(x, w, 1e-5)
@@ -175,7 +177,7 @@ def test_silu_and_mul_matches_the_layer(device, dtype):
     x = (3 * torch.randn(3, 4, 2 * 70, device=device)).to(dtype)
     got = silu_and_mul(x)
     assert got.shape == (3, 4, 70)
-    _ulp_close(got, layer_silu_and_mul(x))
+    _ulp_close(got.cpu(), layer_silu_and_mul(x.cpu()))  # the layer's torch path
     _ulp_close(got, silu_and_mul_reference(x))
 
 

@@ -13,15 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from braid.kernels import rmsnorm, silu_and_mul, skinny_linear
+from braid.kernels.reference import silu_and_mul_reference
 from braid.kernels.skinny_gemm import MAX_ROWS, skinny_linear_reference
-from braid.runtime.layers.activation import silu_and_mul_torch
-from braid.runtime.models.config import ModelConfig
-from braid.runtime.models.llama import (
+from braid.runtime.layers.fusion import (
     FUSED_MLP_MAX_ROWS,
-    LlamaMLP,
+    select_one_row_forward,
     select_silu_mul_down,
     silu_mul_down,
 )
+from braid.runtime.models.config import ModelConfig
+from braid.runtime.models.llama import LlamaMLP
 from tests.kernels.conftest import CPU_DTYPES
 
 
@@ -134,9 +135,9 @@ def test_fused_silu_and_mul_matches_reference_and_the_two_kernel_path(device, dt
     got = skinny_linear(x, w, b, activation="silu_and_mul")
     assert got.shape == (m, n) and got.is_contiguous() and torch.equal(x, x0)
     _close(got, skinny_linear_reference(x, w, b, activation="silu_and_mul"))
-    # The runtime's torch path: silu_and_mul_torch in x's dtype, then the matmul (float32
+    # The runtime's torch path: silu_and_mul_reference in x's dtype, then the matmul (float32
     # accumulation, one rounding: F.linear itself in float32, its float32 form in 16 bits).
-    h = silu_and_mul_torch(x)
+    h = silu_and_mul_reference(x)
     want = (
         F.linear(h, w, b) if dtype == torch.float32 else F.linear(h.float(), w.float(), b.float())
     )
@@ -157,7 +158,7 @@ def test_fused_activation_is_rounded_exactly_as_silu_and_mul_rounds_it(device, d
     eye = torch.eye(k, device=device, dtype=dtype)
     got = skinny_linear(x, eye, activation="silu_and_mul")
     assert torch.equal(got, silu_and_mul(x))
-    _close(got, silu_and_mul_torch(x))
+    _close(got, silu_and_mul_reference(x))
     if dtype != torch.float32:
         gate, up = x[:, :k].float(), x[:, k:].float()
         unrounded = (F.silu(gate) * up).to(dtype)
@@ -556,7 +557,6 @@ def test_one_token_fused_layer_gives_the_unfused_tokens(tiny_model_dirs, device,
     import types
 
     from braid.runtime.ipc.to_scheduler import GenerateReq
-    from braid.runtime.models.llama import select_one_row_forward
     from braid.runtime.sampling_params import SamplingParams
     from tests.conftest import local_scheduler, run_to_end
 

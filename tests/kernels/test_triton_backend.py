@@ -14,7 +14,7 @@ from braid.runtime.attention import create_backend
 from braid.runtime.attention.torch_native import TorchNativeBackend
 from braid.runtime.attention.triton_backend import TritonBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from tests.conftest import hf_greedy
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -170,6 +170,7 @@ def test_backend_rejects_bad_configuration(device, monkeypatch):
     with pytest.raises(ValueError, match="num_kv_splits"):
         TritonBackend(pool, table, 4, 2, 16, num_kv_splits=17)
     backend = TritonBackend(pool, table, 4, 2, 16)
+    assert backend.supports_cuda_graph and backend.device.type == device.type
     assert all(1 <= backend.kv_splits_for(bs) <= 16 for bs in (1, 7, 256))
     decode = _Setup(device, torch.float32, 1, None, [2], [1]).batch(ForwardMode.DECODE)
     with pytest.raises(ValueError, match="init_cuda_graph_state"):

@@ -1,6 +1,7 @@
 """The same programs on all three backends: braid's Engine in-process, a RuntimeEndpoint on a
-real `braid serve`, and the OpenAI backend (the real `openai` client) on that same server.
-Greedy, so the outputs must be identical."""
+real `braid serve` (the package's `served`, shared with test_sglang_programs.py), and the OpenAI
+backend (the real `openai` client) on that same server. Greedy, so the outputs must be
+identical."""
 
 from __future__ import annotations
 
@@ -8,14 +9,6 @@ import httpx
 import pytest
 
 import braid as sgl
-from tests.server.conftest import start_server
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("lang-serve"))
-    yield s
-    s.stop()
 
 
 @sgl.function

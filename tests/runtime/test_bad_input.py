@@ -147,7 +147,7 @@ def test_failure_in_the_first_prefill_fails_the_admitted_requests(tiny_model_dir
     assert [(o.rid, o.finish_reason) for o in outs] == [("x", "abort")]
     assert "no memory" in outs[0].error
     sched.check_invariants()
-    assert not sched.has_work and not sched.in_flight
+    assert not sched.has_work and len(sched.requests) == 0
     sched.runner.forward = real_forward
     loop.handle(GenerateReq("y", [1, 2, 3, 4], SamplingParams(max_tokens=2), 0))
     outs = [o for _ in range(4) for b in loop.step() for o in b.outputs]

@@ -292,7 +292,7 @@ def _accepted_prefix(index, ids: list[int], eos: int) -> tuple[bool, bool]:
 @pytest.mark.parametrize("jump_forward", [True, False], ids=["jump-forward", "token-by-token"])
 def test_sampled_outputs_of_a_random_model_are_accepted_prefixes(tiny, jump_forward):
     sched, eos = tiny
-    sched.jump_forward = jump_forward
+    sched.grammars.jump_forward_enabled = jump_forward
     jumped_before = sched.stats.jump_forward_tokens
     kw = {"json_schema": "json_schema", "regex": "regex", "choice": "choice"}
     for n, (kind, spec) in enumerate(TINY_SPECS):

@@ -15,19 +15,23 @@ import torch
 
 import braid
 from braid import SamplingParams
+from braid.kernels.reference import rmsnorm_reference, silu_and_mul_reference
+from braid.runtime.attention import create_backend
+from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.config import EngineConfig
 from braid.runtime.executor.cuda_graph import (
     PAD_POSITION,
     PAD_SLOT,
     PAD_TOKEN_ID,
+    CudaGraphRunner,
     StaticDecodeInputs,
     capture_batch_sizes,
     padded_batch_size,
 )
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.ipc.to_scheduler import GenerateReq
-from braid.runtime.layers.activation import silu_and_mul, silu_and_mul_torch
-from braid.runtime.layers.norm import RMSNorm, rmsnorm_torch
+from braid.runtime.layers.activation import silu_and_mul
+from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import FusedRotaryTables, RotaryEmbedding, apply_rotary
 from braid.runtime.server.cli import build_parser, serve
 from tests.conftest import hf_greedy, local_scheduler, run_to_end
@@ -82,7 +86,8 @@ def test_serve_flags_reach_the_engine_config():
     )
     assert build_parser().parse_args(["serve", "--disable-cuda-graph"]).disable_cuda_graph
     no_overlap = build_parser().parse_args(["serve", "--disable-overlap-schedule"])
-    assert no_overlap.disable_overlap_schedule
+    assert no_overlap.overlap_schedule is False
+    assert build_parser().parse_args(["serve"]).overlap_schedule is None
     # A bad backend name ends `braid serve` with exit status 2 before anything starts.
     bad = build_parser().parse_args(
         ["serve", "--attention-backend", "nope", "--log-level", "error"]
@@ -154,6 +159,25 @@ def test_static_inputs_take_the_real_rows_and_pad_the_rest_in_place():
         inputs.batch(9)
 
 
+def test_a_backend_without_graph_support_says_so_and_the_runner_refuses_it():
+    pool = KVPool(1, 4, 1, 2, 16, torch.float32, torch.device("cpu"))
+    table = ReqToTokenPool(2, 8, torch.device("cpu"))
+    native = create_backend(
+        "torch_native", kv_pool=pool, req_to_token=table, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    assert not native.supports_cuda_graph and native.device == torch.device("cpu")
+    batch = StaticDecodeInputs(2, native.device).batch(2)
+    for hook in (
+        lambda: native.init_cuda_graph_state(2),
+        lambda: native.init_forward_metadata_capture_cuda_graph(batch),
+        lambda: native.init_forward_metadata_replay_cuda_graph(batch, 2),
+    ):
+        with pytest.raises(NotImplementedError, match="TorchNativeBackend does not support CUDA"):
+            hook()
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        CudaGraphRunner(torch.nn.Identity(), native, 2)
+
+
 def test_cpu_runs_eagerly_on_torch_native_with_the_torch_layers(tiny_model_dirs):
     sched = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, device="cpu")
     assert sched.runner.graph_runner is None
@@ -182,15 +206,15 @@ def test_layers_built_on_cuda_use_the_fused_kernels_and_match_torch(dtype):
     norm.weight.data = randn(64)
     head_norm.weight.data = randn(16)
     x, res = randn(5, 64), randn(5, 64)
-    torch.testing.assert_close(norm(x), rmsnorm_torch(x, norm.weight, 1e-5), **tol)
+    torch.testing.assert_close(norm(x), rmsnorm_reference(x, norm.weight, 1e-5), **tol)
     got, got_res = norm(x, res)
-    want, want_res = rmsnorm_torch(x, norm.weight, 1e-5, res)
+    want, want_res = rmsnorm_reference(x, norm.weight, 1e-5, res)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got_res, want_res, **tol)
     # Per-head q norm (Qwen3) on heads sliced from a fused QKV output: not row-contiguous.
     qkv = randn(5, 4 * 16 + 2 * 2 * 16)
     q = qkv[:, :64].reshape(5, 4, 16)
-    torch.testing.assert_close(head_norm(q), rmsnorm_torch(q, head_norm.weight, 1e-5), **tol)
+    torch.testing.assert_close(head_norm(q), rmsnorm_reference(q, head_norm.weight, 1e-5), **tol)
 
     # Rotary: the module created on CUDA rotates q and k in place with the kernel; a module
     # created on CPU and moved keeps the torch path, the reference here.
@@ -206,7 +230,7 @@ def test_layers_built_on_cuda_use_the_fused_kernels_and_match_torch(dtype):
     torch.testing.assert_close(got_k, want_k, **tol)
 
     gate_up = randn(5, 2 * 48)
-    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), **tol)
+    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **tol)
 
 
 def _generate(sched, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -54,9 +54,9 @@ def make_scheduler(tiny, pools):
     def make(**config):
         path, eos = tiny
         sched = local_scheduler(path, frozenset({eos}), kv_tokens=2048, **config)
-        pools.append(sched.grammar_waiting.compiler)
+        pools.append(sched.grammars.waiting.compiler)
         # Load the vocabulary first, so that time limits measure compiles alone.
-        sched.grammar_waiting.compiler.submit("regex", "warm").result()
+        sched.grammars.waiting.compiler.submit("regex", "warm").result()
         return sched
 
     return make
@@ -129,7 +129,7 @@ def test_free_request_runs_while_a_grammar_compiles(make_scheduler, free_alone):
     free_ids: list[int] = []
     steps = steps_while_compiling = 0
     while True:
-        compiling = [r.rid for r in sched.grammar_waiting] == ["slow"]
+        compiling = [r.rid for r in sched.grammars] == ["slow"]
         outs = {o.rid: o for o in sched.step()}
         steps += 1
         free = outs["free"]  # the free request gains a token at every step
@@ -139,7 +139,7 @@ def test_free_request_runs_while_a_grammar_compiles(make_scheduler, free_alone):
             break
     # One prefill and 11 decodes, as when alone, all while the other grammar compiled.
     assert free_ids == free_alone and steps == len(free_alone) == steps_while_compiling
-    assert [r.rid for r in sched.grammar_waiting] == ["slow"]
+    assert [r.rid for r in sched.grammars] == ["slow"]
     ids, finish, errors = _drain(sched)
     assert finish["slow"] in ("stop", "length") and not errors and 1 <= len(ids["slow"]) <= 6
 
@@ -340,6 +340,6 @@ def test_the_time_limit_is_a_validated_config_field_and_a_serve_flag():
     args = build_parser().parse_args(
         ["serve", "--grammar-compile-timeout", "5", "--disable-jump-forward"]
     )
-    assert (args.grammar_compile_timeout, args.disable_jump_forward) == (5.0, True)
+    assert (args.grammar_compile_timeout_s, args.disable_jump_forward) == (5.0, True)
     args = build_parser().parse_args(["serve"])
-    assert (args.grammar_compile_timeout, args.disable_jump_forward) == (30.0, False)
+    assert (args.grammar_compile_timeout_s, args.disable_jump_forward) == (30.0, False)

@@ -132,7 +132,7 @@ def _greedy(
 ) -> tuple[str, int, int]:
     """(text, model steps, jumped tokens) of one request alone, from a cold cache; it must
     finish by a stop unless `max_tokens` is not the default."""
-    sched.jump_forward = jump_forward
+    sched.grammars.jump_forward_enabled = jump_forward
     assert sched.flush_cache()
     before = (sched.stats.prefill_steps + sched.stats.decode_steps, sched.stats.jump_forward_tokens)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, json_schema=schema)
@@ -282,7 +282,7 @@ def test_greedy_jumps_are_verified_under_memory_pressure(tiny):
     runs = []
     for jump in (False, True):
         sched = local_scheduler(path, frozenset({eos}), kv_tokens=64)
-        sched.jump_forward = jump
+        sched.grammars.jump_forward_enabled = jump
         for n in range(8):
             sched.handle(GenerateReq(f"g{n}", [3, 4, 5 + n], sp, 0))
         runs.append((run_to_end(sched), sched.stats))

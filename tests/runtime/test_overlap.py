@@ -51,10 +51,10 @@ def _run(sched, got: dict[str, dict] | None = None) -> dict[str, dict]:
 
 
 def _all_kv_free_or_cached(sched) -> None:
-    a = sched.allocator
+    a = sched.kv.allocator
     assert not sched.running and not sched.waiting and sched._launched is None
-    assert a.free_pages + sched.cache.total_pages == a.capacity_pages
-    assert sched.table.free_slots == sched.table.size
+    assert a.free_pages + sched.kv.cache.total_pages == a.capacity_pages
+    assert sched.kv.table.free_slots == sched.kv.table.size
 
 
 def _mixed_requests(stop_token: int | None) -> list[GenerateReq]:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import braid
 from braid import SamplingParams
-from braid.runtime.executor.forward_batch import ForwardMode
+from braid.runtime.forward_batch import ForwardMode
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from tests.conftest import (
     assert_kv_all_free_or_cached,
@@ -35,7 +35,7 @@ _free_plus_cached = assert_kv_all_free_or_cached
 def _local_free_plus_cached(s) -> None:
     s.check_invariants()
     assert not s.running and not s.waiting and s.prefilling is None
-    assert s.allocator.free_pages + s.cache.total_pages == s.allocator.capacity_pages
+    assert s.kv.allocator.free_pages + s.kv.cache.total_pages == s.kv.allocator.capacity_pages
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +247,9 @@ def test_200_mixed_requests_with_aborts_and_failures_leak_nothing(tiny_model_dir
         s.check_invariants()
     assert failed == 12
     _local_free_plus_cached(s)
-    assert s.cache.total_pages > 0
+    assert s.kv.cache.total_pages > 0
     assert s.flush_cache()
-    assert s.allocator.free_pages == s.allocator.capacity_pages
+    assert s.kv.allocator.free_pages == s.kv.allocator.capacity_pages
 
 
 def test_prompt_logprobs_survive_a_small_prefill_budget(tiny_model_dirs):

@@ -7,7 +7,7 @@ import pytest
 
 import braid
 from braid import SamplingParams
-from braid.runtime.executor.forward_batch import ForwardMode
+from braid.runtime.forward_batch import ForwardMode
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from tests.conftest import local_scheduler
 
@@ -66,7 +66,10 @@ def test_new_requests_are_prefilled_between_decode_steps(sched):
     for prev, cur in zip(modes, modes[1:]):
         if prev[0] is ForwardMode.EXTEND and prev[2]:
             assert cur[0] is ForwardMode.DECODE
-    assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages
+    assert (
+        sched.kv.allocator.free_pages + sched.kv.cache.total_pages
+        == sched.kv.allocator.capacity_pages
+    )
 
 
 def test_abort_frees_a_running_and_a_waiting_request(sched):
@@ -82,7 +85,10 @@ def test_abort_frees_a_running_and_a_waiting_request(sched):
     sched.check_invariants()
     sched.abort_all()
     sched.check_invariants()
-    assert sched.allocator.free_pages + sched.cache.total_pages == sched.allocator.capacity_pages
+    assert (
+        sched.kv.allocator.free_pages + sched.kv.cache.total_pages
+        == sched.kv.allocator.capacity_pages
+    )
 
 
 def test_max_tokens_zero_prefills_and_caches_without_generating(sched):

@@ -352,11 +352,12 @@ def test_any_model_name_gets_the_served_model(client):
 
 
 def test_strict_model_name_refuses_other_names():
-    from braid.runtime.server.app import APIError, ServerState, _check_model
+    from braid.runtime.server.app import APIError, ServerState
+    from braid.runtime.server.inputs import check_model
 
     state = ServerState(None, None, "smollm2-135m", "/models/smollm2", None, strict_model_name=True)
-    _check_model(state, "smollm2-135m")
-    _check_model(state, "/models/smollm2")
+    check_model(state, "smollm2-135m")
+    check_model(state, "/models/smollm2")
     with pytest.raises(APIError, match="does not exist") as e:
-        _check_model(state, "gpt-5")
+        check_model(state, "gpt-5")
     assert e.value.status == 404

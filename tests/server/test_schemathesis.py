@@ -52,6 +52,7 @@ def test_schemathesis_finds_no_failure(tmp_path):
             capture_output=True,
             text=True,
             timeout=240,
+            cwd=tmp_path,  # its cache (.schemathesis/) stays out of the checkout
         )
     finally:
         s.stop()

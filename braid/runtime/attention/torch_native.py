@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from braid.runtime.attention import register_backend
+from braid.runtime.attention import BACKENDS
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.layers.rotary import apply_rotary
 
 
@@ -33,8 +33,10 @@ class _DecodeMeta:
     mask: torch.Tensor  # [batch, 1, 1, max_len] True where the key is visible
 
 
-@register_backend("torch_native")
+@BACKENDS.register
 class TorchNativeBackend(AttentionBackend):
+    """Attention in plain torch; no CUDA-graph support (`supports_cuda_graph` is False)."""
+
     def __init__(
         self,
         kv_pool: KVPool,
@@ -52,6 +54,10 @@ class TorchNativeBackend(AttentionBackend):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+
+    @property
+    def device(self) -> torch.device:
+        return self.req_to_token.table.device
 
     def _visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         mask = k_pos <= q_pos
@@ -102,8 +108,9 @@ class TorchNativeBackend(AttentionBackend):
         k_buf = self.kv_pool.k[layer_id]
         v_buf = self.kv_pool.v[layer_id]
         meta = batch.attn_metadata
-        # index_select, not advanced indexing: several times faster on CPU. SDPA's own GQA
-        # (enable_gqa) avoids copying each KV head out once per query head.
+        # index_select, not advanced indexing: several times faster on CPU (measured:
+        # docs/benchmarks.md, Figures behind design choices). SDPA's own GQA (enable_gqa)
+        # avoids copying each KV head out once per query head.
         if batch.mode is ForwardMode.DECODE:
             b, max_len = meta.slots.shape
             flat = meta.slots.reshape(-1)

@@ -19,10 +19,10 @@ import torch
 from braid.kernels.attention_decode import decode_attention, workspace_numel
 from braid.kernels.attention_extend import extend_attention
 from braid.kernels.kv_store import store_kv
-from braid.runtime.attention import register_backend
+from braid.runtime.attention import BACKENDS
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.layers.rotary import FusedRotaryTables, apply_rotary
 
 # Decode splits: enough programs to fill a GPU (about this many) without merging many tiny
@@ -74,7 +74,7 @@ class _GraphBuffers:
     workspace: torch.Tensor  # float32, sized for max_bs at any split count
 
 
-@register_backend("triton")
+@BACKENDS.register
 class TritonBackend(AttentionBackend):
     """Triton attention over `KVPool` and `ReqToTokenPool`.
 
@@ -82,27 +82,23 @@ class TritonBackend(AttentionBackend):
     backend. `num_kv_splits` fixes the decode split count; by default it depends only on the
     batch size (`kv_splits_for(bs)`), so a captured graph for a batch size always uses the same.
 
-    CUDA-graph contract (decode only):
+    CUDA graphs (decode only), as `AttentionBackend` describes them:
 
-    1. `init_cuda_graph_state(max_bs)`, once, allocates static int64 `req_pool_indices` and
+    1. `init_cuda_graph_state(max_bs)` allocates static int64 `req_pool_indices` and
        `seq_lens` buffers of `max_bs` entries and a workspace big enough for any bs <= max_bs.
-    2. Capture at padded batch size bs: the runner builds a decode `ForwardBatch` of bs rows
-       over its own static input buffers, calls `init_forward_metadata_capture_cuda_graph(
-       batch)` (instead of `init_forward_metadata`) and captures the model forward. The
-       metadata refers to the first bs entries of the static buffers, which are set to
-       padding values.
-    3. Replay: `init_forward_metadata_replay_cuda_graph(batch, bs)` with the real decode batch
-       of n <= bs requests copies its `req_pool_indices` and `seq_lens` into the static
-       buffers in place (device copies, no host synchronisation) and fills rows n..bs-1 with
-       padding: table row `PAD_REQ_ROW` and length `PAD_SEQ_LEN` (1). A padded row therefore
-       reads one KV slot, `req_to_token[PAD_REQ_ROW, 0]`: page 0's slot 0 while that row has
-       never been used (the table starts zeroed), else some request's slot; either way a valid
-       index, so the read is harmless and its output row is discarded (`ReqToTokenPool` has no
-       reserved padding row; reserving one would make the read exactly slot 0). The runner
-       pads its own `out_cache_loc` with
-       slot 0 (the padding page, which `KVPool` reserves), so padded K/V writes land there.
-       Then it replays the graph and reads the first n rows of the output.
+    2. `init_forward_metadata_capture_cuda_graph(batch)` points the metadata at the first bs
+       entries of the static buffers, set to padding values.
+    3. `init_forward_metadata_replay_cuda_graph(batch, bs)` copies the real batch's
+       `req_pool_indices` and `seq_lens` into the static buffers in place (device copies, no
+       host synchronisation) and fills rows n..bs-1 with padding: table row `PAD_REQ_ROW` and
+       length `PAD_SEQ_LEN` (1). A padded row therefore reads one KV slot,
+       `req_to_token[PAD_REQ_ROW, 0]`: page 0's slot 0 while that row has never been used (the
+       table starts zeroed), else some request's slot; either way a valid index, so the read
+       is harmless and its output row is discarded (`ReqToTokenPool` has no reserved padding
+       row; reserving one would make the read exactly slot 0).
     """
+
+    supports_cuda_graph = True
 
     def __init__(
         self,

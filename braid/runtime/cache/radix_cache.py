@@ -79,7 +79,21 @@ class PrefixCache(ABC):
         """Free every cached page. Only valid while nothing is locked."""
 
     @abstractmethod
+    def cached_pages(self) -> list[int]:
+        """Every page the cache holds (locked or not)."""
+
+    @abstractmethod
     def check_invariants(self) -> None: ...
+
+    @abstractmethod
+    def check_locks(self, holders: list[TreeNode]) -> None:
+        """Assert that each node's lock count is the number of `holders` (one entry per lock
+        taken with `lock`, the node it was taken on) whose path runs through it."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the cache adopts what is inserted (False: caching is off)."""
+        return True
 
     @property
     def root(self) -> TreeNode:
@@ -120,8 +134,18 @@ class NoPrefixCache(PrefixCache):
     def reset(self) -> None:
         pass
 
+    def cached_pages(self) -> list[int]:
+        return []
+
     def check_invariants(self) -> None:
         assert not self._root.children
+
+    def check_locks(self, holders: list[TreeNode]) -> None:
+        assert all(h is self._root for h in holders), "a lock on a node caching-off never made"
+
+    @property
+    def enabled(self) -> bool:
+        return False
 
 
 class RadixCache(PrefixCache):
@@ -289,6 +313,15 @@ class RadixCache(PrefixCache):
 
     def cached_pages(self) -> list[int]:
         return [p for n in self._nodes() for p in n.pages]
+
+    def check_locks(self, holders: list[TreeNode]) -> None:
+        expected: dict[int, int] = {}
+        for node in holders:
+            while node is not None and node is not self._root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        for node in self._nodes():
+            assert node.lock_ref == expected.get(id(node), 0), "lock count off"
 
     def check_invariants(self) -> None:
         """Edges are whole pages keyed by their first page, a child's lock count never exceeds

@@ -5,7 +5,7 @@ Rows are written on the CPU by outlines-core (`GrammarMatcher.fill_bitmask`) and
 device in one transfer. On CUDA the mask is applied by braid's Triton kernel
 (`braid.kernels.apply_token_bitmask_`; if it cannot be imported, by `apply_token_bitmask_torch`),
 on the CPU by a numpy version. (outlines-core's own torch kernel goes through torch.compile, which
-costs about 20 s on first use.)
+makes its first use slow (measured: docs/benchmarks.md, Figures behind design choices).)
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def apply_token_bitmask_numpy(
     logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor
 ) -> None:
     """`apply_token_bitmask_torch` for float32 CPU tensors, in numpy: single-threaded, so it
-    pays no OpenMP start-up per operation, which on a busy 2-core machine cost the torch
-    version 10x (measured: 3.7 ms vs 21 ms for 16 rows of 49152)."""
+    pays no OpenMP start-up per operation, which on a busy 2-core machine made the torch
+    version several times slower (measured: docs/benchmarks.md, Figures behind design
+    choices)."""
     rows, vocab = bitmask.shape[0], logits.shape[1]
     bias = np.take(_byte_table_np(), bitmask.numpy().view(np.uint8), axis=0).reshape(rows, -1)
     width = min(bias.shape[1], vocab)

@@ -6,17 +6,18 @@ compile overruns its time limit its worker is killed and replaced, and no CPU ke
 for a request that has already failed.
 
 The workers are `subprocess.Popen` children, not `multiprocessing` ones: the scheduler runs in
-a daemonic multiprocessing process (`TokenizerManager._spawn`), and a daemonic process may not
-start multiprocessing children. A spawned child would also import its target's module (and so
-torch) and the parent's main module, where this worker imports outlines-core alone: it starts
-in about 0.1 s and holds about 22 MB with SmolLM2's vocabulary.
+a daemonic multiprocessing process (`braid.runtime.launch.spawn_runtime`), and a daemonic
+process may not start multiprocessing children. A spawned child would also import its target's
+module (and so torch) and the parent's main module, where this worker imports outlines-core
+alone, so it starts fast and stays small (measured with SmolLM2's vocabulary: docs/benchmarks.md,
+Figures behind design choices).
 
 What crosses the pipes: the `GrammarCompiler` (tokenizer, vocabulary, cache, forced strings)
 stays in this process, built by the first compile as before. Each worker gets the outlines-core
-`Vocabulary` once, pickled (0.6 MB for SmolLM2's 49k tokens), and for each compile returns the
-`Index`, which outlines-core pickles as bincode (a JSON-schema index is about 1 MB, a large
-regex's several). Loading it here takes about 3 ms per MB and holds the GIL, against hundreds
-of milliseconds to build it (which releases the GIL, in the worker).
+`Vocabulary` once, pickled, and for each compile returns the `Index`, which outlines-core
+pickles as bincode (a large regex's index is several times a JSON schema's). Loading it here is
+quick but holds the GIL, against a far longer build (which releases the GIL, in the worker).
+(Sizes and times measured: docs/benchmarks.md, Figures behind design choices.)
 
 Threads: each worker has a driver thread here that starts it, feeds it tasks from a shared
 queue and waits for its answers; a replacement starts as soon as a worker ends, before the
@@ -47,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import braid
 from braid.runtime.constrained.compile_worker import read_frame, write_frame
 from braid.runtime.constrained.grammar import CompiledGrammar, GrammarCompiler
 from braid.runtime.constrained.spec import grammar_key
@@ -60,6 +60,8 @@ T = TypeVar("T")
 STOP_GRACE_S = 0.5
 TIMEOUT_HINT = "(the limit is grammar_compile_timeout_s, --grammar-compile-timeout)"
 _WORKER_MODULE = "braid.runtime.constrained.compile_worker"
+# The directory holding the `braid` package this module was imported from.
+_BRAID_ROOT = Path(__file__).resolve().parents[3]
 
 
 class _Worker:
@@ -72,7 +74,7 @@ class _Worker:
         self._wake_in, self._wake_out = os.pipe()
         self.stopping = False
         # The worker imports braid from wherever this process did, installed or not.
-        path = [str(Path(braid.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]
+        path = [str(_BRAID_ROOT), os.environ.get("PYTHONPATH")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
         argv = [sys.executable, "-m", _WORKER_MODULE, str(tasks_in), str(results_out)]
         try:

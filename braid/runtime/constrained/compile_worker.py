@@ -10,8 +10,8 @@ that many bytes of pickle. The parent sends the outlines-core `Vocabulary` first
 
 The worker never outlives its parent: it exits when the task pipe closes, and Linux kills it
 (PR_SET_PDEATHSIG) when the parent thread that started it ends, which covers a parent killed
-while the worker is deep in a compile. It imports outlines-core and no torch, so it starts in
-about 0.1 s.
+while the worker is deep in a compile. It imports outlines-core and no torch, so it starts
+quickly (measured: docs/benchmarks.md, Figures behind design choices).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from outlines_core import Guide, Index, Vocabulary
 
+from braid.runtime.constrained import GRAMMAR_BACKENDS
 from braid.runtime.constrained.jump_forward import MAX_FORCED_BYTES, ForcedStrings
 from braid.runtime.constrained.spec import build_index, grammar_key
 from braid.runtime.constrained.spec import to_regex as to_regex  # callers import it from here
@@ -28,6 +29,7 @@ class CompiledGrammar:
     forced: ForcedStrings | None
 
 
+@GRAMMAR_BACKENDS.register
 class GrammarCompiler:
     """Compiles constraints against one tokenizer's vocabulary; compiled grammars are kept in a
     bounded LRU keyed by (kind, spec). `compile` may be called from several threads at once."""

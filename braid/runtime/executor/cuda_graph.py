@@ -1,14 +1,16 @@
 """Decode forwards replayed from CUDA graphs.
 
 A batch-1 decode step of an 8B model launches several hundred small kernels; launched one by
-one from Python, the host is the bottleneck (measured on an H200: 18% of the bandwidth roofline).
+one from Python, the host is the bottleneck: eager decode on an H200 reached a small fraction of
+the bandwidth roofline (measured: docs/benchmarks.md, Figures behind design choices).
 `CudaGraphRunner` captures the decode forward (the model up to the logits) once per padded
 batch size and replays it: one launch per step. A batch of n requests runs in the graph of the
 smallest captured size >= n; rows n.. are padding whose outputs are discarded.
 
 Padding rows are harmless by construction: token id 0 at position 0, writing its K/V to slot 0
 (page 0, which `KVPool` never hands out), and attending through the backend's padding row and
-length (`TritonBackend`'s CUDA-graph contract).
+length (the CUDA-graph contract of `AttentionBackend`, which any backend whose
+`supports_cuda_graph` is True keeps).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from braid.runtime.attention.triton_backend import TritonBackend
+    from braid.runtime.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class StaticDecodeInputs:
         self.out_cache_loc = full(PAD_SLOT)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
         # A valid row and length, never updated: the backend reads its own static copies of
-        # these two (TritonBackend's CUDA-graph contract).
+        # these two (`AttentionBackend`'s CUDA-graph contract).
         self._req_pool_indices = full(0)
         self._seq_lens = full(1)
 
@@ -115,7 +117,8 @@ class StaticDecodeInputs:
 
 class CudaGraphRunner:
     """Captures the decode forward of `model` (through `backend`) for every size in
-    `capture_batch_sizes(max_bs)` at construction, and replays it.
+    `capture_batch_sizes(max_bs)` at construction, and replays it. `backend` is any
+    `AttentionBackend` whose `supports_cuda_graph` is True (else `ValueError`).
 
     Capture runs largest size first on one side stream, after one eager warm-up run per size
     (which compiles the Triton kernels and sets up cuBLAS outside the graph); all graphs share
@@ -128,7 +131,12 @@ class CudaGraphRunner:
     until the next forward (which overwrites it).
     """
 
-    def __init__(self, model: nn.Module, backend: TritonBackend, max_bs: int) -> None:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, max_bs: int) -> None:
+        if not backend.supports_cuda_graph:
+            raise ValueError(
+                f"attention backend {type(backend).__name__} does not support CUDA graphs "
+                "(disable_cuda_graph=True, or --disable-cuda-graph, decodes eagerly)"
+            )
         self.model = model
         self.backend = backend
         self.device = backend.device

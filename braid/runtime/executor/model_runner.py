@@ -17,7 +17,7 @@ from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.config import EngineConfig
 from braid.runtime.executor.cuda_graph import CudaGraphRunner
-from braid.runtime.executor.forward_batch import ForwardBatch
+from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 

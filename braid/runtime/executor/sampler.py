@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from braid.runtime.constrained.bitmask import apply_token_bitmask
-from braid.runtime.executor.forward_batch import to_device
+from braid.runtime.forward_batch import to_device
 from braid.runtime.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF

@@ -10,41 +10,30 @@ factories), streaming tool-call deltas, and what `tools` / `tool_choice` mean fo
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from braid.runtime.registry import Registry
 
 if TYPE_CHECKING:
     from braid.runtime.function_call.base import ToolParser
 
-_REGISTRY: dict[str, type[ToolParser]] = {}
+PARSERS: Registry[type[ToolParser]] = Registry(
+    "tool_call_parser",
+    {
+        "hermes": "braid.runtime.function_call.hermes",
+        "llama3": "braid.runtime.function_call.llama3",
+        "mistral": "braid.runtime.function_call.mistral",
+        "pythonic": "braid.runtime.function_call.pythonic",
+    },
+    unknown="{kind}: {name!r} is unknown (have {known})",
+)
 
-_LAZY = {
-    "hermes": "braid.runtime.function_call.hermes",
-    "llama3": "braid.runtime.function_call.llama3",
-    "mistral": "braid.runtime.function_call.mistral",
-    "pythonic": "braid.runtime.function_call.pythonic",
-}
-
-PARSER_NAMES = tuple(sorted(_LAZY))
-
-
-def register_parser(name: str):
-    """Class decorator: registers a `ToolParser` under `name` and returns the class."""
-
-    def wrap(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+PARSER_NAMES = tuple(PARSERS.names())
 
 
 def get_parser(name: str) -> type[ToolParser]:
     """The parser class registered as `name`; `ValueError` naming the field if unknown."""
-    if name not in _REGISTRY and name in _LAZY:
-        importlib.import_module(_LAZY[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"tool_call_parser: {name!r} is unknown (have {list(PARSER_NAMES)})")
-    return _REGISTRY[name]
+    return PARSERS.get(name)
 
 
 # Markers a chat template writes when it teaches the model a call format, most specific first.

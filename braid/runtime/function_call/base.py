@@ -286,7 +286,8 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ToolCallStream):
-    """A model's tool-call format. Subclasses set `name` and implement the state machine.
+    """A model's tool-call format. Subclasses implement the state machine and are registered
+    under their format's name (`braid.runtime.function_call.PARSERS`).
 
     Only calls of functions named in `tools` become tool calls: a call of any other function,
     and a call whose text is malformed, is content, sent as the model wrote it. A call is sent
@@ -294,7 +295,6 @@ class ToolParser(ToolCallStream):
     re-serialized as compact-spaced JSON (`json.dumps`).
     """
 
-    name: ClassVar[str] = ""
     # Whether the format's markers are special tokens that must survive detokenization.
     needs_special_tokens: ClassVar[bool] = False
 

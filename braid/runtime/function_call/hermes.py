@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from braid.runtime.function_call import register_parser
+from braid.runtime.function_call import PARSERS
 from braid.runtime.function_call.base import (
     ToolParser,
     call_from_json,
@@ -14,15 +14,13 @@ from braid.runtime.function_call.base import (
 START, END = "<tool_call>", "</tool_call>"
 
 
-@register_parser("hermes")
+@PARSERS.register
 class HermesParser(ToolParser):
     """Each `<tool_call>...</tool_call>` block holds one JSON object with `name` and
     `arguments` (`parameters` is accepted too). Text outside blocks is content. A block whose
     body is not such an object, or names a function not in `tools`, is content as written.
     A block the output ends inside counts as a call if its body is already a complete call
     (models sometimes stop before the closing tag)."""
-
-    name = "hermes"
 
     def __init__(self, tools) -> None:
         super().__init__(tools)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from braid.runtime.function_call import register_parser
+from braid.runtime.function_call import PARSERS
 from braid.runtime.function_call.base import (
     Brackets,
     ToolParser,
@@ -16,7 +16,7 @@ from braid.runtime.function_call.base import (
 PYTHON_TAG = "<|python_tag|>"
 
 
-@register_parser("llama3")
+@PARSERS.register
 class Llama3Parser(ToolParser):
     """A call is a JSON object with `name` and `parameters` (`arguments` is accepted too).
     A call is recognised where one may start: at the very beginning of the output (after
@@ -24,8 +24,6 @@ class Llama3Parser(ToolParser):
     a `{` is ordinary content, as is an object that is not a call of a function in `tools`.
     `<|python_tag|>` is a special token: with `skip_special_tokens` it never reaches the text,
     and the calls then begin the output."""
-
-    name = "llama3"
 
     def __init__(self, tools) -> None:
         super().__init__(tools)

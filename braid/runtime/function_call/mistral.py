@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from braid.runtime.function_call import register_parser
+from braid.runtime.function_call import PARSERS
 from braid.runtime.function_call.base import (
     Brackets,
     ToolParser,
@@ -15,7 +15,7 @@ from braid.runtime.function_call.base import (
 MARKER = "[TOOL_CALLS]"
 
 
-@register_parser("mistral")
+@PARSERS.register
 class MistralParser(ToolParser):
     """`[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects (a single
     object is accepted too). The array is all or nothing: if any element is not a call of a
@@ -24,7 +24,6 @@ class MistralParser(ToolParser):
     while this parser runs. (The `[TOOL_CALLS]name[ARGS]{...}` form of newer Mistral
     tokenizers is not parsed.)"""
 
-    name = "mistral"
     needs_special_tokens = True
 
     def __init__(self, tools) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from braid.runtime.function_call import register_parser
+from braid.runtime.function_call import PARSERS
 from braid.runtime.function_call.base import Brackets, ToolParser, dumps_arguments
 
 
@@ -18,15 +18,13 @@ def _literal(node: ast.expr) -> Any:
     return value
 
 
-@register_parser("pythonic")
+@PARSERS.register
 class PythonicParser(ToolParser):
     """A Python list of calls with keyword arguments, parsed with `ast` (never evaluated):
     argument values must be literals. The list is all or nothing: if any element is not a
     call of a function in `tools` with literal keyword arguments, the whole list is content as
     written. A list is recognised wherever `[` is followed by a name and `(`; anything else
     starting with `[` is released as content as soon as it cannot be such a list."""
-
-    name = "pythonic"
 
     def __init__(self, tools) -> None:
         super().__init__(tools)

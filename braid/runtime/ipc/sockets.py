@@ -5,7 +5,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import zmq
@@ -28,6 +31,22 @@ class Addresses:
         return cls(f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer", d)
 
 
+@contextmanager
+def without_main_reimport() -> Iterator[None]:
+    """Spawned children normally re-run the caller's main script, so a script without an
+    `if __name__ == "__main__"` guard would start the engine again in every child. braid's
+    children need nothing from `__main__`, so hide it from multiprocessing while they start."""
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    for k in saved:
+        setattr(main, k, None) if k == "__spec__" else delattr(main, k)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies (a no-op elsewhere); the process
     loops also poll `parent_alive` as a fallback."""
@@ -44,7 +63,3 @@ def parent_alive(parent_pid: int) -> bool:
 
 def send(sock: zmq.Socket, msg: object) -> None:
     sock.send_multipart(codec.encode(msg), copy=False)
-
-
-def recv(sock: zmq.Socket) -> object:
-    return codec.decode(sock.recv_multipart())

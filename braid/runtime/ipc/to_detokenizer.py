@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Prompt tokens a request's detokenizer keeps as decoding context (`DetokSpec.prompt_tail`):
+# enough for any tokenizer's merges at the boundary.
+CONTEXT_TOKENS = 6
+
 
 @dataclass
 class TokenLogprob:

@@ -32,11 +32,11 @@ def _onednn_works() -> bool:
 def select_linear_fn(device: torch.device, dtype: torch.dtype) -> LinearFn:
     """The matmul for a weight on `device` in `dtype`, chosen once per layer.
 
-    On CPU in float32, oneDNN's linear is used where torch has it: measured on the 2-core
-    development machine it runs the LM head (49152 x 576) about 2x faster than the BLAS
-    `F.linear` path at batch 1 and 16. Elsewhere, `F.linear`: a Triton GEMV
-    (`braid.kernels.skinny_linear`) measured equal to cuBLAS at batch 1 on Llama-3.1-8B shapes
-    on an H200, so plain linears stay on cuBLAS.
+    On CPU in float32, oneDNN's linear is used where torch has it: on the 2-core development
+    machine it runs the LM head (49152 x 576) clearly faster than the BLAS `F.linear` path at
+    batch 1 and 16. Elsewhere, `F.linear`: a Triton GEMV (`braid.kernels.skinny_linear`) is no
+    faster than cuBLAS at batch 1 on Llama-3.1-8B shapes on an H200, so plain linears stay on
+    cuBLAS (both measured: docs/benchmarks.md, Figures behind design choices).
     """
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         if _onednn_works():

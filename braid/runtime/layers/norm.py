@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 as Hugging Face does, with an optional fused residual add.
 
 On CUDA the norm runs as one Triton kernel (`braid.kernels.rmsnorm`, same rounding points);
-elsewhere as plain torch. The choice is made once, from the device the weight is created on.
+elsewhere as plain torch (`braid.kernels.reference.rmsnorm_reference`). The choice is made
+once, from the device the weight is created on.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from braid.kernels.reference import rmsnorm_reference
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
     if tuple(loaded.shape) != tuple(param.shape):
@@ -18,23 +21,11 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str 
     param.data.copy_(loaded)
 
 
-def rmsnorm_torch(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`RMSNorm.forward` in plain torch (the CPU path)."""
-    if residual is not None:
-        x = residual + x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, x)
-
-
 def _select_rmsnorm(
     device: torch.device,
 ) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     if device.type != "cuda":
-        return rmsnorm_torch
+        return rmsnorm_reference
     from braid.kernels.norm import rmsnorm
 
     def fused(

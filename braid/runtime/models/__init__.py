@@ -2,39 +2,27 @@
 
 from __future__ import annotations
 
-import importlib
+from braid.runtime.registry import Registry
 
-_REGISTRY: dict[str, type] = {}
-
-# Architecture -> module that registers it; imported on first use.
-_LAZY = {
-    "LlamaForCausalLM": "braid.runtime.models.llama",
-    "MistralForCausalLM": "braid.runtime.models.llama",
-    "Qwen2ForCausalLM": "braid.runtime.models.llama",
-    "Qwen3ForCausalLM": "braid.runtime.models.llama",
-}
-
-
-def register_model(*architectures: str):
-    """Class decorator: registers a model class for the given architectures and returns it."""
-
-    def wrap(cls):
-        for arch in architectures:
-            _REGISTRY[arch] = cls
-        return cls
-
-    return wrap
+# Architecture -> the module whose registered class serves it; imported on first use.
+MODELS: Registry[type] = Registry(
+    "architecture",
+    {
+        "LlamaForCausalLM": "braid.runtime.models.llama",
+        "MistralForCausalLM": "braid.runtime.models.llama",
+        "Qwen2ForCausalLM": "braid.runtime.models.llama",
+        "Qwen3ForCausalLM": "braid.runtime.models.llama",
+    },
+    unknown="{kind} {name!r} is not supported (supported: {known})",
+)
 
 
 def get_model_class(architecture: str) -> type:
-    if architecture not in _REGISTRY and architecture in _LAZY:
-        importlib.import_module(_LAZY[architecture])
-    if architecture not in _REGISTRY:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported (supported: {sorted(_LAZY)})"
-        )
-    return _REGISTRY[architecture]
+    """The model class for a Hugging Face architecture name; `ValueError` listing the
+    supported ones if braid has none."""
+    return MODELS.get(architecture)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_LAZY)
+    """The architecture names braid serves, sorted; listing them imports no model file."""
+    return MODELS.names()

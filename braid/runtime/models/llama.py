@@ -6,19 +6,17 @@ pluggable backend over the paged KV cache, tied embeddings where the config asks
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
-from braid.runtime.executor.forward_batch import ForwardBatch
-from braid.runtime.layers.activation import silu_and_mul
+from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.layers.embedding import LMHead, VocabEmbedding
+from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import RotaryEmbedding
-from braid.runtime.models import register_model
+from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
 
 
@@ -70,46 +68,10 @@ class LlamaAttention(nn.Module):
         return attn.forward(q, k, v, self.layer_id, batch, rotary=cos_sin)
 
 
-SiluMulDown = Callable[[torch.Tensor, Linear], torch.Tensor]
-
-# Rows up to which the MLP fuses its activation into the down projection on CUDA (a batch-1
-# decode step). More rows run the fused kernel's tl.dot form, which repeats the activation per
-# output block and per warp: correct, but not measured to pay; raise this after measuring
-# (benchmarks/kernels.py has a down_proj M=16 fused row).
-FUSED_MLP_MAX_ROWS = 1
-
-
-def silu_mul_down(gate_up: torch.Tensor, down: Linear) -> torch.Tensor:
-    """`down(silu(gate) * up)`: the activation, then the projection (two kernels on CUDA)."""
-    return down(silu_and_mul(gate_up))
-
-
-def select_silu_mul_down(device: torch.device, dtype: torch.dtype) -> SiluMulDown:
-    """The MLP's activation and down projection for weights on `device` in `dtype`.
-
-    On CUDA in bfloat16 / float16, a 2-D input of 1..FUSED_MLP_MAX_ROWS rows (a batch-1 decode
-    step) runs both in one kernel (`skinny_linear(..., activation="silu_and_mul")`), with the
-    activation rounded exactly as `silu_and_mul` rounds it: one launch fewer per layer, for
-    outputs equal to the two-kernel path's up to the order of the float32 sum. Other inputs,
-    and every input elsewhere, run `silu_mul_down`. The kernel's first call autotunes
-    (host-synchronising), which the CUDA-graph runner's eager warm-up does before capture.
-    """
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return silu_mul_down
-    from braid.kernels.skinny_gemm import skinny_linear
-
-    def fused(gate_up: torch.Tensor, down: Linear) -> torch.Tensor:
-        if gate_up.dim() == 2 and 1 <= gate_up.shape[0] <= FUSED_MLP_MAX_ROWS:
-            return skinny_linear(gate_up, down.weight, down.bias, activation="silu_and_mul")
-        return down(silu_and_mul(gate_up))
-
-    return fused
-
-
 class LlamaMLP(nn.Module):
     """`down(silu(gate) * up)`, with the activation and down projection chosen once, at
-    construction, from the weights' device and dtype (`select_silu_mul_down`); the attribute
-    `silu_mul_down` holds the choice."""
+    construction, by `layers.fusion.select_silu_mul_down`; the attribute `silu_mul_down`
+    holds the choice."""
 
     def __init__(self, cfg: ModelConfig, dtype) -> None:
         super().__init__()
@@ -125,13 +87,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A `layers.fusion.PreNormDecoderLayer`; `one_row` holds that module's choice of a fused
+    forward for one token (None: every input runs the layer's own path)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
         self.one_row = select_one_row_forward(self.input_layernorm.weight.device, dtype)
 
     def forward(self, x, residual, cos_sin, batch, attn):
@@ -145,48 +109,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, cos_sin, batch, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-
-# Whether a one-token forward on CUDA (batch-1 decode) runs each layer's norms, projections and
-# activation in fused kernels (`select_one_row_forward`); tests switch it off to compare.
-FUSE_ONE_ROW = True
-
-
-def select_one_row_forward(
-    device: torch.device, dtype: torch.dtype
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The decoder layer's forward for one token on CUDA in bfloat16 / float16, else None.
-
-    A batch-1 decode step of an 8B model is bound by reading the weights, and each small
-    kernel between the projections costs about 2 us of launch and ramp (measured on an H200:
-    `benchmarks/gpu_step.py`). This path runs each RMSNorm (with its residual add) inside the
-    projection that follows it, the activation inside the down projection (`LlamaMLP`'s
-    choice), and o_proj in the same skinny kernel (`braid.kernels.skinny_linear`, measured
-    12.1 us against cuBLAS's 13.0 us for o_proj): four launches fewer per layer, with every
-    rounding point of the unfused path (the sums in the projections may add in another order).
-    """
-    if not FUSE_ONE_ROW or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    from braid.kernels.skinny_gemm import skinny_linear
-
-    def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-        """`proj(norm(x + residual))` and the new residual `x + residual`, in one kernel."""
-        w = dict(norm_weight=norm.weight, eps=norm.eps)
-        if residual is None:
-            return skinny_linear(x, proj.weight, proj.bias, **w), x
-        new = torch.empty_like(x)
-        out = skinny_linear(x, proj.weight, proj.bias, **w, residual=residual, residual_out=new)
-        return out, new
-
-    def forward(layer, x, residual, cos_sin, batch, attn):
-        sa, mlp = layer.self_attn, layer.mlp
-        qkv, residual = norm_then(sa.qkv_proj, layer.input_layernorm, x, residual)
-        h = sa.attend(qkv, cos_sin, batch, attn)
-        h = skinny_linear(h, sa.o_proj.weight, sa.o_proj.bias)
-        gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
-        return mlp.silu_mul_down(gate_up, mlp.down_proj), residual
-
-    return forward
 
 
 class LlamaModel(nn.Module):
@@ -209,8 +131,10 @@ class LlamaModel(nn.Module):
         return h
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+@MODELS.register
 class LlamaForCausalLM(nn.Module):
+    """Serves every architecture `braid.runtime.models.MODELS` maps to this module."""
+
     # checkpoint projection name -> (braid's fused parameter, shard)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),

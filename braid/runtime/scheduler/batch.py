@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
-from braid.runtime.executor.forward_batch import ForwardBatch, ForwardMode, to_device
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
 from braid.runtime.scheduler.request import Req
 
 

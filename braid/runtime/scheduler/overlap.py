@@ -2,9 +2,10 @@
 
 Without it, every decode step ends with the host waiting for the sampled ids and then doing
 its own work (finishing requests, sending tokens out, building the next batch) while the GPU
-sits idle: at batch 1 on an 8B model that is a quarter of the step. With it, step n+1 is
-launched with step n's samples as its input ids, still on the device, and the host reads
-back and processes step n while the GPU runs n+1.
+sits idle: at batch 1 on an 8B model that is a sizeable share of the step (measured:
+docs/benchmarks.md, Figures behind design choices). With it, step n+1 is launched with step
+n's samples as its input ids, still on the device, and the host reads back and processes
+step n while the GPU runs n+1.
 
 What that costs and why it stays exact:
 - A request step n finishes (a stop token) has already been given step n+1; that row's
@@ -20,11 +21,15 @@ What that costs and why it stays exact:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from braid.runtime.executor.sampler import SampleResult
+from braid.runtime.forward_batch import ForwardMode, to_device
 from braid.runtime.scheduler.batch import StepPlan
-from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 
 
 @dataclass(frozen=True)
@@ -49,3 +54,36 @@ def can_run_ahead(req: Req) -> bool:
 def finishes_by_length(req: Req) -> bool:
     """Whether the token `req` is sampling now (not yet appended) is its last allowed one."""
     return len(req.output_ids) + 1 >= req.max_new_tokens
+
+
+def next_step(
+    launched: Launched,
+    reqs: RequestTable,
+    admits_now: Callable[[], bool],
+    make_room: Callable[[int], bool],
+    page_size: int,
+) -> tuple[list[Req], torch.Tensor] | None:
+    """Whether the decode step after `launched` should be queued now, fed by its samples on the
+    device: when that step is what would run next anyway (no prompt mid-chunk, no jump-forward
+    extend, nothing `admits_now`, every running request in the step and able to sample ahead,
+    pages free after `make_room`). Returns its requests and their input ids, or None."""
+    if launched.plan.batch.mode is not ForwardMode.DECODE:
+        return None
+    if reqs.count(ReqStatus.PREFILLING, ReqStatus.JUMPED):
+        return None
+    if admits_now():
+        return None  # a prefill comes first
+    in_step = launched.plan.reqs
+    ids_in_step = {id(r) for r in in_step}
+    if any(id(r) not in ids_in_step for r in reqs.view(ReqStatus.RUNNING)):
+        return None
+    keep = [i for i, r in enumerate(in_step) if not r.finished and not finishes_by_length(r)]
+    if not keep or not all(can_run_ahead(in_step[i]) for i in keep):
+        return None
+    nxt = [in_step[i] for i in keep]
+    if not make_room(sum(1 for r in nxt if r.kv_len % page_size == 0)):
+        return None
+    ids = launched.result.next_ids
+    if len(keep) < len(in_step):
+        ids = ids[to_device(keep, ids.device)]
+    return nxt, ids

@@ -30,8 +30,6 @@ from braid.runtime.tokenizer.tokenizer import has_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
-
 
 def build_scheduler(
     config: EngineConfig, model_path: Path, eos_token_ids: frozenset[int]
@@ -50,18 +48,9 @@ def build_scheduler(
     )
     return Scheduler(
         runner,
+        config,
         eos_token_ids=eos_token_ids,
-        max_prefill_tokens=config.max_prefill_tokens
-        or DEFAULT_MAX_PREFILL_TOKENS[runner.device.type],
-        chunked_prefill_size=config.effective_chunked_prefill_size,
-        schedule_policy=config.schedule_policy,
-        disable_radix_cache=config.disable_radix_cache,
         grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
-        grammar_compile_timeout_s=config.grammar_compile_timeout_s,
-        disable_jump_forward=config.disable_jump_forward,
-        overlap_schedule=config.use_overlap_schedule,
-        max_session_pins=config.max_session_pins,
-        session_ttl_s=config.session_ttl_s,
     )
 
 

@@ -1,13 +1,27 @@
-"""A request's state inside the scheduler."""
+"""A request's state inside the scheduler, and the one table that holds every request."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from braid.runtime.cache.radix_cache import TreeNode
 from braid.runtime.constrained.grammar import GrammarMatcher
 from braid.runtime.executor.sampler import SamplingInput
+from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    """Where a request is in its life; a finished request has left the table."""
+
+    COMPILING = "compiling"  # its grammar compiles in a worker; no KV
+    WAITING = "waiting"  # queued for admission (new, or retracted with its output kept); no KV
+    PREFILLING = "prefilling"  # admitted: its prompt's KV is being computed (between chunks,
+    # or in the extend of the step being run)
+    RUNNING = "running"  # decoding
+    JUMPED = "jumped"  # decoding, holding jump-forward tokens whose KV the next extend computes
 
 
 @dataclass(eq=False)  # a request is itself: list membership tests compare identity
@@ -42,12 +56,13 @@ class Req:
     grammar: GrammarMatcher | None = None  # the output constraint, once compiled
     reported: int = 0  # output tokens already sent out in a TokenOut
     # Output tokens the model chose: the rest are jump-forward tokens of a greedy request that
-    # the next extend's logits verify (see `Scheduler._verify_jump`), not reported until then.
+    # the next extend's logits verify (see `GrammarManager.verify`), not reported until then.
     verified: int = 0
     prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     stop_token: int | None = None
     session_id: str | None = None  # the program session whose KV stays pinned after it
+    status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
@@ -58,6 +73,35 @@ class Req:
             prompt_ids=self.input_ids,
             output_ids=self.output_ids,
             stop_ids=sorted(self.eos_ids | set(self.params.stop_token_ids)),
+        )
+
+    @classmethod
+    def from_message(
+        cls, msg: GenerateReq, context_length: int, vocab_size: int, eos_ids: frozenset[int]
+    ) -> Req:
+        """The request `msg` asks for, its output capped by the context; a prompt that is
+        empty, leaves no room, or holds a token outside the vocabulary is a `ValueError`."""
+        n = len(msg.input_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n >= context_length:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within the context length "
+                f"({context_length})"
+            )
+        if max(msg.input_ids) >= vocab_size or min(msg.input_ids) < 0:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+        max_new = context_length - n
+        if msg.params.max_tokens is not None:
+            max_new = min(max_new, msg.params.max_tokens)
+        return cls(
+            rid=msg.rid,
+            input_ids=list(msg.input_ids),
+            params=msg.params,
+            seed=msg.seed,
+            eos_ids=eos_ids,
+            max_new_tokens=max_new,
+            session_id=msg.session_id,
         )
 
     @property
@@ -75,10 +119,6 @@ class Req:
     @property
     def sampling(self) -> SamplingInput:
         return self._sampling
-
-    def token_at(self, pos: int) -> int:
-        n = len(self.input_ids)
-        return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
 
     def tokens(self, end: int | None = None) -> list[int]:
         """The sequence (prompt then output) up to `end`."""
@@ -108,3 +148,58 @@ class Req:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
+
+
+class RequestTable:
+    """Every request the scheduler holds, by rid, each with exactly one status. The queues are
+    views of it, in the order requests entered their status (`move(front=True)` puts a request
+    at the head of its status' queue: a retracted request resumes first). Finding a request by
+    rid is a lookup; changing status is O(1) except at the front."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, Req] = {}
+        self._queues: dict[ReqStatus, dict[str, Req]] = {s: {} for s in ReqStatus}
+
+    def add(self, req: Req, status: ReqStatus) -> None:
+        """Take in a new request; a rid already held is a `ValueError`."""
+        if req.rid in self._by_rid:
+            raise ValueError(f"rid: {req.rid!r} is already in use by a request in flight")
+        self._by_rid[req.rid] = req
+        self._queues[status][req.rid] = req
+        req.status = status
+
+    def move(self, req: Req, status: ReqStatus, front: bool = False) -> None:
+        assert self._by_rid.get(req.rid) is req, f"{req.rid} is not in the table"
+        del self._queues[req.status][req.rid]
+        queue = self._queues[status]
+        if front:
+            self._queues[status] = {req.rid: req, **queue}
+        else:
+            queue[req.rid] = req
+        req.status = status
+
+    def discard(self, req: Req) -> None:
+        """Let a (finished) request go; nothing if it already left."""
+        if self._by_rid.get(req.rid) is req:
+            del self._by_rid[req.rid]
+            del self._queues[req.status][req.rid]
+            req.status = None
+
+    def get(self, rid: str) -> Req | None:
+        return self._by_rid.get(rid)
+
+    def view(self, *statuses: ReqStatus) -> list[Req]:
+        """The requests with these statuses, each status' queue in order, in the order given."""
+        return [r for s in statuses for r in self._queues[s].values()]
+
+    def first(self, status: ReqStatus) -> Req | None:
+        return next(iter(self._queues[status].values()), None)
+
+    def count(self, *statuses: ReqStatus) -> int:
+        return sum(len(self._queues[s]) for s in statuses)
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def __iter__(self) -> Iterator[Req]:
+        return iter(list(self._by_rid.values()))

@@ -1,4 +1,10 @@
-"""`braid serve` (also `python -m braid serve`): flags named as SGLang names them."""
+"""`braid serve` (also `python -m braid serve`): flags generated from the settings' fields.
+
+Every engine setting is a field of `EngineConfig` and every server setting a field of
+`ServerSettings`; each field gives one flag, `--field-name`, with its type, its choices, its
+doc as help and its default, plus SGLang's names for it as aliases (`--max-total-tokens` is
+`--kv-tokens`). The parsed namespace holds the fields by name.
+"""
 
 from __future__ import annotations
 
@@ -7,192 +13,218 @@ import logging
 import os
 import signal
 import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from braid._logging import configure_logging
+from braid.runtime.config import EngineConfig, check_choices, choices_of, setting
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
 
 logger = logging.getLogger("braid.serve")
 
+# A server logs for operators and draws no progress bars: serve's one departure from the
+# library's defaults (`--show-progress` turns it back on).
+SERVE_DEFAULTS: dict[str, Any] = {"show_progress": False}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """`braid serve`'s own settings (the engine's are `EngineConfig`), declared as its are."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(30000, "port to listen on")
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' (not on /health); also $BRAID_API_KEY, and "
+        "--api-key-file reads it from a file, which keeps it out of the process list",
+    )
+    api_key_file: str | None = setting(None, "a file holding the API key")
+    chat_template: str | None = setting(
+        None, "a Jinja template file or string; unset: the tokenizer's"
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        "how tool_choice 'auto' reads calls from the text; auto: detected from the chat "
+        "template; none: never parse",
+        choices=("auto", "none", *PARSER_NAMES),
+    )
+    served_model_name: str | None = setting(
+        None, "the name /v1/models reports and responses carry; unset: the --model value"
+    )
+    strict_model_name: bool = setting(
+        False,
+        "answer 404 to a request naming another model; off: the one model serves whatever "
+        "name is given, as in SGLang",
+    )
+    max_request_bytes: int = setting(
+        MAX_BODY_BYTES, "largest request body in bytes, counted as it arrives"
+    )
+    max_samples_per_request: int = setting(
+        128, "most samples one request may ask for, n x prompts (OpenAI's n limit)"
+    )
+    allow_request_chat_template: bool = setting(
+        False,
+        "accept a chat_template field in chat requests (rendered in a sandbox process with a "
+        "time and size limit); refused by default",
+    )
+    allowed_origins: str = setting(
+        "",
+        "comma-separated browser origins allowed to call the server (CORS; '*' for any); "
+        "unset: cross-origin browser requests are refused",
+    )
+    allowed_hosts: str = setting(
+        "",
+        "comma-separated Host names the server answers besides its own (a reverse proxy's "
+        "public name; '*' for any); others get 403 (DNS rebinding)",
+    )
+    header_timeout: float = setting(
+        HEADER_TIMEOUT_S, "seconds a client has to send a request's headers"
+    )
+    body_timeout: float = setting(BODY_TIMEOUT_S, "seconds a client has to send a request's body")
+    keep_alive_timeout: float = setting(
+        KEEP_ALIVE_S, "seconds an idle keep-alive connection stays open"
+    )
+    health_timeout: float = setting(
+        120.0,
+        "/health fails when the scheduler is in one step this long; it also fails after "
+        "--heartbeat-timeout without the scheduler's heartbeat",
+    )
+    heartbeat_timeout: float = setting(
+        10.0, "/health fails when the scheduler sends no heartbeat this long"
+    )
+    log_level: str = setting(
+        "info", "log level", choices=("debug", "info", "warning", "error", "critical")
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_samples_per_request < 1:
+            raise ValueError("max_samples_per_request must be at least 1")
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in self.allowed_origins.split(",") if o.strip())
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
+
+
+def _flag_type(hint: Any) -> type:
+    """`int` for `int | None`: the type a flag's value converts to."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _default_note(default: Any) -> str:
+    if default is None or default == "":
+        return ""  # the doc says what unset means
+    if isinstance(default, bool):
+        return f" (default: {'on' if default else 'off'})"
+    if isinstance(default, float):
+        return f" (default: {default:g})"
+    return f" (default: {default})"
+
+
+def add_setting_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """One flag per field of the settings dataclass `cls` (its dest is the field name), as
+    the module docstring says. A bool field that defaults to False is a bare flag; one that
+    defaults to True or None has `--name` and `--no-name` (and its `off_flag`). `defaults`
+    replaces a field's default for this parser."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        default = (defaults or {}).get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        names = (flag, *f.metadata["aliases"])
+        doc = f.metadata["doc"].replace("%", "%%")
+        kind = _flag_type(hints[f.name])
+        off_flag = f.metadata["off_flag"]
+        if kind is bool and default is False and off_flag is None:
+            parser.add_argument(
+                *names, dest=f.name, action="store_true", help=doc + " (default: off)"
+            )
+        elif kind is bool:
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                action="store_const",
+                const=True,
+                default=default,
+                help=doc + _default_note(default),
+            )
+            off = ("--no-" + flag[2:], *((off_flag,) if off_flag else ()))
+            parser.add_argument(
+                *off,
+                dest=f.name,
+                action="store_const",
+                const=False,
+                default=default,
+                help=f"turn {flag} off",
+            )
+        else:
+            choices = choices_of(f)
+            fixed = not callable(f.metadata["choices"])
+            if choices is not None and not fixed:
+                doc += "; registered: " + ", ".join(map(str, choices))
+            parser.add_argument(
+                *names,
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=choices if fixed else None,
+                metavar=None if fixed and choices is not None else kind.__name__.upper(),
+                help=doc + _default_note(default),
+            )
+
+
+def settings_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The settings dataclass `cls` built from the fields of parsed flags (`ValueError` from
+    its validation)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="braid", description="braid: LLM programs and serving")
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument(
-        "--model",
-        "--model-path",
-        dest="model",
-        default=None,
-        help="HF directory, .gguf file, or 'smollm2-135m' (default: embedded)",
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="Run the OpenAI-compatible server. Each flag is a settings field by name; "
+        "SGLang's names for them are aliases.",
     )
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (also $BRAID_API_KEY; --api-key-file reads "
-        "it from a file, which keeps it out of the process list)",
-    )
-    s.add_argument("--api-key-file", default=None, help="a file holding the API key")
-    s.add_argument("--dtype", default="auto")
-    s.add_argument("--device", default=None)
-    s.add_argument("--context-length", type=int, default=None)
-    s.add_argument("--max-running-requests", type=int, default=None)
-    s.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    s.add_argument("--mem-fraction-static", type=float, default=None)
-    s.add_argument("--max-prefill-tokens", type=int, default=None)
-    s.add_argument("--chunked-prefill-size", type=int, default=None, help="-1 turns it off")
-    s.add_argument("--page-size", type=int, default=1)
-    s.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
-    s.add_argument("--disable-radix-cache", action="store_true")
-    s.add_argument("--chat-template", default=None, help="a Jinja template file or string")
-    s.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        choices=["auto", "none", *PARSER_NAMES],
-        help="how tool_choice 'auto' reads calls from the text (default: auto, detected from "
-        "the chat template; none: never parse)",
-    )
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument(
-        "--strict-model-name",
-        action="store_true",
-        help="answer 404 to a request naming another model (default: serve the one model "
-        "whatever name is given, as SGLang does)",
-    )
-    s.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    s.add_argument(
-        "--attention-backend",
-        default=None,
-        help="triton or torch_native (default: triton on CUDA, torch_native on CPU)",
-    )
-    s.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=160,
-        help="largest decode batch replayed from a CUDA graph (default: 160)",
-    )
-    s.add_argument(
-        "--disable-cuda-graph", action="store_true", help="run every decode step eagerly"
-    )
-    s.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="read each decode step back before queuing the next (overlap is on with CUDA)",
-    )
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a json_schema/regex/choice grammar may take to compile (default: 30)",
-    )
-    s.add_argument(
-        "--disable-jump-forward",
-        action="store_true",
-        help="sample every token a grammar forces instead of appending it",
-    )
-    s.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=MAX_BODY_BYTES,
-        help="largest request body, counted as it arrives (default: 16 MiB)",
-    )
-    s.add_argument(
-        "--max-samples-per-request",
-        type=int,
-        default=128,
-        help="most samples one request may ask for, n x prompts (default: 128, OpenAI's n limit)",
-    )
-    s.add_argument(
-        "--allow-request-chat-template",
-        action="store_true",
-        help="accept a chat_template field in chat requests (rendered in a sandbox process with "
-        "a time and size limit); refused by default",
-    )
-    s.add_argument(
-        "--allowed-origins",
-        default="",
-        help="comma-separated browser origins allowed to call the server (CORS); by default "
-        "cross-origin browser requests are refused",
-    )
-    s.add_argument(
-        "--allowed-hosts",
-        default="",
-        help="comma-separated Host names the server answers besides its own (a reverse "
-        "proxy's public name; '*' for any); others get 403 (DNS rebinding)",
-    )
-    s.add_argument(
-        "--header-timeout",
-        type=float,
-        default=HEADER_TIMEOUT_S,
-        help=f"seconds a client has to send a request's headers (default: {HEADER_TIMEOUT_S:g})",
-    )
-    s.add_argument(
-        "--body-timeout",
-        type=float,
-        default=BODY_TIMEOUT_S,
-        help=f"seconds a client has to send a request's body (default: {BODY_TIMEOUT_S:g})",
-    )
-    s.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=KEEP_ALIVE_S,
-        help=f"seconds an idle keep-alive connection stays open (default: {KEEP_ALIVE_S:g})",
-    )
-    s.add_argument(
-        "--health-timeout",
-        type=float,
-        default=120.0,
-        help="/health fails when the scheduler is in one step this long (default: 120); it "
-        "also fails after 5 s without the scheduler's heartbeat",
-    )
-    s.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=10.0,
-        help="/health fails when the scheduler sends no heartbeat this long (default: 10)",
-    )
-    s.add_argument(
-        "--max-session-pins",
-        type=int,
-        default=64,
-        help="most program sessions kept pinned in the cache at once; the least recently used "
-        "pin is released first (default: 64)",
-    )
-    s.add_argument(
-        "--session-ttl",
-        type=float,
-        default=600.0,
-        help="seconds a session pin lasts without a new request (default: 600)",
-    )
-    s.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
-    )
+    engine = s.add_argument_group("engine settings (braid.LLM takes them as keywords)")
+    add_setting_flags(engine, EngineConfig, SERVE_DEFAULTS)
+    add_setting_flags(s.add_argument_group("server settings"), ServerSettings)
     return ap
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
+def _api_key(settings: ServerSettings | argparse.Namespace) -> str | None:
     """The key from --api-key, else --api-key-file, else $BRAID_API_KEY (ValueError if the
     file cannot be read or is empty)."""
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
+    if settings.api_key:
+        return settings.api_key
+    if settings.api_key_file:
         try:
-            key = open(args.api_key_file).read().strip()
+            key = open(settings.api_key_file).read().strip()
         except OSError as e:
             raise ValueError(f"--api-key-file: {e}") from None
         if not key:
-            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+            raise ValueError(f"--api-key-file: {settings.api_key_file} is empty")
         return key
     return os.environ.get("BRAID_API_KEY") or None
 
 
 def serve(args: argparse.Namespace) -> int:
     from braid.runtime.assets import ModelAssets
-    from braid.runtime.config import EngineConfig
+    from braid.runtime.launch import spawn_runtime
     from braid.runtime.server.app import ServerState, create_app
     from braid.runtime.server.http import run_server
     from braid.runtime.tokenizer.manager import TokenizerManager
@@ -201,47 +233,22 @@ def serve(args: argparse.Namespace) -> int:
     level = args.log_level.upper()
     configure_logging(level)
     try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            kv_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            page_size=args.page_size,
-            max_running_requests=args.max_running_requests,
-            max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-            schedule_policy=args.schedule_policy,
-            disable_radix_cache=args.disable_radix_cache,
-            context_length=args.context_length,
-            seed=args.seed,
-            load_format=args.load_format,
-            show_progress=False,
-            grammar_compile_timeout_s=args.grammar_compile_timeout,
-            disable_jump_forward=args.disable_jump_forward,
-            attention_backend=args.attention_backend,
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
-            disable_cuda_graph=args.disable_cuda_graph,
-            overlap_schedule=False if args.disable_overlap_schedule else None,
-            max_session_pins=args.max_session_pins,
-            session_ttl_s=args.session_ttl,
-        )
-        assets = ModelAssets.load(args.model)
-        api_key = _api_key(args)
-        if args.max_samples_per_request < 1:
-            raise ValueError("--max-samples-per-request must be at least 1")
+        config = settings_from_args(EngineConfig, args)
+        settings = settings_from_args(ServerSettings, args)
+        assets = ModelAssets.load(config.model)
+        api_key = _api_key(settings)
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
     model_path, tokenizer = assets.path, assets.tokenizer
-    if args.chat_template and tokenizer is not None:
-        tpl = args.chat_template
+    if settings.chat_template and tokenizer is not None:
+        tpl = settings.chat_template
         tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl
 
     from braid.runtime.function_call import resolve_parser_name
 
     tool_call_parser = resolve_parser_name(
-        args.tool_call_parser, tokenizer.chat_template if tokenizer is not None else None
+        settings.tool_call_parser, tokenizer.chat_template if tokenizer is not None else None
     )
     logger.info("braid serve: tool-call parser: %s", tool_call_parser or "none")
 
@@ -250,38 +257,44 @@ def serve(args: argparse.Namespace) -> int:
         os.kill(os.getpid(), signal.SIGTERM)
 
     tm = TokenizerManager(
-        config, model_path, assets.eos_token_ids, log_level=level, on_failure=on_failure
+        config,
+        model_path,
+        assets.eos_token_ids,
+        spawn=spawn_runtime,
+        log_level=level,
+        on_failure=on_failure,
     )
-    name = args.served_model_name or (args.model or "smollm2-135m")
+    name = settings.served_model_name or (config.model or "smollm2-135m")
+    shown = {k: v for k, v in asdict(settings).items() if not k.startswith("api_key")}
     state = ServerState(
         tm=tm,
         tokenizer=tokenizer,
         served_model_name=name,
         model_path=str(model_path),
-        defaults=assets.default_sampling_params(),
+        defaults=assets.default_sampling_params(config.generation_config),
         api_key=api_key,
-        max_body_bytes=args.max_request_bytes,
-        server_args={k: v for k, v in vars(args).items() if not k.startswith("api_key")},
+        max_body_bytes=settings.max_request_bytes,
+        server_args={**asdict(config), **shown},
         tool_call_parser=tool_call_parser,
-        strict_model_name=args.strict_model_name,
-        bind_host=args.host,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        max_samples=args.max_samples_per_request,
-        allow_request_chat_template=args.allow_request_chat_template,
+        strict_model_name=settings.strict_model_name,
+        bind_host=settings.host,
+        allowed_origins=settings.origins,
+        max_samples=settings.max_samples_per_request,
+        allow_request_chat_template=settings.allow_request_chat_template,
         template_sandbox=TemplateSandbox(str(model_path))
-        if args.allow_request_chat_template and tokenizer is not None
+        if settings.allow_request_chat_template and tokenizer is not None
         else None,
-        health_stuck_s=args.health_timeout,
-        health_silent_s=args.heartbeat_timeout,
-        allowed_hosts=tuple(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip()),
+        health_stuck_s=settings.health_timeout,
+        health_silent_s=settings.heartbeat_timeout,
+        allowed_hosts=settings.hosts,
     )
 
     def on_ready() -> None:
         r = tm.ready
         logger.info(
             "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens)",
-            args.host,
-            args.port,
+            settings.host,
+            settings.port,
             name,
             r.device,
             r.dtype,
@@ -293,11 +306,11 @@ def serve(args: argparse.Namespace) -> int:
     try:
         run_server(
             app,
-            args.host,
-            args.port,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            keep_alive_s=args.keep_alive_timeout,
+            settings.host,
+            settings.port,
+            header_timeout_s=settings.header_timeout,
+            body_timeout_s=settings.body_timeout,
+            keep_alive_s=settings.keep_alive_timeout,
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
         logger.error("braid serve: %s", e)

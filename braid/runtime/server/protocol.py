@@ -66,7 +66,6 @@ def check_json_value(v: Any, where: str = "") -> Any:
 
 Text = Annotated[str, AfterValidator(_no_surrogates)]
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 def _doc(**bounds: Any) -> Any:
@@ -259,6 +258,3 @@ def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> Sam
         except ValueError:
             raise ValueError("sampling_params.logit_bias keys must be token ids") from None
     return defaults.replace(**fields)
-
-
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# Prompt tokens kept as decoding context (enough for any tokenizer's merges at the boundary).
-CONTEXT_TOKENS = 6
 # A stop regex must match within the last this many characters of the output.
 STOP_REGEX_WINDOW = 4096
 

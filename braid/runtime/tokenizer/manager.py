@@ -1,9 +1,11 @@
 """`TokenizerManager`: the runtime's front end in the caller's process (asyncio).
 
-It starts the scheduler and detokenizer processes (spawn), sends tokenized requests to the
-scheduler over ZMQ, and routes the detokenizer's text deltas to one asyncio queue per request.
-The HTTP server and the offline `LLM` both sit on it. A child process that dies fails every
-request in flight and calls `on_failure` (the server exits with the message).
+It starts the scheduler and detokenizer processes with the `spawn` its creator hands it
+(`braid.runtime.launch.spawn_runtime`: the process entry points are known there, not here),
+sends tokenized requests to the scheduler over ZMQ, and routes the detokenizer's text deltas to
+one asyncio queue per request. The HTTP server and the offline `LLM` both sit on it. A child
+process that dies fails every request in flight and calls `on_failure` (the server exits with
+the message).
 """
 
 from __future__ import annotations
@@ -12,14 +14,11 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import multiprocessing as mp
-import os
 import random
 import shutil
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import zmq
@@ -42,6 +41,10 @@ from braid.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Starts a runtime's child processes, talking on the given addresses, and returns them started,
+# by name: spawn(config, model_path, eos_token_ids, addrs, log_level).
+Spawn = Callable[[EngineConfig, Path, frozenset[int], Addresses, str], dict[str, BaseProcess]]
+
 
 class RuntimeDied(RuntimeError):
     """A runtime process died; the runtime cannot serve any more."""
@@ -53,22 +56,6 @@ class _Pending:
     finished: bool = False
 
 
-@contextmanager
-def without_main_reimport() -> Iterator[None]:
-    """Spawned children normally re-run the caller's main script, so a script without an
-    `if __name__ == "__main__"` guard would start the engine again in every child. braid's
-    children need nothing from `__main__`, so hide it from multiprocessing while they start."""
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
-    for k in saved:
-        setattr(main, k, None) if k == "__spec__" else delattr(main, k)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
-
-
 class TokenizerManager:
     def __init__(
         self,
@@ -76,6 +63,7 @@ class TokenizerManager:
         model_path: Path,
         eos_token_ids: frozenset[int],
         *,
+        spawn: Spawn,
         log_level: str = "INFO",
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
@@ -84,8 +72,9 @@ class TokenizerManager:
         self.eos_token_ids = eos_token_ids
         self.log_level = log_level
         self.on_failure = on_failure
+        self.spawn = spawn
         self.addrs = Addresses.fresh()
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, BaseProcess] = {}
         self.ready: SchedulerReady | None = None
         self.failure: str | None = None
         # Samples in flight by wire id: the rid the scheduler knows, the caller's rid plus a
@@ -104,34 +93,10 @@ class TokenizerManager:
         self._beat_at = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def _spawn(self) -> None:
-        from braid.runtime.scheduler.process import run_scheduler_process
-        from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
-
-        ctx = mp.get_context("spawn")
-        pid = os.getpid()
-        self.procs["detokenizer"] = ctx.Process(
-            target=run_detokenizer_process,
-            args=(str(self.model_path), self.addrs, pid, self.log_level),
-            name="braid-detokenizer",
-            daemon=True,
+    def _start_processes(self) -> None:
+        self.procs = self.spawn(
+            self.config, self.model_path, self.eos_token_ids, self.addrs, self.log_level
         )
-        self.procs["scheduler"] = ctx.Process(
-            target=run_scheduler_process,
-            args=(
-                self.config,
-                str(self.model_path),
-                sorted(self.eos_token_ids),
-                self.addrs,
-                pid,
-                self.log_level,
-            ),
-            name="braid-scheduler",
-            daemon=True,
-        )
-        with without_main_reimport():
-            for p in self.procs.values():
-                p.start()
 
     async def start(self, timeout: float = 600.0) -> SchedulerReady:
         """Start the processes and wait until the model is loaded."""
@@ -140,7 +105,7 @@ class TokenizerManager:
         self._inbox.bind(self.addrs.tokenizer)
         self._to_sched = self._zctx.socket(zmq.PUSH)
         self._to_sched.connect(self.addrs.scheduler)
-        self._spawn()
+        self._start_processes()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.ready is None:
@@ -387,7 +352,3 @@ class TokenizerManager:
         if not out.ok:
             raise RuntimeError(out.error)
         return out.result
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)

@@ -150,7 +150,7 @@ class TemplateSandbox:
             name="braid-template-sandbox",
             daemon=True,
         )
-        from braid.runtime.tokenizer.manager import without_main_reimport
+        from braid.runtime.ipc.sockets import without_main_reimport
 
         with without_main_reimport():
             proc.start()

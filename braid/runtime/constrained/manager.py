@@ -1,0 +1,176 @@
+"""The scheduler's grammar side: requests waiting for their grammar to compile, the bitmasks of
+a batch's constrained rows, and jump-forward (tokens a grammar forces, appended without
+sampling) with its verification and roll-back.
+
+It works on any request object with the attributes of `Constrained`; request statuses and KV
+stay with the scheduler, which is told what happened (how many tokens were forced, which were
+rejected) and acts on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from braid.runtime.constrained.bitmask import BitmaskBuffer, bitmask_words
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
+from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
+from braid.runtime.constrained.jump_forward import jump_tokens
+
+# Picks the next token at each row of the logits given, under the bitmask row of the same index
+# (greedy sampling with the request's bias and penalties); gets the request too.
+Choose = Callable[[Any, torch.Tensor, torch.Tensor], list[int]]
+
+
+class Constrained(Protocol):
+    """What the grammar manager reads and changes on a request."""
+
+    rid: str
+    params: Any  # SamplingParams: logprobs, prompt_logprobs, greedy, stop_token_ids
+    grammar: GrammarMatcher | None
+    output_ids: list[int]
+    verified: int
+
+    @property
+    def remaining_new_tokens(self) -> int: ...
+
+    @property
+    def unverified(self) -> int: ...
+
+
+class GrammarManager:
+    def __init__(
+        self,
+        compiler: Callable[[], GrammarCompiler] | None,
+        compile_timeout_s: float,
+        vocab_size: int,
+        device: torch.device,
+        jump_forward: bool,
+    ) -> None:
+        self.has_tokenizer = compiler is not None
+        self.waiting: PendingGrammars[Constrained] = PendingGrammars(
+            AsyncGrammarCompiler(compiler or _no_tokenizer), compile_timeout_s
+        )
+        self.vocab_size = vocab_size
+        self.device = device
+        self.jump_forward_enabled = jump_forward
+        self._bitmask: BitmaskBuffer | None = None
+
+    @property
+    def compiler(self) -> GrammarCompiler | None:
+        """The grammar compiler, once the first constrained request has built it."""
+        return self.waiting.compiler.compiler
+
+    @property
+    def _vocab(self) -> int:
+        return max(self.vocab_size, self.compiler.vocab.size)
+
+    # ---- compiling ------------------------------------------------------------------------
+    def add(self, req: Constrained, kind: str, spec: Any) -> None:
+        """Start compiling `req`'s grammar; a model without a tokenizer is a `ValueError`."""
+        if not self.has_tokenizer:
+            raise ValueError("json_schema/regex/choice: this model has no tokenizer")
+        self.waiting.add(req, kind, spec)
+
+    def poll(self) -> tuple[list[tuple[Constrained, int]], list[tuple[Constrained, str]]]:
+        """The requests whose grammar is ready, each given its matcher and then jumped forward
+        over any text the grammar forces at the start (with how many tokens that forced), and
+        those whose grammar failed to compile or ran out of time (with the error)."""
+        if not len(self.waiting):
+            return [], []
+        ready, failed = self.waiting.poll()
+        out = []
+        for req, grammar in ready:
+            req.grammar = GrammarMatcher(grammar)
+            out.append((req, self.jump_forward(req)))
+        return out, failed
+
+    def remove(self, req: Constrained) -> None:
+        self.waiting.remove(req)
+
+    def clear(self) -> list[Constrained]:
+        return self.waiting.clear()
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` for a grammar to finish compiling."""
+        self.waiting.wait(timeout_s)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __iter__(self) -> Iterator[Constrained]:
+        return iter(self.waiting)
+
+    # ---- masks ----------------------------------------------------------------------------
+    def mask(self, reqs: list[Constrained]) -> dict[str, torch.Tensor]:
+        """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return {}
+        if self._bitmask is None:
+            self._bitmask = BitmaskBuffer(self._vocab, self.device)
+        mask, idx = self._bitmask.fill([reqs[i].grammar for i in rows], rows)
+        return {"bitmask": mask, "bitmask_rows": idx}
+
+    # ---- jump-forward ---------------------------------------------------------------------
+    def jump_forward(self, req: Constrained) -> int:
+        """Append the tokens `req`'s grammar forces next (see `jump_tokens`) without sampling
+        them; returns how many (a running request that got some needs an extend to compute
+        their KV before it decodes again). No jumps for requests that want logprobs (forced
+        tokens have no sampled logprobs).
+
+        The model might spell the forced text in other tokens (`c`, `ust` rather than `cust`)
+        and then continue differently. For a greedy request, whose text must not depend on
+        jump-forward, the tokens are a guess: unverified, not reported, until the extend's
+        logits confirm them (`verify`). A sampled request keeps them at once: its text is
+        random anyway, and every token stays allowed by the grammar."""
+        p = req.params
+        wants_logprobs = p.logprobs is not None or p.prompt_logprobs is not None
+        if not self.jump_forward_enabled or wants_logprobs:
+            return 0
+        room = req.remaining_new_tokens - 1
+        forced = jump_tokens(req.grammar.forced_tokens(), room, p.stop_token_ids)
+        if not forced:
+            return 0
+        for t in forced:
+            req.grammar.advance(t)
+        req.output_ids.extend(forced)
+        if not p.greedy:
+            req.verified = len(req.output_ids)
+        return len(forced)
+
+    def verify(
+        self, req: Constrained, rows: torch.Tensor, choose: Choose
+    ) -> tuple[int | None, int]:
+        """Check `req`'s unverified jump-forward tokens against `rows`, the extend's logits
+        predicting each of them: the token greedy sampling (grammar mask, bias, penalties)
+        picks at each is the next one, while they agree. Returns (None, 0) if all agree.
+        Otherwise drops the tokens from the first disagreement on (output and grammar state;
+        the caller drops their KV) and returns the model's token there, which the caller
+        appends as if sampled, and how many tokens were dropped."""
+        jumped = req.output_ids[req.verified :]
+        n = len(jumped)
+        grammar = req.grammar
+        mask = torch.empty(n, bitmask_words(self._vocab), dtype=torch.int32)
+        grammar.rollback(n)
+        for k, t in enumerate(jumped):
+            grammar.fill_bitmask(mask[k])
+            grammar.advance(t)
+        chosen = choose(req, rows, mask)
+        k = next((k for k in range(n) if chosen[k] != jumped[k]), None)
+        if k is None:
+            return None, 0
+        grammar.rollback(n - k)
+        del req.output_ids[req.verified + k :]
+        return chosen[k], n - k
+
+    def unjump(self, req: Constrained) -> None:
+        """Drop the unverified jump-forward tokens of `req` (which has no KV for them)."""
+        req.grammar.rollback(req.unverified)
+        del req.output_ids[req.verified :]
+
+
+def _no_tokenizer() -> GrammarCompiler:
+    raise ValueError("json_schema/regex/choice: this model has no tokenizer")

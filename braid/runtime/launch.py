@@ -1,0 +1,55 @@
+"""Starting one runtime's child processes: the scheduler and the detokenizer.
+
+This module knows both process entry points, so that `tokenizer/` need not import
+`scheduler/`: whoever builds a `TokenizerManager` (the offline engine, `braid serve`) hands it
+`spawn=spawn_runtime`, and the manager calls it from `start()` once its sockets are bound. (A
+manager built without `spawn` still imports this module itself, for callers not yet changed.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from braid.runtime.config import EngineConfig
+from braid.runtime.ipc.sockets import Addresses, without_main_reimport
+
+
+def spawn_runtime(
+    config: EngineConfig,
+    model_path: Path,
+    eos_token_ids: frozenset[int],
+    addrs: Addresses,
+    log_level: str,
+) -> dict[str, BaseProcess]:
+    """Start the detokenizer and scheduler processes (spawned, daemonic; each exits when this
+    process dies), talking on `addrs`; returns them, started, by name ("detokenizer",
+    "scheduler")."""
+    # Imported here, not at the top: the scheduler's module pulls in the model runner, and the
+    # caller pays for that import only when it starts a runtime (the manager's loop thread,
+    # while the engine loads its tokenizer).
+    from braid.runtime.scheduler.process import run_scheduler_process
+    from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
+
+    ctx = mp.get_context("spawn")
+    pid = os.getpid()
+    procs: dict[str, BaseProcess] = {
+        "detokenizer": ctx.Process(
+            target=run_detokenizer_process,
+            args=(str(model_path), addrs, pid, log_level),
+            name="braid-detokenizer",
+            daemon=True,
+        ),
+        "scheduler": ctx.Process(
+            target=run_scheduler_process,
+            args=(config, str(model_path), sorted(eos_token_ids), addrs, pid, log_level),
+            name="braid-scheduler",
+            daemon=True,
+        ),
+    }
+    with without_main_reimport():
+        for p in procs.values():
+            p.start()
+    return procs

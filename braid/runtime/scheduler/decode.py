@@ -1,0 +1,86 @@
+"""The decode planner: a batch of every running request, retraction when decoding runs out of
+pages, and the new-token ratio that admission reserves for future decodes.
+
+Admission is optimistic: it reserves only a fraction (the ratio) of each running request's
+remaining tokens, at most RESERVE_CLIP of them. The ratio decays while decoding goes well and
+jumps back up after a retraction. When a decode step cannot get the pages it needs anyway, a
+prompt between chunks is retracted first, then the newest running requests (their KV goes to the
+prefix cache; they wait again at the head of the queue with their output kept).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from braid.runtime.scheduler.batch import StepPlan, build_decode
+from braid.runtime.scheduler.kv import KVManager
+from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
+from braid.runtime.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+NEW_TOKEN_RATIO_INIT = 0.7
+NEW_TOKEN_RATIO_MIN = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096
+
+
+class DecodePlanner:
+    def __init__(
+        self, reqs: RequestTable, kv: KVManager, stats: SchedulerStats, device: torch.device
+    ) -> None:
+        self.reqs = reqs
+        self.kv = kv
+        self.stats = stats
+        self.device = device
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+
+    def plan(self) -> tuple[StepPlan | None, Req | None]:
+        """The decode step of every running request, after retracting what must go to make room
+        for it; when a lone request cannot grow, no plan and that request (it cannot ever
+        fit: the caller fails it)."""
+        running = self.reqs.view(ReqStatus.RUNNING)
+        while running:
+            need = sum(1 for r in running if r.kv_len % self.kv.page_size == 0)
+            if self.kv.make_room(need):
+                break
+            prefilling = self.reqs.first(ReqStatus.PREFILLING)
+            if prefilling is not None:
+                self.retract(prefilling)  # its chunks must not starve running decodes
+                continue
+            if len(running) == 1:
+                return None, running[0]
+            self.retract(running.pop())
+        if not running:
+            return None, None
+        self.count_step()
+        return build_decode(running, self.kv.allocator, self.kv.table, self.device), None
+
+    def plan_ahead(self, reqs: list[Req], input_ids: torch.Tensor) -> StepPlan:
+        """The decode step after the one in flight for `reqs`, whose input tokens are that
+        step's samples still on the device (the caller made sure the pages are free)."""
+        self.count_step()
+        return build_decode(reqs, self.kv.allocator, self.kv.table, self.device, input_ids)
+
+    def count_step(self) -> None:
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(
+            NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+
+    def reserve(self, reqs: list[Req]) -> int:
+        """Pages to keep for the future decodes of `reqs`."""
+        tokens = sum(min(r.remaining_new_tokens, RESERVE_CLIP) for r in reqs)
+        return self.kv.allocator.pages_for(int(tokens * self.new_token_ratio))
+
+    def retract(self, req: Req) -> None:
+        """Free an admitted request's KV (into the cache) and queue it again at the head,
+        output kept; admit more carefully for a while."""
+        self.kv.release(req)
+        req.retractions += 1
+        self.stats.retractions += 1
+        self.reqs.move(req, ReqStatus.WAITING, front=True)
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, NEW_TOKEN_RATIO_INIT) + 0.1)
+        logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)

@@ -1,0 +1,184 @@
+"""The one owner of a request's KV life: admission (a table row and the cached prefix),
+growth, caching what a running request has computed, release, eviction and program-session
+pins, and the accounting invariants over all of it.
+
+Every KV page is free, held by exactly one request (its pages past `shared_pages`), or held by
+the prefix cache; a request's first `shared_pages` pages are the cache's, locked through its
+`cache_node`. Requests' statuses are the scheduler's business: nothing here moves a request
+between queues.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
+from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
+from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.sessions import SessionPins
+from braid.runtime.scheduler.stats import SchedulerStats
+
+
+class KVManager:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        table: ReqToTokenPool,
+        cache: PrefixCache,
+        stats: SchedulerStats,
+        max_session_pins: int,
+        session_ttl_s: float,
+    ) -> None:
+        self.allocator = allocator
+        self.table = table
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self.stats = stats
+        # Program sessions: the cache path of each running program's state stays locked.
+        self.sessions = SessionPins(
+            cache, allocator.capacity_pages // 2, max_session_pins, session_ttl_s
+        )
+
+    # ---- room -----------------------------------------------------------------------------
+    def make_room(self, need: int) -> bool:
+        """Make `need` pages free, evicting unlocked cache pages if necessary; whether they
+        are free now."""
+        short = need - self.allocator.free_pages
+        if short > 0:
+            freed = self.cache.evict(short)
+            self.stats.evicted_tokens += freed * self.page_size
+        return self.allocator.free_pages >= need
+
+    @property
+    def room(self) -> int:
+        """Pages that are free or could be freed by evicting."""
+        return self.allocator.free_pages + self.cache.evictable_pages
+
+    def pages_to_grow(self, req: Req, end: int) -> int:
+        return max(0, self.allocator.pages_for(end) - len(req.pages))
+
+    def grow(self, req: Req, pages: int) -> None:
+        """Give `req` `pages` more pages (the caller made room)."""
+        req.pages += self.allocator.alloc(pages)
+
+    # ---- a request's life -----------------------------------------------------------------
+    def admit(self, req: Req, node: TreeNode | None, prefix_pages: list[int]) -> None:
+        """Give `req` a table row and the cached prefix `prefix_pages` (locked on `node` by
+        the caller)."""
+        req.pool_row = self.table.alloc()
+        req.cache_node = node
+        req.pages = list(prefix_pages)
+        req.shared_pages = len(prefix_pages)
+        req.kv_len = len(prefix_pages) * self.page_size
+        if prefix_pages:
+            self.table.table[req.pool_row, : req.kv_len] = self._slots(prefix_pages)
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.cached_tokens = min(req.kv_len, req.prompt_len)
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_prompt_tokens += req.cached_tokens
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Put the whole pages `req` has computed into the prefix cache while it runs, so
+        requests admitted next can share them; where another request cached the same tokens
+        first, use its pages and free ours."""
+        full = req.kv_len // self.page_size
+        if full <= req.shared_pages or not self.cache.enabled:
+            return
+        tokens = req.tokens(full * self.page_size)
+        duplicates = set(self.cache.insert(tokens, req.pages[:full]))
+        match = self.cache.match_prefix(tokens)
+        assert len(match.pages) == full, "an inserted prefix must match in full"
+        self.cache.lock(match.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+        if duplicates:
+            changed = [i for i in range(full) if req.pages[i] != match.pages[i]]
+            self.allocator.free([req.pages[i] for i in changed])
+            for i in changed:
+                req.pages[i] = match.pages[i]
+            self.table.table[req.pool_row, : full * self.page_size] = self._slots(req.pages[:full])
+        req.shared_pages = full
+
+    def release(self, req: Req, keep_kv: bool = True) -> None:
+        """Give a request's KV back: whole pages to the prefix cache (which keeps what it did
+        not already hold), the rest to the allocator; unlock its prefix; free its table row; pin
+        a finished session request's path. With `keep_kv` False, nothing new goes to the cache
+        (the KV of a failed step is suspect)."""
+        if req.pool_row is None and not req.pages:
+            return
+        full = min(req.kv_len // self.page_size, len(req.pages))
+        if not keep_kv:
+            full = req.shared_pages
+        offered = req.pages[:full]
+        duplicates = self.cache.insert(req.tokens(full * self.page_size), offered)
+        own = set(req.pages[req.shared_pages :])
+        self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
+        if req.session_id is not None and req.finish_reason in ("stop", "length"):
+            self.sessions.pin(req.session_id, req.tokens(full * self.page_size))
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0
+        if req.pool_row is not None:
+            self.table.free(req.pool_row)
+            req.pool_row = None
+
+    def trim(self, req: Req) -> None:
+        """Drop the KV past `req`'s sequence (its rejected jump-forward tokens): the pages past
+        the kept tokens are freed, never cached."""
+        req.kv_len = req.seq_len
+        keep = self.allocator.pages_for(req.kv_len)
+        assert keep >= req.shared_pages, "unverified tokens are never cached"
+        self.allocator.free(req.pages[keep:])
+        del req.pages[keep:]
+
+    def _slots(self, pages: list[int]) -> torch.Tensor:
+        ps = self.page_size
+        p = torch.tensor(pages, dtype=torch.int64)
+        return (p[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+
+    # ---- the pool as a whole --------------------------------------------------------------
+    def usage(self) -> dict[str, float]:
+        cap = self.allocator.capacity_pages
+        used = cap - self.allocator.free_pages - self.cache.evictable_pages
+        return {
+            "kv_capacity_tokens": float(self.allocator.capacity_tokens),
+            "kv_free_tokens": float(self.allocator.free_pages * self.page_size),
+            "kv_cached_tokens": float(self.cache.total_pages * self.page_size),
+            "kv_usage": used / cap,
+            "pinned_sessions": float(len(self.sessions)),
+            "pinned_tokens": float(self.sessions.pinned_pages * self.page_size),
+        }
+
+    def flush(self) -> None:
+        """Release every session pin and empty the prefix cache (nothing may hold a lock)."""
+        self.sessions.close_all()
+        self.stats.evicted_tokens += self.cache.total_pages * self.page_size
+        self.cache.reset()
+
+    def check_invariants(self, active: list[Req], idle: list[Req]) -> None:
+        """Every KV page is free, held by exactly one `active` request, or held by the cache;
+        every cache lock is held by exactly one active request's prefix or session pin; `idle`
+        requests hold nothing."""
+        self.cache.check_invariants()
+        free = self.allocator.free_page_set()
+        assert len(free) == self.allocator.free_pages, "a page is on the free list twice"
+        owned = [p for r in active for p in r.pages[r.shared_pages :]]
+        cached = self.cache.cached_pages()
+        everything = list(free) + owned + cached
+        assert len(everything) == len(set(everything)), "a KV page has two owners"
+        assert len(everything) == self.allocator.capacity_pages, (
+            f"KV pages leaked: free {len(free)} + requests {len(owned)} + cache {len(cached)} "
+            f"!= capacity {self.allocator.capacity_pages}"
+        )
+        cached_set = set(cached)
+        for r in active:
+            assert set(r.pages[: r.shared_pages]) <= cached_set, "shared page not in the cache"
+            assert len(r.pages) == self.allocator.pages_for(r.kv_len), "pages != kv length"
+        holders = [r.cache_node for r in active if r.cache_node is not None]
+        self.cache.check_locks(holders + self.sessions.nodes())
+        rows = [r.pool_row for r in active]
+        assert None not in rows and len(set(rows)) == len(rows)
+        assert self.table.free_slots + len(rows) == self.table.size, "table rows leaked"
+        assert all(r.pool_row is None and not r.pages for r in idle), "a queued request holds KV"

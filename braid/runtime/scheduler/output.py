@@ -1,0 +1,170 @@
+"""After the forward: turning a step's samples into requests' tokens and `TokenOut`s, verifying
+jump-forward tokens, caching what a prefill computed, and finishing requests."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from braid.runtime.constrained.manager import GrammarManager
+from braid.runtime.executor.executor import Executor
+from braid.runtime.executor.sampler import SampleResult, SamplingInput
+from braid.runtime.forward_batch import ForwardMode
+from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS, DetokSpec, TokenOut
+from braid.runtime.scheduler.batch import StepPlan
+from braid.runtime.scheduler.kv import KVManager
+from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
+from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
+from braid.runtime.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        reqs: RequestTable,
+        kv: KVManager,
+        grammars: GrammarManager,
+        executor: Executor,
+        stats: SchedulerStats,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.reqs = reqs
+        self.kv = kv
+        self.grammars = grammars
+        self.executor = executor
+        self.stats = stats
+        self.eos_token_ids = eos_token_ids
+
+    def process(
+        self, plan: StepPlan, result: SampleResult | None, logits: torch.Tensor | None
+    ) -> list[TokenOut]:
+        """Apply a step's samples. `logits` are needed only by an extend (jump verification,
+        prompt logprobs); a decode's requests already count its KV (from its launch)."""
+        prefilled = plan.batch.mode is ForwardMode.EXTEND
+        if prefilled:
+            for req, end in zip(plan.reqs, plan.ends):
+                req.kv_len = end
+                if end == req.seq_len and req.status in (ReqStatus.PREFILLING, ReqStatus.JUMPED):
+                    self.reqs.move(req, ReqStatus.RUNNING)
+        outs = []
+        if result is not None:
+            result = result.on_host()
+            next_ids = result.next_ids.tolist()
+            logprobs = token_logprobs(result) if result.logprobs is not None else None
+            for i, req in enumerate(plan.sampling):
+                if req.finished:
+                    continue  # aborted, or stopped the step before this one ran ahead
+                error = None
+                if req.max_new_tokens == 0:
+                    req.finish_reason = "length"  # prefill only: the sample is not kept
+                else:
+                    error = self._append_sample(req, next_ids[i], plan.last_rows[i], logits)
+                out = self.token_out(req, req.take_unreported())
+                out.error = error
+                kept = req.max_new_tokens > 0
+                if kept and logprobs is not None and req.params.logprobs is not None:
+                    lp = logprobs[i]
+                    lp.top = lp.top[: req.params.logprobs]
+                    out.logprobs = [lp]
+                if i in plan.prompt_rows and not req.prompt_logprobs_sent:
+                    a, b = plan.prompt_rows[i]
+                    out.prompt_logprobs = prompt_logprobs(req, logits[a:b])
+                    req.prompt_logprobs_sent = True
+                if req.finished:
+                    self.kv.release(req)
+                    self.reqs.discard(req)
+                    self.stats.finished_requests += 1
+                outs.append(out)
+        if prefilled:
+            # Cache what was just computed, so requests admitted next step can share it.
+            for req in plan.reqs:
+                if req.pool_row is not None:
+                    self.kv.cache_unfinished(req)
+        return outs
+
+    def _append_sample(
+        self, req: Req, tok: int, last_row: int, logits: torch.Tensor | None
+    ) -> str | None:
+        """Append the token sampled for `req` (or the model's own token where it rejects
+        jump-forward tokens), advance its grammar, check whether it finished, and jump forward;
+        returns the error that failed it, if any."""
+        if req.unverified:
+            rows = logits[last_row - req.unverified : last_row]
+            chosen, rejected = self.grammars.verify(req, rows, self._greedy)
+            if rejected:
+                self.stats.jump_forward_rejected += rejected
+                self.kv.trim(req)
+            tok = tok if chosen is None else chosen
+        req.output_ids.append(tok)
+        req.verified = len(req.output_ids)
+        error = None
+        if req.grammar is not None and tok not in self.eos_token_ids:
+            try:
+                req.grammar.advance(tok)
+            except ValueError as e:
+                req.finish_reason, error = "abort", f"grammar: {e}"
+        if not req.finished:
+            req.check_finished(tok)
+        if req.grammar is not None and not req.finished:
+            self.jump_forward(req)
+        return error
+
+    def _greedy(self, req: Req, rows: torch.Tensor, mask: torch.Tensor) -> list[int]:
+        """The token sampling picks at each of `rows` (predicting `req`'s unverified tokens in
+        turn) under the bitmask row of the same index."""
+        n = rows.shape[0]
+        stops = req.sampling.stop_ids
+        inputs = [
+            SamplingInput(
+                req.params, req.seed, req.input_ids, req.output_ids[: req.verified + k], stops
+            )
+            for k in range(n)
+        ]
+        idx = torch.arange(n, device=self.executor.device)
+        mask = mask.to(self.executor.device)
+        return self.executor.sample(rows, inputs, bitmask=mask, bitmask_rows=idx).next_ids.tolist()
+
+    def jump_forward(self, req: Req) -> None:
+        """Jump `req` forward over the tokens its grammar forces; a running request then waits
+        (JUMPED) for an extend to compute their KV."""
+        forced = self.grammars.jump_forward(req)
+        self.stats.jump_forward_tokens += forced
+        if forced and req.status is ReqStatus.RUNNING:
+            self.reqs.move(req, ReqStatus.JUMPED)
+
+    def finish(self, req: Req, reason: str, error: str | None = None) -> TokenOut:
+        """End `req` (if it has not ended) with `reason`, free its KV, and say so."""
+        req.finish_reason = req.finish_reason or reason
+        req.error = error
+        self.kv.release(req)
+        self.reqs.discard(req)
+        if error:
+            logger.warning("request %s failed: %s", req.rid, error)
+        out = self.token_out(req, req.take_unreported())
+        out.error = error
+        return out
+
+    def token_out(self, req: Req, new_ids: list[int]) -> TokenOut:
+        out = TokenOut(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason,
+            stop_token=req.stop_token,
+        )
+        if not req.detok_sent:
+            req.detok_sent = True
+            p = req.params
+            out.detok = DetokSpec(
+                prompt_tail=req.input_ids[-CONTEXT_TOKENS:],
+                skip_special_tokens=p.skip_special_tokens,
+                stop=list(p.stop),
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+                stop_regex=list(p.stop_regex),
+            )
+        return out

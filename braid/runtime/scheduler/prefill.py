@@ -1,0 +1,182 @@
+"""The prefill planner: which requests an extend step computes, and how much of each.
+
+One extend holds, within the prefill budget: the jump-forward tokens of running requests (their
+KV), the next chunk of a prompt between chunks, and newly admitted requests in policy order. A
+request is admitted when its table row, its first chunk and the decode reserve of everything
+running fit in free and evictable pages (a request admitted alone needs no reserve); admission
+stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
+chunks, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from braid.runtime.constrained.manager import GrammarManager
+from braid.runtime.scheduler.batch import StepPlan, build_extend
+from braid.runtime.scheduler.decode import DecodePlanner
+from braid.runtime.scheduler.kv import KVManager
+from braid.runtime.scheduler.policy import (
+    candidates,
+    effective_policy,
+    match_limit,
+    shares_uncached_prefix,
+)
+from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
+from braid.runtime.scheduler.stats import SchedulerStats
+
+
+class PrefillPlanner:
+    def __init__(
+        self,
+        reqs: RequestTable,
+        kv: KVManager,
+        decode: DecodePlanner,
+        grammars: GrammarManager,
+        stats: SchedulerStats,
+        device: torch.device,
+        *,
+        budget: int,
+        chunked: bool,
+        policy: str,
+        max_running: int,
+    ) -> None:
+        self.reqs = reqs
+        self.kv = kv
+        self.decode = decode
+        self.grammars = grammars
+        self.stats = stats
+        self.device = device
+        self.budget = budget
+        self.chunked = chunked
+        self.policy = policy
+        self.max_running = max_running
+        self.page_size = kv.page_size
+
+    def plan(self) -> StepPlan | None:
+        items = self._jumped_items()
+        budget = self.budget - sum(end - r.kv_len for r, end in items)
+        prefilling = self.reqs.first(ReqStatus.PREFILLING)
+        if prefilling is not None:
+            req = prefilling
+            end = self._chunk_end(req.kv_len, req, budget)
+            grow = self.kv.pages_to_grow(req, end)
+            if self.kv.make_room(grow):
+                self.kv.grow(req, grow)
+                items.append((req, end))
+                budget -= end - req.kv_len
+            elif not items:
+                return None  # wait for decodes to finish and free pages
+        elif self.reqs.count(ReqStatus.WAITING):
+            self._admit(items, budget)
+        if not items:
+            return None
+        for req, end in items:
+            self.stats.prefill_tokens_computed += end - req.kv_len
+        self.stats.prefill_steps += 1
+        return build_extend(items, self.kv.allocator, self.kv.table, self.device)
+
+    def _admit(self, items: list[tuple[Req, int]], budget: int) -> None:
+        """Admit waiting requests into `items` in policy order while they fit."""
+        waiting = self.reqs.view(ReqStatus.WAITING)
+        running = self.reqs.view(ReqStatus.RUNNING)
+        policy = effective_policy(self.policy, len(waiting))
+        admitted = []
+        for cand in candidates(waiting, self.kv.cache, policy):
+            if len(running) + len(items) >= self.max_running:
+                break
+            if self.kv.table.free_slots == 0 or budget <= 0:
+                break
+            if policy == "lpm" and shares_uncached_prefix(cand, admitted):
+                continue
+            req = cand.req
+            # Match again: making room for earlier admissions may have evicted pages.
+            match = None
+            if cand.use_cache:
+                match = self.kv.cache.match_prefix(req.tokens(match_limit(req)))
+            prefix_pages = match.pages if match is not None else []
+            start = len(prefix_pages) * self.page_size
+            end = req.seq_len
+            if end - start > budget:
+                # Prompt logprobs need every prompt position in one forward: never chunked.
+                if self.chunked and req.params.prompt_logprobs is None:
+                    end = self._chunk_end(start, req, budget)
+                    if end < req.seq_len and req.unverified:
+                        # Earlier chunks give no logits to verify the jump: undo it.
+                        assert req.kv_len <= req.prompt_len + req.verified
+                        self.grammars.unjump(req)
+                        end = self._chunk_end(start, req, budget)
+                elif items:
+                    break  # next step; a long prompt runs alone when chunking is off
+            # Lock the match first so evicting to make room cannot take it.
+            if match is not None:
+                self.kv.cache.lock(match.node)
+            grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
+            fits = self.fits(grow, running + [r for r, _ in items] + [req])
+            if not fits or not self.kv.make_room(grow):
+                if match is not None:
+                    self.kv.cache.unlock(match.node)
+                break
+            self.kv.admit(req, match.node if match else None, prefix_pages)
+            self.kv.grow(req, grow)
+            self.reqs.move(req, ReqStatus.PREFILLING)
+            items.append((req, end))
+            admitted.append(cand)
+            budget -= end - req.kv_len
+            if end < req.seq_len:
+                break  # one prompt between chunks at a time
+
+    def _jumped_items(self) -> list[tuple[Req, int]]:
+        """Extend items computing the KV of jump-forward tokens; a request that cannot get the
+        pages for them is retracted (it resumes later, output kept)."""
+        items = []
+        for req in self.reqs.view(ReqStatus.JUMPED):
+            grow = self.kv.pages_to_grow(req, req.seq_len)
+            if self.kv.make_room(grow):
+                self.kv.grow(req, grow)
+                items.append((req, req.seq_len))
+            else:
+                self.decode.retract(req)
+        return items
+
+    def _chunk_end(self, start: int, req: Req, budget: int) -> int:
+        """Where a prefill starting at `start` stops within `budget` tokens: the whole rest,
+        or a chunk ending on a page boundary (so the next chunk starts on a fresh page)."""
+        if req.seq_len - start <= budget:
+            return req.seq_len
+        aligned = (start + budget) // self.page_size * self.page_size
+        return aligned if aligned > start else min(req.seq_len, start + self.page_size)
+
+    def admits_now(self) -> bool:
+        """Whether a prefill step now would admit a waiting request: the first in policy
+        order, the one `plan` tries first (it stops at the first that does not fit), with its
+        cached prefix and, when chunking, only its first chunk. Under a backlog that must wait
+        for KV, decode steps keep running ahead."""
+        waiting = self.reqs.view(ReqStatus.WAITING)
+        running = self.reqs.view(ReqStatus.RUNNING)
+        if not waiting or len(running) >= self.max_running:
+            return False
+        if self.kv.table.free_slots == 0:
+            return False
+        policy = effective_policy(self.policy, len(waiting))
+        # fcfs keeps arrival order: the head is the first candidate.
+        considered = waiting if policy == "lpm" else [waiting[0]]
+        cand = candidates(considered, self.kv.cache, policy)[0]
+        req = cand.req
+        cached = 0
+        if cand.use_cache:
+            cached = len(self.kv.cache.match_prefix(req.tokens(match_limit(req))).pages)
+        start = cached * self.page_size
+        end = req.seq_len
+        chunks = self.chunked and req.params.prompt_logprobs is None
+        if end - start > self.budget and chunks:
+            end = self._chunk_end(start, req, self.budget)
+        return self.fits(self.kv.allocator.pages_for(end) - cached, running + [req])
+
+    def fits(self, grow: int, decoding: list[Req]) -> bool:
+        """Whether `grow` new pages fit in free and evictable pages with the decode reserve of
+        `decoding` (the running requests plus those being admitted); a request admitted alone
+        needs no reserve."""
+        room = self.kv.room
+        reserve = self.decode.reserve(decoding)
+        return grow + reserve <= room or (len(decoding) == 1 and grow <= room)

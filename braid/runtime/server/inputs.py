@@ -1,0 +1,154 @@
+"""What every route does to its input before anything runs: parse and validate the JSON body,
+check the model name, tokenize the prompts, and refuse what the runtime would refuse. Each
+problem is an `APIError` (400, or 404 for a model name) or a `ValueError` from the runtime's
+own checks (a 400 too), and its message starts with the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import APIError
+from braid.runtime.server.state import ServerState
+
+
+def param_of(message: str) -> str | None:
+    """The field an error message starts with ("max_tokens: ..."), or None."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head if head.replace("_", "").isalnum() else None
+
+
+# ---- bodies -------------------------------------------------------------------------------
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    first = e.errors()[0] if e.errors() else {}
+    names: list[str] = []  # the field's path; pydantic's union-member tags are left out
+    for x in first.get("loc", []):
+        if isinstance(x, int) and names:
+            names[-1] += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier():
+            names.append(x)
+    param = ".".join(names) or None
+    what = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"{param or 'body'}: {what}", param)
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """`raw` as a `model`; an `APIError` (400) names what is wrong."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def json_body(model: type[BaseModel]) -> Any:
+    """A dependency: the JSON body parsed and validated as `model` on a worker thread (FastAPI
+    runs plain functions off the event loop). JSON decoding and pydantic hold the GIL while they
+    run, so this bounds, not removes, what a large body costs the loop (see docs/server.md).
+    FastAPI cannot see the body's model through it: a route declares it with
+    `openapi.takes(model)`."""
+
+    def parse(raw: bytes = Depends(_raw_body)) -> Any:
+        return parse_body(model, raw)
+
+    return Depends(parse)
+
+
+# ---- model names and prompts ----------------------------------------------------------------
+def check_model(state: ServerState, model: str | None) -> None:
+    """As SGLang does, a server serves its one model whatever name a request gives (empty,
+    another alias, a path): clients written for another server work unchanged. With
+    `--strict-model-name`, any name but the served name (or the model path) is a 404."""
+    if not state.strict_model_name or model is None:
+        return
+    if model not in (state.served_model_name, state.model_path):
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def encode_prompt(
+    state: ServerState, text: str, where: str, add_special_tokens: bool = True
+) -> list[int]:
+    """`text`'s token ids; a text that cannot fit the context is refused before tokenizing."""
+    if len(text) > state.max_prompt_chars:
+        raise APIError(
+            400,
+            f"{where}: {len(text)} characters is longer than the context length allows "
+            f"({state.tm.ready.context_length} tokens)",
+            where.split(" ")[0],
+        )
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize_prompts(
+    state: ServerState, prompt: Any, where: str = "prompt"
+) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt in `prompt`: a text, a list of token ids, or a
+    list of either."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, f"{where}: must not be empty", where)
+    if len(prompt) > state.max_samples:
+        raise APIError(
+            400,
+            f"{where}: {len(prompt)} prompts is more than this server takes in one request "
+            f"({state.max_samples}; --max-samples-per-request)",
+            where,
+        )
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, f"{where}: must not be empty", where)
+            if state.tokenizer is None:
+                raise APIError(400, f"{where}: this model has no tokenizer; send token ids", where)
+            out.append((p, encode_prompt(state, p, where)))
+        else:
+            out.append((None, list(p)))
+    return out
+
+
+def _check_fan_out(state: ServerState, params: SamplingParams, prompts: int) -> None:
+    if params.n * prompts > state.max_samples:
+        each = f" x {prompts} prompts" if prompts > 1 else ""
+        raise APIError(
+            400,
+            f"n: {params.n} samples{each} is more than this server runs for one request "
+            f"({state.max_samples}; --max-samples-per-request)",
+            "n",
+        )
+
+
+def validate_prompts(state: ServerState, prompts: list, params: SamplingParams, where: str) -> None:
+    """Refuse what the scheduler would refuse: more samples than the server runs for one
+    request (`APIError`), a prompt too long for the context or a token id outside the
+    vocabulary (`ValueError`)."""
+    _check_fan_out(state, params, len(prompts))
+    for i, (_, ids) in enumerate(prompts):
+        state.tm.validate(ids, params, where=where if len(prompts) == 1 else f"{where} {i}")

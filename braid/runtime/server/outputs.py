@@ -1,0 +1,237 @@
+"""From submitted samples to a response, for every generating route: submit all samples or
+none, wait for outputs while watching for the client leaving, gather each sample's outputs into
+a `Choice`, and encode JSON bodies and SSE events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import APIError
+from braid.runtime.server.inputs import param_of
+from braid.runtime.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def submit_all(
+    state: ServerState,
+    jobs: list[tuple[str, list[int]]],
+    params: SamplingParams,
+    session_id: str | None = None,
+) -> list[AsyncIterator[StrOut]]:
+    """Submit `params.n` samples of every (rid, prompt): all of them or (on an error) none."""
+    rids: list[str] = []
+    try:
+        for rid, ids in jobs:
+            rids += state.tm.submit(rid, ids, params, session_id=session_id)
+    except BaseException:
+        for r in rids:
+            state.tm.cancel(r)
+        raise
+    return [state.tm.stream(r) for r in rids]
+
+
+# ---- disconnects, first outputs -------------------------------------------------------------
+GONE = object()  # the client disconnected
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, aw: Any) -> Any:
+    """`aw`'s result, or `GONE` if the client disconnects first: then `aw` is cancelled, which
+    aborts every sample it was waiting on (their KV is freed at once)."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:  # the client left (or this handler was cancelled): stop the work
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if gone:
+        logger.info("client disconnected: aborted %s %s", request.method, request.url.path)
+        return GONE
+    return work.result()
+
+
+def _refused(out: StrOut) -> APIError | None:
+    """The 400 for an output that says the scheduler refused the request (a grammar that does
+    not compile, or does not compile in time)."""
+    if out.finish_reason and out.refused and out.error:
+        return APIError(400, out.error, param_of(out.error))
+    return None
+
+
+async def first_output(
+    streams: list[AsyncIterator[StrOut]],
+) -> AsyncIterator[tuple[int, StrOut]]:
+    """The merged outputs, after waiting for the first: a request the scheduler refuses raises
+    its `APIError` here, before any response (or stream) has started."""
+    merged = _merge(streams)
+    first = await merged.__anext__()
+    err = _refused(first[1])
+    if err is not None:
+        await merged.aclose()
+        raise err
+
+    async def outputs() -> AsyncIterator[tuple[int, StrOut]]:
+        try:
+            yield first
+            async for item in merged:
+                yield item
+        finally:
+            await merged.aclose()
+
+    return outputs()
+
+
+async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[int, StrOut]]:
+    """Interleave several sample streams as their outputs arrive; cancelling the consumer
+    cancels (and so aborts) every sample still running."""
+    if len(streams) == 1:  # the common case: no pump tasks, no extra queue hop per token
+        async with contextlib.aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[StrOut]) -> None:
+        try:
+            async with contextlib.aclosing(s) as outs:
+                async for out in outs:
+                    await queue.put((i, out))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out = await queue.get()
+            if out is done:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- one sample's outputs -------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One sample's outputs so far, gathered by `absorb`."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    token_texts: dict[int, str] = field(default_factory=dict)
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def absorb(state: ServerState, c: Choice, out: StrOut, now: float, t0: float) -> None:
+    """Add `out` to `c`, and its timings and counts to the server's metrics."""
+    if out.token_ids:
+        if c.first_at is None:
+            state.metrics.ttft.observe(now - t0)
+        elif c.last_at is not None:
+            state.metrics.itl.observe((now - c.last_at) / len(out.token_ids))
+        c.first_at = c.first_at or now
+        c.last_at = now
+    c.text += out.text
+    c.token_ids += out.token_ids
+    c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
+    if out.logprobs:
+        c.logprobs += out.logprobs
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs
+    if out.token_texts:
+        c.token_texts.update(out.token_texts)
+    if out.finish_reason:
+        c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
+        state.metrics.generation_tokens += len(c.token_ids)
+        if out.error:
+            state.metrics.requests_failed += 1
+
+
+def finish_of(c: Choice) -> str | None:
+    """The finish reason a response reports for `c`."""
+    if c.finish_reason == "abort" and c.error:
+        return "abort"
+    return c.finish_reason
+
+
+def text_of(state: ServerState, tid: int, texts: dict[int, str]) -> str:
+    """Token `tid`'s text: as the detokenizer sent it, else decoded here."""
+    if tid in texts:
+        return texts[tid]
+    return state.tokenizer.decode([tid]) if state.tokenizer is not None else ""
+
+
+# ---- encoding -------------------------------------------------------------------------------
+def dumps(
+    head: dict[str, Any] | None, key: str | None, items: list[Any], as_list: bool = False
+) -> bytes:
+    """JSON of `head` with `items` under `key` (or of `items` alone: one item, or a list),
+    encoded item by item so that a large body lets other threads (and the event loop) run
+    between items."""
+    parts = [json.dumps(x, ensure_ascii=False, separators=(",", ":")) for x in items]
+    if head is None:
+        return ("[" + ",".join(parts) + "]" if as_list else parts[0]).encode()
+    encoded = json.dumps(head, ensure_ascii=False, separators=(",", ":"))
+    return (encoded[:-1] + f',"{key}":[' + ",".join(parts) + "]}").encode()
+
+
+def json_response(body: bytes) -> Response:
+    return Response(content=body, media_type="application/json")
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def event_stream(request: Request, events: AsyncIterator[str]) -> StreamingResponse:
+    """An SSE response of `events`; a client that leaves before the end is logged (closing
+    `events` aborts what it still streams)."""
+
+    async def logged() -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for event in events:
+                yield event
+            finished = True
+        finally:
+            if not finished:
+                logger.info(
+                    "client disconnected: aborted %s %s (streaming)",
+                    request.method,
+                    request.url.path,
+                )
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(logged(), media_type="text/event-stream")

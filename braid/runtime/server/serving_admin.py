@@ -1,0 +1,136 @@
+"""Operator and utility routes: health, model and server info, the model list, cache flush,
+tokenize, program sessions, aborts, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from typing import Annotated
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import error_response
+from braid.runtime.server.inputs import json_body, tokenize_prompts
+from braid.runtime.server.openapi import EMPTY, takes
+from braid.runtime.server.outputs import GONE, unless_gone
+from braid.runtime.server.protocol import AbortRequest, CloseSessionRequest, TokenizeRequest
+from braid.runtime.server.state import ServerState
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health", response_class=Response, responses=EMPTY)
+    async def health():
+        problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
+        if problem:
+            return error_response(503, problem)
+        return Response(status_code=200)
+
+    app.head("/health", response_class=Response, responses=EMPTY, operation_id="health_head")(
+        health
+    )
+
+    @app.get("/health_generate", response_class=Response, responses=EMPTY)
+    async def health_generate(request: Request):
+        problem = state.tm.problem(state.health_silent_s, state.health_stuck_s)
+        if problem:
+            return error_response(503, problem)
+        rid = f"health-{uuid.uuid4().hex[:8]}"
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        state.tm.submit(rid, [0], params)
+
+        async def one() -> str | None:
+            async for out in state.tm.stream(rid):
+                if out.finish_reason and out.error:
+                    return out.error
+            return None
+
+        error = await asyncio.wait_for(unless_gone(request, one()), 60.0)
+        if error is GONE:
+            return Response(status_code=499)
+        return error_response(503, error) if error else Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        r = state.tm.ready
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "braid",
+            "root": state.served_model_name,  # the model's path stays on the server
+            "max_model_len": r.context_length if r else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        r = state.tm.ready
+        return {
+            # SGLang clients load the tokenizer from here (a client on the server's machine).
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path if state.tokenizer is not None else None,
+            "served_model_name": state.served_model_name,
+            "is_generation": True,
+            "context_length": r.context_length,
+            "vocab_size": r.vocab_size,
+            "role_template": state.role_template.to_dict(),
+        }
+
+    @app.get("/get_server_info")
+    async def server_info():
+        r = state.tm.ready
+        try:  # fresh stats if the scheduler answers within a second, else its last heartbeat
+            stats = await state.tm.control("stats", timeout=1.0)
+        except TimeoutError:
+            stats = {**state.tm.stats_snapshot(), "stale": True}
+        return {
+            **state.server_args,
+            "context_length": r.context_length,
+            "kv_capacity_tokens": r.kv_capacity_tokens,
+            "max_running_requests": r.max_running_requests,
+            "device": r.device,
+            "dtype": r.dtype,
+            "load_time_s": r.load_time_s,
+            "pids": {"server": os.getpid(), **{n: p.pid for n, p in state.tm.procs.items()}},
+            "stats": stats,
+            "problem": state.tm.problem(state.health_silent_s, state.health_stuck_s),
+        }
+
+    @app.post("/flush_cache", response_class=PlainTextResponse)
+    async def flush_cache():
+        res = await state.tm.control("flush_cache", timeout=10.0)
+        if not res.get("flushed"):
+            return error_response(400, "cannot flush the cache while requests are running")
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/tokenize", openapi_extra=takes(TokenizeRequest))
+    async def tokenize(body: Annotated[TokenizeRequest, json_body(TokenizeRequest)]):
+        """vLLM's /tokenize: the prompt's token ids as this server would feed them."""
+        ids = (await asyncio.to_thread(tokenize_prompts, state, body.prompt))[0][1]
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
+
+    @app.post("/close_session", openapi_extra=takes(CloseSessionRequest))
+    async def close_session(body: Annotated[CloseSessionRequest, json_body(CloseSessionRequest)]):
+        """Release what a program session keeps cached."""
+        result = await state.tm.control("close_session", timeout=10.0, arg=body.session_id)
+        return {"success": bool(result.get("closed"))}
+
+    @app.post(
+        "/abort_request",
+        openapi_extra=takes(AbortRequest),
+        response_class=Response,
+        responses=EMPTY,
+    )
+    async def abort_request(body: Annotated[AbortRequest, json_body(AbortRequest)]):
+        state.tm.abort(body.rid)
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(
+            state.metrics.render(state.tm.stats_snapshot()),
+            media_type="text/plain; version=0.0.4",
+        )

@@ -1,0 +1,225 @@
+"""OpenAI's chat completions: `POST /v1/chat/completions`, with the server's chat template (or,
+where the operator allows it, the request's own, rendered in the sandbox process) and tools."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+
+from braid.runtime.function_call.base import ToolCallStream
+from braid.runtime.function_call.tools import ToolPlan, finish_reason
+from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import APIError
+from braid.runtime.server.inputs import check_model, encode_prompt, json_body, validate_prompts
+from braid.runtime.server.openapi import STREAMED, takes
+from braid.runtime.server.outputs import Choice, finish_of, text_of
+from braid.runtime.server.protocol import ChatCompletionRequest
+from braid.runtime.server.serving_openai import OpenAIResponse
+from braid.runtime.server.state import ServerState
+from braid.runtime.tokenizer.tokenizer import render_chat
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    def prepare_chat(req: ChatCompletionRequest, text: str | None):
+        plan = _tool_plan(state, req)
+        if text is None:
+            text = _render_messages(state, req, plan.template_tools if plan else None)
+        ids = encode_prompt(state, text, "messages", add_special_tokens=False)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        if max_tokens == 0:
+            raise APIError(400, "max_tokens must be >= 1", "max_tokens")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
+        if plan is not None:
+            try:
+                params = plan.sampling_params(params)
+            except ValueError as e:
+                raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+        validate_prompts(state, [(text, ids)], params, "messages")
+        return text, ids, params, plan
+
+    @app.post(
+        "/v1/chat/completions", openapi_extra=takes(ChatCompletionRequest), responses=STREAMED
+    )
+    async def chat(
+        request: Request, req: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)]
+    ):
+        check_model(state, req.model)
+        if not req.messages:
+            raise APIError(400, "messages: must not be empty", "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        text = None
+        if req.chat_template is not None:
+            text = await render_request_template(req)
+        text, ids, params, plan = await asyncio.to_thread(prepare_chat, req, text)
+        return await ChatResponse(state, req, [(text, ids)], params, plan).respond(request)
+
+    async def render_request_template(req: ChatCompletionRequest) -> str:
+        sandbox = state.template_sandbox
+        if not state.allow_request_chat_template or sandbox is None:
+            raise APIError(
+                400,
+                "chat_template: this server does not take a chat template from requests "
+                "(the operator can allow it with --allow-request-chat-template)",
+                "chat_template",
+            )
+        plan = await asyncio.to_thread(_tool_plan, state, req)
+        messages = await asyncio.to_thread(_template_messages, state, req)
+        return await asyncio.get_running_loop().run_in_executor(
+            sandbox.executor,
+            functools.partial(
+                sandbox.render,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template,
+                tools=plan.template_tools if plan else None,
+            ),
+        )
+
+
+class ChatResponse(OpenAIResponse):
+    """A chat completion; with a tool plan, outputs become content and tool calls."""
+
+    kind = "chat.completion"
+    chunk_kind = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: ChatCompletionRequest,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        plan: ToolPlan | None,
+    ) -> None:
+        super().__init__(state, req, prompts, params)
+        self.plan = plan
+
+    def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
+        return _chat_logprobs(self.state, c, self.params.logprobs or 0)
+
+    def fill(self, item: dict[str, Any], i: int, c: Choice) -> None:
+        item["message"], item["finish_reason"] = _chat_message(c, self.plan)
+
+    def delta(self, item: dict[str, Any], out: StrOut) -> None:
+        item["delta"] = {"content": out.text} if out.text else {}
+
+    def opening(self) -> list[dict[str, Any]] | None:
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(self.choices))
+        ]
+
+    def tool_streams(self) -> list[ToolCallStream] | None:
+        parsers = [self.plan.stream() for _ in self.choices] if self.plan is not None else []
+        return parsers if parsers and parsers[0] else None  # type: ignore[return-value]
+
+
+def _chat_logprobs(state: ServerState, c: Choice, top: int) -> dict[str, Any]:
+    content = []
+    for lp in c.logprobs:
+        tok = text_of(state, lp.token_id, c.token_texts)
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp.logprob,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := text_of(state, tid, c.token_texts)),
+                        "logprob": v,
+                        "bytes": list(t.encode()),
+                    }
+                    for tid, v in lp.top[:top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _template_messages(state: ServerState, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    if state.tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "text":
+                    parts.append(str(part.get("text", "")))
+                else:
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: part type {part.get('type')!r} is not supported "
+                        "by this text-only model",
+                        "messages",
+                    )
+            content = "".join(parts)
+        messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
+    return messages
+
+
+def _render_messages(
+    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The conversation as prompt text, with the server's chat template (on a worker thread;
+    a request's own template goes to the sandbox process instead, see `chat`)."""
+    text = render_chat(
+        state.tokenizer,
+        _template_messages(state, req),
+        add_generation_prompt=req.add_generation_prompt,
+        tools=tools,
+    )
+    return text
+
+
+def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
+    try:
+        return ToolPlan.resolve(
+            req.tools, req.tool_choice, req.parallel_tool_calls, parser=state.tool_call_parser
+        )
+    except ValueError as e:
+        msg = str(e)
+        raise APIError(400, msg, msg.split(":", 1)[0]) from None
+
+
+def _chat_message(c: Choice, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice and its finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": c.text}, finish_of(c)
+    content, calls = plan.parse(c.text)
+    if finish_of(c) == "length":
+        # Cut off by max_tokens: a call whose arguments did not finish is no call (OpenAI sends
+        # finish_reason "length" and no broken tool_calls); the text is the content.
+        calls = [call for call in calls if _is_json_object(call.arguments)]
+        if not calls:
+            return {"role": "assistant", "content": c.text}, "length"
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_of(c)
+    message = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [call.to_openai() for call in calls],
+    }
+    return message, finish_reason(finish_of(c), len(calls))
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

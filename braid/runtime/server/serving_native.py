@@ -1,0 +1,144 @@
+"""SGLang's native generation route: `POST /generate` (text or token ids in, SGLang's result
+layout and meta info out)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from braid.runtime.outputs import finish_reason_info
+from braid.runtime.server.guard import APIError
+from braid.runtime.server.inputs import json_body, tokenize_prompts, validate_prompts
+from braid.runtime.server.openapi import STREAMED, takes
+from braid.runtime.server.outputs import (
+    GONE,
+    Choice,
+    absorb,
+    dumps,
+    event_stream,
+    finish_of,
+    first_output,
+    json_response,
+    sse,
+    submit_all,
+    text_of,
+    unless_gone,
+)
+from braid.runtime.server.protocol import GenerateRequest, native_sampling_params
+from braid.runtime.server.state import ServerState
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    def prepare_generate(req: GenerateRequest):
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError(400, "give exactly one of text and input_ids", "text")
+        single = isinstance(req.text, str) or (
+            req.input_ids is not None and all(isinstance(t, int) for t in req.input_ids)
+        )
+        where = "text" if req.text is not None else "input_ids"
+        prompts = tokenize_prompts(
+            state, req.text if req.text is not None else req.input_ids, where
+        )
+        params = native_sampling_params(req.sampling_params, state.defaults)
+        if req.return_logprob:
+            params = params.replace(logprobs=req.top_logprobs_num)
+            if req.logprob_start_len >= 0:
+                params = params.replace(
+                    prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
+                )
+        validate_prompts(state, prompts, params, "text")
+        return prompts, params, single
+
+    @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
+    async def generate(
+        request: Request, req: Annotated[GenerateRequest, json_body(GenerateRequest)]
+    ):
+        prompts, params, single = await asyncio.to_thread(prepare_generate, req)
+        top = req.top_logprobs_num
+        # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
+        # sampled once.
+        n = params.n
+        base = req.rid or f"gen-{uuid.uuid4().hex[:12]}"
+        rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        state.metrics.requests += 1
+        state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+        streams = submit_all(
+            state, [(rid, ids) for rid, (_, ids) in zip(rids, prompts)], params, req.session_id
+        )
+        prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
+        sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
+        choices = [Choice() for _ in streams]
+
+        def entry(lp, tid: int, texts: dict[int, str]) -> list[Any]:
+            return [None if lp is None else lp, tid, text_of(state, tid, texts)]
+
+        def native(i: int) -> dict[str, Any]:
+            c = choices[i]
+            ids = prompts[prompt_of[i]][1]
+            meta = {
+                "id": sample_rids[i],
+                "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": len(c.token_ids),
+                "cached_tokens": c.cached_tokens,
+                "finish_reason": finish_reason_info(
+                    finish_of(c), c.stop_reason, len(c.token_ids), c.error
+                ),
+                "e2e_latency": time.perf_counter() - t0,
+            }
+            if req.return_logprob:
+                meta["output_token_logprobs"] = [
+                    entry(lp.logprob, lp.token_id, c.token_texts) for lp in c.logprobs
+                ]
+                meta["output_token_logprobs_length"] = len(c.logprobs)
+                if top:
+                    meta["output_top_logprobs"] = [
+                        [entry(v, t, c.token_texts) for t, v in lp.top[:top]] for lp in c.logprobs
+                    ]
+                if c.prompt_logprobs is not None:
+                    start = max(0, req.logprob_start_len)
+                    scored = list(enumerate(c.prompt_logprobs))[start:]
+                    meta["input_token_logprobs"] = [
+                        entry(None if lp is None else lp.logprob, ids[pos], c.token_texts)
+                        for pos, lp in scored
+                    ]
+                    if top:
+                        meta["input_top_logprobs"] = [
+                            None
+                            if lp is None
+                            else [entry(v, t, c.token_texts) for t, v in lp.top[:top]]
+                            for _, lp in scored
+                        ]
+            return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
+
+        if req.stream:
+            outs = await unless_gone(request, first_output(streams))
+            if outs is GONE:
+                return Response(status_code=499)
+
+            async def events():
+                async for i, out in outs:
+                    absorb(state, choices[i], out, time.perf_counter(), t0)
+                    yield sse({"index": i, **native(i)})
+                yield "data: [DONE]\n\n"
+
+            return event_stream(request, events())
+
+        async def collect() -> None:
+            async for i, out in await first_output(streams):
+                absorb(state, choices[i], out, time.perf_counter(), t0)
+
+        if await unless_gone(request, collect()) is GONE:
+            return Response(status_code=499)
+
+        def build() -> bytes:
+            if single and n == 1:
+                return dumps(None, None, [native(0)])
+            return dumps(None, None, [native(i) for i in range(len(streams))], as_list=True)
+
+        return json_response(await asyncio.to_thread(build))
