@@ -117,7 +117,7 @@ def decode_cost(sched, vocab: int, batch: int, output_len: int, input_len: int, 
     prompts = [[rng.randrange(100, vocab) for _ in range(input_len)] for _ in range(batch)]
     free = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     constrained = free.replace(json_schema=FREE_TEXT)
-    sched.jump_forward = False
+    sched.grammars.jump_forward_enabled = False
     best: dict[str, float] = {}
     for _ in range(repeats):  # interleaved, best of: the machine's load drifts
         for name, sp in (("free", free), ("constrained", constrained)):
@@ -126,7 +126,7 @@ def decode_cost(sched, vocab: int, batch: int, output_len: int, input_len: int, 
             assert all(len(o) == output_len for o in r["outputs"])
             per_step = r["decode_s"] / r["decode_steps"]
             best[name] = min(best.get(name, float("inf")), per_step)
-    sched.jump_forward = True
+    sched.grammars.jump_forward_enabled = True
     return {
         "batch_size": batch,
         "free_decode_ms_per_token": 1e3 * best["free"] / batch,
@@ -140,14 +140,14 @@ def jump_forward_ab(sched, tokenizer, batch: int, max_tokens: int, repeats: int)
     reqs = [(tokenizer.encode(long_keys_prompt(i)), sp) for i in range(batch)]
     res = {}
     for jf in (False, True):
-        sched.jump_forward = jf
+        sched.grammars.jump_forward_enabled = jf
         runs = []
         for _ in range(repeats):
             sched.flush_cache()
             runs.append(run(sched, reqs))
         best = min(runs, key=lambda r: r["wall_s"])
         res[jf] = best
-    sched.jump_forward = True
+    sched.grammars.jump_forward_enabled = True
     texts = {
         jf: [tokenizer.decode(o, skip_special_tokens=True) for o in res[jf]["outputs"]]
         for jf in res
@@ -253,7 +253,7 @@ def main() -> None:
     device = sched.device
     vocab = sched.vocab_size
     # Warm up: the first forwards, and the vocabulary the grammar compiler loads.
-    sched.grammar_waiting.compiler.submit("json_schema", FREE_TEXT).result()
+    sched.grammars.waiting.compiler.submit("json_schema", FREE_TEXT).result()
     run(
         sched,
         [([100, 101, 102], SamplingParams(temperature=0.0, max_tokens=2, json_schema=FREE_TEXT))],
