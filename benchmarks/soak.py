@@ -809,6 +809,13 @@ def scheduler_rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+async def settled_rss(pid: int) -> int:
+    """The scheduler's RSS once it has been idle for a while (no request, no control message):
+    an idle scheduler gives the heap its work freed back to the OS after 0.5 s."""
+    await asyncio.sleep(1.5)
+    return scheduler_rss(pid)
+
+
 def server_log_summary(log: str) -> dict:
     lines = log.splitlines()
     tracebacks = [i for i, x in enumerate(lines) if x.startswith("Traceback")]
@@ -893,12 +900,12 @@ async def soak(url: str, args: argparse.Namespace, info: dict, probe_t0: float) 
             await s.traffic(warmup, 0, bar)
             warm_idle = await s.wait_idle()
             phases["warm-up"] = (t, time.time())
-            rss_warm = scheduler_rss(pid)
+            rss_warm = await settled_rss(pid)
             t = time.time()
             await s.traffic(args.duration_s - warmup, 1, bar)
             end_idle = await s.wait_idle()
             phases["soak"] = (t, time.time())
-        rss_end = scheduler_rss(pid)
+        rss_end = await settled_rss(pid)
         t = time.time()
         traffic_s = phases["soak"][1] - phases["warm-up"][0]
         leaked = await s.rid_check()

@@ -15,7 +15,14 @@ from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.ipc import codec
-from braid.runtime.ipc.sockets import Addresses, die_with_parent, parent_alive, send
+from braid.runtime.ipc.sockets import (
+    Addresses,
+    die_with_parent,
+    freeze_startup_heap,
+    parent_alive,
+    release_free_heap,
+    send,
+)
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
 from braid.runtime.ipc.to_tokenizer import (
@@ -29,6 +36,9 @@ from braid.runtime.scheduler.scheduler import Scheduler
 from braid.runtime.tokenizer.tokenizer import has_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# An idle loop waits this long for a message; after one such wait it gives freed heap back.
+IDLE_POLL_MS = 500
 
 
 def build_scheduler(
@@ -138,17 +148,24 @@ def run_scheduler_process(
             load_time_s=time.perf_counter() - t0,
         ),
     )
+    freeze_startup_heap()
     loop = SchedulerLoop(scheduler)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     beat = Heartbeat(ctx, addrs.tokenizer, scheduler)
     beat.start()
+    worked = False  # since the heap was last given back
     try:
         while not loop.stopping:
             beat.loop_iterated()
-            timeout = 0 if scheduler.has_work else 500
+            busy = scheduler.has_work
+            worked = worked or busy
             replies: list[object] = []
-            if poller.poll(timeout):
+            if not poller.poll(0 if busy else IDLE_POLL_MS):
+                if not busy and worked:
+                    release_free_heap()  # idle for a while: what the work freed goes back
+                    worked = False
+            else:
                 while True:
                     try:
                         msg = recv_nowait(inbox)

@@ -224,6 +224,7 @@ def _api_key(settings: ServerSettings | argparse.Namespace) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     from braid.runtime.assets import ModelAssets
+    from braid.runtime.ipc.sockets import freeze_startup_heap
     from braid.runtime.launch import spawn_runtime
     from braid.runtime.server.app import ServerState, create_app
     from braid.runtime.server.http import run_server
@@ -290,6 +291,7 @@ def serve(args: argparse.Namespace) -> int:
     )
 
     def on_ready() -> None:
+        freeze_startup_heap()  # full collections then skip everything start-up made
         r = tm.ready
         logger.info(
             "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens)",
