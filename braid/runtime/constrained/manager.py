@@ -74,18 +74,15 @@ class GrammarManager:
             raise ValueError("json_schema/regex/choice: this model has no tokenizer")
         self.waiting.add(req, kind, spec)
 
-    def poll(self) -> tuple[list[tuple[Constrained, int]], list[tuple[Constrained, str]]]:
-        """The requests whose grammar is ready, each given its matcher and then jumped forward
-        over any text the grammar forces at the start (with how many tokens that forced), and
-        those whose grammar failed to compile or ran out of time (with the error)."""
+    def poll(self) -> tuple[list[Constrained], list[tuple[Constrained, str]]]:
+        """The requests whose grammar is ready, each given its matcher, and those whose
+        grammar failed to compile or ran out of time (with the error)."""
         if not len(self.waiting):
             return [], []
         ready, failed = self.waiting.poll()
-        out = []
         for req, grammar in ready:
             req.grammar = GrammarMatcher(grammar)
-            out.append((req, self.jump_forward(req)))
-        return out, failed
+        return [req for req, _ in ready], failed
 
     def remove(self, req: Constrained) -> None:
         self.waiting.remove(req)

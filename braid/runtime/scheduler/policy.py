@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from braid.runtime.cache.radix_cache import MatchResult, PrefixCache
 from braid.runtime.scheduler.request import Req
 
-POLICIES = ("lpm", "fcfs")
 # Past this many waiting requests, lpm's per-request matching costs more than it saves.
 LPM_MAX_QUEUE = 128
 # A request sharing at least this many uncached tokens with one already admitted this step waits.

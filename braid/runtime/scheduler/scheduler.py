@@ -32,7 +32,6 @@ from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
-from braid.runtime.scheduler.policy import POLICIES
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
@@ -54,10 +53,6 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         grammar_compiler: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
-        if config.schedule_policy not in POLICIES:
-            raise ValueError(
-                f"schedule_policy must be one of {POLICIES}, got {config.schedule_policy!r}"
-            )
         self.runner = runner
         self.executor = Executor(runner)
         self.device = runner.device
@@ -151,8 +146,8 @@ class Scheduler:
     def _poll_grammars(self) -> list[TokenOut]:
         """Queue the requests whose grammar is ready; fail those whose grammar failed."""
         ready, failed = self.grammars.poll()
-        for req, forced in ready:
-            self.stats.jump_forward_tokens += forced
+        for req in ready:
+            self.output.jump_forward(req)  # over any text the grammar forces at the start
             self.requests.move(req, ReqStatus.WAITING)
         outs = [self.output.finish(req, "abort", error) for req, error in failed]
         for out in outs:
