@@ -7,6 +7,7 @@ tensor names the block it fills, and loading checks the shape of every block.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -20,8 +21,21 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+# oneDNN creates (and JIT-compiles) one primitive per distinct input shape, so every new
+# token count a linear sees adds one per weight shape, about 1 MB each; torch keeps them in two
+# LRU caches (oneDNN's and ideep's) of 1024 entries by default. On a server, where token counts
+# vary without end, that is up to ~1 GB of native heap that grows for as long as new shapes come
+# (the soak's scheduler RSS kept rising: docs/benchmarks.md, Soak). At 256 entries the caches
+# stay near 120 MB on SmolLM2's shapes, the shapes used most (decode batches) stay cached, and
+# an evicted one costs a few ms to rebuild. Set before the first oneDNN call, which reads them;
+# the environment, where set, wins.
+ONEDNN_CACHE_ENTRIES = 256
+
+
 @functools.cache
 def _onednn_works() -> bool:
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(ONEDNN_CACHE_ENTRIES))
     try:
         x, w = torch.randn(3, 8), torch.randn(5, 8)
         return torch.allclose(_onednn_linear(x, w, None), F.linear(x, w), atol=1e-5)
