@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from braid.lang.choices import ChoicesSamplingMethod, token_length_normalized
+from braid.lang.images import check_source
 from braid.lang.ir import (
     DTYPE_NAMES,
     ROLES,
@@ -219,12 +220,19 @@ def assistant_end() -> Expr:
     return RoleEnd("assistant")
 
 
-def image(source: str | bytes) -> Expr:
-    """An image (a path, a URL, or bytes) in the prompt; needs a backend whose model takes
-    images."""
-    if not isinstance(source, (str, bytes)) or not source:
-        raise ValueError("image: give a path, a URL, or the image's bytes")
-    return Image(source)
+def image(source: Any) -> Expr:
+    """An image in the prompt, where it is appended (`s += user(image(p) + "What is this?")`):
+    a path (str or `pathlib.Path`), the encoded file's bytes, a PIL image, or an http(s) or
+    `data:image/...` URL. SGLang's `image`. The backend's model must take images (a
+    vision-language model; with `OpenAI`, one the server serves). `ValueError` for another
+    type, an empty value or a path that is no file; content that is not an image fails when
+    the program sends it (see `braid.lang.images`)."""
+    from braid.lang.tracer import TRACING
+
+    if TRACING.get() is not None and isinstance(source, Expr):
+        # An argument while tracing: the graph records where the image goes.
+        return Image(source)
+    return Image(check_source(source))
 
 
 def video(path: str, num_frames: int) -> Expr:

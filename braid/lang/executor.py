@@ -103,7 +103,9 @@ class Executor:
         self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
         self.open_role = parent.open_role if parent else None
         self.role_start = parent.role_start if parent else 0
-        self.images: list[str | bytes] = list(parent.images) if parent else []
+        # The prompt's images in order, one per image placeholder in `text`; a fork copies the
+        # list, so its requests carry the same images as the prefix it shares.
+        self.images: list[Any] = list(parent.images) if parent else []
         # A variable is the text generated (SGLang's contract); `values` holds the converted
         # value of a typed gen (dtype=int, ...), `spans` where each gen's text lies in `text`.
         self.variables: dict[str, Any] = dict(parent.variables) if parent else {}
@@ -250,11 +252,9 @@ class Executor:
             name, start = self.scopes.pop()
             self._set_var(name, self.text[start:])
         elif isinstance(node, Image):
-            if not self.backend.supports_images:
-                raise ValueError(
-                    "image(): this backend's model takes text only; images need a multimodal model"
-                )
+            placeholder = self.backend.image_placeholder  # ValueError: the model takes text only
             self.images.append(node.source)
+            self._append(placeholder)
         else:
             raise ValueError(f"cannot run {type(node).__name__} in a program")
 
@@ -389,6 +389,9 @@ class Executor:
                 self._set_var(name, [m._ex.variables.get(name) for m in join.group.members])
         elif join.mode == "concate_and_append":
             self._append("".join(m._ex.text[start:] for m in join.group.members))
+            # The images the branches added stand in that text, in the same order.
+            for m in join.group.members:
+                self.images += m._ex.images[join.group.fork_images_len :]
         for member in join.group.members:
             member._ex.end()
 

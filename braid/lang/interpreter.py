@@ -99,14 +99,14 @@ class ProgramState:
         ex = self._ex
         ex.sync()
         if n > 1 and ex.text:
-            ex.backend.cache_prefix(ex.text)
+            ex.backend.cache_prefix(ex.text, list(ex.images))
         members = []
         for _ in range(n):
             session = f"{ex.session}.{len(ex.children)}" if ex.session else None
             child = Executor(ex.backend, ex.defaults, session, ex.sessions, parent=ex)
             ex.children.append(child)
             members.append(ProgramState(child))
-        return ForkGroup(self, members, len(ex.text), dict(ex.variables))
+        return ForkGroup(self, members, len(ex.text), dict(ex.variables), len(ex.images))
 
     @contextmanager
     def copy(self) -> Iterator[ProgramState]:
@@ -243,11 +243,13 @@ class ForkGroup:
         members: list[ProgramState],
         fork_text_len: int,
         parent_vars: dict[str, Any],
+        fork_images_len: int = 0,
     ) -> None:
         self.parent = parent
         self.members = members
         self.fork_text_len = fork_text_len
         self.parent_vars = parent_vars
+        self.fork_images_len = fork_images_len
 
     @property
     def states(self) -> list[ProgramState]:

@@ -190,9 +190,10 @@ class RoleEnd(Expr):
 
 @dataclass(frozen=True, eq=False)
 class Image(Expr):
-    """An image in the prompt: a path, a URL, or raw bytes."""
+    """An image in the prompt: a `Path`, bytes, a PIL image, or an http(s) / data URL (as
+    `braid.lang.images.check_source` returns it)."""
 
-    source: str | bytes
+    source: Any
 
 
 @dataclass(frozen=True, eq=False)

@@ -178,6 +178,20 @@ class EngineConfig:
     session_ttl_s: float = setting(
         600.0, "seconds a session pin lasts after its last request", aliases=("--session-ttl",)
     )
+    limit_mm_per_prompt: int = setting(8, "images one prompt may hold (vision-language models)")
+    max_image_pixels: int = setting(
+        32 * 2**20, "pixels (width x height) one image may have; checked before it is decoded"
+    )
+    max_image_bytes: int = setting(20 * 2**20, "bytes of one encoded image (inline or fetched)")
+    media_fetch_timeout_s: float = setting(10.0, "seconds to fetch an image from an http(s) URL")
+    allowed_local_media_path: str | None = setting(
+        None,
+        "a directory whose files prompts may name as images (paths or file:// URLs); "
+        "unset: no local files",
+    )
+    encoder_cache_mb: int = setting(
+        256, "MB of vision-tower outputs kept by image content hash (scheduler process)"
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -197,6 +211,16 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.max_session_pins, int) or self.max_session_pins < 1:
             raise ValueError(f"max_session_pins must be >= 1, got {self.max_session_pins!r}")
+        for name in ("limit_mm_per_prompt", "max_image_pixels", "max_image_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.encoder_cache_mb
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"encoder_cache_mb must be an integer >= 0, got {v!r}")
+        t = self.media_fetch_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"media_fetch_timeout_s must be a positive number, got {t!r}")
         if not self.session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
         t = self.grammar_compile_timeout_s

@@ -25,8 +25,10 @@ from tqdm import tqdm
 from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig, resolve_overrides
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
+from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.launch import spawn_runtime
+from braid.runtime.multimodal.frontend import MediaFrontend, flatten_content
 from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.manager import TokenizerManager
@@ -35,6 +37,8 @@ from braid.runtime.tokenizer.tokenizer import render_chat
 logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict[str, Any]
+# A prompt ready to submit: its text (None for token ids), ids, and its images' sources.
+_Item = tuple[str | None, list[int], list[Any]]
 
 
 @dataclass
@@ -69,6 +73,7 @@ class _Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)
     samples: list[_Sample] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -133,6 +138,9 @@ class LLM:
             # The tokenizer loads here while the runtime processes start.
             self.assets.load_tokenizer()
             self.tokenizer = self.assets.tokenizer
+            self.media = MediaFrontend(
+                self.config, self.model_path, self.model_config, self.tokenizer
+            )
             self.ready = started.result()
         except BaseException:
             if not started.done():
@@ -181,7 +189,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids"); outputs come back in input order."""
+        "prompt_token_ids", and for a vision-language model "multi_modal_data": {"image": one
+        image or a list}, each a path, URL, bytes or PIL image, with one placeholder per image
+        in the prompt: `llm.media.placeholder`); outputs come back in input order."""
         items = [self._tokenize(p, i) for i, p in enumerate(self._as_prompt_list(prompts))]
         return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm)
 
@@ -220,8 +230,10 @@ class LLM:
             parser = resolve_parser_name(tool_call_parser, chat_template or tok.chat_template)
             plan = ToolPlan.resolve(tools, tool_choice, parallel_tool_calls, parser=parser)
         conversations = messages if isinstance(messages[0], list) else [messages]
+        placeholder = self.media.placeholder if self.media.supports_images else None
         items = []
-        for conv in conversations:
+        for c, conv in enumerate(conversations):
+            conv, sources = self._flatten(conv, placeholder, c)
             text = render_chat(
                 tok,
                 conv,
@@ -232,7 +244,7 @@ class LLM:
             ids = tok.encode(text, add_special_tokens=False)
             if not ids:
                 raise ValueError("messages: the rendered conversation is empty")
-            items.append((text, ids))
+            items.append((text, ids, sources))
         params = self._params_for(sampling_params, len(items))
         if plan is None:
             return self._run(items, params, use_tqdm)
@@ -260,6 +272,8 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "media", None) is not None:
+            self.media.shutdown()
         try:
             self._call(self.tm.shutdown())
         finally:
@@ -291,8 +305,38 @@ class LLM:
             f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}"
         )
 
-    def _tokenize(self, prompt: PromptInput, i: int) -> tuple[str | None, list[int]]:
+    @staticmethod
+    def _flatten(
+        conv: list[dict[str, Any]], placeholder: str | None, c: int
+    ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """A conversation's messages with list contents flattened to text (image parts become
+        `placeholder`), and its images' sources in order."""
+        out, sources = [], []
+        for m, msg in enumerate(conv):
+            if not isinstance(msg, dict):
+                raise ValueError(f"messages[{m}]: must be a dict with 'role' and 'content'")
+            if not isinstance(msg.get("content"), list):
+                out.append(msg)
+                continue
+            where = f"messages[{m}].content" if c == 0 else f"messages[{c}][{m}].content"
+            text, found = flatten_content(msg["content"], placeholder, where)
+            out.append({**msg, "content": text})
+            sources += found
+        return out, sources
+
+    def _tokenize(self, prompt: PromptInput, i: int) -> _Item:
+        sources: list[Any] = []
         if isinstance(prompt, dict):
+            mm = prompt.get("multi_modal_data")
+            if mm is not None:
+                if not isinstance(mm, dict) or set(mm) - {"image"}:
+                    raise ValueError(
+                        f"prompt {i}: multi_modal_data takes {{'image': image or list}} "
+                        f"(got {sorted(mm) if isinstance(mm, dict) else type(mm).__name__})"
+                    )
+                images = mm.get("image")
+                sources = list(images) if isinstance(images, (list, tuple)) else [images]
+                self.media.check_count(len(sources), f"prompt {i}")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -302,13 +346,13 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {i}: the prompt is empty")
-            return prompt, self._require_tokenizer().encode(prompt)
+            return prompt, self._require_tokenizer().encode(prompt), sources
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError(f"prompt {i}: the prompt is empty")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError(f"prompt {i}: token ids must be integers")
-            return None, list(prompt)
+            return None, list(prompt), sources
         raise ValueError(f"prompt {i}: expected a string or token ids, got {type(prompt).__name__}")
 
     def _params_for(
@@ -333,35 +377,35 @@ class LLM:
         )
 
     def _run(
-        self,
-        items: list[tuple[str | None, list[int]]],
-        params: list[SamplingParams],
-        use_tqdm: bool,
+        self, items: list[_Item], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        for i, ((_, ids), p) in enumerate(zip(items, params)):
-            self.tm.validate(ids, p, where=f"prompt {i}")
+        for i, ((_, ids, sources), p) in enumerate(zip(items, params)):
+            if sources:
+                self.media.check_count(len(sources), f"prompt {i}")  # ids are checked once expanded
+            else:
+                self.media.check_no_placeholders(ids, f"prompt {i}")
+                self.tm.validate(ids, p, where=f"prompt {i}")
         requests = [
             _Request(f"req-{next(self._ids)}", text, ids, p)
-            for (text, ids), p in zip(items, params)
+            for (text, ids, _), p in zip(items, params)
         ]
-        return self._call(self._run_async(requests, use_tqdm))
+        sources = [found for _, _, found in items]
+        return self._call(self._run_async(requests, sources, use_tqdm))
 
-    async def _run_async(self, requests: list[_Request], use_tqdm: bool) -> list[RequestOutput]:
+    async def _run_async(
+        self, requests: list[_Request], sources: list[list[Any]], use_tqdm: bool
+    ) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
-        tasks = []
+        tasks = [
+            asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar))
+            for i, (req, found) in enumerate(zip(requests, sources))
+        ]
         try:
-            for req in requests:
-                rids = self.tm.submit(req.request_id, req.prompt_ids, req.params)
-                req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
-                for s in req.samples:
-                    if req.params.logprobs is not None:
-                        s.logprobs, s.cumulative_logprob = [], 0.0
-                    tasks.append(asyncio.create_task(self._collect(req, s, bar)))
             await asyncio.gather(*tasks)
         finally:
-            # An error or interrupt: stop everything this call started.
+            # An error (a bad image found late) or interrupt: stop everything this call started.
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -370,6 +414,20 @@ class LLM:
         if errors and self.tm.failure:
             raise RuntimeError(self.tm.failure)
         return [r.output() for r in requests]
+
+    async def _run_one(self, req: _Request, sources: list[Any], where: str, bar) -> None:
+        """Submit one request and collect its samples. A request with images is submitted
+        once they are processed (in the media workers), so earlier requests already run
+        while later images load."""
+        if sources:
+            req.prompt_ids, req.images = await self.media.prepare(req.prompt_ids, sources, where)
+            self.tm.validate(req.prompt_ids, req.params, where=where)
+        rids = self.tm.submit(req.request_id, req.prompt_ids, req.params, images=req.images)
+        req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
+        for s in req.samples:
+            if req.params.logprobs is not None:
+                s.logprobs, s.cumulative_logprob = [], 0.0
+        await asyncio.gather(*(self._collect(req, s, bar) for s in req.samples))
 
     async def _collect(self, req: _Request, sample: _Sample, bar) -> None:
         async for out in self.tm.stream(sample.rid):

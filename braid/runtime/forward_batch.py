@@ -13,10 +13,24 @@ from typing import Any
 
 import torch
 
+from braid.runtime.image_data import ImageData
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill, possibly on top of a cached prefix
     DECODE = "decode"  # one new token per request
+
+
+@dataclass(frozen=True)
+class ImageSlice:
+    """Rows [row, row + length) of an extend's tokens are embeddings [start, start + length)
+    of `image`'s vision-tower output (an extend may cover only part of an image: a chunk, or a
+    prefix-cache hit that ends inside it)."""
+
+    image: ImageData
+    row: int
+    start: int
+    length: int
 
 
 @dataclass
@@ -39,6 +53,11 @@ class ForwardBatch:
     extend_lens: list[int]
     logits_indices: torch.Tensor
     attn_metadata: Any = field(default=None)
+    # An extend with image tokens: which rows take which image embeddings, and, for an M-RoPE
+    # model with images in the batch, the [3, num_tokens] positions (`positions` then is unused
+    # by the model). A decode's `positions` already include each request's M-RoPE delta.
+    images: list[ImageSlice] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -72,12 +72,15 @@ def test_listing_names_imports_no_factory_module():
         assert grammar_backend_names() == ["outlines"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
         assert supported_architectures() == [
-            "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+            "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM",
+            "Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
         ]
         lazy = [
             "braid.runtime.attention.torch_native", "braid.runtime.attention.triton_backend",
             "braid.runtime.constrained.grammar", "braid.runtime.function_call.hermes",
-            "braid.runtime.models.llama", "triton",
+            "braid.runtime.models.llama", "braid.runtime.models.qwen2_vl",
+            "braid.runtime.models.llava", "triton",
         ]
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         from braid.runtime.function_call import get_parser

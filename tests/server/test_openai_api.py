@@ -355,7 +355,9 @@ def test_strict_model_name_refuses_other_names():
     from braid.runtime.server.app import APIError, ServerState
     from braid.runtime.server.inputs import check_model
 
-    state = ServerState(None, None, "smollm2-135m", "/models/smollm2", None, strict_model_name=True)
+    state = ServerState(
+        None, None, "smollm2-135m", "/models/smollm2", None, None, strict_model_name=True
+    )
     check_model(state, "smollm2-135m")
     check_model(state, "/models/smollm2")
     with pytest.raises(APIError, match="does not exist") as e:

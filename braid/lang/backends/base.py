@@ -25,13 +25,16 @@ class Prompt:
 
     `text` is the whole prompt with role boundaries rendered; `messages` the finished role
     messages; `open_role`/`open_content` the role being written and its text so far (None when
-    outside any role). `session` names the program session (None: no pinning)."""
+    outside any role). `images` are the prompt's images in order (as `image()` keeps them:
+    `braid.lang.images`), each standing at one `Backend.image_placeholder` in `text` (and in
+    the content of the message it is in). `session` names the program session (None: no
+    pinning)."""
 
     text: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     open_role: str | None = None
     open_content: str = ""
-    images: list[str | bytes] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
     session: str | None = None
 
 
@@ -73,7 +76,15 @@ def logprob_entry(logprob: float | None, token_id: int | None, text: str | None)
 class Backend(ABC):
     """Runs generation for programs. Methods may be called from many threads at once."""
 
+    # Whether prompts may hold images (`image()`); where true, `image_placeholder` is the text
+    # that stands for one.
     supports_images: bool = False
+
+    @property
+    def image_placeholder(self) -> str:
+        """The prompt text that stands for one image: the model's own (its chat template's
+        form, which the runtime expands to the image's tokens) where the backend knows it."""
+        raise ValueError("image(): this backend's model takes text only")
 
     @property
     @abstractmethod
@@ -98,8 +109,9 @@ class Backend(ABC):
     ) -> ChoiceScores:
         """Log-probabilities of each choice's tokens after `prompt`, in one batched request."""
 
-    def cache_prefix(self, text: str) -> None:
-        """Compute `text`'s KV now so that requests starting with it share it. Optional."""
+    def cache_prefix(self, text: str, images: list[Any] | None = None) -> None:
+        """Compute `text`'s KV now (with `images`, one per placeholder in it) so that requests
+        starting with it share it. Optional."""
         return None
 
     def close_session(self, session: str) -> None:

@@ -1,6 +1,10 @@
 """`RuntimeEndpoint`: programs run on a `braid serve` (or SGLang-compatible) server over HTTP,
 through its native `/generate` API, with program sessions and batched `select` scoring; and
-`Runtime`, which starts that server as a subprocess (SGLang's `sgl.Runtime`)."""
+`Runtime`, which starts that server as a subprocess (SGLang's `sgl.Runtime`).
+
+A prompt's images go as `/generate`'s `image_data`, one per image placeholder of the text (the
+server's `image_placeholder` from `/get_model_info`): a file, bytes or a PIL image as base64,
+a URL as it is."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from braid.lang.backends.base import (
     runtime_sampling,
     unconditional_tokens,
 )
+from braid.lang.images import to_base64
 from braid.lang.ir import SamplingArgs
 from braid.runtime.tokenizer.roles import RoleTemplate
 
@@ -41,10 +46,24 @@ class RuntimeEndpoint(Backend):
             ) from None
         tpl = self.info.get("role_template")
         self._roles = RoleTemplate.from_dict(tpl) if tpl else RoleTemplate.plain()
+        self._placeholder: str | None = self.info.get("image_placeholder")
 
     @property
     def role_template(self) -> RoleTemplate:
         return self._roles
+
+    @property
+    def supports_images(self) -> bool:
+        return self._placeholder is not None
+
+    @property
+    def image_placeholder(self) -> str:
+        if self._placeholder is None:
+            raise ValueError(
+                f"image(): the model of {self.base_url} ({self.info.get('model_path')}) takes "
+                "text only; images need a vision-language model"
+            )
+        return self._placeholder
 
     @property
     def model_info(self) -> dict[str, Any]:
@@ -82,8 +101,6 @@ class RuntimeEndpoint(Backend):
         constraint: tuple[str, Any] | None = None,
         on_delta: OnDelta | None = None,
     ) -> GenOutput:
-        if prompt.images:
-            raise ValueError("image(): this server's model takes text only")
         params = runtime_sampling(sampling)
         for name in ("logprobs", "prompt_logprobs", "logprob_start_len"):
             params.pop(name, None)  # /generate takes them as top-level fields
@@ -96,6 +113,8 @@ class RuntimeEndpoint(Backend):
             "top_logprobs_num": sampling.top_logprobs_num or 0,
             "session_id": prompt.session,
         }
+        if prompt.images:
+            body["image_data"] = [to_base64(x) for x in prompt.images]
         if sampling.logprob_start_len is not None:
             body["logprob_start_len"] = sampling.logprob_start_len
         if params.get("n", 1) > 1:
@@ -135,45 +154,62 @@ class RuntimeEndpoint(Backend):
         prompt_ids = self._tokenize(prompt.text)
         fulls = [self._tokenize(prompt.text + c) for c in choices]
         spans = [max(1, choice_span(prompt_ids, f)) for f in fulls]
-        jobs = [(fulls, spans, prompt.session)]
+        image_data = [to_base64(x) for x in prompt.images]
+        prompt_tokens = len(prompt_ids)
+        if image_data:
+            # The server widens each image to its tokens, so the options' positions move by
+            # what the prompt grows; computing the prompt first says by how much (and caches
+            # it with its images for the options).
+            prompt_tokens = self._prefill(prompt.text, image_data)
+            spans = [s + prompt_tokens - len(prompt_ids) for s in spans]
+        jobs = [(fulls, spans, prompt.session, image_data)]
         if unconditional:
             alone = [self._tokenize(c) for c in choices]
-            jobs.append((alone, [0] * len(alone), None))
+            jobs.append((alone, [0] * len(alone), None, []))
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda j: self._score(*j), jobs))
         tokens = results[0]
         unc = None
         if unconditional:
             unc = [unconditional_tokens(u, len(c)) for u, c in zip(results[1], tokens)]
-        return ChoiceScores(tokens, unc, {"prompt_tokens": len(prompt_ids)})
+        return ChoiceScores(tokens, unc, {"prompt_tokens": prompt_tokens})
 
     def _tokenize(self, text: str) -> list[int]:
         return self._request("POST", "/tokenize", {"prompt": text})["tokens"]
 
     def _score(
-        self, ids: list[list[int]], spans: list[int], session: str | None
+        self, ids: list[list[int]], spans: list[int], session: str | None, image_data: list[str]
     ) -> list[list[list[Any]]]:
-        """`[logprob, token_id, text]` of `ids[i][spans[i]:]`, all in one /generate batch."""
+        """`[logprob, token_id, text]` of `ids[i][spans[i]:]`, all in one /generate batch;
+        every prompt with the images `image_data` (spans count their tokens widened)."""
         first = min(spans)
-        body = {
+        body: dict[str, Any] = {
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "logprob_start_len": first,
             "session_id": session,
         }
+        if image_data:
+            body["image_data"] = [image_data] * len(ids)
         outs = self._request("POST", "/generate", body)
         return [
             list(o["meta_info"]["input_token_logprobs"][span - first :])
             for o, span in zip(outs, spans)
         ]
 
-    def cache_prefix(self, text: str) -> None:
-        self._request(
-            "POST",
-            "/generate",
-            {"text": text, "sampling_params": {"max_new_tokens": 0, "temperature": 0}},
-        )
+    def cache_prefix(self, text: str, images: list[Any] | None = None) -> None:
+        self._prefill(text, [to_base64(x) for x in images or []])
+
+    def _prefill(self, text: str, image_data: list[str]) -> int:
+        """Compute `text`'s KV (with its images); how many tokens the server made of it."""
+        body: dict[str, Any] = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        }
+        if image_data:
+            body["image_data"] = image_data
+        return self._request("POST", "/generate", body)["meta_info"]["prompt_tokens"]
 
     def close_session(self, session: str) -> None:
         self._request("POST", "/close_session", {"session_id": session})
@@ -197,19 +233,27 @@ class Runtime:
     it through `self.endpoint` (a `RuntimeEndpoint`); `set_default_backend(runtime)` runs
     programs there. Keywords are `braid serve` flags by their Python names
     (`max_total_tokens=8192` is `--max-total-tokens 8192`; True is a bare flag); `model_path`
-    is the model (None: the embedded one). Stop it with `shutdown()` or a `with` block."""
+    is the model (None: the embedded one). The server's log goes to a file of its own
+    (`log()` reads it), so `log_level` only sets how much it holds: "debug" or "info" (the
+    start-up waits for the server's ready line, logged at info). Stop it with `shutdown()` or
+    a `with` block."""
 
     def __init__(
         self,
         model_path: str | None = None,
         *,
-        log_level: str = "error",
+        log_level: str = "info",
         launch_timeout: float = 300.0,
         **server_args: Any,
     ) -> None:
         from braid.runtime.server.launcher import start_server
 
-        args: list[str] = ["--log-level", log_level]
+        if log_level.lower() not in ("debug", "info"):
+            raise ValueError(
+                f"Runtime: log_level must be 'debug' or 'info' (got {log_level!r}): the server "
+                "logs to a file, and start-up waits for its ready line"
+            )
+        args: list[str] = ["--log-level", log_level.lower()]
         if model_path is not None:
             args += ["--model", str(model_path)]
         kv_tokens = server_args.pop("max_total_tokens", 8192)
@@ -226,6 +270,10 @@ class Runtime:
         self.url = self._server.url
         self.generate_url = self.url + "/generate"
         self.endpoint = RuntimeEndpoint(self.url)
+
+    def log(self) -> str:
+        """What the server has logged so far."""
+        return self._server.log()
 
     def shutdown(self) -> None:
         self._server.stop()

@@ -1,5 +1,10 @@
 """The in-process backend: braid's own runtime (`braid.Engine` / `braid.LLM`), reached through
-its TokenizerManager and so over ZMQ to the scheduler, with program sessions."""
+its TokenizerManager and so over ZMQ to the scheduler, with program sessions.
+
+A prompt's images are loaded and processed by the engine's `MediaFrontend` (in its worker
+threads), which widens each image placeholder to the image's tokens; every request made for
+the prompt (a gen's samples, each `select` option) carries the same processed images, so the
+runtime's prefix cache shares the image's KV between them."""
 
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ from braid.lang.backends.base import (
     runtime_sampling,
     unconditional_tokens,
 )
+from braid.lang.images import for_runtime
 from braid.lang.ir import SamplingArgs
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
+from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
@@ -110,6 +117,19 @@ class EngineBackend(Backend):
     def role_template(self) -> RoleTemplate:
         return self._roles
 
+    @property
+    def supports_images(self) -> bool:
+        return self.llm.media.supports_images
+
+    @property
+    def image_placeholder(self) -> str:
+        if not self.llm.media.supports_images:
+            raise ValueError(
+                f"image(): model {self.llm.model_path.name} takes text only; images need a "
+                "vision-language model"
+            )
+        return self.llm.media.placeholder
+
     # ---- helpers ------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
         if self.llm.tokenizer is None:
@@ -125,7 +145,42 @@ class EngineBackend(Backend):
     def _rid(self) -> str:
         return f"prog-{self._prefix}-{next(self._ids)}"
 
-    def _stream(self, ids: list[int], params: SamplingParams, session: str | None, rid: str):
+    def _with_images(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """`ids` with each image placeholder widened to its image's tokens, and the images
+        processed (`ValueError` naming the image that cannot be loaded)."""
+        if not images:
+            return ids, []
+        sources = [for_runtime(x) for x in images]
+        return self.llm.run_coroutine(self.llm.media.prepare(ids, sources, "image()")).result()
+
+    def _widen(
+        self,
+        full: list[int],
+        text_ids: list[int],
+        prompt_ids: list[int],
+        images: list[ImageInput],
+        sources: list[Any],
+    ) -> tuple[list[int], list[ImageInput]]:
+        """A select option's ids and images. `full` is the prompt text and the option
+        tokenized together; `prompt_ids` is the prompt's `text_ids` widened for `images`.
+        Where the option leaves the prompt's tokens as they are up to its last image (always,
+        but for a tokenizer that merges text into an image placeholder), the option reuses
+        the prompt's widened tokens and processed images, so they are processed once for all
+        options; otherwise it is processed by itself from `sources`."""
+        shared = choice_span(text_ids, full)
+        grown = len(prompt_ids) - len(text_ids)
+        if images[-1].offset + images[-1].num_tokens - grown <= shared:
+            return prompt_ids[: shared + grown] + full[shared:], images
+        return self._with_images(full, sources)
+
+    def _stream(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        session: str | None,
+        rid: str,
+        images: list[ImageInput],
+    ):
         """(sample index, StrOut) of one request's samples as they arrive, as a blocking
         iterator usable from any thread."""
         self.llm.tm.validate(ids, params)
@@ -133,7 +188,7 @@ class EngineBackend(Backend):
 
         async def pump() -> None:
             try:
-                rids = self.llm.tm.submit(rid, ids, params, session_id=session)
+                rids = self.llm.tm.submit(rid, ids, params, session_id=session, images=images)
 
                 async def one(k: int, rid: str) -> None:
                     async for out in self.llm.tm.stream(rid):
@@ -154,17 +209,19 @@ class EngineBackend(Backend):
                 raise item
             yield item
 
-    def _run_all(self, jobs: list[tuple[list[int], SamplingParams, str | None]]) -> list[list]:
+    def _run_all(
+        self, jobs: list[tuple[list[int], SamplingParams, str | None, list[ImageInput]]]
+    ) -> list[list]:
         """Several requests submitted together (so the scheduler batches them); their StrOuts."""
 
-        async def one(ids, params, session) -> list[StrOut]:
-            rid = self.llm.tm.submit(self._rid(), ids, params, session_id=session)[0]
-            return [out async for out in self.llm.tm.stream(rid)]
+        async def one(ids, params, session, images) -> list[StrOut]:
+            rids = self.llm.tm.submit(self._rid(), ids, params, session_id=session, images=images)
+            return [out async for out in self.llm.tm.stream(rids[0])]
 
         async def all_() -> list[list[StrOut]]:
             return await asyncio.gather(*(one(*j) for j in jobs))
 
-        for ids, params, _ in jobs:
+        for ids, params, _, _ in jobs:
             self.llm.tm.validate(ids, params)
         return self.llm.run_coroutine(all_()).result()
 
@@ -176,21 +233,16 @@ class EngineBackend(Backend):
         constraint: tuple[str, Any] | None = None,
         on_delta: OnDelta | None = None,
     ) -> GenOutput:
-        if prompt.images:
-            raise ValueError(
-                f"image(): model {self.llm.model_path.name} takes text only; images need a "
-                "multimodal model"
-            )
         fields = runtime_sampling(sampling)
         if constraint is not None:
             fields[constraint[0]] = constraint[1]
         params = self._params(fields)
-        ids = self._encode(prompt.text)
+        ids, images = self._with_images(self._encode(prompt.text), prompt.images)
         rid = self._rid()
         # The ids TokenizerManager.submit gives the samples.
         names = [f"{rid}/{k}" for k in range(params.n)] if params.n > 1 else [rid]
         samples = [SampleMeta(name, sampling, ids) for name in names]
-        for k, out in self._stream(ids, params, prompt.session, rid):
+        for k, out in self._stream(ids, params, prompt.session, rid, images):
             sample = samples[k]
             sample.absorb(out)
             if out.finish_reason is not None and out.error:
@@ -203,22 +255,25 @@ class EngineBackend(Backend):
     def score_choices(
         self, prompt: Prompt, choices: list[str], unconditional: bool
     ) -> ChoiceScores:
-        prompt_ids = self._encode(prompt.text)
+        text_ids = self._encode(prompt.text)
+        prompt_ids, images = self._with_images(text_ids, prompt.images)
         jobs, spans, fulls = [], [], []
         scoring = {"max_tokens": 0, "temperature": 0.0, "prompt_logprobs": 0}
         for c in choices:
-            full = self._encode(prompt.text + c)
+            full, full_images = self._encode(prompt.text + c), images
+            if images:
+                full, full_images = self._widen(full, text_ids, prompt_ids, images, prompt.images)
             start = max(1, choice_span(prompt_ids, full))
             spans.append(start)
             fulls.append(full)
             params = self._params({**scoring, "logprob_start_len": start})
-            jobs.append((full, params, prompt.session))
+            jobs.append((full, params, prompt.session, full_images))
         if unconditional:
             for c in choices:
                 ids = self._encode(c)
                 fulls.append(ids)
                 spans.append(0)
-                jobs.append((ids, self._params(scoring), None))
+                jobs.append((ids, self._params(scoring), None, []))
         results = self._run_all(jobs)
         scored = []
         cached = 0
@@ -248,10 +303,10 @@ class EngineBackend(Backend):
         meta = {"prompt_tokens": len(prompt_ids), "cached_tokens": cached}
         return ChoiceScores(tokens, unc, meta)
 
-    def cache_prefix(self, text: str) -> None:
-        ids = self._encode(text)
+    def cache_prefix(self, text: str, images: list[Any] | None = None) -> None:
+        ids, processed = self._with_images(self._encode(text), images or [])
         params = self._params({"max_tokens": 0, "temperature": 0.0})
-        for _ in self._stream(ids, params, None, self._rid()):
+        for _ in self._stream(ids, params, None, self._rid(), processed):
             pass
 
     def close_session(self, session: str) -> None:

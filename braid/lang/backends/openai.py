@@ -6,7 +6,12 @@ and `logprob_start_len` need prompt log-probabilities (`/v1/completions` with `e
 `logprobs`); a server that does not give them gets a clear error. Sampling arguments OpenAI
 does not define (`top_k`, `min_p`, `ignore_eos`, `stop_regex`, `regex`, `json_schema`) go in
 the request body as extras. OpenAI's wire format has no token ids: logprob entries carry None
-there."""
+there.
+
+Images (`image()`) go where they stand in the messages, as `image_url` content parts (a file,
+bytes or a PIL image as a base64 `data:` URL, an http(s) URL as it is), so a program runs
+against any OpenAI-compatible vision-language server; a message without images keeps its
+plain string content. `/v1/completions` takes no images: they must be inside roles."""
 
 from __future__ import annotations
 
@@ -25,15 +30,61 @@ from braid.lang.backends.base import (
     max_tokens_of,
     unconditional_tokens,
 )
+from braid.lang.images import to_data_url
 from braid.lang.ir import SamplingArgs
 from braid.runtime.outputs import finish_reason_info
 from braid.runtime.tokenizer.roles import RoleTemplate
 
 _OPENAI_FIELDS = ("n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
 _EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "stop_regex")
+# Where an image stands in the program's text and messages until they are sent. The server's
+# model has its own placeholder, unknown here; this one only has to be unlike any real text.
+IMAGE_PLACEHOLDER = "<|braid_image|>"
+
+
+def chat_messages(
+    messages: list[dict[str, Any]], images: list[Any], placeholder: str = IMAGE_PLACEHOLDER
+) -> list[dict[str, Any]]:
+    """`messages` as a chat completions request sends them: a content that holds image
+    placeholders becomes a list of `text` and `image_url` parts in the order they stand, the
+    images taken from `images` in turn; other messages are unchanged. `ValueError` if the
+    placeholders in the messages are not as many as the images (an image outside any role:
+    chat messages cannot carry it), or an image cannot be encoded."""
+    found = sum(m["content"].count(placeholder) for m in messages if isinstance(m["content"], str))
+    if found != len(images):
+        raise ValueError(
+            f"OpenAI backend: the messages hold {found} of the prompt's {len(images)} images; "
+            "images go to the server inside role messages only "
+            "(`s += user(image(...) + '...')`)"
+        )
+    urls = iter([to_data_url(x) for x in images])
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str) or placeholder not in content:
+            out.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        for k, piece in enumerate(content.split(placeholder)):
+            if k:
+                parts.append({"type": "image_url", "image_url": {"url": next(urls)}})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**message, "content": parts})
+    return out
+
+
+_COMPLETIONS_IMAGES = (
+    "OpenAI backend: /v1/completions takes text only; put image() inside a role "
+    "(`s += user(image(...) + '...')`) to send it through chat completions"
+)
 
 
 class OpenAI(Backend):
+    # Whether the model takes images is the server's to say: it answers a request with images
+    # it cannot serve with an error.
+    supports_images = True
+
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None) -> None:
         try:
             import openai
@@ -52,6 +103,10 @@ class OpenAI(Backend):
     @property
     def role_template(self) -> RoleTemplate:
         return self._roles
+
+    @property
+    def image_placeholder(self) -> str:
+        return IMAGE_PLACEHOLDER
 
     def get_model_name(self) -> str:
         return self.model
@@ -84,8 +139,6 @@ class OpenAI(Backend):
         constraint: tuple[str, Any] | None = None,
         on_delta: OnDelta | None = None,
     ) -> GenOutput:
-        if prompt.images:
-            raise ValueError("image(): the OpenAI backend sends text only in this version")
         kw = self._kwargs(sampling, constraint)
         chat = bool(prompt.messages) or prompt.open_role is not None
         top = sampling.top_logprobs_num or 0
@@ -93,6 +146,7 @@ class OpenAI(Backend):
         if kw["max_tokens"] == 0:
             stream = []  # nothing to generate (OpenAI refuses max_tokens=0): no call
         elif chat:
+            messages = chat_messages(prompt.messages, prompt.images)
             if prompt.open_role != "assistant" or prompt.open_content:
                 raise ValueError(
                     "OpenAI backend: with roles, a gen must come first inside an assistant turn "
@@ -110,12 +164,14 @@ class OpenAI(Backend):
             stream = self._call(
                 self.client.chat.completions.create,
                 model=self.model,
-                messages=prompt.messages,
+                messages=messages,
                 stream=True,
                 stream_options={"include_usage": True},
                 **kw,
             )
         else:
+            if prompt.images:
+                raise ValueError(_COMPLETIONS_IMAGES)
             if sampling.return_logprob:
                 kw["logprobs"] = top
             stream = self._call(
@@ -232,6 +288,8 @@ class OpenAI(Backend):
                 "OpenAI backend: select needs prompt log-probabilities, which chat completions "
                 "do not return; use select outside roles, or the Engine / RuntimeEndpoint backend"
             )
+        if prompt.images:
+            raise ValueError(_COMPLETIONS_IMAGES)
         texts = [prompt.text + c for c in choices]
         if unconditional:
             texts += list(choices)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
@@ -20,6 +21,7 @@ from braid.runtime.executor.cuda_graph import CudaGraphRunner
 from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
+from braid.runtime.multimodal.encoder_cache import EncoderCache
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,10 @@ class ModelRunner:
             backend,
             f"for decode batches up to {graph_bs}" if config.use_cuda_graph else "off",
         )
+        # Vision-language models: tower outputs kept by image hash (scheduler process only).
+        self.encoder_cache: EncoderCache | None = None
+        if model_config.is_multimodal:
+            self.encoder_cache = EncoderCache(config.encoder_cache_mb * 2**20)
         # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
         self.graph_runner: CudaGraphRunner | None = None
         if config.use_cuda_graph:
@@ -154,4 +160,42 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch)
         self.attn_backend.init_forward_metadata(batch)
+        if batch.images:
+            embeds = embed_with_images(self.model, batch, self.encoder_cache)
+            return self.model(batch, self.attn_backend, input_embeds=embeds)
         return self.model(batch, self.attn_backend)
+
+
+def embed_with_images(model: nn.Module, batch: ForwardBatch, cache: EncoderCache) -> torch.Tensor:
+    """The extend's input embeddings: the model's token embeddings, with the rows of every
+    `batch.images` slice replaced by that part of its image's tower output. Images not in
+    `cache` are encoded in one batched call of `model.encode_images`."""
+    embeds = model.embed_tokens(batch.input_ids)
+    outputs: dict[int, torch.Tensor] = {}
+    missing = {}
+    for s in batch.images:
+        key = s.image.hash
+        if key in outputs or key in missing:
+            continue
+        cached = cache.get(key)
+        if cached is None:
+            missing[key] = s.image
+        else:
+            outputs[key] = cached
+            cache.hits += 1
+    if missing:
+        images = list(missing.values())
+        encoded = cache.timed(embeds.device, lambda: model.encode_images(images))
+        cache.images_encoded += len(images)
+        for key, image, out in zip(missing, images, encoded):
+            if out.shape[0] != image.num_tokens:
+                raise RuntimeError(
+                    f"the vision tower gave {out.shape[0]} embeddings for an image of "
+                    f"{image.num_tokens} tokens"
+                )
+            cache.put(key, out)
+            outputs[key] = out
+    for s in batch.images:
+        out = outputs[s.image.hash]
+        embeds[s.row : s.row + s.length] = out[s.start : s.start + s.length].to(embeds.dtype)
+    return embeds

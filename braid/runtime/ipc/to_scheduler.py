@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from braid.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt, processed: its pixels as raw bytes (C order) with their shape and
+    dtype beside them, how many prompt tokens stand for it and where the first of them is in
+    `input_ids`, and its content hash (see `image_data.ImageData`)."""
+
+    data: bytearray  # decoded into a buffer of its own, which the pixel tensor then wraps
+    shape: list[int]
+    dtype: str
+    num_tokens: int
+    offset: int
+    hash: int
+    grid_thw: list[int] | None = None
+    image_size: list[int] | None = None
 
 
 @dataclass
@@ -15,6 +31,7 @@ class GenerateReq:
     `session_id`: the program session it belongs to; when it finishes, its whole sequence stays
     pinned in the prefix cache for that session (replacing the session's previous pin) until a
     `ControlReq("close_session", session_id)`.
+    `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
     """
 
     rid: str
@@ -22,6 +39,7 @@ class GenerateReq:
     params: SamplingParams
     seed: int
     session_id: str | None = None
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass

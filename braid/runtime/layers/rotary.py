@@ -1,16 +1,21 @@
 """Rotary position embedding (the rotate-half form Llama, Mistral and Qwen use), with the
-linear and Llama 3 frequency scalings.
+linear and Llama 3 frequency scalings, and M-RoPE (Qwen2-VL: three position axes).
 
 The cos/sin tables are computed exactly as Hugging Face computes them (float32 frequencies,
 then `cat(freqs, freqs)`), so positions embed bit-for-bit the same. A `RotaryEmbedding` created
 on CUDA rotates with the fused Triton kernel (`braid.kernels.rotary`: q and k in place, one
 launch per layer); elsewhere with plain torch. The choice is made once, at construction.
+
+M-RoPE gives each token three positions (temporal, height, width) and splits the rotary
+frequencies into sections, each rotated by one axis; its cos/sin rows are gathered from the same
+tables (`RotaryEmbedding.lookup_mrope`) and always take the torch path, whose `apply_rotary`
+every attention backend accepts.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +54,20 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def mrope_axes(sections: Sequence[int], head_dim: int) -> torch.Tensor:
+    """For each of the `head_dim` rotary columns, the position axis (0 temporal, 1 height,
+    2 width) that rotates it under M-RoPE, as transformers' Qwen2-VL splits them: section `i`
+    of the `head_dim // 2` frequencies follows axis `i % 3`, and the second half of the head
+    repeats the first (the `cat(freqs, freqs)` layout). `ValueError` if the sections do not
+    add up to `head_dim // 2`."""
+    if sum(sections) != head_dim // 2 or any(n < 0 for n in sections):
+        raise ValueError(
+            f"mrope_section {list(sections)} must add up to head_dim // 2 = {head_dim // 2}"
+        )
+    half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(sections)])
+    return torch.cat((half, half))
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,16 @@ class RotaryEmbedding(nn.Module):
         if self._fused is not None:
             return positions, self._fused
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def lookup_mrope(
+        self, positions: torch.Tensor, axes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE cos and sin rows, [tokens, 1, head_dim] (for `apply_rotary`, on any device):
+        column `j` of token `t` is the table entry at position `positions[axes[j], t]`.
+        `positions`: int64 [3, tokens]; `axes`: `mrope_axes(...)` on this module's device. A
+        token whose three positions are equal gets exactly its `lookup` row."""
+        rows = positions.index_select(0, axes).T  # [tokens, head_dim]
+        return self.cos.gather(0, rows).unsqueeze(1), self.sin.gather(0, rows).unsqueeze(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

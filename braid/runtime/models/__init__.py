@@ -12,6 +12,9 @@ MODELS: Registry[type] = Registry(
         "MistralForCausalLM": "braid.runtime.models.llama",
         "Qwen2ForCausalLM": "braid.runtime.models.llama",
         "Qwen3ForCausalLM": "braid.runtime.models.llama",
+        "Qwen2VLForConditionalGeneration": "braid.runtime.models.qwen2_vl",
+        "Qwen2_5_VLForConditionalGeneration": "braid.runtime.models.qwen2_vl",
+        "LlavaForConditionalGeneration": "braid.runtime.models.llava",
     },
     unknown="{kind} {name!r} is not supported (supported: {known})",
 )

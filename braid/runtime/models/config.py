@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Vision-language architectures (their language model is one of the text families).
+QWEN2_VL_ARCHS = frozenset(
+    {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
+VLM_ARCHS = QWEN2_VL_ARCHS | {"LlavaForConditionalGeneration"}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,6 +41,12 @@ class ModelConfig:
     sliding_window: int | None = None
     hidden_act: str = "silu"
     dtype: str | None = None
+    # Vision-language models: the token that stands for one image embedding in the prompt,
+    # the vision tower's config (its own keys, as in config.json), and M-RoPE's split of the
+    # rotary frequencies into (temporal, height, width) sections (Qwen2-VL family).
+    image_token_id: int | None = None
+    vision_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    mrope_section: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +57,10 @@ class ModelConfig:
             )
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision_config is not None
 
     @property
     def q_size(self) -> int:
@@ -75,7 +91,10 @@ class ModelConfig:
             raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
 
     @classmethod
-    def _parse(cls, arch: str, d: dict[str, Any]) -> ModelConfig:
+    def _parse(cls, arch: str, top: dict[str, Any]) -> ModelConfig:
+        # A vision-language config nests its language model's fields in `text_config`
+        # (transformers 5 always; older Qwen2-VL configs keep them at the top level).
+        d = {**top, **(top.get("text_config") or {})}
         heads = d["num_attention_heads"]
         rope = d.get("rope_parameters") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
@@ -88,12 +107,26 @@ class ModelConfig:
             if scaling["rope_type"] == "default":
                 scaling = {}
         qkv_bias = o_bias = False
-        if arch == "Qwen2ForCausalLM":
+        text_type = (top.get("text_config") or {}).get("model_type", "")
+        if arch in QWEN2_VL_ARCHS or arch == "Qwen2ForCausalLM" or text_type == "qwen2":
             qkv_bias = True
-        elif arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"):
+        elif arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM") or (
+            arch in VLM_ARCHS
+        ):
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        mrope = rope.get("mrope_section") or (d.get("rope_scaling") or {}).get("mrope_section")
+        if mrope and arch not in QWEN2_VL_ARCHS:
+            raise ValueError(f"{arch} with mrope_section is not supported")
+        if arch in QWEN2_VL_ARCHS:
+            if not mrope:
+                raise ValueError(f"{arch}: the config has no mrope_section")
+            scaling = {}  # "mrope" marks the 3-D positions, not a frequency scaling
+        vision = top.get("vision_config") if arch in VLM_ARCHS else None
+        if arch in VLM_ARCHS and not vision:
+            raise ValueError(f"{arch}: config.json has no vision_config")
+        image_token = top.get("image_token_id", top.get("image_token_index"))
         sliding_window = None
-        if arch == "MistralForCausalLM":
+        if arch == "MistralForCausalLM" or text_type == "mistral":
             sliding_window = d.get("sliding_window")
         elif d.get("use_sliding_window"):
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -109,16 +142,21 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # transformers ties a VLM's head when either its own or its text config says so.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False))
+            or bool(top.get("tie_word_embeddings", False)),
             rope_scaling=scaling or None,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or text_type == "qwen3",
             sliding_window=sliding_window,
             hidden_act=d.get("hidden_act", "silu"),
             dtype=d.get("dtype") or d.get("torch_dtype"),
-            raw=d,
+            image_token_id=image_token if vision else None,
+            vision_config=vision,
+            mrope_section=tuple(mrope) if mrope else None,
+            raw=top,
         )
 
     @classmethod

@@ -121,14 +121,30 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.lookup(batch.positions)
+    def forward(
+        self,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        input_embeds: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of the batch's tokens. A vision-language model passes the embeddings
+        itself (`input_embeds`, image rows filled in) and, for M-RoPE, its own rotary rows."""
+        h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        if cos_sin is None:
+            cos_sin = self.rotary.lookup(batch.positions)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos_sin, batch, attn)
         h, _ = self.norm(h, residual)
         return h
+
+
+def lm_head_for(cfg: ModelConfig, dtype: torch.dtype, embed: VocabEmbedding) -> LMHead:
+    """The LM head of a model whose token embedding is `embed`: tied to it when the config
+    says so (the vision-language models build theirs with this too)."""
+    tied = embed if cfg.tie_word_embeddings else None
+    return LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
 
 
 @MODELS.register
@@ -150,12 +166,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, max_positions)
-        self.lm_head = LMHead(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            dtype,
-            tied_to=self.model.embed_tokens if cfg.tie_word_embeddings else None,
-        )
+        self.lm_head = lm_head_for(cfg, dtype, self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits (float32) for the rows `batch.logits_indices` selects."""

@@ -42,12 +42,16 @@ def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) ->
     unexpected: list[str] = []
     files = _checkpoint_files(model_dir)
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
+    # A model whose checkpoints name its weights in more than one layout (a VLM saved by
+    # transformers 4 or 5) maps each key to its own name first (None: a key with no weights).
+    rename = getattr(model, "checkpoint_key", None)
     with tqdm(desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
+                for stored in f.keys():
                     bar.update(1)
-                    if key.endswith(model.ignored_key_suffixes):
+                    key = rename(stored) if rename is not None else stored
+                    if key is None or key.endswith(model.ignored_key_suffixes):
                         continue
                     if tied and key == "lm_head.weight":
                         # Some tied checkpoints store the head too; it is the embedding.
@@ -60,7 +64,7 @@ def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) ->
                     if (name, shard) in filled:
                         raise ValueError(f"checkpoint key {key} fills {name} twice")
                     try:
-                        param.weight_loader(param, f.get_tensor(key), shard)
+                        param.weight_loader(param, f.get_tensor(stored), shard)
                     except ValueError as e:
                         raise ValueError(f"checkpoint key {key}: {e}") from None
                     filled.add((name, shard))

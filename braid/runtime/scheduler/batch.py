@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
-from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, ImageSlice, to_device
 from braid.runtime.scheduler.request import Req
 
 
@@ -61,6 +61,7 @@ def build_extend(
     logits_rows: list[int] = []
     prompt_rows: dict[int, tuple[int, int]] = {}
     sampling: list[Req] = []
+    images: list[ImageSlice] = []
     for r, end in items:
         start = r.kv_len
         locs += assign_slots(r, end, allocator, table)
@@ -68,6 +69,10 @@ def build_extend(
         seq = r.tokens(end)
         ids += seq[start:end]
         positions += range(start, end)
+        for image, offset in zip(r.images, r.image_offsets):
+            lo, hi = max(offset, start), min(offset + image.num_tokens, end)
+            if lo < hi:
+                images.append(ImageSlice(image, base + lo - start, lo - offset, hi - lo))
         prefix_lens.append(start)
         extend_lens.append(end - start)
         if end < r.seq_len:
@@ -94,8 +99,28 @@ def build_extend(
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
         logits_indices=to_device(logits_rows, device),
+        images=images,
+        mrope_positions=_mrope_positions(items, device),
     )
     return StepPlan(reqs, sampling, batch, last_rows, prompt_rows, ends)
+
+
+def _mrope_positions(items: list[tuple[Req, int]], device: torch.device) -> torch.Tensor | None:
+    """The [3, tokens] M-RoPE positions of an extend in which some request has images (None if
+    none has): a prompt's own positions, then p + delta for every later token; requests
+    without images have the 1-D positions in all three rows."""
+    if all(r.rope_positions is None for r, _ in items):
+        return None
+    parts = []
+    for r, end in items:
+        start = r.kv_len
+        if r.rope_positions is None:
+            parts.append(torch.arange(start, end).expand(3, -1))
+            continue
+        in_prompt = r.rope_positions[:, start : min(end, r.prompt_len)]
+        after = torch.arange(max(start, r.prompt_len), max(end, r.prompt_len)) + r.rope_delta
+        parts += [in_prompt, after.expand(3, -1)]
+    return torch.cat(parts, dim=1).to(device)
 
 
 def build_decode(
@@ -110,7 +135,7 @@ def build_decode(
     on the device (the previous step's samples, not yet read back); else each request's last
     output token."""
     ps = allocator.page_size
-    rows, positions, locs = [], [], []
+    rows, positions, locs, deltas = [], [], [], []
     for r in reqs:
         pos = r.kv_len  # the last sampled token, whose KV is written now
         if pos // ps >= len(r.pages):
@@ -120,17 +145,20 @@ def build_decode(
         rows.append(r.pool_row)
         positions.append(pos)
         locs.append(r.pages[pos // ps] * ps + pos % ps)
-    # One copy to the device for the three vectors.
+        deltas.append(r.rope_delta)
+    # One copy to the device for the vectors (M-RoPE deltas only when some request has one).
     n = len(reqs)
-    packed = to_device(rows + positions + locs, device)
-    rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n :]
+    shifted = any(deltas)
+    packed = to_device(rows + positions + locs + (deltas if shifted else []), device)
+    rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
+    rope_t = pos_t + packed[3 * n :] if shifted else pos_t
     table.table[rows_t, pos_t] = locs_t
     if input_ids is None:
         input_ids = to_device([r.output_ids[-1] for r in reqs], device)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=input_ids,
-        positions=pos_t,
+        positions=rope_t,
         out_cache_loc=locs_t,
         req_pool_indices=rows_t,
         seq_lens=pos_t + 1,

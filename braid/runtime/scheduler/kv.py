@@ -85,7 +85,7 @@ class KVManager:
         full = req.kv_len // self.page_size
         if full <= req.shared_pages or not self.cache.enabled:
             return
-        tokens = req.tokens(full * self.page_size)
+        tokens = req.cache_tokens(full * self.page_size)
         duplicates = set(self.cache.insert(tokens, req.pages[:full]))
         match = self.cache.match_prefix(tokens)
         assert len(match.pages) == full, "an inserted prefix must match in full"
@@ -112,11 +112,11 @@ class KVManager:
         if not keep_kv:
             full = req.shared_pages
         offered = req.pages[:full]
-        duplicates = self.cache.insert(req.tokens(full * self.page_size), offered)
+        duplicates = self.cache.insert(req.cache_tokens(full * self.page_size), offered)
         own = set(req.pages[req.shared_pages :])
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
         if req.session_id is not None and req.finish_reason in ("stop", "length"):
-            self.sessions.pin(req.session_id, req.tokens(full * self.page_size))
+            self.sessions.pin(req.session_id, req.cache_tokens(full * self.page_size))
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0

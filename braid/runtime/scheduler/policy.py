@@ -56,7 +56,7 @@ def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Cand
         use_cache = match_limit(req) > 0
         match = None
         if use_cache and policy == "lpm":
-            match = cache.match_prefix(req.tokens(match_limit(req)))
+            match = cache.match_prefix(req.cache_tokens(match_limit(req)))
         out.append(Candidate(req, use_cache, match, cache.page_size))
     if policy == "lpm":
         out.sort(key=lambda c: -c.matched_tokens)  # stable: arrival order among equals
@@ -66,9 +66,9 @@ def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Cand
 def shares_uncached_prefix(c: Candidate, admitted: list[Candidate]) -> bool:
     """True if `c` shares a long prefix, beyond what it matched in the cache, with a request
     already admitted this step (which will have cached it by the next step)."""
-    tokens = c.req.tokens(match_limit(c.req))
+    tokens = c.req.cache_tokens(match_limit(c.req))
     for a in admitted:
-        common = len(os.path.commonprefix([tokens, a.req.tokens(match_limit(a.req))]))
+        common = len(os.path.commonprefix([tokens, a.req.cache_tokens(match_limit(a.req))]))
         if common - c.matched_tokens >= IN_BATCH_SHARE_THRESHOLD:
             return True
     return False

@@ -93,7 +93,7 @@ class PrefillPlanner:
             # Match again: making room for earlier admissions may have evicted pages.
             match = None
             if cand.use_cache:
-                match = self.kv.cache.match_prefix(req.tokens(match_limit(req)))
+                match = self.kv.cache.match_prefix(req.cache_tokens(match_limit(req)))
             prefix_pages = match.pages if match is not None else []
             start = len(prefix_pages) * self.page_size
             end = req.seq_len
@@ -165,7 +165,7 @@ class PrefillPlanner:
         req = cand.req
         cached = 0
         if cand.use_cache:
-            cached = len(self.kv.cache.match_prefix(req.tokens(match_limit(req))).pages)
+            cached = len(self.kv.cache.match_prefix(req.cache_tokens(match_limit(req))).pages)
         start = cached * self.page_size
         end = req.seq_len
         chunks = self.chunked and req.params.prompt_logprobs is None

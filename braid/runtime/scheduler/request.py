@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from braid.runtime.cache.radix_cache import TreeNode
 from braid.runtime.constrained.grammar import GrammarMatcher
 from braid.runtime.executor.sampler import SamplingInput
+from braid.runtime.image_data import ImageData, from_wire
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.sampling_params import SamplingParams
+
+# M-RoPE positions of a prompt: (the [3, prompt_len] positions, the delta that later positions
+# add), computed by the model class from the prompt and its images.
+RopeFn = Callable[[list[int], list[ImageData]], tuple[torch.Tensor, int]]
 
 
 class ReqStatus(enum.Enum):
@@ -63,10 +70,28 @@ class Req:
     stop_token: int | None = None
     session_id: str | None = None  # the program session whose KV stays pinned after it
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
+    # The prompt's images, in order, and where each one's tokens start in `input_ids`.
+    images: list[ImageData] = field(default_factory=list)
+    image_offsets: list[int] = field(default_factory=list)
+    # M-RoPE (Qwen2-VL family) with images: the prompt's [3, prompt_len] positions; every later
+    # position p is rotated as p + rope_delta. None: 1-D positions.
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
         assert self.max_new_tokens >= 0  # 0: prefill only
+        assert len(self.images) == len(self.image_offsets)
+        # The prefix cache's view of the prompt: an image's tokens carry a value derived from
+        # its content hash (negative, so never a vocabulary id), so the same image shares KV
+        # and a different one never matches.
+        self._cache_prompt = self.input_ids
+        if self.images:
+            self._cache_prompt = list(self.input_ids)
+            for image, start in zip(self.images, self.image_offsets):
+                self._cache_prompt[start : start + image.num_tokens] = [-1 - image.hash] * (
+                    image.num_tokens
+                )
         self._sampling = SamplingInput(
             params=self.params,
             seed=self.seed,
@@ -77,10 +102,18 @@ class Req:
 
     @classmethod
     def from_message(
-        cls, msg: GenerateReq, context_length: int, vocab_size: int, eos_ids: frozenset[int]
+        cls,
+        msg: GenerateReq,
+        context_length: int,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        image_token_id: int | None = None,
+        rope: RopeFn | None = None,
     ) -> Req:
         """The request `msg` asks for, its output capped by the context; a prompt that is
-        empty, leaves no room, or holds a token outside the vocabulary is a `ValueError`."""
+        empty, leaves no room, or holds a token outside the vocabulary is a `ValueError`, as
+        are images for a model without `image_token_id` and images whose tokens are not that
+        token. `rope` gives the M-RoPE positions of a prompt with images."""
         n = len(msg.input_ids)
         if n == 0:
             raise ValueError("prompt: must contain at least one token")
@@ -91,6 +124,22 @@ class Req:
             )
         if max(msg.input_ids) >= vocab_size or min(msg.input_ids) < 0:
             raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+        images = [from_wire(m) for m in msg.images]
+        offsets = [m.offset for m in msg.images]
+        if images and image_token_id is None:
+            raise ValueError("images: this model takes text only")
+        end = 0
+        for i, (image, start) in enumerate(zip(images, offsets)):
+            span = msg.input_ids[start : start + image.num_tokens]
+            if start < end or len(span) != image.num_tokens or set(span) != {image_token_id}:
+                raise ValueError(
+                    f"images[{i}]: its {image.num_tokens} image tokens are not at {start} "
+                    "in the prompt"
+                )
+            end = start + image.num_tokens
+        rope_positions, rope_delta = None, 0
+        if images and rope is not None:
+            rope_positions, rope_delta = rope(list(msg.input_ids), images)
         max_new = context_length - n
         if msg.params.max_tokens is not None:
             max_new = min(max_new, msg.params.max_tokens)
@@ -102,6 +151,10 @@ class Req:
             eos_ids=eos_ids,
             max_new_tokens=max_new,
             session_id=msg.session_id,
+            images=images,
+            image_offsets=offsets,
+            rope_positions=rope_positions,
+            rope_delta=rope_delta,
         )
 
     @property
@@ -123,6 +176,12 @@ class Req:
     def tokens(self, end: int | None = None) -> list[int]:
         """The sequence (prompt then output) up to `end`."""
         seq = self.input_ids + self.output_ids
+        return seq if end is None else seq[:end]
+
+    def cache_tokens(self, end: int | None = None) -> list[int]:
+        """The sequence up to `end` as the prefix cache keys it: `tokens()`, with each image's
+        tokens replaced by a value of its content hash."""
+        seq = self._cache_prompt + self.output_ids
         return seq if end is None else seq[:end]
 
     @property

@@ -15,6 +15,7 @@ device (`overlap.py`), so the host's work for one step runs while the GPU comput
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -58,6 +59,10 @@ class Scheduler:
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
         self.context_length = runner.context_length
+        # Vision-language models: the image token, and M-RoPE positions (Qwen2-VL family).
+        self.image_token_id = runner.model_config.image_token_id
+        rope = getattr(type(runner.model), "mrope_positions", None)
+        self.image_rope = functools.partial(rope, runner.model_config) if rope else None
         self.eos_token_ids = eos_token_ids
         self.overlap = config.use_overlap_schedule
         self.stats = SchedulerStats()
@@ -129,7 +134,14 @@ class Scheduler:
         raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
 
     def _add(self, msg: GenerateReq) -> None:
-        req = Req.from_message(msg, self.context_length, self.vocab_size, self.eos_token_ids)
+        req = Req.from_message(
+            msg,
+            self.context_length,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.image_token_id,
+            self.image_rope,
+        )
         if self.requests.get(req.rid) is not None:
             raise ValueError(f"rid: {req.rid!r} is already in use by a request in flight")
         if msg.params.constraint is not None and req.max_new_tokens > 0:
@@ -252,7 +264,7 @@ class Scheduler:
                 raise ValueError("close_session: needs a session id")
             return {"closed": float(self.close_session(arg))}
         if op == "stats":
-            return self.stats.as_dict() | self.usage()
+            return self.stats.as_dict() | self.usage() | self.image_stats()
         if op == "flush_cache":
             return {"flushed": float(self.flush_cache())}
         if op == "check_invariants":
@@ -270,11 +282,27 @@ class Scheduler:
             "queued_requests": float(self.requests.count(*QUEUED)),
         } | self.kv.usage()
 
+    def image_stats(self) -> dict[str, float]:
+        """The vision-tower counters (none for a text-only model)."""
+        cache = self.runner.encoder_cache
+        if cache is None:
+            return {}
+        return {
+            "images_encoded": float(cache.images_encoded),
+            "image_cache_hits": float(cache.hits),
+            "encoder_cache_images": float(len(cache)),
+            "encoder_cache_bytes": float(cache.nbytes),
+            "encoder_seconds": cache.seconds,
+        }
+
     def flush_cache(self) -> bool:
-        """Empty the prefix cache. Only when nothing runs; returns whether it flushed."""
+        """Empty the prefix cache (and the vision-tower outputs). Only when nothing runs;
+        returns whether it flushed."""
         if self.requests.count(*ACTIVE):
             return False
         self.kv.flush()
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.clear()
         return True
 
     def check_invariants(self) -> None:

@@ -226,6 +226,7 @@ def serve(args: argparse.Namespace) -> int:
     from braid.runtime.assets import ModelAssets
     from braid.runtime.ipc.sockets import freeze_startup_heap
     from braid.runtime.launch import spawn_runtime
+    from braid.runtime.multimodal.frontend import MediaFrontend
     from braid.runtime.server.app import ServerState, create_app
     from braid.runtime.server.http import run_server
     from braid.runtime.tokenizer.manager import TokenizerManager
@@ -238,6 +239,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(ServerSettings, args)
         assets = ModelAssets.load(config.model)
         api_key = _api_key(settings)
+        media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
@@ -273,6 +275,7 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=name,
         model_path=str(model_path),
         defaults=assets.default_sampling_params(config.generation_config),
+        media=media,
         api_key=api_key,
         max_body_bytes=settings.max_request_bytes,
         server_args={**asdict(config), **shown},

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
@@ -29,12 +30,16 @@ def submit_all(
     jobs: list[tuple[str, list[int]]],
     params: SamplingParams,
     session_id: str | None = None,
+    images: list[list[ImageInput]] | None = None,
 ) -> list[AsyncIterator[StrOut]]:
-    """Submit `params.n` samples of every (rid, prompt): all of them or (on an error) none."""
+    """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
+    of prompt i: all of them or (on an error) none."""
     rids: list[str] = []
     try:
-        for rid, ids in jobs:
-            rids += state.tm.submit(rid, ids, params, session_id=session_id)
+        for i, (rid, ids) in enumerate(jobs):
+            rids += state.tm.submit(
+                rid, ids, params, session_id=session_id, images=images[i] if images else None
+            )
     except BaseException:
         for r in rids:
             state.tm.cancel(r)

@@ -228,6 +228,11 @@ class GenerateRequest(_Body):
     rid: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    # Images (URL, data URL or base64; a list per prompt for a batch), one per image
+    # placeholder in the text (`image_placeholder` of /get_model_info), in order.
+    image_data: Text | list[Text] | list[list[Text]] | None = Field(
+        None, union_mode="left_to_right"
+    )
 
 
 class AbortRequest(_Body):

@@ -77,6 +77,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "context_length": r.context_length,
             "vocab_size": r.vocab_size,
             "role_template": state.role_template.to_dict(),
+            # A vision-language model: the prompt text for one image of `image_data`.
+            "image_placeholder": state.media.placeholder if state.media.supports_images else None,
         }
 
     @app.get("/get_server_info")

@@ -12,7 +12,9 @@ from fastapi import FastAPI, Request
 
 from braid.runtime.function_call.base import ToolCallStream
 from braid.runtime.function_call.tools import ToolPlan, finish_reason
+from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.multimodal.frontend import flatten_content
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, encode_prompt, json_body, validate_prompts
@@ -30,6 +32,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if text is None:
             text = _render_messages(state, req, plan.template_tools if plan else None)
         ids = encode_prompt(state, text, "messages", add_special_tokens=False)
+        sources = _template_messages(state, req, images_only=True)
+        state.media.check_count(len(sources), "messages")
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -42,8 +46,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 params = plan.sampling_params(params)
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
-        validate_prompts(state, [(text, ids)], params, "messages")
-        return text, ids, params, plan
+        if not sources:
+            state.media.check_no_placeholders(ids, "messages")
+            validate_prompts(state, [(text, ids)], params, "messages")
+        return text, ids, sources, params, plan
 
     @app.post(
         "/v1/chat/completions", openapi_extra=takes(ChatCompletionRequest), responses=STREAMED
@@ -59,8 +65,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
-        text, ids, params, plan = await asyncio.to_thread(prepare_chat, req, text)
-        return await ChatResponse(state, req, [(text, ids)], params, plan).respond(request)
+        text, ids, sources, params, plan = await asyncio.to_thread(prepare_chat, req, text)
+        images = []
+        if sources:
+            # Images load and process in the media workers; their placeholders then expand.
+            ids, images = await state.media.prepare(ids, sources, "messages")
+            validate_prompts(state, [(text, ids)], params, "messages")
+        return await ChatResponse(state, req, [(text, ids)], params, plan, [images]).respond(
+            request
+        )
 
     async def render_request_template(req: ChatCompletionRequest) -> str:
         sandbox = state.template_sandbox
@@ -99,8 +112,9 @@ class ChatResponse(OpenAIResponse):
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         plan: ToolPlan | None,
+        images: list[list[ImageInput]] | None = None,
     ) -> None:
-        super().__init__(state, req, prompts, params)
+        super().__init__(state, req, prompts, params, images)
         self.plan = plan
 
     def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
@@ -150,27 +164,24 @@ def _chat_logprobs(state: ServerState, c: Choice, top: int) -> dict[str, Any]:
     return {"content": content}
 
 
-def _template_messages(state: ServerState, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _template_messages(
+    state: ServerState, req: ChatCompletionRequest, images_only: bool = False
+) -> list[Any]:
+    """The messages as the chat template takes them: list contents flattened to text, each
+    image part replaced by the model's image placeholder (`multimodal.frontend`); with
+    `images_only`, the image sources instead, in order."""
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
-    messages = []
+    placeholder = state.media.placeholder if state.media.supports_images else None
+    messages, sources = [], []
     for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") == "text":
-                    parts.append(str(part.get("text", "")))
-                else:
-                    raise APIError(
-                        400,
-                        f"messages[{i}].content: part type {part.get('type')!r} is not supported "
-                        "by this text-only model",
-                        "messages",
-                    )
-            content = "".join(parts)
-        messages.append({**m.model_dump(exclude_none=True), "content": content or ""})
-    return messages
+        try:
+            content, found = flatten_content(m.content, placeholder, f"messages[{i}].content")
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        sources += found
+        messages.append({**m.model_dump(exclude_none=True), "content": content})
+    return sources if images_only else messages
 
 
 def _render_messages(

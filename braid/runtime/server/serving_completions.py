@@ -38,6 +38,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=req.logprobs)
         if req.echo and req.logprobs is not None:
             params = params.replace(prompt_logprobs=req.logprobs)
+        for i, (_, ids) in enumerate(prompts):
+            # Images come on /v1/chat/completions or /generate, never here.
+            state.media.check_no_placeholders(ids, "prompt" if len(prompts) == 1 else f"prompt {i}")
         validate_prompts(state, prompts, params, "prompt")
         return prompts, params
 

@@ -51,14 +51,33 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 params = params.replace(
                     prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
                 )
-        validate_prompts(state, prompts, params, "text")
-        return prompts, params, single
+        images = _image_sources(req, len(prompts), single)
+        for i, sources in enumerate(images):
+            state.media.check_count(len(sources), "image_data" if single else f"image_data[{i}]")
+        for i, ((_, ids), sources) in enumerate(zip(prompts, images)):
+            if not sources:
+                state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
+        if not any(images):
+            validate_prompts(state, prompts, params, "text")
+        return prompts, params, single, images
 
     @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
     async def generate(
         request: Request, req: Annotated[GenerateRequest, json_body(GenerateRequest)]
     ):
-        prompts, params, single = await asyncio.to_thread(prepare_generate, req)
+        prompts, params, single, sources = await asyncio.to_thread(prepare_generate, req)
+        images = None
+        if any(sources):
+            # Images load and process in the media workers; their placeholders then expand.
+            prepared = await asyncio.gather(
+                *(
+                    state.media.prepare(ids, s, "image_data" if single else f"image_data[{i}]")
+                    for i, ((_, ids), s) in enumerate(zip(prompts, sources))
+                )
+            )
+            prompts = [(text, ids) for (text, _), (ids, _) in zip(prompts, prepared)]
+            images = [wire for _, wire in prepared]
+            validate_prompts(state, prompts, params, "text")
         top = req.top_logprobs_num
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
@@ -69,7 +88,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
         streams = submit_all(
-            state, [(rid, ids) for rid, (_, ids) in zip(rids, prompts)], params, req.session_id
+            state,
+            [(rid, ids) for rid, (_, ids) in zip(rids, prompts)],
+            params,
+            req.session_id,
+            images,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
         sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
@@ -142,3 +165,26 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return dumps(None, None, [native(i) for i in range(len(streams))], as_list=True)
 
         return json_response(await asyncio.to_thread(build))
+
+
+def _image_sources(req: GenerateRequest, prompts: int, single: bool) -> list[list[str]]:
+    """`image_data` as one list of sources per prompt (SGLang's shapes: a string or a list of
+    strings for one prompt, a list per prompt for a batch)."""
+    data = req.image_data
+    if data is None:
+        return [[] for _ in range(prompts)]
+    if single:
+        if isinstance(data, str):
+            return [[data]]
+        if all(isinstance(d, str) for d in data):
+            return [list(data)]
+        raise APIError(
+            400, "image_data: one prompt takes a string or a list of strings", "image_data"
+        )
+    if isinstance(data, str) or len(data) != prompts:
+        raise APIError(
+            400,
+            f"image_data: a batch of {prompts} prompts needs a list of {prompts} lists",
+            "image_data",
+        )
+    return [[d] if isinstance(d, str) else list(d) for d in data]

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from braid.runtime.function_call.base import ToolCallStream
 from braid.runtime.function_call.tools import finish_reason
+from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.outputs import (
@@ -51,11 +52,13 @@ class OpenAIResponse(abc.ABC):
         req: CompletionRequest | ChatCompletionRequest,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
+        images: list[list[ImageInput]] | None = None,
     ) -> None:
         self.state = state
         self.req = req
         self.prompts = prompts
         self.params = params
+        self.images = images  # per prompt, processed (chat with image parts)
         self.prompt_of = [i for i in range(len(prompts)) for _ in range(params.n)]
         self.choices: list[Choice] = []
 
@@ -94,7 +97,10 @@ class OpenAIResponse(abc.ABC):
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in self.prompts)
         streams = submit_all(
-            state, [(f"{self.rid}-{i}", ids) for i, (_, ids) in enumerate(self.prompts)], params
+            state,
+            [(f"{self.rid}-{i}", ids) for i, (_, ids) in enumerate(self.prompts)],
+            params,
+            images=self.images,
         )
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]

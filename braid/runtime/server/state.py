@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from braid.runtime.multimodal.frontend import MediaFrontend
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.metrics import ServerMetrics
@@ -22,6 +23,7 @@ class ServerState:
     served_model_name: str
     model_path: str
     defaults: SamplingParams
+    media: MediaFrontend
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)

@@ -28,7 +28,13 @@ from braid.runtime.config import EngineConfig
 from braid.runtime.executor.sampler import fold_seed
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import Addresses
-from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_scheduler import (
+    AbortReq,
+    ControlReq,
+    GenerateReq,
+    ImageInput,
+    ShutdownReq,
+)
 from braid.runtime.ipc.to_tokenizer import (
     BatchStrOut,
     ControlOut,
@@ -274,9 +280,12 @@ class TokenizerManager:
         input_ids: list[int],
         params: SamplingParams,
         session_id: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
-        With `session_id`, each finished sample's sequence is pinned for that program session."""
+        With `session_id`, each finished sample's sequence is pinned for that program session.
+        `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
+        `input_ids` already holds."""
         self._check_alive()
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
@@ -289,7 +298,12 @@ class TokenizerManager:
             frames = [
                 codec.encode(
                     GenerateReq(
-                        wire, list(input_ids), params, self.sample_seed(params, k), session_id
+                        wire,
+                        list(input_ids),
+                        params,
+                        self.sample_seed(params, k),
+                        session_id,
+                        images or [],
                     )
                 )
                 for k, wire in enumerate(wires)

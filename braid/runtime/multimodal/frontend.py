@@ -1,0 +1,169 @@
+"""The front end's side of images: a prompt's image sources become the processed images a
+`GenerateReq` carries.
+
+Loading (a fetch, a file, base64), decoding, the checks against the limits and the model's
+image processor all run in worker threads, never on the asyncio loop; the prompt's image
+placeholders are then expanded to each image's number of tokens. One per `LLM` or server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from braid.runtime.config import EngineConfig
+from braid.runtime.image_data import to_wire
+from braid.runtime.ipc.to_scheduler import ImageInput
+from braid.runtime.models.config import ModelConfig
+from braid.runtime.multimodal.media import MediaLimits, load_image
+from braid.runtime.multimodal.processor import ImageProcessor
+
+# Image threads: decoding, resizing and normalising release the GIL (Pillow, numpy), so a
+# machine with more cores processes more images at once.
+WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+class MediaFrontend:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer: Any
+    ) -> None:
+        self.model_name = model_dir.name
+        self.max_images = config.limit_mm_per_prompt
+        self.limits = MediaLimits(
+            max_image_bytes=config.max_image_bytes,
+            max_pixels=config.max_image_pixels,
+            fetch_timeout_s=config.media_fetch_timeout_s,
+            allowed_local_media_path=(
+                Path(config.allowed_local_media_path) if config.allowed_local_media_path else None
+            ),
+        )
+        # Pixels travel in the dtype the model will run in (`EngineConfig.torch_dtype`).
+        self.pixel_dtype = config.torch_dtype(model_config.dtype)
+        self.processor: ImageProcessor | None = None
+        if model_config.is_multimodal and tokenizer is not None:
+            self.processor = ImageProcessor.from_model_dir(model_dir, model_config, tokenizer)
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def supports_images(self) -> bool:
+        return self.processor is not None
+
+    @property
+    def placeholder(self) -> str:
+        """The prompt text that stands for one image; `ValueError` for a text-only model."""
+        self._require()
+        return self.processor.placeholder
+
+    def _require(self, where: str = "images") -> ImageProcessor:
+        if self.processor is None:
+            raise ValueError(
+                f"{where}: model {self.model_name} takes text only; images need a "
+                "vision-language model"
+            )
+        return self.processor
+
+    def check_count(self, n: int, where: str = "prompt") -> None:
+        if n and self.processor is None:
+            self._require(where)
+        if n > self.max_images:
+            raise ValueError(
+                f"{where}: {n} images is more than one prompt may hold "
+                f"(limit_mm_per_prompt = {self.max_images})"
+            )
+
+    def check_no_placeholders(self, input_ids: list[int], where: str = "prompt") -> None:
+        """`ValueError` if a prompt sent without images holds the model's image token (its
+        embedding row would stand in for an image that is not there)."""
+        if self.processor is not None and self.processor.image_token_id in input_ids:
+            n = input_ids.count(self.processor.image_token_id)
+            raise ValueError(
+                f"{where}: the prompt holds {n} image token(s) "
+                f"({self.processor.placeholder!r}) but no images were given"
+            )
+
+    def _load(self, source: Any, where: str) -> ImageInput:
+        """One image loaded, processed and put in its message form (offset set later)."""
+        try:
+            image = self.processor.process(load_image(source, self.limits))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return to_wire(image, 0, self.pixel_dtype)
+
+    async def prepare(
+        self, input_ids: list[int], sources: list[Any], where: str = "prompt"
+    ) -> tuple[list[int], list[ImageInput]]:
+        """`input_ids` with each image placeholder token expanded, and the images to send.
+        `ValueError` (naming `where` and the image) for an image that cannot be loaded or is
+        over a limit, a text-only model, too many images, or placeholders that do not match
+        the images in number."""
+        if not sources:
+            self.check_no_placeholders(input_ids, where)
+            return input_ids, []
+        processor = self._require(where)
+        self.check_count(len(sources), where)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="braid-media")
+        loop = asyncio.get_running_loop()
+        images = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, self._load, s, f"{where}: image {i}")
+                for i, s in enumerate(sources)
+            )
+        )
+        try:
+            ids, offsets = processor.expand(input_ids, images)  # reads each one's num_tokens
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        for image, offset in zip(images, offsets):
+            image.offset = offset
+        return ids, images
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+# Content-part types that carry an image, and the key holding it (OpenAI's image_url, and the
+# forms vLLM's and transformers' chat APIs take offline).
+IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_pil"}
+
+
+def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[str, list[Any]]:
+    """A message's content as template text and the image sources it holds, in order: text
+    parts joined, each image part replaced by `placeholder` (the model's text for one image,
+    so any chat template renders it; None: the model takes no images, a `ValueError`)."""
+    if content is None:
+        return "", []
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of parts")
+    text, sources = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}[{j}].text: must be a string")
+            text.append(part["text"])
+        elif kind in IMAGE_PARTS:
+            if placeholder is None:
+                raise ValueError(
+                    f"{where}[{j}]: an {kind} part, but this model takes text only; images "
+                    "need a vision-language model"
+                )
+            value = part.get(IMAGE_PARTS[kind])
+            if kind == "image_url" and isinstance(value, dict):
+                value = value.get("url")
+            if value is None or (isinstance(value, str) and not value):
+                raise ValueError(f"{where}[{j}].{IMAGE_PARTS[kind]}: no image given")
+            sources.append(value)
+            text.append(placeholder)
+        else:
+            raise ValueError(
+                f"{where}[{j}]: part type {kind!r} is not supported (text, image_url, image)"
+            )
+    return "".join(text), sources

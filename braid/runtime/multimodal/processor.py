@@ -1,0 +1,288 @@
+"""The model's own image processor: one RGB image in, one `ImageData` out (its pixels, how many
+prompt tokens it becomes, its content hash), and the prompt's image placeholders expanded to
+those tokens.
+
+The pixels come from transformers' processor class for the model (read from the model
+directory), so braid's inputs are the ones the checkpoint was trained on; braid only counts
+the tokens, with the rule transformers' processor for that model uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from braid.runtime.image_data import ImageData
+from braid.runtime.models.config import QWEN2_VL_ARCHS, ModelConfig
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# transformers' image processor classes (backend suffix dropped) each family is served with.
+QWEN2_VL_PROCESSORS = frozenset({"Qwen2VLImageProcessor"})
+LLAVA_PROCESSORS = frozenset({"CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor"})
+# LLaVA's vision towers, and how many embeddings each adds to its patches (CLIP's CLS).
+LLAVA_TOWER_EXTRA_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+# Qwen2-VL's processor refuses more; the same bound keeps a shortest-edge resize (CLIP) from
+# blowing a 1 x 5000 image up into hundreds of megabytes before it is cropped.
+MAX_ASPECT_RATIO = 200
+_HASH_MASK = (1 << 63) - 1
+
+
+class ImageProcessor:
+    """One model's image preprocessing, built by `from_model_dir`.
+
+    `placeholder` is the prompt text that stands for one image (its chat-template form);
+    within it one `image_token_id` marks where the image's tokens go, and `expand` widens
+    each such token to the image's `num_tokens`. `process` may be called from several
+    threads at once: each thread works on its own copy of transformers' processor.
+    """
+
+    placeholder: str
+    image_token_id: int
+
+    def __init__(self, hf_processor: Any, placeholder: str, image_token_id: int) -> None:
+        self.placeholder = placeholder
+        self.image_token_id = image_token_id
+        self._prototype = hf_processor
+        self._copy_lock = threading.Lock()
+        self._local = threading.local()
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: Path, cfg: ModelConfig, tokenizer: Any
+    ) -> ImageProcessor | None:
+        """The processor for the model in `model_dir`, or None for a text-only model.
+        `ValueError` if a vision-language model's directory has no image processor config,
+        its processor type is not one braid supports for the architecture, or the tokenizer
+        does not spell the placeholder with the config's token ids."""
+        if cfg.vision_config is None:
+            return None
+        model_dir = Path(model_dir)
+        if cfg.image_token_id is None:
+            raise ValueError(f"{cfg.architecture}: config.json has no image_token_id")
+        hf = _load_hf_processor(model_dir)
+        kind = _base_name(type(hf).__name__)
+        if cfg.architecture in QWEN2_VL_ARCHS:
+            if kind not in QWEN2_VL_PROCESSORS:
+                raise ValueError(_unsupported(cfg, kind, QWEN2_VL_PROCESSORS))
+            return _QwenVLProcessor(hf, cfg, tokenizer)
+        if cfg.architecture == "LlavaForConditionalGeneration":
+            if kind not in LLAVA_PROCESSORS:
+                raise ValueError(_unsupported(cfg, kind, LLAVA_PROCESSORS))
+            return _LlavaProcessor(hf, cfg, tokenizer, model_dir)
+        raise ValueError(f"{cfg.architecture}: braid has no image processing for it")
+
+    def process(self, image: Image.Image) -> ImageData:
+        """`image` (RGB, as `load_image` returns it) processed for this model: float32 pixels
+        equal to transformers' processor output for it alone, its token count, and a hash of
+        the pixels and their grid. `ValueError` if the processor refuses the image."""
+        width, height = image.size
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise ValueError(
+                f"image {width}x{height}: the aspect ratio must be at most {MAX_ASPECT_RATIO}"
+            )
+        try:
+            out = self._hf()(images=[image], return_tensors="pt")
+        except ValueError as e:
+            raise ValueError(f"image {width}x{height} cannot be processed: {e}") from e
+        pixel_values, grid_thw, num_tokens = self._finish(out)
+        pixel_values = pixel_values.to(torch.float32).contiguous()
+        return ImageData(
+            pixel_values=pixel_values,
+            num_tokens=num_tokens,
+            hash=_content_hash(pixel_values, grid_thw),
+            grid_thw=grid_thw,
+            image_size=(height, width),
+        )
+
+    def expand(self, input_ids: list[int], images: list[ImageData]) -> tuple[list[int], list[int]]:
+        """`input_ids` with each single `image_token_id` widened to its image's `num_tokens`
+        copies, images taken in order, and the offset of each image's first token in the
+        result. `ValueError` if the number of image tokens is not the number of images."""
+        positions = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
+        if len(positions) != len(images):
+            raise ValueError(
+                f"the prompt has {_count(len(positions), 'image placeholder')} but "
+                f"{_count(len(images), 'image')} {'was' if len(images) == 1 else 'were'} given"
+            )
+        ids: list[int] = []
+        offsets: list[int] = []
+        start = 0
+        for pos, image in zip(positions, images):
+            ids.extend(input_ids[start:pos])
+            offsets.append(len(ids))
+            ids.extend([self.image_token_id] * image.num_tokens)
+            start = pos + 1
+        ids.extend(input_ids[start:])
+        return ids, offsets
+
+    def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        """(pixels for the one image, its grid, its token count) from the processor output."""
+        raise NotImplementedError
+
+    def _hf(self) -> Any:
+        # transformers does not promise its processors are thread-safe; a copy per worker
+        # thread makes sharing a non-question and costs one small object per thread.
+        hf = getattr(self._local, "hf", None)
+        if hf is None:
+            with self._copy_lock:
+                hf = copy.deepcopy(self._prototype)
+            self._local.hf = hf
+        return hf
+
+
+class _QwenVLProcessor(ImageProcessor):
+    """Qwen2-VL / Qwen2.5-VL: the image becomes grid_t * grid_h * grid_w patches, and every
+    merge_size x merge_size block of them one token."""
+
+    def __init__(self, hf: Any, cfg: ModelConfig, tokenizer: Any) -> None:
+        vision = cfg.vision_config or {}
+        for ours, theirs in (
+            ("patch_size", "patch_size"),
+            ("temporal_patch_size", "temporal_patch_size"),
+            ("merge_size", "spatial_merge_size"),
+        ):
+            if theirs in vision and vision[theirs] != getattr(hf, ours):
+                raise ValueError(
+                    f"preprocessor config {ours}={getattr(hf, ours)} does not match the "
+                    f"vision config's {theirs}={vision[theirs]}"
+                )
+        self._merge = int(hf.merge_size)
+        ids = [_config_id(cfg, "vision_start_token_id"), cfg.image_token_id]
+        ids.append(_config_id(cfg, "vision_end_token_id"))
+        placeholder = _spell(tokenizer, ids)
+        super().__init__(hf, placeholder, int(cfg.image_token_id))
+
+    def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        return out["pixel_values"], (t, h, w), t * h * w // self._merge**2
+
+
+class _LlavaProcessor(ImageProcessor):
+    """LLaVA: the vision tower makes one embedding per patch (plus CLIP's CLS); the "default"
+    feature strategy drops the first of them."""
+
+    def __init__(self, hf: Any, cfg: ModelConfig, tokenizer: Any, model_dir: Path) -> None:
+        vision = cfg.vision_config or {}
+        tower = vision.get("model_type", "")
+        if tower not in LLAVA_TOWER_EXTRA_TOKENS:
+            raise ValueError(
+                f"LLaVA vision tower {tower!r} is not supported "
+                f"(supported: {sorted(LLAVA_TOWER_EXTRA_TOKENS)})"
+            )
+        self._patch = int(vision.get("patch_size") or _default_patch_size(vision))
+        self._extra = LLAVA_TOWER_EXTRA_TOKENS[tower]
+        strategy = cfg.raw.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported")
+        self._drop = 1 if strategy == "default" else 0
+        stated = _processor_settings(model_dir).get("num_additional_image_tokens")
+        if stated is not None and stated != self._extra:
+            # transformers would count with the stated number and then fail to match the
+            # tower's output; say so at load time instead.
+            raise ValueError(
+                f"processor_config.json says num_additional_image_tokens={stated}, but a "
+                f"{tower} tower adds {self._extra}"
+            )
+        placeholder = _spell(tokenizer, [int(cfg.image_token_id)])
+        super().__init__(hf, placeholder, int(cfg.image_token_id))
+
+    def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        pixels = out["pixel_values"][0]
+        height, width = pixels.shape[-2:]
+        num = (height // self._patch) * (width // self._patch) + self._extra - self._drop
+        return pixels, None, num
+
+
+def _load_hf_processor(model_dir: Path) -> Any:
+    # transformers 5 saves a processor's image settings inside processor_config.json;
+    # older checkpoints have preprocessor_config.json.
+    if not (model_dir / "preprocessor_config.json").is_file() and (
+        "image_processor" not in _processor_settings(model_dir)
+    ):
+        raise ValueError(
+            f"{model_dir} has no preprocessor_config.json: a vision-language model needs its "
+            "image processor's config"
+        )
+    from transformers import AutoImageProcessor  # heavy: only for vision-language models
+
+    try:
+        # The PIL implementation on every machine: the same pixels (so the same hashes)
+        # whether or not torchvision is installed.
+        return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    except TypeError:
+        # A transformers without processor backends (4.x) has only the PIL one.
+        return AutoImageProcessor.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load the image processor from {model_dir}: {e}") from e
+
+
+def _processor_settings(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "processor_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return settings if isinstance(settings, dict) else {}
+
+
+def _base_name(class_name: str) -> str:
+    for suffix in ("Pil", "Fast"):
+        if class_name.endswith(suffix):
+            return class_name[: -len(suffix)]
+    return class_name
+
+
+def _unsupported(cfg: ModelConfig, kind: str, supported: frozenset[str]) -> str:
+    return (
+        f"{cfg.architecture}: image processor {kind} is not supported "
+        f"(supported: {', '.join(sorted(supported))})"
+    )
+
+
+def _config_id(cfg: ModelConfig, key: str) -> int:
+    value = cfg.raw.get(key, (cfg.raw.get("text_config") or {}).get(key))
+    if value is None:
+        raise ValueError(f"{cfg.architecture}: config.json has no {key}")
+    return int(value)
+
+
+def _spell(tokenizer: Any, ids: list[int]) -> str:
+    """The text of `ids`, checked to tokenize back to exactly them: a placeholder the
+    tokenizer splits differently would never be found in the prompt."""
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    if any(t is None for t in tokens):
+        raise ValueError(f"the tokenizer has no token for some of the image token ids {ids}")
+    text = "".join(tokens)
+    if tokenizer.encode(text, add_special_tokens=False) != ids:
+        raise ValueError(
+            f"the tokenizer does not encode the image placeholder {text!r} as the ids {ids}"
+        )
+    return text
+
+
+def _default_patch_size(vision: dict[str, Any]) -> int:
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in vision.items() if k != "model_type"}
+    return int(AutoConfig.for_model(vision["model_type"], **fields).patch_size)
+
+
+def _content_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int] | None) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(repr((tuple(pixel_values.shape), grid_thw, str(pixel_values.dtype))).encode())
+    digest.update(pixel_values.numpy())
+    return int.from_bytes(digest.digest(), "little") & _HASH_MASK
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
