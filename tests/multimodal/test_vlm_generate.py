@@ -38,7 +38,7 @@ class Reference:
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def greedy(self, text: str, images: list) -> list[int]:
+    def greedy(self, text: str, images: list, new: int = NEW) -> list[int]:
         data = [self.processor.process(im) for im in images]
         ids, _ = self.processor.expand(self.ids(text), data)
         x = torch.tensor([ids])
@@ -52,7 +52,7 @@ class Reference:
             kwargs["pixel_values"] = torch.stack([d.pixel_values for d in data])
         with torch.inference_mode():
             out = self.hf.generate(
-                **kwargs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0
+                **kwargs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
             )
         return out[0, len(ids) :].tolist()
 
@@ -99,6 +99,21 @@ def test_qwen_images_match_transformers_alone_and_batched_with_text(qwen, qwen_l
     alone = [_run(qwen_llm, [p])[0] for p in (one, two, text)]
     batched = _run(qwen_llm, [one, two, text])
     qwen_llm.check_invariants()
+    assert alone == expected
+    assert batched == expected
+
+
+def test_qwen2_vl_images_match_transformers_alone_and_batched(tmp_path):
+    ref = _reference(build_tiny_qwen2_vl(tmp_path / "qwen2", "2"), qwen=True)
+    with braid.LLM(ref.path, kv_tokens=2048, show_progress=False) as llm:
+        ph = llm.media.placeholder
+        one = (f"describe {ph} briefly", [tiny_image(84, 112, 1)])
+        two = (f"{ph} versus {ph}", [tiny_image(56, 56, 2), tiny_image(112, 84, 3)])
+        plain = ("a plain question", [])
+        expected = [ref.greedy(t, ims) for t, ims in (one, two, plain)]
+        alone = [_run(llm, [p])[0] for p in (one, two, plain)]
+        batched = _run(llm, [one, two, plain])
+        llm.check_invariants()
     assert alone == expected
     assert batched == expected
 
@@ -245,3 +260,23 @@ def test_images_on_a_text_only_model_are_refused(smollm2):
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             use_tqdm=False,
         )
+
+
+def test_retracted_image_requests_resume_without_re_encoding(qwen):
+    """A KV pool too small for every request's output: the scheduler retracts some and
+    resumes them later; their images come back from the encoder cache, and the tokens still
+    equal transformers'."""
+    ph = qwen.processor.placeholder
+    prompts = [
+        (f"request {i} {ph} goes on", [tiny_image(56 + 28 * i, 56, 50 + i)]) for i in range(4)
+    ]
+    long = braid.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with braid.LLM(qwen.path, kv_tokens=192, show_progress=False) as llm:
+        items = [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in prompts]
+        outs = llm.generate(items, long, use_tqdm=False)
+        stats = llm.stats()
+        llm.check_invariants()
+    assert stats["retractions"] >= 1
+    assert stats["images_encoded"] == 4  # each image once, retractions included
+    for (text, ims), out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == qwen.greedy(text, ims, new=40)

@@ -27,6 +27,12 @@ def _png(w: int, h: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def _tiff() -> bytes:
+    buf = io.BytesIO()
+    tiny_image(8, 8, 0).save(buf, format="TIFF")
+    return buf.getvalue()
+
+
 def _data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
@@ -165,7 +171,10 @@ def test_generate_image_data_single_and_batched(vlm_server):
         ("data:image/png;base64,@@@not-base64", "invalid base64"),
         (_data_url(b"these bytes are not an image"), "not an image"),
         (_data_url(_png(32, 32, 1)[:70]), "truncated"),
-        ("data:image/tiff;base64," + base64.b64encode(b"II*\0" + b"\0" * 64).decode(), "image"),
+        (
+            "data:image/tiff;base64," + base64.b64encode(_tiff()).decode(),
+            "unsupported image format tiff",
+        ),
         ("/etc/hostname", "local path refused"),
         ("file:///etc/hostname", "outside"),
     ],
@@ -194,7 +203,7 @@ def test_unfetchable_too_large_and_too_many_images_are_400s(client, images_http,
     assert "limit_mm_per_prompt" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt=[img], **GREEDY)
-    assert e.value.status_code == 400
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
     r = httpx.post(
         vlm_server.url + "/generate",
         json={"text": "no placeholder", "image_data": base64.b64encode(_png(8, 8, 1)).decode()},

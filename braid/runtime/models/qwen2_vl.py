@@ -150,6 +150,9 @@ class Segments:
     valid: torch.Tensor  # [segments, longest] bool
     flat: torch.Tensor  # [patches] int64
     mask: torch.Tensor | None  # [segments, 1, 1, longest] bool
+    # The slots in use as flat indices into [segments * longest], row-major: found once per
+    # layout, so no block indexes with the boolean `valid` (which waits for the device).
+    slots: torch.Tensor  # [patches] int64
 
     @classmethod
     def from_ids(cls, ids: torch.Tensor) -> Segments:
@@ -169,7 +172,8 @@ class Segments:
         valid[sorted_ids, slot] = True
         padded = bool((counts != longest).any())
         mask = valid[:, None, None, :] if padded else None
-        return cls(index=index, valid=valid, flat=order, mask=mask)
+        slots = valid.flatten().nonzero(as_tuple=True)[0]
+        return cls(index=index, valid=valid, flat=order, mask=mask, slots=slots)
 
     @property
     def num_segments(self) -> int:
@@ -182,7 +186,7 @@ class Segments:
         qb, kb, vb = (x[self.index].transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask).transpose(1, 2)
         out = torch.empty_like(q)
-        out[self.flat] = o[self.valid]
+        out[self.flat] = o.reshape(-1, *o.shape[2:])[self.slots]
         return out.reshape(q.shape[0], -1)
 
 
@@ -271,6 +275,10 @@ class _PatchEmbed(nn.Module):
         return self.proj(pixels)
 
 
+# Rotates a block's (q, k) by the pass's patch positions.
+Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class _VisionAttention(nn.Module):
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
@@ -278,13 +286,10 @@ class _VisionAttention(nn.Module):
         self.qkv = Linear(spec.dim, {None: 3 * spec.dim}, bias=True, dtype=dtype)
         self.proj = Linear(spec.dim, {None: spec.dim}, bias=True, dtype=dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotate: Rotate, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        # Rotated in float32 whatever the model dtype, as transformers does.
-        q, k = apply_rotary(q.float(), k.float(), cos, sin)
-        return self.proj(segments.attend(q.to(v.dtype), k.to(v.dtype), v))
+        q, k = rotate(q, k)
+        return self.proj(segments.attend(q, k, v))
 
 
 class _VisionMLP(nn.Module):
@@ -323,10 +328,8 @@ class _VisionBlock(nn.Module):
         self.attn = _VisionAttention(spec, dtype)
         self.mlp = _VisionGatedMLP(spec, dtype) if spec.windowed else _VisionMLP(spec, dtype)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
+    def forward(self, x: torch.Tensor, rotate: Rotate, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rotate, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -364,6 +367,13 @@ class VisionTower(nn.Module):
         # Axial rotary: a quarter of each head's columns per axis (row, column), then repeated.
         inv_freq = compute_inv_freq(spec.head_dim // 2, spec.rope_theta, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # On CUDA q and k rotate in one fused kernel per block (float32 math, one rounding,
+        # as transformers' float32 rotation); elsewhere in plain torch. Chosen once.
+        self._fused_rotary = None
+        if self.inv_freq.is_cuda:
+            from braid.kernels.rope import rotary
+
+            self._fused_rotary = rotary
 
     def layout(self, grids: Sequence[tuple[int, int, int]]) -> PatchLayout:
         return PatchLayout.build(grids, self.spec, self.inv_freq.device)
@@ -375,12 +385,27 @@ class VisionTower(nn.Module):
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         layout = self.layout(grids)
-        cos, sin = self._rotary(layout.hw)
+        rotate = self._rotation(*self._rotary(layout.hw))
         x = self.patch_embed(pixels)
         for i, block in enumerate(self.blocks):
             windowed = layout.windows is not None and i not in self.spec.full_attention_blocks
-            x = block(x, cos, sin, layout.windows if windowed else layout.frames)
+            x = block(x, rotate, layout.windows if windowed else layout.frames)
         return self.merger(x)
+
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotate:
+        """How every block rotates its q and k by the patches' float32 `cos`/`sin` rows."""
+        fused = self._fused_rotary
+        if fused is not None:
+            tables = (cos[:, 0], sin[:, 0])  # row p is patch p's: its "position" is p
+            positions = torch.arange(cos.shape[0], device=cos.device)
+            return lambda q, k: fused(q, k, positions, tables)
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # In float32 whatever the model dtype, as transformers does.
+            rq, rk = apply_rotary(q.float(), k.float(), cos, sin)
+            return rq.to(q.dtype), rk.to(k.dtype)
+
+        return rotate
 
 
 @MODELS.register
