@@ -37,6 +37,9 @@ from braid.runtime.tokenizer.tokenizer import render_chat
 logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict[str, Any]
+# Prompts with images that an offline batch loads, sends and runs at once: each holds its
+# processed pixels (2.4 MB for a 448x448 image in bf16) until it finishes.
+IMAGE_PROMPTS_IN_FLIGHT = 256
 # A prompt ready to submit: its text (None for token ids), ids, and its images' sources.
 _Item = tuple[str | None, list[int], list[Any]]
 
@@ -398,8 +401,10 @@ class LLM:
         self, requests: list[_Request], sources: list[list[Any]], use_tqdm: bool
     ) -> list[RequestOutput]:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
+        # Requests with images hold their pixels until they finish: a bounded number at once.
+        with_images = asyncio.Semaphore(IMAGE_PROMPTS_IN_FLIGHT)
         tasks = [
-            asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar))
+            asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar, with_images))
             for i, (req, found) in enumerate(zip(requests, sources))
         ]
         try:
@@ -415,13 +420,23 @@ class LLM:
             raise RuntimeError(self.tm.failure)
         return [r.output() for r in requests]
 
-    async def _run_one(self, req: _Request, sources: list[Any], where: str, bar) -> None:
+    async def _run_one(
+        self, req: _Request, sources: list[Any], where: str, bar, with_images: asyncio.Semaphore
+    ) -> None:
         """Submit one request and collect its samples. A request with images is submitted
         once they are processed (in the media workers), so earlier requests already run
-        while later images load."""
-        if sources:
+        while later images load; at most `IMAGE_PROMPTS_IN_FLIGHT` of them are processed or
+        running at once."""
+        if not sources:
+            await self._submit_and_collect(req, bar)
+            return
+        async with with_images:
             req.prompt_ids, req.images = await self.media.prepare(req.prompt_ids, sources, where)
             self.tm.validate(req.prompt_ids, req.params, where=where)
+            await self._submit_and_collect(req, bar)
+            req.images = []  # the pixels are the scheduler's now
+
+    async def _submit_and_collect(self, req: _Request, bar) -> None:
         rids = self.tm.submit(req.request_id, req.prompt_ids, req.params, images=req.images)
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
         for s in req.samples:

@@ -64,6 +64,8 @@ def from_wire(msg: ImageInput) -> ImageData:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"image: unknown pixel dtype {msg.dtype!r}")
+    if any(n < 1 for n in msg.shape) or (msg.grid_thw is not None and len(msg.grid_thw) != 3):
+        raise ValueError(f"image: shape {msg.shape} / grid {msg.grid_thw} is not an image's")
     count = 1
     for n in msg.shape:
         count *= n

@@ -158,8 +158,12 @@ def test_an_image_with_the_wrong_token_count_or_size_is_rejected(dirs, braid_mod
     image.num_tokens += 1
     with pytest.raises(ValueError, match="num_tokens"):
         model.encode_images([image])
-    with pytest.raises(ValueError, match="pixel_values of shape"):
-        model.encode_images([ImageData(torch.zeros(3, 16, 16), model.tokens_per_image, 0)])
+    wrong_size = ImageData(torch.zeros(3, 16, 16), model.tokens_per_image, 0)
+    with pytest.raises(ValueError, match=r"pixel_values \(3, 16, 16\) are not the tower's input"):
+        model.encode_images([wrong_size])
+    # The scheduler asks the same check before admission (`check_image`).
+    with pytest.raises(ValueError, match="are not the tower's input"):
+        model.check_image(wrong_size)
 
 
 # -- image features ------------------------------------------------------------------------

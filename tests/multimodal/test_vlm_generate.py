@@ -280,3 +280,20 @@ def test_retracted_image_requests_resume_without_re_encoding(qwen):
     assert stats["images_encoded"] == 4  # each image once, retractions included
     for (text, ims), out in zip(prompts, outs):
         assert out.outputs[0].token_ids == qwen.greedy(text, ims, new=40)
+
+
+def test_one_lazily_decoded_pil_image_shared_by_many_prompts(qwen_llm):
+    """Many prompts given the same not-yet-decoded PIL image (one image, many questions): the
+    media threads must not decode it at once (PIL's load() is not thread-safe)."""
+    from PIL import Image
+
+    png = io.BytesIO()
+    tiny_image(84, 84, 60).save(png, format="PNG")
+    lazy = Image.open(io.BytesIO(png.getvalue()))
+    ph = qwen_llm.media.placeholder
+    prompts = [(f"{ph} question {i}", [lazy]) for i in range(8)]
+    got = _run(qwen_llm, prompts)
+    decoded = Image.open(io.BytesIO(png.getvalue())).convert("RGB")
+    assert got[0] == _run(qwen_llm, [(prompts[0][0], [decoded])])[0]
+    assert got[7] == _run(qwen_llm, [(prompts[7][0], [decoded])])[0]
+    assert all(len(t) == NEW for t in got)

@@ -30,6 +30,7 @@ from braid.runtime.sampling_params import SamplingParams
 from tests.server.conftest import start_server, wait_idle
 
 C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
+IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
 MSG = [{"role": "user", "content": "hi"}]
 
 BAD = [
@@ -61,6 +62,14 @@ BAD = [
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CH, {"messages": MSG, "max_completion_tokens": -1}, 400, "max_tokens"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+    # Images to this text-only model (issue 15).
+    (
+        CH,
+        {"messages": [{"role": "user", "content": [IMG, {"type": "text", "text": "x"}]}]},
+        400,
+        "takes text only",
+    ),
+    (G, {"text": "x", "image_data": "aGVsbG8="}, 400, "takes text only"),
     (G, {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
     (G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_tokens"),
     (G, {"text": "x", "sampling_params": {"stop_regex": "("}}, 400, "stop_regex"),

@@ -224,16 +224,3 @@ def test_unfetchable_too_large_and_too_many_images_are_400s(client, images_http,
     stats = wait_idle(vlm_server.url)
     assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
     assert _chat(client, _data_url(_png(28, 28, 2))).choices[0].finish_reason == "length"
-
-
-def test_image_to_a_text_only_model_is_a_400(tmp_path):
-    s = start_server(tmp_path)  # the embedded SmolLM2
-    try:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            _chat(c, _data_url(_png(8, 8, 1)))
-        assert "text only" in e.value.message
-        r = httpx.post(s.url + "/generate", json={"text": "x", "image_data": "abcd"})
-        assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
-    finally:
-        s.stop()

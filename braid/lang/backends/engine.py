@@ -149,6 +149,7 @@ class EngineBackend(Backend):
         """`ids` with each image placeholder widened to its image's tokens, and the images
         processed (`ValueError` naming the image that cannot be loaded)."""
         if not images:
+            self.llm.media.check_no_placeholders(ids, "prompt")
             return ids, []
         sources = [for_runtime(x) for x in images]
         return self.llm.run_coroutine(self.llm.media.prepare(ids, sources, "image()")).result()

@@ -193,6 +193,9 @@ def embed_with_images(model: nn.Module, batch: ForwardBatch, cache: EncoderCache
                     f"the vision tower gave {out.shape[0]} embeddings for an image of "
                     f"{image.num_tokens} tokens"
                 )
+            # Its own storage: a view would keep the whole batch's output alive after the
+            # other images' entries are dropped, outside the cache's byte budget.
+            out = out.clone()
             cache.put(key, out)
             outputs[key] = out
     for s in batch.images:

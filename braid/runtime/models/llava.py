@@ -120,6 +120,22 @@ class LlavaForConditionalGeneration(nn.Module):
         # (which has no CLS, so there it drops a patch); braid does the same.
         return self.vision_tower.num_tokens - (self.select_strategy == "default")
 
+    def check_image(self, image: ImageData) -> None:
+        """`ValueError` unless `image` is what this tower takes: [3, size, size] pixels and
+        `tokens_per_image` tokens. The scheduler asks before admitting a request, so a bad
+        image (a processor whose crop size is not the tower's) is that request's error."""
+        size = self.vision_tower.spec.image_size
+        if tuple(image.pixel_values.shape) != (3, size, size):
+            raise ValueError(
+                f"pixel_values {tuple(image.pixel_values.shape)} are not the tower's input "
+                f"(3, {size}, {size})"
+            )
+        if image.num_tokens != self.tokens_per_image:
+            raise ValueError(
+                f"num_tokens={image.num_tokens}, but this model turns every image into "
+                f"{self.tokens_per_image} embeddings"
+            )
+
     def checkpoint_key(self, key: str) -> str | None:
         """braid's name for a checkpoint key of either layout (see `_PREFIXES`); None for the
         keys of tower parts that are never run. Keys with no known prefix pass unchanged, so
@@ -153,13 +169,11 @@ class LlavaForConditionalGeneration(nn.Module):
         of it (`tokens_per_image`), or its pixels are not the tower's input size."""
         if not images:
             return []
-        want = self.tokens_per_image
         for i, image in enumerate(images):
-            if image.num_tokens != want:
-                raise ValueError(
-                    f"image {i} has num_tokens={image.num_tokens}, but this model turns every "
-                    f"image into {want} embeddings"
-                )
+            try:
+                self.check_image(image)
+            except ValueError as e:
+                raise ValueError(f"image {i}: {e}") from None
         weight = self.multi_modal_projector.linear_1.weight
         pixels = torch.stack([im.pixel_values for im in images]).to(weight.device, weight.dtype)
         states = self.vision_tower(pixels)

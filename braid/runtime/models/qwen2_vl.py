@@ -458,28 +458,38 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """[tokens, hidden] embeddings of `input_ids` (image tokens get the placeholder's)."""
         return self.model.embed_tokens(input_ids)
 
+    def check_image(self, image: ImageData) -> None:
+        """`ValueError` unless `image` is what this tower takes: a (t, h, w) grid of whole
+        merge blocks, one row of `patch_dim` values per patch, `num_tokens` = patches /
+        merge_size**2. The scheduler asks before admitting a request, so a bad image is that
+        request's error, not its batch's."""
+        if image.grid_thw is None or len(image.grid_thw) != 3:
+            raise ValueError("no (t, h, w) grid_thw (a Qwen2-VL image processor sets it)")
+        t, h, w = image.grid_thw
+        merge = self.vision_spec.merge_size
+        if image.pixel_values.dim() != 2 or min(t, h, w) < 1:
+            raise ValueError(f"pixel_values {tuple(image.pixel_values.shape)} are not patches")
+        rows, width = image.pixel_values.shape
+        if rows != t * h * w or width != self.vision_spec.patch_dim:
+            raise ValueError(
+                f"pixel_values {tuple(image.pixel_values.shape)} do not fit grid "
+                f"{image.grid_thw} of patches of {self.vision_spec.patch_dim} values"
+            )
+        if h % merge or w % merge:
+            raise ValueError(f"grid {image.grid_thw} does not divide into blocks")
+        if image.num_tokens != rows // merge**2:
+            raise ValueError(f"num_tokens {image.num_tokens} != {rows} patches / {merge**2}")
+
     def encode_images(self, images: list[ImageData]) -> list[torch.Tensor]:
         """One [image.num_tokens, hidden] tensor per image, in the model's dtype and device,
         from one tower pass over all of them."""
         if not images:
             return []
-        m2 = self.vision_spec.merge_size**2
         for i, image in enumerate(images):
-            if image.grid_thw is None:
-                raise ValueError(f"image {i} has no grid_thw (a Qwen2-VL processor sets it)")
-            t, h, w = image.grid_thw
-            rows, width = image.pixel_values.shape
-            if rows != t * h * w or width != self.vision_spec.patch_dim:
-                raise ValueError(
-                    f"image {i}: pixel_values {tuple(image.pixel_values.shape)} do not fit grid "
-                    f"{image.grid_thw} of patches of {self.vision_spec.patch_dim} values"
-                )
-            if h % self.vision_spec.merge_size or w % self.vision_spec.merge_size:
-                raise ValueError(f"image {i}: grid {image.grid_thw} does not divide into blocks")
-            if image.num_tokens != rows // m2:
-                raise ValueError(
-                    f"image {i}: num_tokens {image.num_tokens} != {rows} patches / {m2}"
-                )
+            try:
+                self.check_image(image)
+            except ValueError as e:
+                raise ValueError(f"image {i}: {e}") from None
         device = self.model.embed_tokens.weight.device
         pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=self.dtype)
         grids = [(int(t), int(h), int(w)) for t, h, w in (im.grid_thw for im in images)]

@@ -43,11 +43,11 @@ class EncoderCache:
 
     @property
     def seconds(self) -> float:
-        """Time spent in the vision tower so far (waits for the encodes still running)."""
-        for a, b in self._pending:
-            b.synchronize()
+        """Time spent in the vision tower by the encodes that have finished (never waits: the
+        scheduler's stats, read between steps, ask for it)."""
+        while self._pending and self._pending[0][1].query():
+            a, b = self._pending.pop(0)
             self._seconds += a.elapsed_time(b) / 1e3
-        self._pending.clear()
         return self._seconds
 
     def get(self, key: int) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ class MediaFrontend:
         if model_config.is_multimodal and tokenizer is not None:
             self.processor = ImageProcessor.from_model_dir(model_dir, model_config, tokenizer)
         self._pool: ThreadPoolExecutor | None = None
+        # A PIL image given by the caller may be shared by many prompts (one image, many
+        # questions) and lazily decoded: PIL's load() is not thread-safe, so its conversion
+        # runs one at a time; processing the converted copy needs no lock.
+        self._pil_lock = threading.Lock()
 
     @property
     def supports_images(self) -> bool:
@@ -87,7 +92,12 @@ class MediaFrontend:
     def _load(self, source: Any, where: str) -> ImageInput:
         """One image loaded, processed and put in its message form (offset set later)."""
         try:
-            image = self.processor.process(load_image(source, self.limits))
+            if hasattr(source, "getpixel"):  # a PIL image
+                with self._pil_lock:
+                    loaded = load_image(source, self.limits)
+            else:
+                loaded = load_image(source, self.limits)
+            image = self.processor.process(loaded)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         return to_wire(image, 0, self.pixel_dtype)

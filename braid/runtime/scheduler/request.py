@@ -109,11 +109,13 @@ class Req:
         eos_ids: frozenset[int],
         image_token_id: int | None = None,
         rope: RopeFn | None = None,
+        check_image: Callable[[ImageData], None] | None = None,
     ) -> Req:
         """The request `msg` asks for, its output capped by the context; a prompt that is
         empty, leaves no room, or holds a token outside the vocabulary is a `ValueError`, as
         are images for a model without `image_token_id` and images whose tokens are not that
-        token. `rope` gives the M-RoPE positions of a prompt with images."""
+        token, or that `check_image` (the model's) refuses. `rope` gives the M-RoPE positions of
+        a prompt with images."""
         n = len(msg.input_ids)
         if n == 0:
             raise ValueError("prompt: must contain at least one token")
@@ -130,6 +132,11 @@ class Req:
             raise ValueError("images: this model takes text only")
         end = 0
         for i, (image, start) in enumerate(zip(images, offsets)):
+            if check_image is not None:
+                try:
+                    check_image(image)
+                except ValueError as e:
+                    raise ValueError(f"images[{i}]: {e}") from None
             span = msg.input_ids[start : start + image.num_tokens]
             if start < end or len(span) != image.num_tokens or set(span) != {image_token_id}:
                 raise ValueError(
@@ -139,7 +146,10 @@ class Req:
             end = start + image.num_tokens
         rope_positions, rope_delta = None, 0
         if images and rope is not None:
-            rope_positions, rope_delta = rope(list(msg.input_ids), images)
+            try:
+                rope_positions, rope_delta = rope(list(msg.input_ids), images)
+            except (TypeError, IndexError, RuntimeError) as e:
+                raise ValueError(f"images: no M-RoPE positions for them: {e}") from None
         max_new = context_length - n
         if msg.params.max_tokens is not None:
             max_new = min(max_new, msg.params.max_tokens)

@@ -63,6 +63,7 @@ class Scheduler:
         self.image_token_id = runner.model_config.image_token_id
         rope = getattr(type(runner.model), "mrope_positions", None)
         self.image_rope = functools.partial(rope, runner.model_config) if rope else None
+        self.check_image = getattr(runner.model, "check_image", None)
         self.eos_token_ids = eos_token_ids
         self.overlap = config.use_overlap_schedule
         self.stats = SchedulerStats()
@@ -141,6 +142,7 @@ class Scheduler:
             self.eos_token_ids,
             self.image_token_id,
             self.image_rope,
+            self.check_image,
         )
         if self.requests.get(req.rid) is not None:
             raise ValueError(f"rid: {req.rid!r} is already in use by a request in flight")
