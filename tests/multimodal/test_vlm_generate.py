@@ -90,17 +90,22 @@ def _run(llm, prompts: list[tuple[str, list]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(items, GREEDY, use_tqdm=False)]
 
 
+def _assert_alone_and_batched_match(ref: Reference, llm, prompts: list[tuple[str, list]]) -> None:
+    """Each prompt alone and all of them in one batch give transformers' greedy tokens."""
+    expected = [ref.greedy(t, ims) for t, ims in prompts]
+    alone = [_run(llm, [p])[0] for p in prompts]
+    batched = _run(llm, prompts)
+    llm.check_invariants()
+    assert alone == expected
+    assert batched == expected
+
+
 def test_qwen_images_match_transformers_alone_and_batched_with_text(qwen, qwen_llm):
     ph = qwen_llm.media.placeholder
     one = (f"describe {ph} briefly", [tiny_image(112, 84, 1)])
     two = (f"compare {ph} and {ph} now", [tiny_image(56, 56, 2), tiny_image(140, 112, 3)])
     text = ("a plain question about JSON", [])
-    expected = [qwen.greedy(t, ims) for t, ims in (one, two, text)]
-    alone = [_run(qwen_llm, [p])[0] for p in (one, two, text)]
-    batched = _run(qwen_llm, [one, two, text])
-    qwen_llm.check_invariants()
-    assert alone == expected
-    assert batched == expected
+    _assert_alone_and_batched_match(qwen, qwen_llm, [one, two, text])
 
 
 def test_qwen2_vl_images_match_transformers_alone_and_batched(tmp_path):
@@ -110,12 +115,7 @@ def test_qwen2_vl_images_match_transformers_alone_and_batched(tmp_path):
         one = (f"describe {ph} briefly", [tiny_image(84, 112, 1)])
         two = (f"{ph} versus {ph}", [tiny_image(56, 56, 2), tiny_image(112, 84, 3)])
         plain = ("a plain question", [])
-        expected = [ref.greedy(t, ims) for t, ims in (one, two, plain)]
-        alone = [_run(llm, [p])[0] for p in (one, two, plain)]
-        batched = _run(llm, [one, two, plain])
-        llm.check_invariants()
-    assert alone == expected
-    assert batched == expected
+        _assert_alone_and_batched_match(ref, llm, [one, two, plain])
 
 
 def test_same_image_hits_the_prefix_cache_and_a_different_image_does_not(qwen, qwen_llm):
@@ -188,12 +188,7 @@ def test_llava_images_match_transformers_alone_and_batched(tmp_path, tower, text
         one = (f"USER: {ph}\nwhat is it?", [tiny_image(40, 30, 1)])
         two = (f"USER: {ph} and {ph}\nsame?", [tiny_image(64, 64, 2), tiny_image(20, 50, 3)])
         plain = ("USER: no image here", [])
-        expected = [ref.greedy(t, ims) for t, ims in (one, two, plain)]
-        alone = [_run(llm, [p])[0] for p in (one, two, plain)]
-        batched = _run(llm, [one, two, plain])
-        llm.check_invariants()
-    assert alone == expected
-    assert batched == expected
+        _assert_alone_and_batched_match(ref, llm, [one, two, plain])
 
 
 def test_chat_with_image_parts_equals_the_rendered_prompt(qwen_llm):
