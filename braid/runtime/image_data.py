@@ -16,17 +16,20 @@ class ImageData:
 
     `pixel_values` is that processor's output for this image alone (Qwen2-VL family: the
     flattened patches, [grid_t * grid_h * grid_w, channels * temporal_patch * patch * patch];
-    LLaVA: [channels, height, width]). `num_tokens` is how many embeddings the vision tower
-    turns it into, so how many image tokens stand for it in the prompt, counted as
-    transformers counts them. `hash` is a 63-bit hash of the processed pixels and their grid:
-    the same bytes processed the same way give the same hash, a different image another.
+    LLaVA: [channels, height, width]; LLaVA-NeXT: its tiles, the base one first, [tiles,
+    channels, height, width]). `num_tokens` is how many embeddings the vision tower turns it
+    into, so how many image tokens stand for it in the prompt, counted as transformers counts
+    them. `hash` is a 63-bit hash of the processed pixels and their grid (and, for a model
+    whose embeddings depend on it, LLaVA-NeXT's, of `image_size`): the same bytes processed
+    the same way give the same hash, a different image another.
     """
 
     pixel_values: torch.Tensor
     num_tokens: int
     hash: int
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL family: patches in t, h, w
-    image_size: tuple[int, int] | None = None  # (height, width) of the image as loaded
+    # (height, width) of the image as loaded; LLaVA-NeXT crops its tiles' features to it.
+    image_size: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -60,12 +63,16 @@ def to_wire(image: ImageData, offset: int, dtype: torch.dtype | None = None) -> 
 
 
 def from_wire(msg: ImageInput) -> ImageData:
-    """The image a message carries; `ValueError` if its bytes do not fill its shape."""
+    """The image a message carries; `ValueError` if its bytes do not fill its shape, or its
+    shape, grid or image size is not an image's."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"image: unknown pixel dtype {msg.dtype!r}")
     if any(n < 1 for n in msg.shape) or (msg.grid_thw is not None and len(msg.grid_thw) != 3):
         raise ValueError(f"image: shape {msg.shape} / grid {msg.grid_thw} is not an image's")
+    size = msg.image_size
+    if size is not None and (len(size) != 2 or not all(type(n) is int and n >= 1 for n in size)):
+        raise ValueError(f"image: image_size {msg.image_size} is not a (height, width)")
     count = 1
     for n in msg.shape:
         count *= n

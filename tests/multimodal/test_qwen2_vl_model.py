@@ -1,6 +1,7 @@
-"""braid's Qwen2-VL / Qwen2.5-VL model against transformers, on tiny random-weight models
-(tests/multimodal/tiny_vlms.py): strict loading from both checkpoint layouts, vision-tower
-features, M-RoPE positions, whole-prompt logits through the paged KV cache, and decode."""
+"""braid's Qwen2-VL / Qwen2.5-VL / Qwen3-VL models against transformers, on tiny random-weight
+models (tests/multimodal/tiny_vlms.py): strict loading from both checkpoint layouts,
+vision-tower features (Qwen3-VL's DeepStack levels too), M-RoPE positions, whole-prompt logits
+through the paged KV cache, and decode."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from braid.runtime.models.loader import build_model
 from tests.multimodal.tiny_vlms import build_tiny_qwen2_vl, tiny_image
 
 CPU = torch.device("cpu")
-VERSIONS = ["2", "2.5"]
+VERSIONS = ["2", "2.5", "3"]
 # 112x112 -> 8x8 patches (16 tokens, 4 windows in 2.5); 140x84 -> 6x10 patches (15 tokens,
-# 6 windows of unequal sizes).
+# 6 windows of unequal sizes). Qwen3-VL's 16-pixel patches: 128x128 and 160x96 alike.
 SIZES = [(112, 112), (140, 84)]
+QWEN3_SIZES = [(128, 128), (160, 96)]
 
 
 def _load(cfg: ModelConfig, path: Path):
@@ -44,7 +46,16 @@ class VLM:
     processor: object
     tokenizer: object
 
-    def image(self, size: tuple[int, int], seed: int) -> ImageData:
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        return QWEN3_SIZES if self.qwen3 else SIZES
+
+    @property
+    def qwen3(self) -> bool:
+        return self.cfg.architecture == "Qwen3VLForConditionalGeneration"
+
+    def image(self, which: int, seed: int) -> ImageData:
+        size = self.sizes[which]
         out = self.processor(images=tiny_image(*size, seed=seed), return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         tokens = grid[0] * grid[1] * grid[2] // 4
@@ -107,49 +118,74 @@ def _hf_inputs(vlm: VLM, ids: list[int], images: list[ImageData]) -> dict:
 # ---------------------------------------------------------------------------------- loading
 
 
+def _flat_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's nested key layout renamed to the hub's (transformers 4) flat one."""
+    out = {}
+    for name, t in state.items():
+        for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        out[name] = t
+    return out
+
+
+def _save(tmp_path: Path, name: str, vlm: VLM, tensors: dict[str, torch.Tensor]) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text((vlm.path / "config.json").read_text())
+    save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
 def test_loads_strictly_from_both_checkpoint_layouts(vlm, tmp_path):
-    saved = safe_open(str(vlm.path / "model.safetensors"), framework="pt")
-    keys = list(saved.keys())
-    # transformers 5's save_pretrained writes the hub (transformers 4) layout...
-    assert any(k.startswith("visual.") for k in keys)
-    assert not any(k.startswith(("model.language_model.", "model.visual.")) for k in keys)
+    saved_file = safe_open(str(vlm.path / "model.safetensors"), framework="pt")
+    saved = {k: saved_file.get_tensor(k) for k in saved_file.keys()}
+    nested = any(k.startswith(("model.language_model.", "model.visual.")) for k in saved)
+    # transformers 5's save_pretrained writes the hub layout each family was published in:
+    # flat (`visual.`, `model.layers.`) for Qwen2-VL and Qwen2.5-VL, nested for Qwen3-VL.
+    assert nested == vlm.qwen3
+    assert nested != any(k.startswith("visual.") for k in saved)
+    flat = _flat_layout(saved)
     ours = dict(vlm.model.named_parameters())
-    conv = saved.get_tensor("visual.patch_embed.proj.weight")
+    conv = flat["visual.patch_embed.proj.weight"]
     assert conv.dim() == 5
     torch.testing.assert_close(ours["visual.patch_embed.proj.weight"], conv.flatten(1))
-    q, k = (saved.get_tensor(f"model.layers.1.self_attn.{n}_proj.bias") for n in "qk")
-    torch.testing.assert_close(
-        ours["model.layers.1.self_attn.qkv_proj.bias"][: len(q) + len(k)], torch.cat((q, k))
-    )
+    if vlm.qwen3:
+        # Qwen3: q/k norms, no QKV bias; the blocks' MLP keys are renamed.
+        assert "model.layers.1.self_attn.qkv_proj.bias" not in ours
+        torch.testing.assert_close(
+            ours["model.layers.1.self_attn.q_norm.weight"],
+            flat["model.layers.1.self_attn.q_norm.weight"],
+        )
+        torch.testing.assert_close(
+            ours["visual.blocks.1.mlp.fc1.weight"], flat["visual.blocks.1.mlp.linear_fc1.weight"]
+        )
+    else:
+        q, k = (flat[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qk")
+        torch.testing.assert_close(
+            ours["model.layers.1.self_attn.qkv_proj.bias"][: len(q) + len(k)], torch.cat((q, k))
+        )
 
-    # ... and its in-memory state dict names the transformers 5 layout.
+    # The in-memory state dict names the nested layout; the same weights in the layout not
+    # on disk load to the same parameters.
     state = {n: t.detach().clone().contiguous() for n, t in vlm.hf.state_dict().items()}
     assert any(n.startswith("model.language_model.layers.") for n in state)
     assert any(n.startswith("model.visual.blocks.") for n in state)
-    v5 = tmp_path / "v5"
-    v5.mkdir()
-    (v5 / "config.json").write_text((vlm.path / "config.json").read_text())
-    save_file(state, str(v5 / "model.safetensors"))
-    reloaded = dict(_load(vlm.cfg, v5).named_parameters())
+    other = _flat_layout(state) if nested else state
+    reloaded = dict(_load(vlm.cfg, _save(tmp_path, "other", vlm, other)).named_parameters())
     assert reloaded.keys() == ours.keys()
     for name, p in ours.items():
         assert torch.equal(reloaded[name], p), name
 
     # Strict: a key nothing consumes, or a parameter nothing fills, is an error.
-    extra = tmp_path / "extra"
-    extra.mkdir()
-    (extra / "config.json").write_text((vlm.path / "config.json").read_text())
-    save_file(
-        {**state, "model.visual.blocks.0.attn.extra.weight": torch.zeros(2)},
-        str(extra / "model.safetensors"),
-    )
+    extra = {**state, "model.visual.blocks.0.attn.extra.weight": torch.zeros(2)}
     with pytest.raises(ValueError, match="no parameter consumes"):
-        _load(vlm.cfg, extra)
-    missing = tmp_path / "missing"
-    missing.mkdir()
-    (missing / "config.json").write_text((vlm.path / "config.json").read_text())
-    dropped = {n: t for n, t in state.items() if "merger.mlp.2.bias" not in n}
-    save_file(dropped, str(missing / "model.safetensors"))
+        _load(vlm.cfg, _save(tmp_path, "extra", vlm, extra))
+    last = "merger.linear_fc2.bias" if vlm.qwen3 else "merger.mlp.2.bias"
+    dropped = {n: t for n, t in state.items() if not n.endswith("visual." + last)}
+    assert len(dropped) == len(state) - 1
+    missing = _save(tmp_path, "missing", vlm, dropped)
     with pytest.raises(ValueError, match="did not fill"):
         _load(vlm.cfg, missing)
 
@@ -160,15 +196,17 @@ def test_config_reads_the_tower_shape(vlm):
     assert spec.windowed == (vlm.cfg.architecture == "Qwen2_5_VLForConditionalGeneration")
     assert spec.depth == raw["vision_config"]["depth"] == 2
     assert spec.out_dim == vlm.cfg.hidden_size
-    assert spec.patch_dim == 3 * 2 * 14 * 14
+    patch = 16 if vlm.qwen3 else 14
+    assert spec.patch_dim == 3 * 2 * patch * patch
+    assert spec.deepstack_layers == ((0, 1) if vlm.qwen3 else ())
 
 
 # ----------------------------------------------------------------------------- vision tower
 
 
 def test_encode_images_matches_transformers_one_and_two_images(vlm):
-    one = [vlm.image(SIZES[0], seed=0)]
-    two = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    one = [vlm.image(0, seed=0)]
+    two = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     assert two[0].grid_thw != two[1].grid_thw
     with torch.inference_mode():
         got_one = vlm.model.encode_images(one)
@@ -177,16 +215,23 @@ def test_encode_images_matches_transformers_one_and_two_images(vlm):
             x = _hf_inputs(vlm, [0], images)
             ref = vlm.hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
             assert len(got) == len(ref.pooler_output) == len(images)
-            for im, g, r in zip(images, got, ref.pooler_output):
-                assert g.shape == (im.num_tokens, vlm.cfg.hidden_size)
+            hidden = vlm.cfg.hidden_size
+            levels = vlm.model.vision_spec.deepstack_layers
+            for k, (im, g, r) in enumerate(zip(images, got, ref.pooler_output)):
+                assert g.shape == (im.num_tokens, hidden * (1 + len(levels)))
                 assert g.dtype == torch.float32
-                torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+                torch.testing.assert_close(g[:, :hidden], r, atol=1e-5, rtol=0)
+                for level in range(len(levels)):
+                    # Qwen3-VL: each DeepStack level's features follow, side by side.
+                    want = ref.deepstack_features[level][k]
+                    got_level = g[:, hidden * (level + 1) : hidden * (level + 2)]
+                    torch.testing.assert_close(got_level, want, atol=1e-5, rtol=0)
     # One batched pass: the first image's features do not depend on the second image.
     torch.testing.assert_close(got_two[0], got_one[0], atol=1e-6, rtol=0)
 
 
 def test_window_partition_is_nontrivial_and_matches_transformers(vlm):
-    images = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     grids = [im.grid_thw for im in images]
     layout = vlm.model.visual.layout(grids)
     if not vlm.model.vision_spec.windowed:
@@ -207,7 +252,7 @@ def test_window_partition_is_nontrivial_and_matches_transformers(vlm):
 
 
 def test_encode_images_rejects_pixels_that_do_not_fit_the_grid(vlm):
-    im = vlm.image(SIZES[0], seed=0)
+    im = vlm.image(0, seed=0)
     bad = ImageData(im.pixel_values[:-4], im.num_tokens, hash=0, grid_thw=im.grid_thw)
     with pytest.raises(ValueError, match="do not fit grid"):
         vlm.model.encode_images([bad])
@@ -218,6 +263,12 @@ def test_encode_images_rejects_pixels_that_do_not_fit_the_grid(vlm):
 
 def test_mrope_rotary_rows_follow_each_columns_axis():
     assert mrope_axes((2, 3, 3), 16).tolist() == [0, 0, 1, 1, 1, 2, 2, 2] * 2
+    # Qwen3-VL interleaves: t h w t h w, then the height axis has its third frequency (8
+    # columns < 3 * 3) and the width axis, whose third would be column 8, has run out.
+    assert mrope_axes((2, 3, 3), 16, interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1] * 2
+    # Qwen3-VL-8B's split: heights at 1, 4 .. 58, widths at 2, 5 .. 59, then temporal.
+    big = mrope_axes((24, 20, 20), 128, interleaved=True)[:64].tolist()
+    assert big[:60] == [0, 1, 2] * 20 and big[60:] == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="add up to"):
         mrope_axes((2, 3, 4), 16)
     rot = RotaryEmbedding(16, 64, 10000.0, None, torch.float32)
@@ -250,7 +301,7 @@ def _raw_prompt(vlm: VLM, images: list[ImageData]) -> list[int]:
 
 @pytest.mark.parametrize("layout", ["chat", "raw"])
 def test_mrope_positions_match_get_rope_index(vlm, layout):
-    images = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     ids = vlm.prompt(images) if layout == "chat" else _raw_prompt(vlm, images)
     positions, delta = vlm.model.mrope_positions(vlm.cfg, ids, images)
     x = _hf_inputs(vlm, ids, images)
@@ -263,7 +314,7 @@ def test_mrope_positions_match_get_rope_index(vlm, layout):
 
 
 def test_mrope_positions_reject_a_token_count_mismatch(vlm):
-    images = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     ids = vlm.prompt(images)
     with pytest.raises(ValueError, match="image tokens"):
         vlm.model.mrope_positions(vlm.cfg, ids[:-20] + ids[-19:], images)
@@ -305,11 +356,11 @@ class _OneRequest:
         self.length += n
         return batch
 
-    def extend(self, model, ids: list[int], embeds, mrope: torch.Tensor) -> torch.Tensor:
+    def extend(self, model, ids: list[int], embeds, mrope: torch.Tensor, **kw) -> torch.Tensor:
         batch = self._batch(ForwardMode.EXTEND, ids, mrope[0].clone())
         batch.mrope_positions = mrope.to(self.device)
         self.attn.init_forward_metadata(batch)
-        return model(batch, self.attn, input_embeds=embeds)
+        return model(batch, self.attn, input_embeds=embeds, **kw)
 
     def decode(self, model, token: int, position: int) -> torch.Tensor:
         batch = self._batch(ForwardMode.DECODE, [token], torch.tensor([position]))
@@ -326,17 +377,23 @@ class _Run:
 
 
 def _greedy(model, cfg, ids, images, device, backend=TorchNativeBackend, steps=2) -> _Run:
-    """The runtime's path: embed the prompt, put the image embeddings in its image rows,
-    extend with M-RoPE positions, then decode greedily with 1-D positions shifted by the rope
-    delta."""
+    """The runtime's path: embed the prompt, put the image embeddings in its image rows
+    (Qwen3-VL: pass its DeepStack levels for those rows), extend with M-RoPE positions, then
+    decode greedily with 1-D positions shifted by the rope delta."""
     mrope, delta = model.mrope_positions(cfg, ids, images)
     ids_t = torch.tensor(ids, device=device)
     req = _OneRequest(cfg, model, device, backend)
     with torch.inference_mode():
         features = model.encode_images(images)
         embeds = model.embed_tokens(ids_t)
-        embeds[ids_t == cfg.image_token_id] = torch.cat(features)
-        logits = req.extend(model, ids, embeds, mrope)
+        is_image = ids_t == cfg.image_token_id
+        stacked = torch.cat(features)
+        embeds[is_image] = stacked[:, : cfg.hidden_size]
+        kw = {}
+        if stacked.shape[1] > cfg.hidden_size:
+            levels = list(stacked[:, cfg.hidden_size :].split(cfg.hidden_size, dim=1))
+            kw["deepstack"] = (is_image.nonzero().flatten(), levels)
+        logits = req.extend(model, ids, embeds, mrope, **kw)
         tokens, step_logits = [int(logits[-1].argmax())], []
         for _ in range(steps):
             out = req.decode(model, tokens[-1], position=req.length + delta)
@@ -347,7 +404,7 @@ def _greedy(model, cfg, ids, images, device, backend=TorchNativeBackend, steps=2
 
 def test_prompt_logits_and_greedy_decode_match_transformers(vlm):
     cfg = vlm.cfg
-    images = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     ids = vlm.prompt(images)
     run = _greedy(vlm.model, cfg, ids, images, CPU)
     x = _hf_inputs(vlm, ids, images)
@@ -379,7 +436,7 @@ def test_cuda_model_matches_the_cpu_model(vlm, backend):
     model = build_model(
         vlm.cfg, vlm.path, dtype=torch.float32, device=cuda, max_positions=512, progress=False
     )
-    images = [vlm.image(SIZES[0], seed=0), vlm.image(SIZES[1], seed=1)]
+    images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     ids = vlm.prompt(images)
     cls = TritonBackend if backend == "triton" else TorchNativeBackend
     got = _greedy(model, vlm.cfg, ids, images, cuda, cls)

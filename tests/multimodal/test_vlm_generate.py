@@ -1,9 +1,9 @@
 """Vision-language models end to end through `braid.LLM` (the scheduler, the encoder cache, the
 prefix cache, chunked prefill): greedy float32 tokens equal transformers' `generate` for tiny
-random Qwen2.5-VL and LLaVA models, with 1 and 2 images of different sizes per prompt, alone
-and batched with text-only prompts, on a prefix-cache hit and with chunked prefill cutting
-through an image; a different image never reuses another's KV; bad images are refused with a
-clear error and the engine keeps serving."""
+random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA models, with 1 and 2 images of different sizes
+per prompt, alone and batched with text-only prompts, on a prefix-cache hit and with chunked
+prefill cutting through an image; a different image never reuses another's KV; bad images are
+refused with a clear error and the engine keeps serving."""
 
 from __future__ import annotations
 
@@ -116,6 +116,30 @@ def test_qwen2_vl_images_match_transformers_alone_and_batched(tmp_path):
         two = (f"{ph} versus {ph}", [tiny_image(56, 56, 2), tiny_image(112, 84, 3)])
         plain = ("a plain question", [])
         _assert_alone_and_batched_match(ref, llm, [one, two, plain])
+
+
+def test_qwen3_vl_matches_transformers_chunked_batched_and_from_the_prefix_cache(tmp_path):
+    """Qwen3-VL's DeepStack features join the first language layers at the image rows: with
+    chunks of 16 tokens the 20-token image is cut in two, and each chunk must get its rows'
+    slice of every level."""
+    ref = _reference(build_tiny_qwen2_vl(tmp_path / "qwen3", "3"), qwen=True)
+    with braid.LLM(
+        ref.path, kv_tokens=2048, chunked_prefill_size=16, page_size=4, show_progress=False
+    ) as llm:
+        ph = llm.media.placeholder
+        one = (f"describe {ph} briefly", [tiny_image(128, 96, 1)])
+        two = (f"{ph} versus {ph}", [tiny_image(64, 64, 2), tiny_image(160, 128, 3)])
+        plain = ("a plain question", [])
+        _assert_alone_and_batched_match(ref, llm, [one, two, plain])
+        stats = llm.stats()
+        again = llm.generate(
+            [{"prompt": two[0], "multi_modal_data": {"image": two[1]}}], GREEDY, use_tqdm=False
+        )[0]
+        llm.check_invariants()
+    assert 20 in [ref.processor.process(im).num_tokens for im in two[1]]
+    assert stats["images_encoded"] == 3  # each image once: alone, batched and chunked
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 4
+    assert again.outputs[0].token_ids == ref.greedy(*two)
 
 
 def test_same_image_hits_the_prefix_cache_and_a_different_image_does_not(qwen, qwen_llm):

@@ -1,7 +1,9 @@
 """Tiny random-weight LLaVA checkpoints for tests: a transformers `LlavaForConditionalGeneration`
-(CLIP or SigLIP vision tower, Llama, Mistral or Qwen2 language model) saved with
-`save_pretrained`, beside a real byte-level BPE tokenizer, a chat template and the image
-processor, so that `AutoProcessor.from_pretrained` loads the directory as a `LlavaProcessor`."""
+(CLIP or SigLIP vision tower, Llama, Mistral or Qwen2 language model) or
+`LlavaNextForConditionalGeneration` (the same towers, any-resolution tiling over small
+`image_grid_pinpoints`) saved with `save_pretrained`, beside a real byte-level BPE tokenizer, a
+chat template and the image processor, so that `AutoProcessor.from_pretrained` loads the
+directory as a `LlavaProcessor` / `LlavaNextProcessor`."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ VISION = dict(
 )
 # tower -> (image_size, patch_size)
 TOWER_GEOMETRY = {"clip": (32, 8), "siglip": (56, 14)}
+# LLaVA-NeXT's resolutions, in tiles (rows, columns): grids of 1x2, 2x1, 2x2 and 1x3 tiles.
+NEXT_GRIDS = ((1, 2), (2, 1), (2, 2), (1, 3))
 SPECIAL_TOKENS = ["<image>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML turns; an image content part renders as "<image>\n", which the processor expands.
@@ -97,11 +101,7 @@ def build_tiny_llava(
     import transformers as tf
 
     path = Path(path)
-    build_byte_level_bpe(path, vocab_size=500)
-    tok = tf.PreTrainedTokenizerFast.from_pretrained(str(path))
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    tok.pad_token = "<|endoftext|>"
-    assert len(tok) <= TEXT["vocab_size"]
+    tok = _tokenizer(path)
     image_token_id = tok.convert_tokens_to_ids("<image>")
 
     vision, image_processor, extra = _vision(tower)
@@ -130,6 +130,72 @@ def build_tiny_llava(
     tok.chat_template = CHAT_TEMPLATE
     processor.save_pretrained(str(path))
     return path
+
+
+def build_tiny_llava_next(
+    path: Path,
+    tower: str = "clip",
+    text: str = "llama",
+    *,
+    feature_layer: int | list[int] = -2,
+    save_original_format: bool = True,
+) -> Path:
+    """A random-weight LLaVA-NeXT saved to `path` with its `LlavaNextProcessor` (tokenizer, chat
+    template, a PIL `LlavaNextImageProcessor` cutting the tower's tiles). Its pinpoints are
+    `NEXT_GRIDS` tiles of the tower's size. CLIP runs with "default" (CLS dropped) and SigLIP
+    with "full": the strategies that leave each tile a square grid of features."""
+    import transformers as tf
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
+
+    path = Path(path)
+    tok = _tokenizer(path)
+    vision, _, extra = _vision(tower)
+    size = vision.image_size
+    pinpoints = [[rows * size, cols * size] for rows, cols in NEXT_GRIDS]
+    strategy = "default" if tower == "clip" else "full"
+    cfg = tf.LlavaNextConfig(
+        vision_config=vision,
+        text_config=_text_config(text),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=text == "qwen2",
+    )
+    torch.manual_seed(1234)
+    model = tf.LlavaNextForConditionalGeneration(cfg).to(torch.float32).eval()
+    model.save_pretrained(str(path), save_original_format=save_original_format)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": size},
+        crop_size={"height": size, "width": size},
+        image_grid_pinpoints=pinpoints,
+    )
+    processor = tf.LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=vision.patch_size,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=extra,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    processor.save_pretrained(str(path))
+    return path
+
+
+def _tokenizer(path: Path):
+    """The byte-level BPE with `SPECIAL_TOKENS` (all below the text model's vocabulary)."""
+    import transformers as tf
+
+    build_byte_level_bpe(path, vocab_size=500)
+    tok = tf.PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tok.pad_token = "<|endoftext|>"
+    assert len(tok) <= TEXT["vocab_size"]
+    return tok
 
 
 def tiny_image(w: int, h: int, seed: int) -> Image.Image:

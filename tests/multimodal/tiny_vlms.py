@@ -1,7 +1,7 @@
-"""Tiny random-weight vision-language models for tests: a Qwen2-VL or Qwen2.5-VL built from a
-transformers config and saved with `save_pretrained` (so transformers is the reference), with a
-real byte-level BPE tokenizer, a Qwen2-VL-style chat template and an image processor config
-beside it; and small random test images."""
+"""Tiny random-weight vision-language models for tests: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL built
+from a transformers config and saved with `save_pretrained` (so transformers is the reference),
+with a real byte-level BPE tokenizer, a Qwen2-VL-style chat template and an image processor
+config beside it; and small random test images."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ CHAT_TEMPLATE = (
 
 VOCAB_SIZE = 512
 PATCH_SIZE = 14
+QWEN3_PATCH_SIZE = 16
 MERGE_SIZE = 2
 # Pixel bounds for the image processor: a 112x112 image stays 8x8 patches (16 tokens), and
 # nothing grows past 96 patches.
@@ -116,6 +117,33 @@ def _config(version: str, ids: dict[str, int]):
         return tf.Qwen2VLConfig(
             text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens
         )
+    if version == "3":
+        # A 4x4 learned position grid, resampled to every image's patch grid; DeepStack takes
+        # both tower blocks, so features join the first two of three language layers.
+        text3 = dict(
+            text,
+            num_hidden_layers=3,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        )
+        vision = dict(
+            common,
+            patch_size=QWEN3_PATCH_SIZE,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=64,
+            hidden_act="gelu_pytorch_tanh",
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
+        return tf.Qwen3VLConfig(
+            text_config=text3, vision_config=vision, tie_word_embeddings=False, **tokens
+        )
     if version == "2.5":
         # Windows of 56 pixels = 2x2 merged patches: a 112x112 image has 4 of them. Block 0
         # attends within windows, block 1 over the whole image.
@@ -131,18 +159,20 @@ def _config(version: str, ids: dict[str, int]):
         return tf.Qwen2_5_VLConfig(
             text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens
         )
-    raise ValueError(f"version must be '2' or '2.5', got {version!r}")
+    raise ValueError(f"version must be '2', '2.5' or '3', got {version!r}")
 
 
-def qwen_image_processor_config(min_pixels: int, max_pixels: int) -> dict:
-    """A `preprocessor_config.json` for Qwen2VLImageProcessor (patch 14, merge 2, CLIP's mean
-    and std) bounding each image to [min_pixels, max_pixels]."""
+def qwen_image_processor_config(
+    min_pixels: int, max_pixels: int, patch_size: int = PATCH_SIZE
+) -> dict:
+    """A `preprocessor_config.json` for Qwen2VLImageProcessor (patch 14 unless given, merge 2,
+    CLIP's mean and std) bounding each image to [min_pixels, max_pixels]."""
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": PATCH_SIZE,
+        "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": MERGE_SIZE,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
@@ -152,10 +182,11 @@ def qwen_image_processor_config(min_pixels: int, max_pixels: int) -> dict:
 
 
 def build_tiny_qwen2_vl(path: Path, version: str = "2.5") -> Path:
-    """A random-weight Qwen2-VL (`version="2"`) or Qwen2.5-VL (`"2.5"`) saved to `path` by
-    transformers' `save_pretrained`, with the tokenizer, chat template and
-    `preprocessor_config.json` (Qwen2VLImageProcessor, patch 14, merge 2) beside it. Every
-    weight, norms and biases included, is random (seeded), so loading errors cannot hide."""
+    """A random-weight Qwen2-VL (`version="2"`), Qwen2.5-VL (`"2.5"`) or Qwen3-VL (`"3"`)
+    saved to `path` by transformers' `save_pretrained`, with the tokenizer, chat template and
+    `preprocessor_config.json` (Qwen2VLImageProcessor, merge 2, patch 14; 16 for Qwen3-VL,
+    with the pixel bounds scaled alike) beside it. Every weight, norms and biases included, is
+    random (seeded), so loading errors cannot hide."""
     from transformers import AutoModelForImageTextToText
 
     path = Path(path)
@@ -167,7 +198,13 @@ def build_tiny_qwen2_vl(path: Path, version: str = "2.5") -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(str(path))
-    processor = qwen_image_processor_config(MIN_PIXELS, MAX_PIXELS)
+    if version == "3":
+        scale = (QWEN3_PATCH_SIZE / PATCH_SIZE) ** 2
+        processor = qwen_image_processor_config(
+            round(MIN_PIXELS * scale), round(MAX_PIXELS * scale), QWEN3_PATCH_SIZE
+        )
+    else:
+        processor = qwen_image_processor_config(MIN_PIXELS, MAX_PIXELS)
     (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return path
 

@@ -72,15 +72,16 @@ def test_listing_names_imports_no_factory_module():
         assert grammar_backend_names() == ["outlines"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
         assert supported_architectures() == [
-            "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM",
-            "Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
+            "LlamaForCausalLM", "LlavaForConditionalGeneration",
+            "LlavaNextForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM",
+            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration",
         ]
         lazy = [
             "braid.runtime.attention.torch_native", "braid.runtime.attention.triton_backend",
             "braid.runtime.constrained.grammar", "braid.runtime.function_call.hermes",
             "braid.runtime.models.llama", "braid.runtime.models.qwen2_vl",
-            "braid.runtime.models.llava", "triton",
+            "braid.runtime.models.llava", "braid.runtime.models.qwen3_vl", "triton",
         ]
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         from braid.runtime.function_call import get_parser

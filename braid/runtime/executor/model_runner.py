@@ -161,15 +161,22 @@ class ModelRunner:
             return graphs.run(batch)
         self.attn_backend.init_forward_metadata(batch)
         if batch.images:
-            embeds = embed_with_images(self.model, batch, self.encoder_cache)
-            return self.model(batch, self.attn_backend, input_embeds=embeds)
+            embeds, deepstack = embed_with_images(self.model, batch, self.encoder_cache)
+            extra = {} if deepstack is None else {"deepstack": deepstack}
+            return self.model(batch, self.attn_backend, input_embeds=embeds, **extra)
         return self.model(batch, self.attn_backend)
 
 
-def embed_with_images(model: nn.Module, batch: ForwardBatch, cache: EncoderCache) -> torch.Tensor:
+def embed_with_images(
+    model: nn.Module, batch: ForwardBatch, cache: EncoderCache
+) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
     """The extend's input embeddings: the model's token embeddings, with the rows of every
     `batch.images` slice replaced by that part of its image's tower output. Images not in
-    `cache` are encoded in one batched call of `model.encode_images`."""
+    `cache` are encoded in one batched call of `model.encode_images`.
+
+    A tower output wider than the embeddings (Qwen3-VL's DeepStack levels side by side after
+    them) also gives `(rows, levels)`: the batch rows that hold image tokens and, per level,
+    their [len(rows), hidden] features; otherwise None."""
     embeds = model.embed_tokens(batch.input_ids)
     outputs: dict[int, torch.Tensor] = {}
     missing = {}
@@ -198,7 +205,14 @@ def embed_with_images(model: nn.Module, batch: ForwardBatch, cache: EncoderCache
             out = out.clone()
             cache.put(key, out)
             outputs[key] = out
+    hidden = embeds.shape[1]
+    rows, extra = [], []
     for s in batch.images:
-        out = outputs[s.image.hash]
-        embeds[s.row : s.row + s.length] = out[s.start : s.start + s.length].to(embeds.dtype)
-    return embeds
+        part = outputs[s.image.hash][s.start : s.start + s.length]
+        embeds[s.row : s.row + s.length] = part[:, :hidden].to(embeds.dtype)
+        if part.shape[1] > hidden:
+            rows.append(torch.arange(s.row, s.row + s.length, device=embeds.device))
+            extra.append(part[:, hidden:])
+    if not extra:
+        return embeds, None
+    return embeds, (torch.cat(rows), list(torch.cat(extra).split(hidden, dim=1)))

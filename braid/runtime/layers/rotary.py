@@ -56,17 +56,29 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
 
 
-def mrope_axes(sections: Sequence[int], head_dim: int) -> torch.Tensor:
+def mrope_axes(sections: Sequence[int], head_dim: int, interleaved: bool = False) -> torch.Tensor:
     """For each of the `head_dim` rotary columns, the position axis (0 temporal, 1 height,
-    2 width) that rotates it under M-RoPE, as transformers' Qwen2-VL splits them: section `i`
-    of the `head_dim // 2` frequencies follows axis `i % 3`, and the second half of the head
-    repeats the first (the `cat(freqs, freqs)` layout). `ValueError` if the sections do not
-    add up to `head_dim // 2`."""
+    2 width) that rotates it under M-RoPE; the second half of the head repeats the first (the
+    `cat(freqs, freqs)` layout). As transformers splits the `head_dim // 2` frequencies:
+    Qwen2-VL gives section `i` of them, one after another, to axis `i % 3`; Qwen3-VL
+    (`interleaved`) gives frequency `j` to axis `j % 3` while `j < 3 * sections[j % 3]` and to
+    the temporal axis after that. `ValueError` if the sections do not add up to
+    `head_dim // 2`."""
     if sum(sections) != head_dim // 2 or any(n < 0 for n in sections):
         raise ValueError(
             f"mrope_section {list(sections)} must add up to head_dim // 2 = {head_dim // 2}"
         )
-    half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(sections)])
+    if interleaved:
+        if len(sections) != 3:
+            raise ValueError(f"interleaved mrope_section {list(sections)} needs 3 sections")
+        j = torch.arange(head_dim // 2)
+        axis = j % 3
+        limits = torch.tensor([3 * n for n in sections])[axis]
+        half = torch.where(j < limits, axis, 0)
+    else:
+        half = torch.cat(
+            [torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(sections)]
+        )
     return torch.cat((half, half))
 
 

@@ -14,7 +14,9 @@ MODELS: Registry[type] = Registry(
         "Qwen3ForCausalLM": "braid.runtime.models.llama",
         "Qwen2VLForConditionalGeneration": "braid.runtime.models.qwen2_vl",
         "Qwen2_5_VLForConditionalGeneration": "braid.runtime.models.qwen2_vl",
+        "Qwen3VLForConditionalGeneration": "braid.runtime.models.qwen3_vl",
         "LlavaForConditionalGeneration": "braid.runtime.models.llava",
+        "LlavaNextForConditionalGeneration": "braid.runtime.models.llava_next",
     },
     unknown="{kind} {name!r} is not supported (supported: {known})",
 )

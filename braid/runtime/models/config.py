@@ -16,7 +16,11 @@ from typing import Any
 QWEN2_VL_ARCHS = frozenset(
     {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
 )
-VLM_ARCHS = QWEN2_VL_ARCHS | {"LlavaForConditionalGeneration"}
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+# The Qwen-VL families braid serves: M-RoPE positions, a Qwen2-VL image processor.
+QWEN_VL_ARCHS = QWEN2_VL_ARCHS | {QWEN3_VL}
+LLAVA_ARCHS = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
+VLM_ARCHS = QWEN_VL_ARCHS | LLAVA_ARCHS
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class ModelConfig:
     image_token_id: int | None = None
     vision_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the sections' frequencies interleave (t, h, w, t, h, w, ...) instead of
+    # following one another.
+    mrope_interleaved: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -115,9 +122,9 @@ class ModelConfig:
         ):
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
         mrope = rope.get("mrope_section") or (d.get("rope_scaling") or {}).get("mrope_section")
-        if mrope and arch not in QWEN2_VL_ARCHS:
+        if mrope and arch not in QWEN_VL_ARCHS:
             raise ValueError(f"{arch} with mrope_section is not supported")
-        if arch in QWEN2_VL_ARCHS:
+        if arch in QWEN_VL_ARCHS:
             if not mrope:
                 raise ValueError(f"{arch}: the config has no mrope_section")
             scaling = {}  # "mrope" marks the 3-D positions, not a frequency scaling
@@ -149,13 +156,14 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM" or text_type == "qwen3",
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_VL) or text_type == "qwen3",
             sliding_window=sliding_window,
             hidden_act=d.get("hidden_act", "silu"),
             dtype=d.get("dtype") or d.get("torch_dtype"),
             image_token_id=image_token if vision else None,
             vision_config=vision,
             mrope_section=tuple(mrope) if mrope else None,
+            mrope_interleaved=arch == QWEN3_VL,
             raw=top,
         )
 

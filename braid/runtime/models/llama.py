@@ -127,15 +127,27 @@ class LlamaModel(nn.Module):
         attn: AttentionBackend,
         input_embeds: torch.Tensor | None = None,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Hidden states of the batch's tokens. A vision-language model passes the embeddings
-        itself (`input_embeds`, image rows filled in) and, for M-RoPE, its own rotary rows."""
+        itself (`input_embeds`, image rows filled in) and, for M-RoPE, its own rotary rows.
+        `deepstack=(rows, features)` (Qwen3-VL): after layer `i` the hidden states of `rows`
+        gain `features[i]` ([len(rows), hidden]), as transformers adds them."""
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         if cos_sin is None:
             cos_sin = self.rotary.lookup(batch.positions)
+        rows, extra = deepstack if deepstack is not None else (None, [])
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos_sin, batch, attn)
+            if i < len(extra):
+                # The layer's output is h + residual (the next norm adds them); add them here,
+                # in transformers' order, so the next layer starts from the sum.
+                h = h + residual if residual is not None else h.clone()
+                h.index_add_(0, rows, extra[i].to(h.dtype))
+                residual = None
+        if residual is None:
+            return self.norm(h)
         h, _ = self.norm(h, residual)
         return h
 

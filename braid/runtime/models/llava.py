@@ -6,6 +6,9 @@ An image becomes a run of embeddings in the prompt: the tower's hidden state at
 CLS dropped under the "default" select strategy, through `linear_2(act(linear_1(x)))`. The
 runtime scatters those rows into the prompt's embeddings at the image tokens and runs the
 language model on them (`forward(..., input_embeds=...)`); positions are the plain 1-D ones.
+
+`LlavaBase` holds what LLaVA-NeXT (`llava_next.py`) shares: the parts, their checkpoint names,
+and the tower + projector pass over a stack of same-size images (`image_features`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ SELECT_STRATEGIES = ("default", "full")
 # `lm_head.*` (what `save_pretrained(save_original_format=False)` writes); the llava-hf hub
 # checkpoints, transformers 4, and transformers 5's default `save_pretrained` name them
 # `language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, and
-# `multi_modal_projector.*`. Longest prefix first: `model.` would match both layouts.
+# `multi_modal_projector.*`; LLaVA-NeXT's `image_newline` is `model.image_newline` in the
+# first layout and `image_newline` in the second. Longest prefix first: `model.` would match
+# both layouts.
 _PREFIXES = (
     ("model.language_model.", "language_model."),
+    ("model.image_newline", "image_newline"),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("language_model.model.", "language_model."),
@@ -76,10 +82,10 @@ def _feature_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
     return resolved
 
 
-@MODELS.register
-class LlavaForConditionalGeneration(nn.Module):
-    """LLaVA: `encode_images` turns processed images into prompt embeddings, `embed_tokens`
-    the text, and `forward` runs the language model on the merged embeddings."""
+class LlavaBase(nn.Module):
+    """A vision tower, `LlavaProjector` and a Llama-family language model, named as either
+    checkpoint layout names them (`checkpoint_key`). Subclasses turn images into prompt
+    embeddings (`check_image`, `encode_images`) from `image_features`."""
 
     # The LM's fused projections; the tower's attention fuses q/k/v the same way.
     stacked_params = LlamaForCausalLM.stacked_params
@@ -88,7 +94,7 @@ class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         if cfg.vision_config is None:
-            raise ValueError("LlavaForConditionalGeneration needs a vision_config")
+            raise ValueError(f"{type(self).__name__} needs a vision_config")
         raw = cfg.raw
         self.config = cfg
         vision = cfg.vision_config
@@ -114,27 +120,11 @@ class LlavaForConditionalGeneration(nn.Module):
         self.lm_head = lm_head_for(cfg, dtype, self.language_model.embed_tokens)
 
     @property
-    def tokens_per_image(self) -> int:
-        """How many embeddings every image becomes (all LLaVA images have one size)."""
+    def features_per_image(self) -> int:
+        """How many rows `image_features` gives for each tower-sized image."""
         # transformers' "default" drops the first token of every tower, SigLIP's included
         # (which has no CLS, so there it drops a patch); braid does the same.
         return self.vision_tower.num_tokens - (self.select_strategy == "default")
-
-    def check_image(self, image: ImageData) -> None:
-        """`ValueError` unless `image` is what this tower takes: [3, size, size] pixels and
-        `tokens_per_image` tokens. The scheduler asks before admitting a request, so a bad
-        image (a processor whose crop size is not the tower's) is that request's error."""
-        size = self.vision_tower.spec.image_size
-        if tuple(image.pixel_values.shape) != (3, size, size):
-            raise ValueError(
-                f"pixel_values {tuple(image.pixel_values.shape)} are not the tower's input "
-                f"(3, {size}, {size})"
-            )
-        if image.num_tokens != self.tokens_per_image:
-            raise ValueError(
-                f"num_tokens={image.num_tokens}, but this model turns every image into "
-                f"{self.tokens_per_image} embeddings"
-            )
 
     def checkpoint_key(self, key: str) -> str | None:
         """braid's name for a checkpoint key of either layout (see `_PREFIXES`); None for the
@@ -163,23 +153,15 @@ class LlavaForConditionalGeneration(nn.Module):
         overwrites their rows with `encode_images`' output)."""
         return self.language_model.embed_tokens(input_ids)
 
-    def encode_images(self, images: list[ImageData]) -> list[torch.Tensor]:
-        """One [image.num_tokens, hidden] tensor per image, in the model's dtype, from one
-        batched tower pass. `ValueError` if an image's `num_tokens` is not what the model makes
-        of it (`tokens_per_image`), or its pixels are not the tower's input size."""
-        if not images:
-            return []
-        for i, image in enumerate(images):
-            try:
-                self.check_image(image)
-            except ValueError as e:
-                raise ValueError(f"image {i}: {e}") from None
+    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, features_per_image, hidden] in the model's dtype for `pixels` [N, C, S, S] (any
+        dtype and device; S the tower's size): the selected layers' states, concatenated, with
+        the first token dropped under "default", through the projector. One tower pass."""
         weight = self.multi_modal_projector.linear_1.weight
-        pixels = torch.stack([im.pixel_values for im in images]).to(weight.device, weight.dtype)
-        states = self.vision_tower(pixels)
+        states = self.vision_tower(pixels.to(weight.device, weight.dtype))
         start = 1 if self.select_strategy == "default" else 0
         feats = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)
-        return list(self.multi_modal_projector(feats).unbind(0))
+        return self.multi_modal_projector(feats)
 
     def forward(
         self,
@@ -192,3 +174,44 @@ class LlavaForConditionalGeneration(nn.Module):
         embeddings of `batch.input_ids`)."""
         h = self.language_model(batch, attn, input_embeds)
         return self.lm_head(h[batch.logits_indices]).float()
+
+
+@MODELS.register
+class LlavaForConditionalGeneration(LlavaBase):
+    """LLaVA: `encode_images` turns processed images into prompt embeddings, `embed_tokens`
+    the text, and `forward` runs the language model on the merged embeddings."""
+
+    @property
+    def tokens_per_image(self) -> int:
+        """How many embeddings every image becomes (all LLaVA images have one size)."""
+        return self.features_per_image
+
+    def check_image(self, image: ImageData) -> None:
+        """`ValueError` unless `image` is what this tower takes: [3, size, size] pixels and
+        `tokens_per_image` tokens. The scheduler asks before admitting a request, so a bad
+        image (a processor whose crop size is not the tower's) is that request's error."""
+        size = self.vision_tower.spec.image_size
+        if tuple(image.pixel_values.shape) != (3, size, size):
+            raise ValueError(
+                f"pixel_values {tuple(image.pixel_values.shape)} are not the tower's input "
+                f"(3, {size}, {size})"
+            )
+        if image.num_tokens != self.tokens_per_image:
+            raise ValueError(
+                f"num_tokens={image.num_tokens}, but this model turns every image into "
+                f"{self.tokens_per_image} embeddings"
+            )
+
+    def encode_images(self, images: list[ImageData]) -> list[torch.Tensor]:
+        """One [image.num_tokens, hidden] tensor per image, in the model's dtype, from one
+        batched tower pass. `ValueError` if an image's `num_tokens` is not what the model makes
+        of it (`tokens_per_image`), or its pixels are not the tower's input size."""
+        if not images:
+            return []
+        for i, image in enumerate(images):
+            try:
+                self.check_image(image)
+            except ValueError as e:
+                raise ValueError(f"image {i}: {e}") from None
+        pixels = torch.stack([im.pixel_values for im in images])
+        return list(self.image_features(pixels).unbind(0))

@@ -27,7 +27,7 @@ from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm, default_weight_loader
 from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_axes
 from braid.runtime.models import MODELS
-from braid.runtime.models.config import ModelConfig
+from braid.runtime.models.config import QWEN3_VL, ModelConfig
 from braid.runtime.models.llama import LlamaForCausalLM, LlamaModel, lm_head_for
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
@@ -71,6 +71,12 @@ class VisionSpec:
     window_size: int
     full_attention_blocks: frozenset[int]
     rope_theta: float
+    # Qwen3-VL: a bias on the patch embedding, a learned position table of
+    # `num_position_embeddings` (a square grid, resampled to each image), and the blocks
+    # whose outputs feed the language model's first layers (DeepStack).
+    patch_bias: bool = False
+    num_position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads or self.head_dim % 4:
@@ -106,7 +112,13 @@ class VisionSpec:
     def from_config(cls, cfg: ModelConfig) -> VisionSpec:
         vc: dict[str, Any] = cfg.vision_config or {}
         windowed = cfg.architecture == QWEN2_5_VL
-        if windowed:
+        qwen3 = cfg.architecture == QWEN3_VL
+        if qwen3:
+            dim = vc.get("hidden_size", 1152)
+            mlp_dim = vc.get("intermediate_size", 4304)
+            out_dim = vc.get("out_hidden_size", cfg.hidden_size)
+            act = vc.get("hidden_act", "gelu_pytorch_tanh")
+        elif windowed:
             dim = vc.get("hidden_size", 1280)
             mlp_dim = vc.get("intermediate_size", 3420)
             out_dim = vc.get("out_hidden_size", cfg.hidden_size)
@@ -125,7 +137,7 @@ class VisionSpec:
             num_heads=vc.get("num_heads", 16),
             mlp_dim=mlp_dim,
             act=act,
-            patch_size=vc.get("patch_size", 14),
+            patch_size=vc.get("patch_size", 16 if qwen3 else 14),
             temporal_patch_size=vc.get("temporal_patch_size", 2),
             in_channels=vc.get("in_channels", vc.get("in_chans", 3)),
             merge_size=vc.get("spatial_merge_size", 2),
@@ -133,6 +145,11 @@ class VisionSpec:
             window_size=vc.get("window_size", 112),
             full_attention_blocks=frozenset(vc.get("fullatt_block_indexes", (7, 15, 23, 31))),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
+            patch_bias=qwen3,
+            num_position_embeddings=vc.get("num_position_embeddings", 2304) if qwen3 else 0,
+            deepstack_layers=tuple(vc.get("deepstack_visual_indexes", (8, 16, 24)))
+            if qwen3
+            else (),
         )
 
 
@@ -268,7 +285,7 @@ def _load_conv_kernel(load: Callable[..., None]) -> Callable[..., None]:
 class _PatchEmbed(nn.Module):
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.proj = Linear(spec.patch_dim, {None: spec.dim}, bias=False, dtype=dtype)
+        self.proj = Linear(spec.patch_dim, {None: spec.dim}, bias=spec.patch_bias, dtype=dtype)
         self.proj.weight.weight_loader = _load_conv_kernel(self.proj.weight.weight_loader)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -363,7 +380,7 @@ class VisionTower(nn.Module):
         self.spec = spec
         self.patch_embed = _PatchEmbed(spec, dtype)
         self.blocks = nn.ModuleList(_VisionBlock(spec, dtype) for _ in range(spec.depth))
-        self.merger = _PatchMerger(spec, dtype)
+        self.merger = self.merger_for(spec, dtype)
         # Axial rotary: a quarter of each head's columns per axis (row, column), then repeated.
         inv_freq = compute_inv_freq(spec.head_dim // 2, spec.rope_theta, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -374,6 +391,10 @@ class VisionTower(nn.Module):
             from braid.kernels.rope import rotary
 
             self._fused_rotary = rotary
+
+    def merger_for(self, spec: VisionSpec, dtype: torch.dtype) -> nn.Module:
+        """The module that maps merged blocks of patches to the language model's width."""
+        return _PatchMerger(spec, dtype)
 
     def layout(self, grids: Sequence[tuple[int, int, int]]) -> PatchLayout:
         return PatchLayout.build(grids, self.spec, self.inv_freq.device)
@@ -425,10 +446,13 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     # transformers 4 layout, which braid's names follow, has them at `model.` and `visual.`.
     _key_prefixes = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
+    architectures: tuple[str, ...] = (QWEN2_VL, QWEN2_5_VL)
+    tower_class: type[VisionTower] = VisionTower
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
-        if cfg.architecture not in (QWEN2_VL, QWEN2_5_VL):
-            raise ValueError(f"{cfg.architecture} is not a Qwen2-VL family architecture")
+        if cfg.architecture not in self.architectures:
+            raise ValueError(f"{cfg.architecture} is not served by {type(self).__name__}")
         if cfg.mrope_section is None or cfg.image_token_id is None:
             raise ValueError(
                 f"{cfg.architecture}: the config needs mrope_section and an image token"
@@ -440,11 +464,13 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise ValueError(
                 f"vision tower output {self.vision_spec.out_dim} != hidden size {cfg.hidden_size}"
             )
-        self.visual = VisionTower(self.vision_spec, dtype)
+        self.visual = self.tower_class(self.vision_spec, dtype)
         self.model = LlamaModel(cfg, dtype, max_positions)
         self.lm_head = lm_head_for(cfg, dtype, self.model.embed_tokens)
         self.register_buffer(
-            "mrope_column_axes", mrope_axes(cfg.mrope_section, cfg.head_dim), persistent=False
+            "mrope_column_axes",
+            mrope_axes(cfg.mrope_section, cfg.head_dim, cfg.mrope_interleaved),
+            persistent=False,
         )
 
     def checkpoint_key(self, key: str) -> str | None:
@@ -501,15 +527,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
         input_embeds: torch.Tensor | None = None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Logits (float32) for the rows `batch.logits_indices` selects. With
         `batch.mrope_positions` ([3, tokens]) the rotary rows are M-RoPE's; otherwise the 1-D
-        rotary of `batch.positions`."""
+        rotary of `batch.positions`. `deepstack`: see `LlamaModel.forward` (Qwen3-VL)."""
         mrope = getattr(batch, "mrope_positions", None)
         cos_sin = None
         if mrope is not None:
             cos_sin = self.model.rotary.lookup_mrope(mrope, self.mrope_column_axes)
-        h = self.model(batch, attn, input_embeds=input_embeds, cos_sin=cos_sin)
+        h = self.model(batch, attn, input_embeds=input_embeds, cos_sin=cos_sin, deepstack=deepstack)
         return self.lm_head(h[batch.logits_indices]).float()
 
     @staticmethod

@@ -52,8 +52,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return fn
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    """An unfilled parameter the strict loader fills whole (one shard, `None`)."""
+def loadable_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An unfilled parameter (no grad) the strict loader fills whole (one shard, `None`)."""
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = default_weight_loader
     p.shard_names = (None,)
@@ -64,8 +64,8 @@ class LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(size, dtype=dtype)
-        self.bias = _param(size, dtype=dtype)
+        self.weight = loadable_param(size, dtype=dtype)
+        self.bias = loadable_param(size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -77,8 +77,8 @@ class PatchEmbedding(nn.Module):
     def __init__(self, channels: int, hidden: int, patch: int, bias: bool, dtype) -> None:
         super().__init__()
         self.patch = patch
-        self.weight = _param(hidden, channels, patch, patch, dtype=dtype)
-        self.bias = _param(hidden, dtype=dtype) if bias else None
+        self.weight = loadable_param(hidden, channels, patch, patch, dtype=dtype)
+        self.bias = loadable_param(hidden, dtype=dtype) if bias else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, (H/p) * (W/p), hidden], patches in row-major order."""
@@ -91,7 +91,7 @@ class PositionEmbedding(nn.Module):
 
     def __init__(self, num_positions: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(num_positions, hidden, dtype=dtype)
+        self.weight = loadable_param(num_positions, hidden, dtype=dtype)
 
 
 class VisionAttention(nn.Module):
@@ -220,7 +220,7 @@ class ClipVisionEmbeddings(nn.Module):
 
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.class_embedding = _param(spec.hidden, dtype=dtype)
+        self.class_embedding = loadable_param(spec.hidden, dtype=dtype)
         self.patch_embedding = PatchEmbedding(
             spec.channels, spec.hidden, spec.patch, bias=False, dtype=dtype
         )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from braid.runtime.image_data import ImageData
-from braid.runtime.models.config import QWEN2_VL_ARCHS, ModelConfig
+from braid.runtime.models.config import QWEN_VL_ARCHS, ModelConfig
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # transformers' image processor classes (backend suffix dropped) each family is served with.
 QWEN2_VL_PROCESSORS = frozenset({"Qwen2VLImageProcessor"})
 LLAVA_PROCESSORS = frozenset({"CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor"})
+LLAVA_NEXT_PROCESSORS = frozenset({"LlavaNextImageProcessor"})
 # LLaVA's vision towers, and how many embeddings each adds to its patches (CLIP's CLS).
 LLAVA_TOWER_EXTRA_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # Qwen2-VL's processor refuses more; the same bound keeps a shortest-edge resize (CLIP) from
@@ -46,6 +47,9 @@ class ImageProcessor:
 
     placeholder: str
     image_token_id: int
+    # Whether the model reads `ImageData.image_size` (then it changes the embeddings, so the
+    # hash covers it: LLaVA-NeXT's same pixels from two sizes crop differently).
+    hashes_image_size = False
 
     def __init__(self, hf_processor: Any, placeholder: str, image_token_id: int) -> None:
         self.placeholder = placeholder
@@ -69,7 +73,7 @@ class ImageProcessor:
             raise ValueError(f"{cfg.architecture}: config.json has no image_token_id")
         hf = _load_hf_processor(model_dir)
         kind = _base_name(type(hf).__name__)
-        if cfg.architecture in QWEN2_VL_ARCHS:
+        if cfg.architecture in QWEN_VL_ARCHS:
             if kind not in QWEN2_VL_PROCESSORS:
                 raise ValueError(_unsupported(cfg, kind, QWEN2_VL_PROCESSORS))
             return _QwenVLProcessor(hf, cfg, tokenizer)
@@ -77,12 +81,17 @@ class ImageProcessor:
             if kind not in LLAVA_PROCESSORS:
                 raise ValueError(_unsupported(cfg, kind, LLAVA_PROCESSORS))
             return _LlavaProcessor(hf, cfg, tokenizer, model_dir)
+        if cfg.architecture == "LlavaNextForConditionalGeneration":
+            if kind not in LLAVA_NEXT_PROCESSORS:
+                raise ValueError(_unsupported(cfg, kind, LLAVA_NEXT_PROCESSORS))
+            return _LlavaNextProcessor(hf, cfg, tokenizer, model_dir)
         raise ValueError(f"{cfg.architecture}: braid has no image processing for it")
 
     def process(self, image: Image.Image) -> ImageData:
         """`image` (RGB, as `load_image` returns it) processed for this model: float32 pixels
         equal to transformers' processor output for it alone, its token count, and a hash of
-        the pixels and their grid. `ValueError` if the processor refuses the image."""
+        the pixels and their grid (and of the image's size, for a model that reads it).
+        `ValueError` if the processor refuses the image."""
         width, height = image.size
         if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
             raise ValueError(
@@ -97,7 +106,9 @@ class ImageProcessor:
         return ImageData(
             pixel_values=pixel_values,
             num_tokens=num_tokens,
-            hash=_content_hash(pixel_values, grid_thw),
+            hash=_content_hash(
+                pixel_values, grid_thw, (height, width) if self.hashes_image_size else None
+            ),
             grid_thw=grid_thw,
             image_size=(height, width),
         )
@@ -201,6 +212,38 @@ class _LlavaProcessor(ImageProcessor):
         return pixels, None, num
 
 
+class _LlavaNextProcessor(_LlavaProcessor):
+    """LLaVA-NeXT: the processor's tiles (the base image, then the any-res grid) and the
+    image's own size, counted with the model's `AnyResGrid` (the rule of transformers'
+    LlavaNextProcessor). The processor pads every image of a batch to the most tiles; braid
+    processes one image at a time and keeps only its own tiles regardless."""
+
+    hashes_image_size = True
+
+    def __init__(self, hf: Any, cfg: ModelConfig, tokenizer: Any, model_dir: Path) -> None:
+        super().__init__(hf, cfg, tokenizer, model_dir)
+        # The model's own geometry, so the two count alike (model code, loaded only for it).
+        from braid.runtime.models.llava_next import anyres_grid
+
+        self._grid = anyres_grid(cfg)
+        theirs = [list(p) for p in getattr(hf, "image_grid_pinpoints", None) or []]
+        if theirs != [list(p) for p in self._grid.pinpoints]:
+            raise ValueError(
+                f"the image processor's image_grid_pinpoints {theirs} are not the model "
+                f"config's {[list(p) for p in self._grid.pinpoints]}"
+            )
+
+    def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        height, width = (int(n) for n in out["image_sizes"][0])
+        tiles = self._grid.num_tiles(height, width)
+        pixels = out["pixel_values"][0]
+        if pixels.dim() != 4 or pixels.shape[0] < tiles:
+            raise ValueError(
+                f"the image processor gave pixels {tuple(pixels.shape)}, not {tiles} tiles"
+            )
+        return pixels[:tiles], None, self._grid.num_tokens(height, width)
+
+
 def _load_hf_processor(model_dir: Path) -> Any:
     # transformers 5 saves a processor's image settings inside processor_config.json;
     # older checkpoints have preprocessor_config.json.
@@ -277,9 +320,15 @@ def _default_patch_size(vision: dict[str, Any]) -> int:
     return int(AutoConfig.for_model(vision["model_type"], **fields).patch_size)
 
 
-def _content_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int] | None) -> int:
+def _content_hash(
+    pixel_values: torch.Tensor,
+    grid_thw: tuple[int, int, int] | None,
+    image_size: tuple[int, int] | None = None,
+) -> int:
     digest = hashlib.blake2b(digest_size=8)
     digest.update(repr((tuple(pixel_values.shape), grid_thw, str(pixel_values.dtype))).encode())
+    if image_size is not None:
+        digest.update(repr(image_size).encode())
     digest.update(pixel_values.numpy())
     return int.from_bytes(digest.digest(), "little") & _HASH_MASK
 
