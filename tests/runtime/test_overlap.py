@@ -240,3 +240,72 @@ def test_steps_run_ahead_while_a_backlog_waits_for_kv(tiny_model_dirs):
     assert all(len(g["ids"]) == 30 for g in over.values())
     assert sum(ahead_waiting) >= 5, "decode should run ahead while the backlog waits"
     _all_kv_free_or_cached(sched)
+
+
+# ---- constrained rows: forward queued ahead, masks filled after the read-back -----------------
+KEYED = r'\{"country_code": "[A-Z]{2}", "city": "[a-z ]{4,12}", "ok": (true|false)\}'
+
+
+@pytest.fixture(scope="module")
+def tiny_constrained(tmp_path_factory):
+    from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+    return build_tiny_constrained_model(tmp_path_factory.mktemp("tiny-overlap-grammar"))
+
+
+def _constrained_requests(n: int) -> list[GenerateReq]:
+    """Greedy and sampled regex rows (their grammars force `", "city": "` and `", "ok": `
+    mid-output: jump-forward while a step runs ahead), beside unconstrained rows."""
+    reqs = []
+    for i in range(n):
+        sp = [
+            SamplingParams(max_tokens=32, temperature=0.0, regex=KEYED),
+            SamplingParams(max_tokens=32, temperature=0.8, seed=i, regex=KEYED),
+            SamplingParams(max_tokens=12 + i, **GREEDY),
+        ][i % 3]
+        reqs.append(GenerateReq(f"r{i}", [3, 4, 5 + i], sp, sp.seed or 0))
+    return reqs
+
+
+def _constrained_same_tokens(path, eos: int, jump: bool, device: str) -> None:
+    runs = []
+    for overlap in (False, True):
+        sched = local_scheduler(
+            path,
+            frozenset({eos}),
+            kv_tokens=1024,
+            overlap_schedule=overlap,
+            dtype="float32",
+            device=device,
+        )
+        sched.grammars.jump_forward_enabled = jump
+        for r in _constrained_requests(6):
+            sched.handle(r)
+        got = _run(sched)
+        _all_kv_free_or_cached(sched)
+        runs.append((got, sched.stats))
+    (want, plain), (got, over) = runs
+    assert got.keys() == want.keys() and len(got) == 6
+    for rid, w in want.items():
+        assert (got[rid]["ids"], got[rid]["finish"]) == (w["ids"], w["finish"]), rid
+    assert plain.constrained_steps_ahead == 0
+    # Each jump is an extend, which ends a run of steps queued ahead.
+    assert over.constrained_steps_ahead >= (5 if jump else 20), over.constrained_steps_ahead
+    assert (over.jump_forward_tokens > 0) == jump
+    assert over.jump_forward_tokens == plain.jump_forward_tokens
+
+
+@pytest.mark.parametrize("jump", [True, False])
+def test_constrained_rows_run_ahead_with_the_same_tokens(tiny_constrained, jump):
+    """The same tokens with overlap on and off, greedy and sampled, with jump-forward on (rows
+    jumped while a step ran ahead are dropped and their KV recomputed) and off; constrained
+    steps really were queued ahead, and every KV page is accounted for."""
+    _constrained_same_tokens(*tiny_constrained, jump, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("jump", [True, False])
+def test_constrained_rows_run_ahead_on_cuda(tiny_constrained, jump):
+    """On CUDA the forward queued ahead (a CUDA graph) runs while the host fills the masks."""
+    _constrained_same_tokens(*tiny_constrained, jump, "cuda")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from braid.runtime.constrained.bitmask import BitmaskBuffer, bitmask_words
+from braid.runtime.constrained.bitmask import BitmaskBuffer, apply_token_bitmask, bitmask_words
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
 from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.constrained.jump_forward import jump_tokens
@@ -81,7 +81,7 @@ class GrammarManager:
             return [], []
         ready, failed = self.waiting.poll()
         for req, grammar in ready:
-            req.grammar = GrammarMatcher(grammar)
+            req.grammar = grammar.matcher()
         return [req for req, _ in ready], failed
 
     def remove(self, req: Constrained) -> None:
@@ -101,9 +101,20 @@ class GrammarManager:
         return iter(self.waiting)
 
     # ---- masks ----------------------------------------------------------------------------
-    def mask(self, reqs: list[Constrained]) -> dict[str, torch.Tensor]:
-        """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    def warm(self) -> None:
+        """Apply a bitmask once on the device, so the kernel's compilation (Triton JIT on
+        CUDA) happens at start rather than in the first constrained request's step."""
+        if self.device.type == "cpu":
+            return
+        logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        words = bitmask_words(self.vocab_size)
+        mask = torch.full((1, words), -1, dtype=torch.int32, device=self.device)
+        apply_token_bitmask(logits, mask, torch.zeros(1, dtype=torch.int64, device=self.device))
+
+    def mask(self, reqs: list[Constrained | None]) -> dict[str, torch.Tensor]:
+        """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none);
+        a None row is left unmasked (its sample is dropped)."""
+        rows = [i for i, r in enumerate(reqs) if r is not None and r.grammar is not None]
         if not rows:
             return {}
         if self._bitmask is None:

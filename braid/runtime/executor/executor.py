@@ -5,7 +5,9 @@ that touches the model (the seam a verify step and one-executor-per-rank plug in
 A decode is launched without waiting: the forward and its sampling are queued and the samples'
 copy to the host is started, so the host can plan the next step (or queue it, fed by these
 samples on the device) while the device computes. A step's grammar masks are asked for
-(`masks`) once its forward is queued, so building them on the host overlaps the forward.
+(`masks`) once its forward is queued, so building them on the host overlaps the forward. A
+decode queued ahead with constrained rows is launched in two halves (`launch_forward`, then
+`launch_sample` once the previous step's tokens have advanced the grammars).
 """
 
 from __future__ import annotations
@@ -55,7 +57,18 @@ class Executor:
         """Queue a decode forward and its sampling, and start copying the samples to the host;
         nothing is waited for. `ahead`: tokens each request has sampled that its inputs do not
         show yet (a step queued before the previous one is read back)."""
-        logits = self.runner.forward(batch)
+        return self.launch_sample(self.launch_forward(batch), inputs, masks, ahead)
+
+    def launch_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Queue a decode forward alone; its logits are sampled later (`launch_sample`), once
+        the host knows what the step's grammar masks must be."""
+        return self.runner.forward(batch)
+
+    def launch_sample(
+        self, logits: torch.Tensor, inputs: list[SamplingInput], masks: Masks, ahead: int = 0
+    ) -> SampleResult:
+        """Queue the sampling of a decode forward's `logits` and start copying the samples to
+        the host."""
         result = self.sampler.sample(logits, inputs, **masks(), ahead=ahead)
         result.copy_to_host_async()
         return result

@@ -124,10 +124,11 @@ class KVManager:
             self.table.free(req.pool_row)
             req.pool_row = None
 
-    def trim(self, req: Req) -> None:
-        """Drop the KV past `req`'s sequence (its rejected jump-forward tokens): the pages past
-        the kept tokens are freed, never cached."""
-        req.kv_len = req.seq_len
+    def trim(self, req: Req, kv_len: int | None = None) -> None:
+        """Drop the KV past `req`'s sequence (its rejected jump-forward tokens), or past
+        `kv_len` tokens: the pages past the kept tokens are freed, never cached. (Work queued
+        later on the device may reuse them: the work that wrote them was queued before.)"""
+        req.kv_len = req.seq_len if kv_len is None else kv_len
         keep = self.allocator.pages_for(req.kv_len)
         assert keep >= req.shared_pages, "unverified tokens are never cached"
         self.allocator.free(req.pages[keep:])

@@ -39,10 +39,15 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
 
     def process(
-        self, plan: StepPlan, result: SampleResult | None, logits: torch.Tensor | None
+        self,
+        plan: StepPlan,
+        result: SampleResult | None,
+        logits: torch.Tensor | None,
+        dropped: frozenset[int] = frozenset(),
     ) -> list[TokenOut]:
         """Apply a step's samples. `logits` are needed only by an extend (jump verification,
-        prompt logprobs); a decode's requests already count its KV (from its launch)."""
+        prompt logprobs); a decode's requests already count its KV (from its launch). The
+        rows of requests whose `id` is in `dropped` are skipped (see `overlap.Launched`)."""
         prefilled = plan.batch.mode is ForwardMode.EXTEND
         if prefilled:
             for req, end in zip(plan.reqs, plan.ends):
@@ -55,8 +60,8 @@ class OutputProcessor:
             next_ids = result.next_ids.tolist()
             logprobs = token_logprobs(result) if result.logprobs is not None else None
             for i, req in enumerate(plan.sampling):
-                if req.finished:
-                    continue  # aborted, or stopped the step before this one ran ahead
+                if req.finished or id(req) in dropped:
+                    continue  # aborted, or stopped or jumped the step before this ran ahead
                 error = None
                 if req.max_new_tokens == 0:
                     req.finish_reason = "length"  # prefill only: the sample is not kept

@@ -15,8 +15,14 @@ What that costs and why it stays exact:
 - It runs ahead only when the decode is what would run next anyway: no prompt mid-chunk and
   no waiting request a prefill would admit now (a backlog waiting for KV does not stop it).
 - Only requests whose sampling reads nothing the host has not yet seen run ahead: no
-  grammar (the mask needs the previous token), no penalties (they count output tokens), and
-  `min_tokens` already reached. Any other request in the batch makes the step wait.
+  penalties (they count output tokens), no unverified jump-forward tokens, and `min_tokens`
+  already reached. Any other request in the batch makes the step wait.
+- A grammar's mask for step n+1 needs step n's token, so a step with constrained rows is
+  queued in two halves: its forward before step n is read back, its sampling after (the host
+  advances the grammars with step n's tokens and fills the masks while the forward runs). A
+  request that step n finishes, or whose grammar then forces text (jump-forward), has its row
+  of step n+1 dropped (`Launched.dropped`); a jumped request also gives back the KV that row
+  wrote, so the extend for its forced tokens recomputes it exactly as without overlap.
 """
 
 from __future__ import annotations
@@ -34,21 +40,21 @@ from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 
 @dataclass(frozen=True)
 class Launched:
-    """A decode step queued on the device whose samples the host has not read yet."""
+    """A decode step queued on the device whose samples the host has not read yet. `result`
+    is None while only its forward is queued (`logits`: its output, to be sampled once the
+    grammar masks are known). `dropped`: the `id`s of requests whose row's sample is not
+    theirs to keep."""
 
     plan: StepPlan
-    result: SampleResult
+    result: SampleResult | None
+    logits: torch.Tensor | None = None
+    dropped: frozenset[int] = frozenset()
 
 
 def can_run_ahead(req: Req) -> bool:
     """Whether `req` can sample its next token before its current one is read back."""
     p = req.params
-    return (
-        req.grammar is None
-        and req.unverified == 0
-        and not p.penalized
-        and len(req.output_ids) + 1 >= p.min_tokens
-    )
+    return req.unverified == 0 and not p.penalized and len(req.output_ids) + 1 >= p.min_tokens
 
 
 def finishes_by_length(req: Req) -> bool:
@@ -83,6 +89,8 @@ def next_step(
     nxt = [in_step[i] for i in keep]
     if not make_room(sum(1 for r in nxt if r.kv_len % page_size == 0)):
         return None
+    if launched.dropped:
+        return None  # rows without a sample to feed the next step
     ids = launched.result.next_ids
     if len(keep) < len(in_step):
         ids = ids[to_device(keep, ids.device)]

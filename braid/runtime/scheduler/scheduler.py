@@ -85,6 +85,7 @@ class Scheduler:
             self.device,
             jump_forward=not config.disable_jump_forward,
         )
+        self.grammars.warm()
         self.decode = DecodePlanner(self.requests, self.kv, self.stats, self.device)
         max_prefill = config.effective_max_prefill_tokens
         chunk = config.effective_chunked_prefill_size
@@ -178,8 +179,10 @@ class Scheduler:
         launched, self._launched = self._launched, None
         if launched is not None:
             ahead = self._run_ahead(launched)
-            outs += self.output.process(launched.plan, launched.result, None)
+            outs += self.output.process(launched.plan, launched.result, None, launched.dropped)
             if ahead is not None:
+                if ahead.result is None:
+                    ahead = self._sample_ahead(ahead)
                 self._launched = ahead
                 return outs
         plan = None
@@ -235,7 +238,31 @@ class Scheduler:
         if step is None:
             return None
         reqs, ids = step
-        return self._launch_decode(self.decode.plan_ahead(reqs, ids), ahead=1)
+        plan = self.decode.plan_ahead(reqs, ids)
+        if all(r.grammar is None for r in plan.sampling):
+            return self._launch_decode(plan, ahead=1)
+        # Constrained rows: the masks wait for this step's tokens (`_sample_ahead`).
+        for req, end in zip(plan.reqs, plan.ends):
+            req.kv_len = end
+        self.stats.constrained_steps_ahead += 1
+        return Launched(plan, None, logits=self.executor.launch_forward(plan.batch))
+
+    def _sample_ahead(self, launched: Launched) -> Launched:
+        """Queue the sampling of a step run ahead with constrained rows, now that the step
+        before it has been read back and its tokens have advanced the grammars. A request
+        that step jumped forward drops its row here and gives back the KV the row wrote (its
+        input token's), which the extend over its forced tokens computes again."""
+        dropped = set()
+        for req in launched.plan.sampling:
+            if not req.finished and req.status is ReqStatus.JUMPED:
+                dropped.add(id(req))
+                self.kv.trim(req, req.kv_len - 1)
+        plan = launched.plan
+        inputs = [r.sampling for r in plan.sampling]
+        live = [None if id(r) in dropped or r.finished else r for r in plan.sampling]
+        masks = lambda: self.grammars.mask(live)  # noqa: E731
+        result = self.executor.launch_sample(launched.logits, inputs, masks)
+        return Launched(plan, result, dropped=frozenset(dropped))
 
     def fail_all(self, error: str) -> list[TokenOut]:
         """Fail every request, including those of a step that raised midway, releasing all

@@ -19,6 +19,7 @@ class SchedulerStats:
     evicted_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
     jump_forward_rejected: int = 0  # of those, dropped because greedy decoding chose otherwise
+    constrained_steps_ahead: int = 0  # decode steps with grammar rows queued before the last read
 
     @property
     def cache_hit_rate(self) -> float:

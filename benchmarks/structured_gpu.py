@@ -1,0 +1,169 @@
+"""What a grammar costs on the GPU: the same decode with and without a constraint on every step.
+
+    python benchmarks/structured_gpu.py                      # H200: Llama-3.1-8B shapes, bf16
+    python benchmarks/structured_gpu.py --tiny-cpu           # the same code at toy size
+
+The model is Llama-3.1-8B's config with random weights (`load_format="dummy"`) and SmolLM2's
+tokenizer (its vocabulary sets `vocab_size`), so a grammar compiles against a real BPE
+vocabulary. Each request has random prompt tokens and asks for `--output-len` tokens with
+`ignore_eos`; the constrained run adds the regex `[a-z0-9 ,.]*`, which masks every step of every
+row and forces nothing (no jump-forward). Both runs go through one engine, interleaved, best of
+`--repeats` each, with fresh prompts every run (the prefix cache never shortens a prefill);
+overhead = constrained / free wall time - 1, per batch size. The first constrained request of
+the engine is timed on its own (compile plus the mask path's first use).
+
+`--tokenizer DIR`: a directory with SmolLM2's tokenizer files (default: the embedded model's
+converted directory, which `braid.runtime.models.source` builds on a machine that has it).
+Writes benchmarks/results/structured_gpu_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import braid  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.offline_throughput import make_prompts  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+REGEX = "[a-z0-9 ,.]*"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def embedded_tokenizer_dir() -> Path:
+    from braid.runtime.models.source import resolve_model
+
+    return resolve_model(None)
+
+
+def model_dir(config: str, tokenizer: Path, out: Path) -> Path:
+    """`config`'s shapes with the tokenizer in `tokenizer` beside them (its vocabulary size,
+    BOS and EOS)."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((CONFIGS / config / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    cfg.update(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copy(tokenizer / name, out / name)
+    return out
+
+
+def timed(llm, prompts: list[list[int]], sp: braid.SamplingParams) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    lengths = {len(o.outputs[0].token_ids) for o in outs}
+    if lengths != {sp.max_tokens}:
+        raise RuntimeError(f"asked for {sp.max_tokens} tokens per prompt, got {lengths}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny-cpu", action="store_true", help="toy model on the CPU")
+    ap.add_argument("--tokenizer", type=Path, default=None)
+    ap.add_argument("--batch-sizes", default=None, help="default 1,64,256 (tiny: 1,4)")
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], help="KEY=VALUE passed to braid.LLM"
+    )
+    args = ap.parse_args()
+    tiny = args.tiny_cpu
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    batches = [int(b) for b in (args.batch_sizes or ("1,4" if tiny else "1,64,256")).split(",")]
+    n_in = args.input_len or (16 if tiny else 128)
+    n_out = args.output_len or (8 if tiny else 128)
+    from benchmarks.gpu import parse_engine_args
+
+    engine_args = parse_engine_args(args.engine_arg)
+    tokenizer = args.tokenizer or embedded_tokenizer_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir("tiny-llama" if tiny else "llama-3.1-8b", tokenizer, Path(tmp) / "m")
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        kwargs = dict(
+            load_format="dummy",
+            dtype="float32" if tiny else "bfloat16",
+            device=device,
+            show_progress=False,
+        )
+        kwargs.update(engine_args)
+        t0 = time.perf_counter()
+        llm = braid.LLM(path, **kwargs)
+        load_s = time.perf_counter() - t0
+        try:
+            free = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+            masked = braid.SamplingParams(
+                temperature=0.0, max_tokens=n_out, ignore_eos=True, regex=REGEX
+            )
+            first = braid.SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True, regex=REGEX
+            )
+            first_s = timed(llm, make_prompts(1, n_in, vocab, seed=0), first)
+            timed(llm, make_prompts(1, n_in, vocab, seed=1), free)  # warm the free path too
+            rows, seed = [], 2
+            for bs in tqdm(batches, desc="batch sizes"):
+                runs = {"free": [], "constrained": []}
+                for _ in range(args.repeats):
+                    for name, sp in (("free", free), ("constrained", masked)):
+                        runs[name].append(timed(llm, make_prompts(bs, n_in, vocab, seed=seed), sp))
+                        seed += 1
+                best_free, best_masked = min(runs["free"]), min(runs["constrained"])
+                rows.append(
+                    {
+                        "batch": bs,
+                        "free_s": runs["free"],
+                        "constrained_s": runs["constrained"],
+                        "overhead": best_masked / best_free - 1,
+                        "free_tok_s": bs * n_out / best_free,
+                        "constrained_tok_s": bs * n_out / best_masked,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+            stats = llm.stats()
+        finally:
+            llm.shutdown()
+    result = {
+        "device": device,
+        "model": "tiny-llama" if tiny else "llama-3.1-8b shapes, random weights",
+        "tokenizer": str(tokenizer),
+        "vocab_size": vocab,
+        "regex": REGEX,
+        "input_len": n_in,
+        "output_len": n_out,
+        "engine_args": {k: str(v) for k, v in engine_args.items()},
+        "load_s": load_s,
+        "first_constrained_request_s": first_s,
+        "rows": rows,
+        "constrained_steps_ahead": stats.get("constrained_steps_ahead"),
+        "decode_steps": stats.get("decode_steps"),
+    }
+    write_result("structured_gpu", device, None, result)
+    print(f"first constrained request (20 tokens): {first_s:.2f} s")
+    for r in rows:
+        print(f"batch {r['batch']:>4}: overhead {100 * r['overhead']:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
