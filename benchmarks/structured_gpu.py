@@ -157,10 +157,14 @@ def main() -> None:
         "first_constrained_request_s": first_s,
         "rows": rows,
         "constrained_steps_ahead": stats.get("constrained_steps_ahead"),
+        "mask_us_per_row": 1e6
+        * stats["grammar_mask_seconds"]
+        / max(stats["grammar_masked_rows"], 1),
         "decode_steps": stats.get("decode_steps"),
     }
     write_result("structured_gpu", device, None, result)
     print(f"first constrained request (20 tokens): {first_s:.2f} s")
+    print(f"bitmask fill: {result['mask_us_per_row']:.1f} us per constrained row")
     for r in rows:
         print(f"batch {r['batch']:>4}: overhead {100 * r['overhead']:+.1f}%")
 

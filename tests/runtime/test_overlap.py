@@ -283,6 +283,8 @@ def _constrained_same_tokens(path, eos: int, jump: bool, device: str) -> None:
             sched.handle(r)
         got = _run(sched)
         _all_kv_free_or_cached(sched)
+        counters = sched.control("stats")
+        assert counters["grammar_masked_rows"] > 0 and counters["grammar_mask_seconds"] > 0
         runs.append((got, sched.stats))
     (want, plain), (got, over) = runs
     assert got.keys() == want.keys() and len(got) == 6

@@ -9,6 +9,7 @@ rejected) and acts on it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -57,6 +58,10 @@ class GrammarManager:
         self.device = device
         self.jump_forward_enabled = jump_forward
         self._bitmask: BitmaskBuffer | None = None
+        # Host time spent writing bitmask rows, and the rows written (the mask's cost per
+        # constrained token).
+        self.mask_seconds = 0.0
+        self.masked_rows = 0
 
     @property
     def compiler(self) -> GrammarCompiler | None:
@@ -119,8 +124,14 @@ class GrammarManager:
             return {}
         if self._bitmask is None:
             self._bitmask = BitmaskBuffer(self._vocab, self.device)
+        t0 = time.perf_counter()
         mask, idx = self._bitmask.fill([reqs[i].grammar for i in rows], rows)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masked_rows += len(rows)
         return {"bitmask": mask, "bitmask_rows": idx}
+
+    def counters(self) -> dict[str, float]:
+        return {"grammar_mask_seconds": self.mask_seconds, "grammar_masked_rows": self.masked_rows}
 
     # ---- jump-forward ---------------------------------------------------------------------
     def jump_forward(self, req: Constrained) -> int:

@@ -293,7 +293,9 @@ class Scheduler:
                 raise ValueError("close_session: needs a session id")
             return {"closed": float(self.close_session(arg))}
         if op == "stats":
-            return self.stats.as_dict() | self.usage() | self.image_stats()
+            return (
+                self.stats.as_dict() | self.usage() | self.image_stats() | self.grammars.counters()
+            )
         if op == "flush_cache":
             return {"flushed": float(self.flush_cache())}
         if op == "check_invariants":
