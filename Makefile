@@ -31,7 +31,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check braid tests benchmarks examples
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" --durations=30 tests
 
 lint: setup
 	$(VENV)/bin/ruff check braid tests benchmarks examples
