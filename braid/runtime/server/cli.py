@@ -21,6 +21,8 @@ from typing import Any
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig, check_choices, choices_of, setting
 from braid.runtime.function_call import PARSER_NAMES
+from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
+from braid.runtime.reasoning import get_parser as get_reasoning_parser
 from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
 
@@ -51,6 +53,12 @@ class ServerSettings:
         "how tool_choice 'auto' reads calls from the text; auto: detected from the chat "
         "template; none: never parse",
         choices=("auto", "none", *PARSER_NAMES),
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split a reasoning model's thinking (<think>...</think>) from its answer: chat "
+        "responses carry it as reasoning_content (and reasoning); unset: no split",
+        choices=REASONING_PARSER_NAMES,
     )
     served_model_name: str | None = setting(
         None, "the name /v1/models reports and responses carry; unset: the --model value"
@@ -254,6 +262,11 @@ def serve(args: argparse.Namespace) -> int:
         settings.tool_call_parser, tokenizer.chat_template if tokenizer is not None else None
     )
     logger.info("braid serve: tool-call parser: %s", tool_call_parser or "none")
+    reasoning_parser = (
+        get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
+    )
+    if reasoning_parser is not None:
+        logger.info("braid serve: reasoning parser: %s", settings.reasoning_parser)
 
     def on_failure(message: str) -> None:
         logger.error("braid serve: shutting down: %s", message)
@@ -280,6 +293,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=settings.max_request_bytes,
         server_args={**asdict(config), **shown},
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         strict_model_name=settings.strict_model_name,
         bind_host=settings.host,
         allowed_origins=settings.origins,

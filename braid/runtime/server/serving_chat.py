@@ -1,20 +1,23 @@
 """OpenAI's chat completions: `POST /v1/chat/completions`, with the server's chat template (or,
-where the operator allows it, the request's own, rendered in the sandbox process) and tools."""
+where the operator allows it, the request's own, rendered in the sandbox process), tools, and
+with `--reasoning-parser` the model's thinking split out as `reasoning_content`."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 
-from braid.runtime.function_call.base import ToolCallStream
+from braid.runtime.function_call.base import ContentDelta, ToolCall, ToolCallStream
 from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.multimodal.frontend import flatten_content
+from braid.runtime.reasoning.base import ReasoningDelta, ReasoningParser
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, encode_prompt, json_body, validate_prompts
@@ -71,9 +74,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             # Images load and process in the media workers; their placeholders then expand.
             ids, images = await state.media.prepare(ids, sources, "messages")
             validate_prompts(state, [(text, ids)], params, "messages")
-        return await ChatResponse(state, req, [(text, ids)], params, plan, [images]).respond(
-            request
-        )
+        reasoning = state.reasoning_parser if _separates_reasoning(req) else None
+        response = ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
+        return await response.respond(request)
 
     async def render_request_template(req: ChatCompletionRequest) -> str:
         sandbox = state.template_sandbox
@@ -99,7 +102,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 class ChatResponse(OpenAIResponse):
-    """A chat completion; with a tool plan, outputs become content and tool calls."""
+    """A chat completion; with a reasoning parser, each output's thinking becomes its
+    reasoning and the rest its content; with a tool plan, that content becomes content and
+    tool calls."""
 
     kind = "chat.completion"
     chunk_kind = "chat.completion.chunk"
@@ -113,15 +118,25 @@ class ChatResponse(OpenAIResponse):
         params: SamplingParams,
         plan: ToolPlan | None,
         images: list[list[ImageInput]] | None = None,
+        reasoning: type[ReasoningParser] | None = None,
     ) -> None:
         super().__init__(state, req, prompts, params, images)
         self.plan = plan
+        self.reasoning = reasoning
+
+    def _reasoning_parser(self, i: int) -> ReasoningParser | None:
+        """A fresh reasoning parser for choice `i` (it reads the choice's prompt), if any."""
+        if self.reasoning is None:
+            return None
+        return self.reasoning(self.prompts[self.prompt_of[i]][0])
 
     def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
         return _chat_logprobs(self.state, c, self.params.logprobs or 0)
 
     def fill(self, item: dict[str, Any], i: int, c: Choice) -> None:
-        item["message"], item["finish_reason"] = _chat_message(c, self.plan)
+        item["message"], item["finish_reason"] = _chat_message(
+            c, self.plan, self._reasoning_parser(i)
+        )
 
     def delta(self, item: dict[str, Any], out: StrOut) -> None:
         item["delta"] = {"content": out.text} if out.text else {}
@@ -139,7 +154,56 @@ class ChatResponse(OpenAIResponse):
 
     def tool_streams(self) -> list[ToolCallStream] | None:
         parsers = [self.plan.stream() for _ in self.choices] if self.plan is not None else []
+        if self.reasoning is not None:
+            return [
+                SeparatedStream(self._reasoning_parser(i), parsers[i] if parsers else None)
+                for i in range(len(self.choices))
+            ]
         return parsers if parsers and parsers[0] else None  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ReasoningTextDelta:
+    """A piece of the reasoning, under both names clients read: `reasoning_content` (SGLang,
+    DeepSeek) and `reasoning` (vLLM's newer name)."""
+
+    text: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"reasoning_content": self.text, "reasoning": self.text}
+
+
+class SeparatedStream(ToolCallStream):
+    """One choice's output with its reasoning split off: reasoning deltas for the thinking,
+    then the deltas of `calls` (its tool-call stream) fed the content that follows, or that
+    content as content deltas when there is no tool-call stream."""
+
+    def __init__(self, reasoning: ReasoningParser, calls: ToolCallStream | None) -> None:
+        super().__init__()
+        self.reasoning = reasoning
+        self.calls = calls
+
+    @property
+    def num_calls(self) -> int:
+        return self.calls.num_calls if self.calls is not None else 0
+
+    def _consume(self, text: str) -> None:
+        self._route(self.reasoning.feed(text))
+
+    def _end(self) -> None:
+        self._route(self.reasoning.finish())
+        if self.calls is not None:
+            self._out += self.calls.finish()
+
+    def _route(self, d: ReasoningDelta) -> None:
+        if d.reasoning:
+            self._out.append(ReasoningTextDelta(d.reasoning))  # type: ignore[arg-type]
+        if not d.content:
+            return
+        if self.calls is not None:
+            self._out += self.calls.feed(d.content)
+        else:
+            self._out.append(ContentDelta(d.content))
 
 
 def _chat_logprobs(state: ServerState, c: Choice, top: int) -> dict[str, Any]:
@@ -208,25 +272,43 @@ def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | Non
         raise APIError(400, msg, msg.split(":", 1)[0]) from None
 
 
-def _chat_message(c: Choice, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished choice and its finish reason."""
+def _separates_reasoning(req: ChatCompletionRequest) -> bool:
+    """SGLang's `separate_reasoning` (default true): false returns the raw text as content."""
+    # protocol.py (another module's owner) does not declare the field yet; until it does,
+    # the lenient body model drops it and every request separates.
+    return getattr(req, "separate_reasoning", True) is not False
+
+
+def _chat_message(
+    c: Choice, plan: ToolPlan | None, reasoning: ReasoningParser | None = None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice and its finish reason: with `reasoning`,
+    the thinking goes to `reasoning_content` (and `reasoning`), and the rest is the text that
+    becomes the content and tool calls."""
+    text, thought = c.text, None
+    if reasoning is not None:
+        thought, text = reasoning.split(c.text)
+
+    def message(content: str | None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            m["reasoning_content"] = m["reasoning"] = thought or None
+        if calls:
+            m["tool_calls"] = [call.to_openai() for call in calls]
+        return m
+
     if plan is None:
-        return {"role": "assistant", "content": c.text}, finish_of(c)
-    content, calls = plan.parse(c.text)
+        return message(text), finish_of(c)
+    content, calls = plan.parse(text)
     if finish_of(c) == "length":
         # Cut off by max_tokens: a call whose arguments did not finish is no call (OpenAI sends
         # finish_reason "length" and no broken tool_calls); the text is the content.
         calls = [call for call in calls if _is_json_object(call.arguments)]
         if not calls:
-            return {"role": "assistant", "content": c.text}, "length"
+            return message(text), "length"
     if not calls:
-        return {"role": "assistant", "content": content}, finish_of(c)
-    message = {
-        "role": "assistant",
-        "content": content or None,
-        "tool_calls": [call.to_openai() for call in calls],
-    }
-    return message, finish_reason(finish_of(c), len(calls))
+        return message(content), finish_of(c)
+    return message(content or None, calls), finish_reason(finish_of(c), len(calls))
 
 
 def _is_json_object(text: str) -> bool:

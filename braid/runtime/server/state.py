@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from braid.runtime.multimodal.frontend import MediaFrontend
 from braid.runtime.sampling_params import SamplingParams
@@ -14,6 +14,9 @@ from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.tokenizer.manager import TokenizerManager
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
+
+if TYPE_CHECKING:
+    from braid.runtime.reasoning.base import ReasoningParser
 
 
 @dataclass
@@ -29,6 +32,8 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
+    # --reasoning-parser: chat outputs split into reasoning_content and content.
+    reasoning_parser: type[ReasoningParser] | None = None
     strict_model_name: bool = False  # 404 for a model name that is not the served one
     bind_host: str = "127.0.0.1"
     allowed_origins: tuple[str, ...] = ()

@@ -1,0 +1,17 @@
+"""DeepSeek-R1: its chat template opens `<think>` in the prompt, so the output starts inside
+the reasoning and closes it with `</think>` (later R1 releases write the `<think>` again,
+which is dropped)."""
+
+from __future__ import annotations
+
+from braid.runtime.reasoning import PARSERS
+from braid.runtime.reasoning.base import ReasoningParser
+
+
+@PARSERS.register
+class DeepSeekR1Parser(ReasoningParser):
+    """Everything up to `</think>` is reasoning; with no `</think>`, all of it is."""
+
+    @classmethod
+    def starts_in_reasoning(cls, prompt: str | None) -> bool:
+        return True

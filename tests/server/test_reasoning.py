@@ -1,0 +1,133 @@
+"""`braid serve --reasoning-parser qwen3` with the official `openai` client. SmolLM2 does not
+think on its own, so a regex constraint makes it write `<think>...</think>` and an answer; the
+split of that real output is checked whole, streamed, with tool calls after the reasoning, and
+turned off per request."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from braid.runtime.server.protocol import ChatCompletionRequest
+from tests.server.conftest import start_server
+
+# Short forced outputs keep the module quick on a CPU: reasoning then an answer, and reasoning
+# then a hermes tool call.
+THINK = r"<think>\n(ab|cd) (ef|gh)\n</think>\n\n(yes|no)"
+CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+THINK_THEN_CALL = r"<think>\n(ab|cd)\n</think>\n\n" + CALL.replace("{", r"\{").replace("}", r"\}")
+ASK = [{"role": "user", "content": "Think, then tell me the time."}]
+NOW_TOOL = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(
+        tmp_path_factory.mktemp("serve-reasoning"),
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "hermes",
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def ask(client, regex: str, **kw):
+    # Sampled with a seed, not greedy: the same seed gives the same output, and a sampled
+    # request keeps the text jump-forward appends at once (a greedy one checks it token by
+    # token against the model, ten times slower here).
+    return client.chat.completions.create(
+        model="smollm2-135m",
+        messages=ASK,
+        temperature=1.0,
+        seed=16,
+        max_tokens=80,
+        extra_body={"regex": regex, **kw.pop("extra_body", {})},
+        **kw,
+    )
+
+
+def expected_split(raw: str) -> tuple[str, str]:
+    """The split of an output the constraint allowed: the groups, without tags or newlines."""
+    m = re.fullmatch(THINK, raw)
+    assert m, raw
+    return f"{m[1]} {m[2]}", m[3]
+
+
+@pytest.fixture(scope="module")
+def whole(client):
+    return ask(client, THINK)
+
+
+def test_the_reasoning_is_split_from_the_real_output(whole):
+    choice = whole.choices[0]
+    msg = choice.message
+    # The one output of the constraint with this split: only the tags and newlines went.
+    raw = f"<think>\n{msg.reasoning_content}\n</think>\n\n{msg.content}"
+    assert expected_split(raw) == (msg.reasoning_content, msg.content)
+    assert msg.reasoning == msg.reasoning_content
+    assert choice.finish_reason == "stop"
+
+
+def test_streamed_deltas_carry_the_same_split_reasoning_first(client, whole):
+    reasoning, content, kinds = "", "", []
+    for chunk in ask(client, THINK, stream=True):
+        for choice in chunk.choices:
+            d = choice.delta
+            r = getattr(d, "reasoning_content", None)
+            assert r == getattr(d, "reasoning", None)
+            if r:
+                reasoning += r
+                kinds.append("reasoning")
+            if d.content:
+                content += d.content
+                kinds.append("content")
+    msg = whole.choices[0].message  # the same seed: the same output
+    assert (reasoning, content) == (msg.reasoning_content, msg.content)
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and "reasoning" in kinds
+
+
+def test_streamed_tool_calls_come_from_the_content_after_the_reasoning(client):
+    reasoning, names, args, finish = "", [], "", None
+    stream = ask(client, THINK_THEN_CALL, stream=True, tools=[NOW_TOOL], tool_choice="auto")
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not names or not getattr(choice.delta, "reasoning_content", None)
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            assert not choice.delta.content
+            for tc in choice.delta.tool_calls or []:
+                names += [tc.function.name] if tc.id else []
+                args += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert reasoning in ("ab", "cd")
+    assert (names, args, finish) == (["now"], "{}", "tool_calls")
+
+
+@pytest.mark.skipif(
+    "separate_reasoning" not in ChatCompletionRequest.model_fields,
+    reason="ChatCompletionRequest does not declare separate_reasoning yet",
+)
+def test_separate_reasoning_false_returns_the_raw_text(client, whole):
+    raw = ask(client, THINK, extra_body={"separate_reasoning": False})
+    msg = raw.choices[0].message
+    assert getattr(msg, "reasoning_content", None) is None
+    first = whole.choices[0].message  # the same seed: the same output, split
+    assert expected_split(msg.content) == (first.reasoning_content, first.content)
+    assert raw.usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_server_info_reports_the_parser(server):
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    assert info["reasoning_parser"] == "qwen3"
