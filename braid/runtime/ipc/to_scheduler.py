@@ -32,6 +32,8 @@ class GenerateReq:
     pinned in the prefix cache for that session (replacing the session's previous pin) until a
     `ControlReq("close_session", session_id)`.
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
+    `grammar_after`: the output constraint (if any) applies only once the output has ended
+    with these tokens (a reasoning model's end of thinking); empty: from the first token.
     """
 
     rid: str
@@ -40,6 +42,7 @@ class GenerateReq:
     seed: int
     session_id: str | None = None
     images: list[ImageInput] = field(default_factory=list)
+    grammar_after: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -113,6 +113,7 @@ class OutputProcessor:
                 req.finish_reason, error = "abort", f"grammar: {e}"
         if not req.finished:
             req.check_finished(tok)
+        req.release_grammar()  # the thinking just ended: the constraint applies from here
         if req.grammar is not None and not req.finished:
             self.jump_forward(req)
         return error

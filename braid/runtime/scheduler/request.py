@@ -60,7 +60,11 @@ class Req:
     retractions: int = 0
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
-    grammar: GrammarMatcher | None = None  # the output constraint, once compiled
+    grammar: GrammarMatcher | None = None  # the output constraint, once compiled and active
+    # The constraint applies once the output ends with `grammar_after` (the end of a reasoning
+    # model's thinking); until then its compiled matcher waits here.
+    grammar_after: tuple[int, ...] = ()
+    waiting_grammar: GrammarMatcher | None = None
     reported: int = 0  # output tokens already sent out in a TokenOut
     # Output tokens the model chose: the rest are jump-forward tokens of a greedy request that
     # the next extend's logits verify (see `GrammarManager.verify`), not reported until then.
@@ -161,6 +165,7 @@ class Req:
             eos_ids=eos_ids,
             max_new_tokens=max_new,
             session_id=msg.session_id,
+            grammar_after=tuple(msg.grammar_after),
             images=images,
             image_offsets=offsets,
             rope_positions=rope_positions,
@@ -170,6 +175,23 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    def hold_grammar(self) -> None:
+        """Keep the compiled grammar aside until the output reaches `grammar_after`."""
+        if self.grammar_after and not self._reached_grammar():
+            self.waiting_grammar, self.grammar = self.grammar, None
+
+    def release_grammar(self) -> bool:
+        """Make the waiting grammar the active one if the output has just reached
+        `grammar_after`; whether it did."""
+        if self.waiting_grammar is None or not self._reached_grammar():
+            return False
+        self.grammar, self.waiting_grammar = self.waiting_grammar, None
+        return True
+
+    def _reached_grammar(self) -> bool:
+        n = len(self.grammar_after)
+        return len(self.output_ids) >= n and tuple(self.output_ids[-n:]) == self.grammar_after
 
     @property
     def seq_len(self) -> int:

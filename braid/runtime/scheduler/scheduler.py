@@ -162,7 +162,9 @@ class Scheduler:
         """Queue the requests whose grammar is ready; fail those whose grammar failed."""
         ready, failed = self.grammars.poll()
         for req in ready:
-            self.output.jump_forward(req)  # over any text the grammar forces at the start
+            req.hold_grammar()  # a reasoning model's constraint waits for the end of thinking
+            if req.grammar is not None:
+                self.output.jump_forward(req)  # over any text the grammar forces at the start
             self.requests.move(req, ReqStatus.WAITING)
         outs = [self.output.finish(req, "abort", error) for req, error in failed]
         for out in outs:
@@ -239,7 +241,7 @@ class Scheduler:
             return None
         reqs, ids = step
         plan = self.decode.plan_ahead(reqs, ids)
-        if all(r.grammar is None for r in plan.sampling):
+        if all(r.grammar is None and r.waiting_grammar is None for r in plan.sampling):
             return self._launch_decode(plan, ahead=1)
         # Constrained rows: the masks wait for this step's tokens (`_sample_ahead`).
         for req, end in zip(plan.reqs, plan.ends):
