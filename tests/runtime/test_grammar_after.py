@@ -37,13 +37,19 @@ def _accepted(path, ids: list[int]) -> bool:
     return re.fullmatch(REGEX, _tokenizer(path).decode(ids)) is not None
 
 
-def _requests(bias: float, after: list[int]) -> list[GenerateReq]:
+def _requests(bias: float | None, after: list[int], opens: int | None = None) -> list[GenerateReq]:
     out = []
     for i, temperature in enumerate((0.0, 0.0, 0.9)):
         sp = SamplingParams(
-            max_tokens=40, temperature=temperature, seed=i, regex=REGEX, logit_bias={MARK: bias}
+            max_tokens=40,
+            temperature=temperature,
+            seed=i,
+            regex=REGEX,
+            logit_bias=None if bias is None else {MARK: bias},
         )
-        out.append(GenerateReq(f"r{i}", [3, 4, 5 + i], sp, i, grammar_after=list(after)))
+        msg = GenerateReq(f"r{i}", [3, 4, 5 + i], sp, i, grammar_after=list(after))
+        msg.grammar_open = opens
+        out.append(msg)
     return out
 
 
@@ -92,3 +98,21 @@ def test_overlap_gives_the_same_tokens(tiny):
     sched, got = _run(path, eos, _requests(100.0, [MARK]), overlap=True)
     assert got == want
     assert sched.stats.constrained_steps_ahead > 0
+
+
+@pytest.mark.parametrize("bias", [100.0, -100.0, None])
+def test_the_first_token_decides_whether_the_model_thinks(tiny, bias):
+    """With `grammar_open` (Qwen3: the model may or may not open `<think>`), the first token is
+    the grammar's or the opening one; only the opening one defers the grammar (here the opening
+    token is also the end marker, so the grammar starts right after it)."""
+    path, eos = tiny
+    _, got = _run(path, eos, _requests(bias, [MARK], opens=MARK))
+    for rid, ids in got.items():
+        body = ids[:-1] if ids[-1] == eos else ids
+        if bias == 100.0:
+            assert ids[0] == MARK, rid
+        if bias == -100.0:
+            assert ids[0] != MARK, rid
+        if ids[0] == MARK:
+            body = body[1:]
+        assert _accepted(path, body), (rid, ids)

@@ -131,3 +131,54 @@ def test_separate_reasoning_false_returns_the_raw_text(client, whole):
 def test_server_info_reports_the_parser(server):
     info = httpx.get(f"{server.url}/get_server_info").json()
     assert info["reasoning_parser"] == "qwen3"
+
+
+def test_a_constraint_without_the_marker_is_enforced_on_the_answer(client):
+    """SmolLM2 spells `<think>` in several tokens, so the first token cannot tell whether it
+    thinks: a constraint that does not spell `</think>` applies from the start (never
+    unconstrained text), and there is no reasoning."""
+    r = ask(client, r"(yes|no)( indeed)?")
+    msg = r.choices[0].message
+    assert re.fullmatch(r"(yes|no)( indeed)?", msg.content), msg.content
+    assert msg.reasoning_content is None
+
+
+def _waits(prompt: str, parser: str, constraint, start_end_ids: tuple[int, int] | None):
+    """What `ChatResponse.grammar_waits` decides for one prompt, with a tokenizer that spells
+    each marker in one token (`start_end_ids`) or in several (None)."""
+    from types import SimpleNamespace
+
+    from braid.runtime.reasoning import get_parser
+    from braid.runtime.server.serving_chat import ChatResponse
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            if start_end_ids is None:
+                return [ord(c) for c in text]
+            return [start_end_ids[0] if text == "<think>" else start_end_ids[1]]
+
+    r = ChatResponse.__new__(ChatResponse)
+    r.state = SimpleNamespace(tokenizer=Tok())
+    r.reasoning = get_parser(parser)
+    r.params = SimpleNamespace(constraint=constraint)
+    r.prompts = [(prompt, [1])]
+    waits = r.grammar_waits()
+    return None if waits is None else waits[0]
+
+
+def test_where_a_constraint_starts_under_each_parser():
+    regex = ("regex", "(yes|no)")
+    one = (7, 8)  # <think>, </think> as single tokens (Qwen3, DeepSeek-R1)
+    # Qwen3 may or may not think: the first token decides (the grammar's, or <think>).
+    assert _waits("<|im_start|>assistant\n", "qwen3", regex, one) == ([8], 7)
+    # ... its template opened the thinking: the grammar waits for </think>.
+    assert _waits("assistant\n<think>\n", "qwen3", regex, one) == ([8], None)
+    # ... or closed it (enable_thinking=False): the grammar applies from the start.
+    assert _waits("assistant\n<think>\n\n</think>\n\n", "qwen3", regex, one) == ([], None)
+    # DeepSeek-R1's template always opens it.
+    assert _waits("<｜Assistant｜><think>\n", "deepseek-r1", regex, one) == ([8], None)
+    # A multi-token <think> cannot be decided on one token: from the start.
+    assert _waits("<|im_start|>assistant\n", "qwen3", regex, None) == ([], None)
+    # A constraint that spells the end marker covers the thinking: from the start.
+    assert _waits("x", "deepseek-r1", ("regex", "<think>a</think>b"), one) is None
+    assert _waits("x", "qwen3", None, one) is None

@@ -118,14 +118,25 @@ class GrammarManager:
 
     def mask(self, reqs: list[Constrained | None]) -> dict[str, torch.Tensor]:
         """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none);
-        a None row is left unmasked (its sample is dropped)."""
-        rows = [i for i, r in enumerate(reqs) if r is not None and r.grammar is not None]
+        a None row is left unmasked (its sample is dropped). A request whose first token decides
+        whether its grammar waits for the end of thinking (`grammar_undecided`) may take the
+        grammar's tokens or the one that opens the thinking."""
+        rows, matchers = [], []
+        for i, r in enumerate(reqs):
+            if r is None:
+                continue
+            if r.grammar is not None:
+                rows.append(i)
+                matchers.append(r.grammar)
+            elif getattr(r, "grammar_undecided", False):
+                rows.append(i)
+                matchers.append(_OrToken(r.waiting_grammar, r.grammar_open))
         if not rows:
             return {}
         if self._bitmask is None:
             self._bitmask = BitmaskBuffer(self._vocab, self.device)
         t0 = time.perf_counter()
-        mask, idx = self._bitmask.fill([reqs[i].grammar for i in rows], rows)
+        mask, idx = self._bitmask.fill(matchers, rows)
         self.mask_seconds += time.perf_counter() - t0
         self.masked_rows += len(rows)
         return {"bitmask": mask, "bitmask_rows": idx}
@@ -189,6 +200,18 @@ class GrammarManager:
         """Drop the unverified jump-forward tokens of `req` (which has no KV for them)."""
         req.grammar.rollback(req.unverified)
         del req.output_ids[req.verified :]
+
+
+class _OrToken:
+    """A matcher's mask with one more token allowed."""
+
+    def __init__(self, matcher: GrammarMatcher, token: int) -> None:
+        self.matcher, self.token = matcher, token
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        self.matcher.fill_bitmask(row)
+        # Token t is bit t % 8 of byte t // 8 of the row's little-endian words.
+        row.view(torch.uint8)[self.token >> 3] |= 1 << (self.token & 7)
 
 
 def _no_tokenizer() -> GrammarCompiler:

@@ -34,6 +34,9 @@ class GenerateReq:
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
     `grammar_after`: the output constraint (if any) applies only once the output has ended
     with these tokens (a reasoning model's end of thinking); empty: from the first token.
+    `grammar_open`: with `grammar_after`, the token that opens the thinking when the model may
+    or may not think (Qwen3): the first token is then the grammar's or this one, and only this
+    one defers the grammar to `grammar_after`.
     """
 
     rid: str
@@ -43,6 +46,7 @@ class GenerateReq:
     session_id: str | None = None
     images: list[ImageInput] = field(default_factory=list)
     grammar_after: list[int] = field(default_factory=list)
+    grammar_open: int | None = None
 
 
 @dataclass

@@ -105,6 +105,7 @@ class OutputProcessor:
             tok = tok if chosen is None else chosen
         req.output_ids.append(tok)
         req.verified = len(req.output_ids)
+        req.decide_grammar()  # a first token that does not open the thinking is the grammar's
         error = None
         if req.grammar is not None and tok not in self.eos_token_ids:
             try:

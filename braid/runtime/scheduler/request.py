@@ -65,6 +65,9 @@ class Req:
     # model's thinking); until then its compiled matcher waits here.
     grammar_after: tuple[int, ...] = ()
     waiting_grammar: GrammarMatcher | None = None
+    # The token that opens the thinking, when the first token decides whether there is any:
+    # the grammar's tokens or this one may come first (`GenerateReq.grammar_open`).
+    grammar_open: int | None = None
     reported: int = 0  # output tokens already sent out in a TokenOut
     # Output tokens the model chose: the rest are jump-forward tokens of a greedy request that
     # the next extend's logits verify (see `GrammarManager.verify`), not reported until then.
@@ -166,6 +169,7 @@ class Req:
             max_new_tokens=max_new,
             session_id=msg.session_id,
             grammar_after=tuple(msg.grammar_after),
+            grammar_open=msg.grammar_open if msg.grammar_after else None,
             images=images,
             image_offsets=offsets,
             rope_positions=rope_positions,
@@ -180,6 +184,24 @@ class Req:
         """Keep the compiled grammar aside until the output reaches `grammar_after`."""
         if self.grammar_after and not self._reached_grammar():
             self.waiting_grammar, self.grammar = self.grammar, None
+
+    @property
+    def grammar_undecided(self) -> bool:
+        """Whether the first token decides if the grammar waits (see `grammar_open`)."""
+        return (
+            self.waiting_grammar is not None
+            and self.grammar_open is not None
+            and (not self.output_ids)
+        )
+
+    def decide_grammar(self) -> None:
+        """After the first token: unless it opened the thinking, the grammar applies from it
+        (it was sampled under the grammar's mask, widened by the opening token)."""
+        if self.grammar_open is None or len(self.output_ids) != 1:
+            return
+        if self.output_ids[0] != self.grammar_open and self.waiting_grammar is not None:
+            self.grammar, self.waiting_grammar = self.waiting_grammar, None
+        self.grammar_open = None
 
     def release_grammar(self) -> bool:
         """Make the waiting grammar the active one if the output has just reached

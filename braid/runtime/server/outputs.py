@@ -31,14 +31,21 @@ def submit_all(
     params: SamplingParams,
     session_id: str | None = None,
     images: list[list[ImageInput]] | None = None,
+    grammar_waits: list[tuple[list[int], int | None]] | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
-    of prompt i: all of them or (on an error) none."""
+    of prompt i and `grammar_waits[i]` what its constraint waits for (`GenerateReq`'s
+    `grammar_after`, `grammar_open`): all of them or (on an error) none."""
     rids: list[str] = []
     try:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(
-                rid, ids, params, session_id=session_id, images=images[i] if images else None
+                rid,
+                ids,
+                params,
+                session_id=session_id,
+                images=images[i] if images else None,
+                grammar_wait=grammar_waits[i] if grammar_waits else None,
             )
     except BaseException:
         for r in rids:

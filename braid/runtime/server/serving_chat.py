@@ -124,6 +124,33 @@ class ChatResponse(OpenAIResponse):
         self.plan = plan
         self.reasoning = reasoning
 
+    def grammar_waits(self) -> list[tuple[list[int], int | None]] | None:
+        """Per prompt, what its constraint waits for (`GenerateReq.grammar_after` and
+        `grammar_open`). With a reasoning parser a constraint applies to the answer, not to
+        the thinking: after the end marker when the prompt opened the thinking; when the model
+        may or may not open it (Qwen3), after the end marker only if the first token opens it
+        (a one-token opening marker; a longer one cannot be decided on one token, and the
+        constraint then applies from the start). It applies from the start when the prompt
+        has already closed the thinking (a template with thinking turned off) or when the
+        constraint itself spells the end marker (it then covers the thinking too)."""
+        cls, constraint = self.reasoning, self.params.constraint
+        if cls is None or constraint is None or cls.end in str(constraint[1]):
+            return None
+        tok = self.state.tokenizer
+        end, start = cls.end_token_ids(tok), cls.start_token_ids(tok)
+        waits: list[tuple[list[int], int | None]] = []
+        for text, _ in self.prompts:
+            text = text or ""
+            if _thinking_closed(text, cls):
+                waits.append(([], None))
+            elif cls.starts_in_reasoning(text):
+                waits.append((end, None))
+            elif len(start) == 1:
+                waits.append((end, start[0]))
+            else:
+                waits.append(([], None))
+        return waits
+
     def _reasoning_parser(self, i: int) -> ReasoningParser | None:
         """A fresh reasoning parser for choice `i` (it reads the choice's prompt), if any."""
         if self.reasoning is None:
@@ -270,6 +297,13 @@ def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | Non
     except ValueError as e:
         msg = str(e)
         raise APIError(400, msg, msg.split(":", 1)[0]) from None
+
+
+def _thinking_closed(prompt: str, cls: type[ReasoningParser]) -> bool:
+    """Whether the prompt ends after a closed thinking block (e.g. Qwen3's template with
+    `enable_thinking=False` writes an empty one), so the output is all answer."""
+    end = prompt.rfind(cls.end)
+    return end >= 0 and end > prompt.rfind(cls.start) and not cls.starts_in_reasoning(prompt)
 
 
 def _separates_reasoning(req: ChatCompletionRequest) -> bool:

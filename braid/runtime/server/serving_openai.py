@@ -86,6 +86,11 @@ class OpenAIResponse(abc.ABC):
         None when they are text."""
         return None
 
+    def grammar_waits(self) -> list[tuple[list[int], int | None]] | None:
+        """Per prompt, what its constraint waits for before it applies (a reasoning model's
+        end of thinking; see `submit_all`); None: constraints apply from the first token."""
+        return None
+
     # ---- the response ---------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         """Submit every sample and answer: the whole response, or with `stream` its SSE
@@ -101,6 +106,7 @@ class OpenAIResponse(abc.ABC):
             [(f"{self.rid}-{i}", ids) for i, (_, ids) in enumerate(self.prompts)],
             params,
             images=self.images,
+            grammar_waits=self.grammar_waits(),
         )
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]

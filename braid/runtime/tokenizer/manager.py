@@ -281,11 +281,13 @@ class TokenizerManager:
         params: SamplingParams,
         session_id: str | None = None,
         images: list[ImageInput] | None = None,
+        grammar_wait: tuple[list[int], int | None] | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session.
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
-        `input_ids` already holds."""
+        `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
+        constraint waits for (see `GenerateReq`)."""
         self._check_alive()
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
@@ -304,6 +306,8 @@ class TokenizerManager:
                         self.sample_seed(params, k),
                         session_id,
                         images or [],
+                        list(grammar_wait[0]) if grammar_wait else [],
+                        grammar_wait[1] if grammar_wait else None,
                     )
                 )
                 for k, wire in enumerate(wires)
