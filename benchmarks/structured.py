@@ -13,8 +13,19 @@ how long grammars take to compile, in one run.
 2. Jump-forward: a schema with long fixed keys, greedy, with the format shown in the prompt,
    with and without jump-forward: model steps (prefill + decode forwards), wall time, and
    whether the text is the same.
-3. Compile time of the 15-schema corpus (tests/runtime/json_schemas.py): each schema cold, the
-   corpus again from the cache, and the corpus cold on the two-thread worker pool.
+3. Compile time of the 15-schema corpus (tests/runtime/json_schemas.py) on the scheduler's
+   backend: each schema cold, the corpus again from the cache, and the corpus cold on the
+   two-thread compile pool.
+4. Each grammar backend on the corpus, with SGLang's character regex, regexes, choices and an
+   EBNF grammar (`structured_corpus.backend_costs`): cold compile time per constraint, host
+   time per token of the bitmask fill and of the forced-token search (jump-forward).
+
+    python benchmarks/structured.py --corpus jsonschemabench    # JSON Schema coverage
+
+runs instead, per backend alone, on the 300 JSONSchemaBench schemas under
+tests/data/jsonschemabench: the share that compiles within the time limit, of the benchmark's
+valid instances accepted and invalid ones refused, and for a sample the share of SmolLM2's
+outputs that validate (`structured_corpus.coverage`, `generation`).
 
 The scheduler runs in this process (the runtime's own class, without the IPC around it), so
 steps can be counted and jump-forward switched per run. Prints a summary and writes JSON under
@@ -34,16 +45,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import structured_corpus  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from braid import SamplingParams  # noqa: E402
 from braid.runtime.assets import ModelAssets  # noqa: E402
 from braid.runtime.config import EngineConfig  # noqa: E402
+from braid.runtime.constrained import grammar_backend_names  # noqa: E402
 from braid.runtime.constrained.bitmask import BitmaskBuffer, apply_token_bitmask  # noqa: E402
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler  # noqa: E402
-from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher  # noqa: E402
+from braid.runtime.constrained.grammar import GrammarCompiler  # noqa: E402
+from braid.runtime.executor.model_runner import ModelRunner  # noqa: E402
 from braid.runtime.ipc.to_scheduler import GenerateReq  # noqa: E402
+from braid.runtime.models.config import ModelConfig  # noqa: E402
 from braid.runtime.models.source import resolve_model  # noqa: E402
 from braid.runtime.scheduler.process import build_scheduler  # noqa: E402
+from braid.runtime.scheduler.scheduler import Scheduler  # noqa: E402
+from tests.runtime.grammars import (  # noqa: E402
+    ARITHMETIC,
+    CHARACTER,
+    CHARACTER_REGEX,
+    INSTANCES,
+    SQL,
+)
 from tests.runtime.json_schemas import CORPUS  # noqa: E402
 
 FREE_TEXT = {
@@ -167,13 +190,14 @@ def jump_forward_ab(sched, tokenizer, batch: int, max_tokens: int, repeats: int)
     }
 
 
-def compile_times(tokenizer, repeats: int) -> dict:
+def compile_times(tokenizer, backend: str, repeats: int) -> dict:
     """Best of `repeats`, each with fresh compilers (empty caches)."""
     vocab_s, cached_s, pool_s = [], [], []
     cold: dict[str, float] = {}
     for _ in range(repeats):
         t0 = time.perf_counter()
-        compiler = GrammarCompiler(tokenizer)
+        compiler = GrammarCompiler(tokenizer, backend)
+        compiler.get_backend(backend)
         vocab_s.append(time.perf_counter() - t0)
         for name, schema in CORPUS.items():
             t = time.perf_counter()
@@ -183,13 +207,16 @@ def compile_times(tokenizer, repeats: int) -> dict:
         for schema in CORPUS.values():
             compiler.compile("json_schema", schema)
         cached_s.append(time.perf_counter() - t)
-        fresh = GrammarCompiler(tokenizer)
+        fresh = GrammarCompiler(tokenizer, backend)
         pool = AsyncGrammarCompiler(lambda c=fresh: c, workers=2)
+        pool.submit("regex", "warm").result()  # the vocabulary view and the workers
         t = time.perf_counter()
         for f in [pool.submit("json_schema", s) for s in CORPUS.values()]:
             f.result()
         pool_s.append(time.perf_counter() - t)
+        pool.shutdown()
     return {
+        "backend": backend,
         "schemas": len(CORPUS),
         "vocabulary_build_s": min(vocab_s),
         "cold_total_s": sum(cold.values()),
@@ -200,14 +227,16 @@ def compile_times(tokenizer, repeats: int) -> dict:
     }
 
 
-def mask_cost(tokenizer, vocab: int, device: torch.device, batch_sizes: str) -> list[dict]:
+def mask_cost(
+    tokenizer, backend: str, vocab: int, device: torch.device, batch_sizes: str
+) -> list[dict]:
     """Filling and applying the bitmask alone, every row inside a JSON string (the state that
     allows almost every token)."""
-    compiler = GrammarCompiler(tokenizer)
+    compiler = GrammarCompiler(tokenizer, backend)
     grammar = compiler.compile("json_schema", FREE_TEXT)
     rows = []
     for batch in (int(b) for b in batch_sizes.split(",")):
-        matchers = [GrammarMatcher(grammar) for _ in range(batch)]
+        matchers = [grammar.matcher() for _ in range(batch)]
         for m in matchers:
             for t in tokenizer.encode('{"summary": "', add_special_tokens=False):
                 m.advance(t)
@@ -228,6 +257,79 @@ def mask_cost(tokenizer, vocab: int, device: torch.device, batch_sizes: str) -> 
     return rows
 
 
+def corpus_items() -> list[tuple[str, str, object, str]]:
+    """(name, kind, spec, a text it accepts) for `structured_corpus.backend_costs`."""
+    items = [(n, "json_schema", schema, json.dumps(INSTANCES[n])) for n, schema in CORPUS.items()]
+    return items + [
+        ("sglang_character_regex", "regex", CHARACTER_REGEX, CHARACTER),
+        ("regex_year", "regex", r" [12][0-9]{3}", " 1999"),
+        ("choice", "choice", ["apple", "banana", "cherry pie"], "cherry pie"),
+        ("ebnf_arithmetic", "ebnf", ARITHMETIC, "12 + 7 = 19"),
+        ("ebnf_sql", "ebnf", SQL, "SELECT id, name FROM users WHERE age > 30;"),
+    ]
+
+
+def scheduler_alone(model_dir: Path, assets, backend: str, kv_tokens: int) -> Scheduler:
+    """A scheduler whose grammars all go to `backend` (no fallback): what it alone covers."""
+    config = EngineConfig(
+        model=str(model_dir), kv_tokens=kv_tokens, show_progress=False, grammar_backend=backend
+    )
+    runner = ModelRunner(config, ModelConfig.from_dir(model_dir), model_dir)
+    tokenizer = assets.tokenizer
+    return Scheduler(
+        runner,
+        config,
+        eos_token_ids=assets.eos_token_ids,
+        grammar_compiler=lambda: GrammarCompiler(tokenizer, backend, fallback=False),
+    )
+
+
+def jsonschemabench(args, model_dir: Path, assets) -> None:
+    bench = structured_corpus.load_bench()
+    step = max(1, len(bench) // args.sample)
+    sample = bench[::step][: args.sample]
+    results = {}
+    for backend in args.backends.split(","):
+        summary, _, _ = structured_corpus.coverage(
+            assets.tokenizer, backend, bench, args.compile_timeout
+        )
+        print(json.dumps({"backend": backend, **summary}), flush=True)
+        sched = scheduler_alone(model_dir, assets, backend, args.kv_tokens)
+        gen = structured_corpus.generation(sched, assets.tokenizer, sample, args.gen_max_tokens)
+        sched.grammars.waiting.compiler.shutdown()
+        del sched
+        print(json.dumps({"backend": backend, **gen}), flush=True)
+        results[backend] = {"coverage": summary, "generation": gen}
+    print(f"\n{len(bench)} JSONSchemaBench schemas, each backend alone")
+    print(
+        f"{'backend':>10} | {'compile':>7} | {'refused':>7} | {'failed':>6} | {'timeout':>7} | "
+        f"{'p50 s':>6} | {'valid ok':>8} | {'invalid no':>10} | generated valid"
+    )
+    for b, r in results.items():
+        c, g = r["coverage"], r["generation"]
+        print(
+            f"{b:>10} | {100 * c['compiled_fraction']:6.1f}% | {c['refused']:>7} | "
+            f"{c['failed']:>6} | {c['timed_out']:>7} | {c['compile_s_p50']:6.3f} | "
+            f"{100 * c['valid_instances_accepted']:7.1f}% | "
+            f"{100 * c['invalid_instances_refused']:9.1f}% | "
+            f"{g['valid']}/{g['generated']} ({g['finished']} finished)"
+        )
+    write_result(
+        "structured_jsonschemabench",
+        "cpu" if not torch.cuda.is_available() else "cuda",
+        args.out,
+        {
+            "model": model_dir.name,
+            "schemas": len(bench),
+            "sample": [item["id"] for item in sample],
+            "compile_timeout_s": args.compile_timeout,
+            "gen_max_tokens": args.gen_max_tokens,
+            "backends": results,
+        },
+        script="benchmarks/structured.py",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: embedded SmolLM2)")
@@ -239,7 +341,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per point (best is kept)")
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument(
-        "--out", default=None, help="JSON path (default: results/structured_<device>.json)"
+        "--grammar-backend", default=None, help="the scheduler's backend (default: braid's)"
+    )
+    ap.add_argument(
+        "--backends", default=",".join(grammar_backend_names()), help="backends to compare"
+    )
+    ap.add_argument("--corpus", choices=("schemas", "jsonschemabench"), default="schemas")
+    ap.add_argument("--sample", type=int, default=24, help="jsonschemabench: outputs per backend")
+    ap.add_argument("--gen-max-tokens", type=int, default=64, help="jsonschemabench: per output")
+    ap.add_argument(
+        "--compile-timeout", type=float, default=10.0, help="jsonschemabench: seconds per schema"
+    )
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default: results/structured[_<corpus>]_<dev>.json)"
     )
     args = ap.parse_args()
 
@@ -247,8 +361,16 @@ def main() -> None:
     assets = ModelAssets.load(str(model_dir))
     if assets.tokenizer is None:
         raise SystemExit("structured generation needs a model with a tokenizer")
+    if args.corpus == "jsonschemabench":
+        return jsonschemabench(args, model_dir, assets)
     tokenizer = assets.tokenizer
-    config = EngineConfig(model=str(model_dir), kv_tokens=args.kv_tokens, show_progress=False)
+    config = EngineConfig(
+        model=str(model_dir),
+        kv_tokens=args.kv_tokens,
+        show_progress=False,
+        grammar_backend=args.grammar_backend,
+    )
+    backend = config.effective_grammar_backend
     sched = build_scheduler(config, model_dir, assets.eos_token_ids)
     device = sched.device
     vocab = sched.vocab_size
@@ -259,7 +381,8 @@ def main() -> None:
         [([100, 101, 102], SamplingParams(temperature=0.0, max_tokens=2, json_schema=FREE_TEXT))],
     )
 
-    mask = {r["batch_size"]: r for r in mask_cost(tokenizer, vocab, device, args.batch_sizes)}
+    mask_rows = mask_cost(tokenizer, backend, vocab, device, args.batch_sizes)
+    mask = {r["batch_size"]: r for r in mask_rows}
     decode = []
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         row = decode_cost(sched, vocab, bs, args.output_len, args.input_len, args.repeats)
@@ -275,8 +398,9 @@ def main() -> None:
         row = jump_forward_ab(sched, tokenizer, bs, args.jump_max_tokens, args.repeats)
         jump.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "example_text"}), flush=True)
-    compile_ = compile_times(tokenizer, args.repeats)
+    compile_ = compile_times(tokenizer, backend, args.repeats)
     print(json.dumps({k: v for k, v in compile_.items() if k != "cold_per_schema_s"}), flush=True)
+    backends = structured_corpus.backend_costs(tokenizer, args.backends.split(","), corpus_items())
 
     print(f"\nmodel {model_dir.name} on {device}")
     print(
@@ -302,8 +426,19 @@ def main() -> None:
         f"\ncompile ({compile_['schemas']} schemas): cold {compile_['cold_total_s']:.2f} s "
         f"(max {compile_['cold_max_s']:.2f} s), cached {1e3 * compile_['cached_total_s']:.2f} ms, "
         f"pool of 2 cold {compile_['pool_cold_total_s']:.2f} s; vocabulary "
-        f"{compile_['vocabulary_build_s']:.2f} s"
+        f"{compile_['vocabulary_build_s']:.2f} s ({backend})"
     )
+    print(
+        f"\n{'backend':>10} | {'compile s (max)':>15} | {'character regex s':>17} | "
+        f"{'mask us/tok mean p50 p99':>24} | forced us/tok"
+    )
+    for b, r in backends.items():
+        char = r["compile_per_item_s"]["sglang_character_regex"]
+        print(
+            f"{b:>10} | {r['compile_total_s']:6.2f} ({r['compile_max_s']:5.2f}) | {char:17.3f} | "
+            f"{r['mask_us_per_token_mean']:8.1f} {r['mask_us_per_token_p50']:6.1f} "
+            f"{r['mask_us_per_token_p99']:8.1f} | {r['forced_us_per_token_mean']:.1f}"
+        )
 
     write_result(
         "structured",
@@ -316,8 +451,10 @@ def main() -> None:
             "output_len": args.output_len,
             "decode": decode,
             "jump_forward": jump,
+            "grammar_backend": backend,
             "compile": compile_,
             "mask": list(mask.values()),
+            "backends": backends,
         },
     )
 

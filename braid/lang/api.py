@@ -64,14 +64,16 @@ def gen(
     choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    ebnf: str | None = None,
     **extra: Any,
 ) -> Expr:
     """Generate into variable `name` (SGLang's `gen`, same parameters in the same order).
 
     The variable is the generated text (a list of texts with `n > 1`). `dtype` in (int,
     float, str, bool, or their names) constrains the text to a literal of that type, whose
-    converted value `state.get_value(name)` returns; `regex` / `json_schema` constrain it (at
-    most one constraint); `choices` makes it a `select`. `max_tokens=0` generates nothing.
+    converted value `state.get_value(name)` returns; `regex` / `json_schema` / `ebnf` (a GBNF
+    grammar, root rule `root`) constrain it (at most one constraint); `choices` makes it a
+    `select`. `max_tokens=0` generates nothing.
     `max_new_tokens` / `min_new_tokens` are accepted as SGLang's names; any other keyword is a
     `ValueError`."""
     where = f"gen({name!r})"
@@ -99,9 +101,12 @@ def gen(
         if v is not None
     }
     args = SamplingArgs.from_kwargs({**given, **extra}, where)
+    constraints = (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf))
     if choices is not None:
-        if regex is not None or json_schema is not None or dtype is not None:
-            raise ValueError(f"{where}: choices cannot be combined with regex/json_schema/dtype")
+        if any(v is not None for _, v in constraints) or dtype is not None:
+            raise ValueError(
+                f"{where}: choices cannot be combined with regex/json_schema/ebnf/dtype"
+            )
         t = 0.0 if args.temperature is None else args.temperature
         return select(name, choices=choices, temperature=t, choices_method=choices_method)
     if choices_method is not None:
@@ -110,17 +115,18 @@ def gen(
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"{where}: dtype must be int, float, str or bool, got {dtype!r}")
         dtype = DTYPE_NAMES[dtype]
-    named = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v]
+    named = [k for k, v in (*constraints, ("dtype", dtype)) if v is not None]
     if len(named) > 1:
         raise ValueError(f"{where}: give only one of {named}")
     if dtype is not None and dtype not in (int, float, str, bool):
         raise ValueError(f"{where}: dtype must be int, float, str or bool, got {dtype!r}")
     _check_args(args, where)
-    if regex is not None or json_schema is not None:
-        from braid.runtime.constrained.grammar import to_regex
+    for kind, spec in constraints:
+        if spec is not None:
+            from braid.runtime.constrained.spec import check_spec
 
-        to_regex("regex", regex) if regex is not None else to_regex("json_schema", json_schema)
-    return Gen(name, args, regex, json_schema, dtype)
+            check_spec(kind, spec)  # a malformed spec fails here, naming the field
+    return Gen(name, args, regex, json_schema, dtype, ebnf)
 
 
 def _check_args(args: SamplingArgs, where: str) -> None:

@@ -150,21 +150,22 @@ class Seq(Expr):
 @dataclass(frozen=True, eq=False)
 class Gen(Expr):
     """Generate text into variable `name` (None: unnamed), constrained by at most one of
-    `regex`, `json_schema`; `dtype` converts the stored value (the text is constrained by
-    the dtype's regex)."""
+    `regex`, `json_schema`, `ebnf`; `dtype` converts the stored value (the text is constrained
+    by the dtype's regex)."""
 
     name: str | None
     sampling: SamplingArgs
     regex: str | None = None
     json_schema: str | dict | None = None
     dtype: type | None = None
+    ebnf: str | None = None
 
     @property
     def constraint(self) -> tuple[str, Any] | None:
-        if self.regex is not None:
-            return ("regex", self.regex)
-        if self.json_schema is not None:
-            return ("json_schema", self.json_schema)
+        """(kind, spec) as the backends send it (a `SamplingParams` field and its value)."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            if getattr(self, kind) is not None:
+                return (kind, getattr(self, kind))
         return None
 
 

@@ -22,6 +22,9 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+# The grammar backend when `grammar_backend` is unset: the fastest on this project's machines
+# (compile and per-token mask times: docs/benchmarks.md).
+DEFAULT_GRAMMAR_BACKEND = "llguidance"
 # New tokens one prefill batch may hold when `max_prefill_tokens` is unset.
 _DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
 
@@ -69,6 +72,12 @@ def check_choices(settings: Any) -> None:
 def python_name(flag: str) -> str:
     """A flag's Python spelling: "--max-total-tokens" -> "max_total_tokens"."""
     return flag.lstrip("-").replace("-", "_")
+
+
+def _grammar_backends() -> list[str]:
+    from braid.runtime.constrained import grammar_backend_names
+
+    return grammar_backend_names()
 
 
 def _attention_backends() -> list[str]:
@@ -147,6 +156,14 @@ class EngineConfig:
         choices=("auto", "dummy"),
     )
     show_progress: bool = setting(True, "a progress bar while the weights load")
+    grammar_backend: str | None = setting(
+        None,
+        "the library that compiles json_schema/regex/choice/ebnf/lark/structural_tag "
+        "constraints; a constraint it cannot enforce (a kind it lacks, a JSON Schema keyword it "
+        f"would ignore) goes to another backend that can, or is refused; unset: "
+        f"{DEFAULT_GRAMMAR_BACKEND}",
+        choices=_grammar_backends,
+    )
     grammar_compile_timeout_s: float = setting(
         30.0,
         "seconds a json_schema/regex/choice grammar may take to compile; a request whose "
@@ -243,6 +260,11 @@ class EngineConfig:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def effective_grammar_backend(self) -> str:
+        """`grammar_backend`, or when None: DEFAULT_GRAMMAR_BACKEND."""
+        return self.grammar_backend or DEFAULT_GRAMMAR_BACKEND
 
     @property
     def effective_attention_backend(self) -> str:

@@ -6,7 +6,6 @@ Field names and defaults follow vLLM's `SamplingParams`, so code written for it 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -15,6 +14,10 @@ from typing import Any
 # Largest number of top log-probabilities one token may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
+
+# The fields that constrain the output (at most one is given); each is a constraint kind of
+# `braid.runtime.constrained.spec`.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "ebnf", "lark", "structural_tag")
 
 # Integers travel to the scheduler as 64-bit values.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -48,8 +51,12 @@ class SamplingParams:
     ones are None), and the prompt's first `p - 1` tokens may come from the prefix cache (with
     0, the default, every position is scored and nothing is cached). `logit_bias` maps token
     ids to a bias added to their logits.
-    `json_schema` (a schema dict or JSON string), `regex`, or `choice` (a list of strings)
-    constrain the output to match; at most one of them.
+    `json_schema` (a schema dict or JSON string), `regex`, `choice` (a list of strings),
+    `ebnf` (a GBNF grammar, root rule `root`: SGLang's field), `lark` (a Lark grammar, start
+    rule `start`) or `structural_tag` (SGLang's: free text in which each trigger starts a
+    begin tag, a JSON value of its schema and an end tag) constrain the output; at most one of
+    them. A constraint the configured grammar backend cannot enforce goes to one that can, or
+    the request fails with a `ValueError` naming the field and the keyword.
     """
 
     n: int = 1
@@ -77,24 +84,24 @@ class SamplingParams:
     json_schema: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    ebnf: str | None = None
+    lark: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         err = self._first_error()
         if err:
             raise ValueError(err)
-        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: give only one of json_schema, regex, choice")
+            raise ValueError(f"{given[1]}: give only one of {', '.join(CONSTRAINT_FIELDS)}")
         if given and self.min_tokens:
             raise ValueError(f"min_tokens: cannot be combined with {given[0]}")
         if given:
-            from braid.runtime.constrained.grammar import to_regex
+            from braid.runtime.constrained.spec import check_spec
 
-            to_regex(given[0], getattr(self, given[0]))  # raises ValueError naming the field
-            if self.json_schema is not None and not isinstance(self.json_schema, str):
-                object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
-            if self.choice is not None:
-                object.__setattr__(self, "choice", tuple(self.choice))
+            # Raises ValueError naming the field; JSON specs are stored as text.
+            object.__setattr__(self, given[0], check_spec(given[0], getattr(self, given[0])))
         # Normalise containers so the object is hashable-ish and never aliases caller state.
         for name in ("stop", "stop_regex"):  # one string or a list of them -> a tuple
             value = getattr(self, name)
@@ -194,7 +201,7 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
         """(kind, spec) of the output constraint, if any."""
-        for kind in ("json_schema", "regex", "choice"):
+        for kind in CONSTRAINT_FIELDS:
             if getattr(self, kind) is not None:
                 return kind, getattr(self, kind)
         return None

@@ -1,8 +1,8 @@
-"""Constrained decoding with outlines-core: on the real SmolLM2 vocabulary every finished output
-matches its regex, choice or JSON schema and unconstrained neighbours are unaffected; on a tiny
-random model with its own byte-level BPE, every sampled output is a prefix the grammar accepts;
-vocabularies (byte-level and SentencePiece-style) map to the right bytes; bitmasks ban exactly
-the tokens they should."""
+"""Constrained decoding with every grammar backend: on the real SmolLM2 vocabulary every
+finished output matches its regex, choice or JSON schema and unconstrained neighbours are
+unaffected; on a tiny random model with its own byte-level BPE, every sampled output is a
+prefix the grammar accepts; vocabularies (byte-level and SentencePiece-style) map to the right
+bytes; bitmasks ban exactly the tokens they should."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from braid import SamplingParams
+from braid.runtime.constrained import grammar_backend_names
 from braid.runtime.constrained.bitmask import (
     BitmaskBuffer,
     apply_token_bitmask,
     apply_token_bitmask_torch,
 )
-from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
+from braid.runtime.constrained.grammar import GrammarCompiler
 from braid.runtime.constrained.vocab import token_bytes, token_vocab
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from tests.conftest import local_scheduler, run_to_end
@@ -45,8 +46,13 @@ SCHEMAS = [
 ]
 
 
+BACKENDS = grammar_backend_names()
+
+
 @pytest.fixture(scope="module")
 def sched(smollm2_dir, smollm2):
+    """SmolLM2 with the default grammar backend (tests/runtime/test_json_schema_corpus.py runs
+    every backend on SmolLM2)."""
     return local_scheduler(smollm2_dir, smollm2.eos_token_ids, kv_tokens=4096)
 
 
@@ -120,7 +126,7 @@ def test_free_requests_are_unaffected_by_constrained_neighbours(sched, smollm2):
     )
     got = run_to_end(sched)
     assert got["free"] == alone
-    assert sched.grammar_compiler.misses >= 1
+    assert sched.grammar_compiler.misses >= 1 and sched.grammar_compiler.backend in BACKENDS
 
 
 def test_bad_specs_are_value_errors_naming_the_field():
@@ -198,12 +204,15 @@ def test_bitmask_on_cuda_matches_the_torch_version():
     assert torch.equal(got.cpu(), want)
 
 
-def test_matcher_bitmask_is_its_allowed_token_list(smollm2):
-    compiler = GrammarCompiler(smollm2.tokenizer)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matcher_bitmask_is_its_allowed_token_list(smollm2, backend):
+    compiler = GrammarCompiler(smollm2.tokenizer, backend)
     tok = smollm2.tokenizer
     grammar = compiler.compile("json_schema", SCHEMAS[0])
-    buf = BitmaskBuffer(compiler.vocab.size, torch.device("cpu"))
-    matchers = [GrammarMatcher(grammar) for _ in range(3)]
+    assert grammar.backend == backend
+    # A model's vocabulary may be wider than its tokenizer's: the extra words ban everything.
+    buf = BitmaskBuffer(compiler.vocab.size + 70, torch.device("cpu"))
+    matchers = [grammar.matcher() for _ in range(3)]
     for t in tok.encode('{"name": "', add_special_tokens=False):
         matchers[1].advance(t)  # inside a string: almost every token
     for t in tok.encode('{"name": "Al", "age": 4', add_special_tokens=False):
@@ -214,11 +223,13 @@ def test_matcher_bitmask_is_its_allowed_token_list(smollm2):
         ids = torch.arange(bits.numel() * 32)
         set_bits = ((bits[ids // 32] >> (ids % 32)) & 1).bool()
         assert set(ids[set_bits].tolist()) == set(m.allowed_tokens())
+        assert max(m.allowed_tokens()) < compiler.vocab.size
     assert len(matchers[1].allowed_tokens()) > 40000 and len(matchers[2].allowed_tokens()) < 200
 
 
 # ---- vocabularies -----------------------------------------------------------------------------
-def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes(backend):
     sp = build_sentencepiece_style()
     ids = sp.get_vocab()
     eos, mapping = token_bytes(sp)
@@ -235,11 +246,15 @@ def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes():
     enc = sp.encode("hello\nworld", add_special_tokens=False)
     assert b"".join(flat[t] for t in enc) == b" hello\nworld"  # Metaspace's leading space
 
-    compiler = GrammarCompiler(sp)
-    start = GrammarMatcher(compiler.compile("regex", r" hello\n[a-z]+")).allowed_tokens()
-    assert ids["▁hello"] in start and ids["▁"] in start and ids["<0x20>"] in start
+    compiler = GrammarCompiler(sp, backend)
+    start = compiler.compile("regex", r" hello\n[a-z]+").matcher().allowed_tokens()
+    if backend == "llguidance":
+        # It allows only the tokenizer's own tokens for text the grammar forces.
+        assert start == [ids["▁hello"]]
+    else:
+        assert ids["▁hello"] in start and ids["▁"] in start and ids["<0x20>"] in start
     assert ids["hello"] not in start
-    m = GrammarMatcher(compiler.compile("regex", r" hello\n[a-z]+"))
+    m = compiler.compile("regex", r" hello\n[a-z]+").matcher()
     for t in (ids["▁hello"], ids["<0x0A>"], ids["w"]):
         m.advance(t)
     assert m.is_final
@@ -271,22 +286,29 @@ TINY_SPECS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, eos = build_tiny_constrained_model(tmp_path_factory.mktemp("tiny-constrained"))
-    return local_scheduler(path, frozenset({eos}), kv_tokens=2048), eos
+def tiny_model(tmp_path_factory):
+    return build_tiny_constrained_model(tmp_path_factory.mktemp("tiny-constrained"))
 
 
-def _accepted_prefix(index, ids: list[int], eos: int) -> tuple[bool, bool]:
+@pytest.fixture(scope="module", params=BACKENDS)
+def tiny(request, tiny_model):
+    path, eos = tiny_model
+    sched = local_scheduler(path, frozenset({eos}), kv_tokens=2048, grammar_backend=request.param)
+    return sched, eos
+
+
+def _accepted_prefix(grammar, ids: list[int], eos: int) -> tuple[bool, bool]:
     """(every token is accepted in turn, the walk ends in a final state); a trailing EOS is
     checked as allowed where it stands."""
-    state = index.get_initial_state()
+    m = grammar.matcher()
     for i, t in enumerate(ids):
         if t == eos:
-            return i == len(ids) - 1 and index.is_final_state(state), True
-        state = index.get_next_state(state, t)
-        if state is None:
+            return i == len(ids) - 1 and m.is_final, True
+        try:
+            m.advance(t)
+        except ValueError:
             return False, False
-    return True, index.is_final_state(state)
+    return True, m.is_final
 
 
 @pytest.mark.parametrize("jump_forward", [True, False], ids=["jump-forward", "token-by-token"])
@@ -310,11 +332,11 @@ def test_sampled_outputs_of_a_random_model_are_accepted_prefixes(tiny, jump_forw
     assert len(finish) == len(TINY_SPECS) * 4
     stopped = 0
     for n, (kind, spec) in enumerate(TINY_SPECS):
-        index = sched.grammar_compiler.compile(kind, spec).index
+        grammar = sched.grammar_compiler.compile(kind, spec)
         for seed in range(4):
             rid = f"{n}-{seed}"
             assert finish[rid] in ("stop", "length"), (rid, finish[rid])
-            accepted, final = _accepted_prefix(index, ids[rid], eos)
+            accepted, final = _accepted_prefix(grammar, ids[rid], eos)
             assert accepted, (rid, ids[rid])
             if finish[rid] == "stop":
                 stopped += 1

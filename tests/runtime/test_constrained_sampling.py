@@ -22,7 +22,6 @@ import torch
 from braid import SamplingParams
 from braid.lang.ir import REGEX_FLOAT, REGEX_INT, REGEX_STR
 from braid.runtime.constrained.bitmask import bitmask_words
-from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.executor.sampler import Sampler, SamplingInput, bits_to_uniform
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
@@ -122,7 +121,6 @@ def test_every_constrained_token_is_accepted(tiny_smollm_vocab, jump_forward):
     sched = local_scheduler(
         path, frozenset({tok.eos_token_id}), kv_tokens=16384, disable_jump_forward=not jump_forward
     )
-    compiler = GrammarCompiler(tok)
     rng = random.Random(1 if jump_forward else 2)
     prompts = [tok.encode(t) for t in ("Answer: ", '{"a": ', "The value is ", "JSON:\n")]
     specs: dict[str, tuple[str, object]] = {}
@@ -147,7 +145,7 @@ def test_every_constrained_token_is_accepted(tiny_smollm_vocab, jump_forward):
     assert not errors, errors
     total = 0
     for rid, ids in tokens.items():
-        m = GrammarMatcher(compiler.compile(*specs[rid]))
+        m = sched.grammar_compiler.compile(*specs[rid]).matcher()
         for t in ids:
             if t == tok.eos_token_id:
                 assert m.is_final, f"{rid}: EOS before the grammar could end"

@@ -4,7 +4,8 @@ its time limit fails that request alone, with a clear message, and the runtime k
 with no KV slot lost; an overrunning compile's worker process is killed, so no CPU keeps
 burning, and workers die with their parent. Runs on a tiny random Llama with a real byte-level
 BPE tokenizer, where `\\w{0,500}` (every Unicode word character, 500 times) takes seconds to
-compile."""
+compile with outlines-core, the backend these tests use (it compiles in workers); llguidance
+compiles on the pool's threads (tests/runtime/test_grammar_backends.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def pools():
 def make_scheduler(tiny, pools):
     def make(**config):
         path, eos = tiny
-        sched = local_scheduler(path, frozenset({eos}), kv_tokens=2048, **config)
+        sched = local_scheduler(
+            path, frozenset({eos}), kv_tokens=2048, grammar_backend="outlines", **config
+        )
         pools.append(sched.grammars.waiting.compiler)
         # Load the vocabulary first, so that time limits measure compiles alone.
         sched.grammars.waiting.compiler.submit("regex", "warm").result()
@@ -82,7 +85,9 @@ FREE = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def free_alone(tiny):
-    sched = local_scheduler(tiny[0], frozenset({tiny[1]}), kv_tokens=2048)
+    sched = local_scheduler(
+        tiny[0], frozenset({tiny[1]}), kv_tokens=2048, grammar_backend="outlines"
+    )
     sched.handle(GenerateReq("free", PROMPT, FREE, 0))
     return run_to_end(sched)["free"]
 
@@ -165,7 +170,7 @@ def make_pool(tiny_tokenizer, pools):
         def make_compiler() -> GrammarCompiler:
             if built is not None:
                 built.append(time.monotonic())
-            return GrammarCompiler(tiny_tokenizer)
+            return GrammarCompiler(tiny_tokenizer, "outlines")
 
         pool = AsyncGrammarCompiler(make_compiler, workers=workers)
         pools.append(pool)
@@ -304,7 +309,7 @@ from braid.runtime.constrained.grammar import GrammarCompiler
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer(sys.argv[1])
-pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tokenizer), workers=2)
+pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tokenizer, "outlines"), workers=2)
 pool.submit("regex", "warm").result()
 pool.submit("regex", sys.argv[2])
 while len(pool.worker_pids) < 2:
@@ -343,3 +348,19 @@ def test_the_time_limit_is_a_validated_config_field_and_a_serve_flag():
     assert (args.grammar_compile_timeout_s, args.disable_jump_forward) == (5.0, True)
     args = build_parser().parse_args(["serve"])
     assert (args.grammar_compile_timeout_s, args.disable_jump_forward) == (30.0, False)
+
+
+def test_start_builds_the_compiler_and_a_worker_before_any_request(make_pool):
+    """`start()` (what a GPU engine calls at start) builds the vocabulary and starts an
+    outlines worker in the background, so the first request compiles at once."""
+    built: list[float] = []
+    pool = make_pool(built=built)
+    assert pool.compiler is None
+    pool.start()
+    deadline = time.monotonic() + 30
+    while (pool.compiler is None or not pool.worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.compiler is not None and pool.worker_pids
+    assert len(built) == 1  # built once, by the drivers, not by a request
+    assert pool.submit("regex", "[ab]{2}").result(timeout=30) is not None
+    assert len(built) == 1

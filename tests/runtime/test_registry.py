@@ -69,7 +69,7 @@ def test_listing_names_imports_no_factory_module():
         from braid.runtime.models import supported_architectures
 
         assert backend_names() == ["torch_native", "triton"]
-        assert grammar_backend_names() == ["outlines"]
+        assert grammar_backend_names() == ["llguidance", "outlines", "xgrammar"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
         assert supported_architectures() == [
             "LlamaForCausalLM", "LlavaForConditionalGeneration",
@@ -79,7 +79,9 @@ def test_listing_names_imports_no_factory_module():
         ]
         lazy = [
             "braid.runtime.attention.torch_native", "braid.runtime.attention.triton_backend",
-            "braid.runtime.constrained.grammar", "braid.runtime.function_call.hermes",
+            "braid.runtime.constrained.grammar", "braid.runtime.constrained.outlines_backend",
+            "braid.runtime.constrained.xgrammar_backend", "xgrammar", "llguidance",
+            "braid.runtime.function_call.hermes",
             "braid.runtime.models.llama", "braid.runtime.models.qwen2_vl",
             "braid.runtime.models.llava", "braid.runtime.models.qwen3_vl", "triton",
         ]
@@ -96,19 +98,19 @@ def test_listing_names_imports_no_factory_module():
 def test_the_registries_resolve_their_names_and_keep_their_messages():
     from braid.runtime.attention import create_backend
     from braid.runtime.constrained import get_grammar_backend
-    from braid.runtime.constrained.grammar import GrammarCompiler
+    from braid.runtime.constrained.outlines_backend import OutlinesBackend
     from braid.runtime.function_call import get_parser
     from braid.runtime.models import get_model_class
     from braid.runtime.models.llama import LlamaForCausalLM
 
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert get_model_class(arch) is LlamaForCausalLM
-    assert get_grammar_backend("outlines") is GrammarCompiler
+    assert get_grammar_backend("outlines") is OutlinesBackend
     with pytest.raises(ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported"):
         get_model_class("GPT2LMHeadModel")
     with pytest.raises(ValueError, match=r"attention_backend 'flash' is unknown \(have \["):
         create_backend("flash")
     with pytest.raises(ValueError, match=r"tool_call_parser: 'qwen9' is unknown \(have \["):
         get_parser("qwen9")
-    with pytest.raises(ValueError, match=r"grammar_backend 'xgrammar' is unknown"):
-        get_grammar_backend("xgrammar")
+    with pytest.raises(ValueError, match=r"grammar_backend 'guidance' is unknown"):
+        get_grammar_backend("guidance")

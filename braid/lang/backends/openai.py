@@ -5,8 +5,10 @@ open an assistant turn); one without roles talks to `/v1/completions` with its t
 and `logprob_start_len` need prompt log-probabilities (`/v1/completions` with `echo` and
 `logprobs`); a server that does not give them gets a clear error. Sampling arguments OpenAI
 does not define (`top_k`, `min_p`, `ignore_eos`, `stop_regex`, `regex`, `json_schema`) go in
-the request body as extras. OpenAI's wire format has no token ids: logprob entries carry None
-there.
+the request body as extras. An `ebnf` constraint goes only to a server with SGLang's native API
+(`braid serve`, SGLang: it answers `/get_model_info`); for any other a gen with one is a clear
+`ValueError`, since such a server would ignore the unknown field and answer with free text.
+OpenAI's wire format has no token ids: logprob entries carry None there.
 
 Images (`image()`) go where they stand in the messages, as `image_url` content parts (a file,
 bytes or a PIL image as a base64 `data:` URL, an http(s) URL as it is), so a program runs
@@ -37,6 +39,8 @@ from braid.runtime.tokenizer.roles import RoleTemplate
 
 _OPENAI_FIELDS = ("n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
 _EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "stop_regex")
+# Constraint kinds only servers with SGLang's native API take (vLLM would drop the field).
+_SGLANG_CONSTRAINTS = ("ebnf",)
 # Where an image stands in the program's text and messages until they are sent. The server's
 # model has its own placeholder, unknown here; this one only has to be unlike any real text.
 IMAGE_PLACEHOLDER = "<|braid_image|>"
@@ -95,10 +99,10 @@ class OpenAI(Backend):
 
         self.model = model
         self._openai = openai
-        self.client = openai.OpenAI(
-            base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        )
+        self._api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self.client = openai.OpenAI(base_url=base_url, api_key=self._api_key)
         self._roles = RoleTemplate.plain()
+        self._sglang_api: bool | None = None  # whether the server answers /get_model_info
 
     @property
     def role_template(self) -> RoleTemplate:
@@ -111,7 +115,36 @@ class OpenAI(Backend):
     def get_model_name(self) -> str:
         return self.model
 
+    def _check_constraint(self, constraint: tuple[str, Any] | None) -> None:
+        if constraint is None or constraint[0] not in _SGLANG_CONSTRAINTS:
+            return
+        if self._sglang_api is None:
+            self._sglang_api = self._answers_model_info()
+        if not self._sglang_api:
+            kind = constraint[0]
+            raise ValueError(
+                f"OpenAI backend: gen({kind}=...) needs a server that takes SGLang's `{kind}` "
+                f"field (braid serve, SGLang); {self.client.base_url} does not answer "
+                "/get_model_info. Use the Engine or RuntimeEndpoint backend, or a regex or "
+                "json_schema constraint"
+            )
+
+    def _answers_model_info(self) -> bool:
+        import httpx
+
+        root = str(self.client.base_url).rstrip("/").removesuffix("/v1")
+        try:
+            r = httpx.get(
+                f"{root}/get_model_info",
+                headers={"Authorization": f"Bearer {self._api_key}"},
+                timeout=10,
+            )
+            return r.status_code == 200 and "model_path" in r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
+
     def _kwargs(self, sampling: SamplingArgs, constraint) -> dict[str, Any]:
+        self._check_constraint(constraint)
         given = sampling.given()
         kw: dict[str, Any] = {"max_tokens": max_tokens_of(sampling)}
         kw.update({k: given[k] for k in _OPENAI_FIELDS if k in given})

@@ -1,32 +1,40 @@
-"""Compiling grammars off the scheduler's critical path, in worker processes that can be stopped.
+"""Compiling grammars off the scheduler's critical path, time-limited per request.
 
-An outlines-core compile cannot be interrupted and some take minutes (`(a|b)*a(a|b){14}` on
-SmolLM2's vocabulary), so indexes are built in worker processes (`compile_worker`): when a
-compile overruns its time limit its worker is killed and replaced, and no CPU keeps burning
-for a request that has already failed.
+Each constraint goes to its candidate backends in turn (`GrammarCompiler.candidates`: one may
+refuse a spec only when compiling it), and every backend compiles in worker processes
+(`compile_worker`): a compile cannot be interrupted, and each library has inputs that take
+minutes (outlines-core on `(a|b)*a(a|b){14}` over SmolLM2's vocabulary; xgrammar on a 70 kB
+schema; llguidance's pure-Python GBNF converter, holding the GIL, on a long grammar) or crash
+the process (llguidance on a Lark grammar of 2000 chained rules: SIGSEGV). When a compile
+overruns its time limit its worker is killed and replaced, so no CPU keeps burning for a
+request that has already failed; a crashed worker fails its request alone.
 
 The workers are `subprocess.Popen` children, not `multiprocessing` ones: the scheduler runs in
 a daemonic multiprocessing process (`braid.runtime.launch.spawn_runtime`), and a daemonic
 process may not start multiprocessing children. A spawned child would also import its target's
-module (and so torch) and the parent's main module, where this worker imports outlines-core
-alone, so it starts fast and stays small (measured with SmolLM2's vocabulary: docs/benchmarks.md,
-Figures behind design choices).
+module and the parent's main module, where this worker imports its backend alone: an
+outlines-core or llguidance worker starts fast and stays small (measured with SmolLM2's
+vocabulary: docs/benchmarks.md, Figures behind design choices); an xgrammar one imports torch
+(xgrammar does) and takes seconds to start.
 
-What crosses the pipes: the `GrammarCompiler` (tokenizer, vocabulary, cache, forced strings)
-stays in this process, built by the first compile as before. Each worker gets the outlines-core
-`Vocabulary` once, pickled, and for each compile returns the `Index`, which outlines-core
-pickles as bincode (a large regex's index is several times a JSON schema's). Loading it here is
-quick but holds the GIL, against a far longer build (which releases the GIL, in the worker).
-(Sizes and times measured: docs/benchmarks.md, Figures behind design choices.)
+What crosses the pipes: the `GrammarCompiler` (tokenizer, vocabulary, cache, the backends'
+views of the vocabulary) stays in this process, built by the first compile. Each worker serves
+one backend and gets that backend's `worker_payload` once (outlines-core's pickled
+`Vocabulary`, xgrammar's serialized `TokenizerInfo`, nothing for llguidance); for each compile
+it returns the backend's artifact (an outlines-core `Index`, pickled as bincode, a large
+regex's several times a JSON schema's; xgrammar's JSON serialization of the compiled grammar;
+llguidance's checked grammar text), which the backend loads here.
+Loading is quick but holds the GIL, against a far longer build (which releases the GIL, in the
+worker). (Sizes and times measured: docs/benchmarks.md, Figures behind design choices.)
 
-Threads: each worker has a driver thread here that starts it, feeds it tasks from a shared
-queue and waits for its answers; a replacement starts as soon as a worker ends, before the
-next task. The caller's thread only queues tasks and, when one overruns, writes a byte that
-wakes the driver, which terminates the worker (SIGKILL after `STOP_GRACE_S`). Nothing starts
-before the first `submit`, so a server without constrained requests pays nothing. The drivers
-are daemon threads, and each worker dies with the driver thread that started it
-(PR_SET_PDEATHSIG) or when its task pipe closes, so the scheduler process exits promptly and
-leaves no worker behind.
+Threads: each driver thread takes tasks from a shared queue; it starts a worker of the
+configured backend at once, one of another backend the first time a task goes there, and a
+replacement as soon as one ends, before the next task. The
+caller's thread only queues tasks and, when one overruns, writes a byte that wakes the driver,
+which terminates the worker (SIGKILL after `STOP_GRACE_S`). Nothing starts before the first
+`submit`, so a server without constrained requests pays nothing. The drivers are daemon
+threads, and each worker dies with the driver thread that started it (PR_SET_PDEATHSIG) or when
+its task pipe closes, so the scheduler process exits promptly and leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from typing import Any, Generic, TypeVar
 
 from braid.runtime.constrained.compile_worker import read_frame, write_frame
 from braid.runtime.constrained.grammar import CompiledGrammar, GrammarCompiler
-from braid.runtime.constrained.spec import grammar_key
+from braid.runtime.constrained.spec import check_spec, grammar_key
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +73,11 @@ _BRAID_ROOT = Path(__file__).resolve().parents[3]
 
 
 class _Worker:
-    """A compile worker process and its pipes. Used by its driver thread alone, except `stop`,
-    which the pool calls under its lock."""
+    """A compile worker process of one backend, and its pipes. Used by its driver thread
+    alone, except `stop`, which the pool calls under its lock."""
 
-    def __init__(self, vocabulary: bytes) -> None:
+    def __init__(self, backend: str, payload: bytes) -> None:
+        self.backend = backend
         tasks_in, self._tasks = os.pipe()
         self._results, results_out = os.pipe()
         self._wake_in, self._wake_out = os.pipe()
@@ -94,7 +103,7 @@ class _Worker:
         self._selector.register(self._results, selectors.EVENT_READ)
         self._selector.register(self._wake_in, selectors.EVENT_READ)
         try:
-            write_frame(self._tasks, vocabulary)
+            write_frame(self._tasks, pickle.dumps((backend, payload), pickle.HIGHEST_PROTOCOL))
         except BrokenPipeError:
             self.close()
             raise OSError(f"the compile worker {self.exit_status} at start-up") from None
@@ -113,7 +122,7 @@ class _Worker:
         return f"exited with code {code}"
 
     def compile(self, kind: str, spec: Any) -> tuple[Any, str | None] | None:
-        """The worker's `(index, error message)` for one task, or None if it died or `stop`
+        """The worker's `(artifact, error message)` for one task, or None if it died or `stop`
         was called first."""
         try:
             write_frame(self._tasks, pickle.dumps((kind, spec), pickle.HIGHEST_PROTOCOL))
@@ -161,11 +170,12 @@ class _Task:
 
 
 class AsyncGrammarCompiler:
-    """Compiles grammars in `workers` worker processes, started by the first `submit` and kept
-    for later ones. The `GrammarCompiler` (which loads the tokenizer's vocabulary) is built by
-    the first compile, off the caller's thread. Identical specs compiling at the same time share
-    one compile. `submit` and `overran` never wait for a process; they are meant for one thread
-    (the scheduler's)."""
+    """Compiles grammars on `workers` driver threads (each with its worker processes, for the
+    backends that compile in one), started by the first `submit` and kept for later ones. The
+    `GrammarCompiler` (which loads the tokenizer's vocabulary) is built by the first compile,
+    off the caller's thread. Identical specs compiling at the same time share one compile.
+    `submit` and `overran` never wait for a process; they are meant for one thread (the
+    scheduler's)."""
 
     def __init__(self, make_compiler: Callable[[], GrammarCompiler], workers: int = 2) -> None:
         if workers < 1:
@@ -173,7 +183,7 @@ class AsyncGrammarCompiler:
         self._make_compiler = make_compiler
         self._workers = workers
         self._compiler: GrammarCompiler | None = None
-        self._vocabulary: bytes | None = None  # the compiler's, pickled for the workers
+        self._payloads: dict[str, bytes] = {}  # each worker backend's, for its workers
         self._build_lock = threading.Lock()
         self._lock = threading.Lock()  # guards what follows, and settles the futures
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
@@ -207,18 +217,29 @@ class AsyncGrammarCompiler:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler has been shut down")
-            if not self._drivers:
-                self._drivers = [
-                    threading.Thread(target=self._drive, name=f"braid-grammar-{i}", daemon=True)
-                    for i in range(self._workers)
-                ]
-                for t in self._drivers:
-                    t.start()
+            self._start_drivers()
             task = self._in_flight.get(key)
             if task is None:
                 task = self._in_flight[key] = _Task(key, spec, Future())
                 self._tasks.put(task)
         return task.future
+
+    def start(self) -> None:
+        """Start the driver threads now rather than at the first `submit`: they build the
+        compiler (the vocabulary) and start a worker at once, off the caller's thread, so the
+        first constrained request does not wait for that."""
+        with self._lock:
+            if not self._closed:
+                self._start_drivers()
+
+    def _start_drivers(self) -> None:  # under self._lock
+        if not self._drivers:
+            self._drivers = [
+                threading.Thread(target=self._drive, name=f"braid-grammar-{i}", daemon=True)
+                for i in range(self._workers)
+            ]
+            for t in self._drivers:
+                t.start()
 
     def overran(self, fut: Future[CompiledGrammar]) -> None:
         """Tell the pool that `fut` ran past its caller's time limit: its compile is given up (a
@@ -255,38 +276,66 @@ class AsyncGrammarCompiler:
 
     # ---- driver threads -------------------------------------------------------------------
     def _drive(self) -> None:
-        worker = self._start_worker_or_log()
+        workers: dict[str, _Worker] = {}  # this thread's, by backend
+        self._warm(workers)
         while (task := self._tasks.get()) is not None:
-            worker = self._run(task, worker)
-        if worker is not None:
+            self._run(task, workers)
+        for worker in workers.values():
             self._end(worker)
 
-    def _run(self, task: _Task, worker: _Worker | None) -> _Worker | None:
-        """Compile `task` on `worker` (starting one if there is none); returns the worker for
-        the next task."""
+    def _warm(self, workers: dict[str, _Worker]) -> None:
+        """Start a worker of the configured backend, so the first compiles do not wait for one
+        (a failure is logged; the first task tries again and reports it)."""
+        try:
+            self._start_worker(self._get_compiler().backend, workers)
+        except Exception as e:  # reported to the first request, which tries again
+            logger.warning("a grammar compile worker did not start: %s: %s", type(e).__name__, e)
+
+    def _run(self, task: _Task, workers: dict[str, _Worker]) -> None:
+        """Compile `task` on the first of its candidate backends that compiles it (a backend
+        may refuse a spec only when compiling it). It fails with the first refusal if all
+        refuse, and at once if it runs out of time or its worker dies (a spec that crashes one
+        library is not handed to the next)."""
         if task.future.done():
-            return worker  # it ran out of time while queued
+            return  # it ran out of time while queued
         try:
             compiler = self._get_compiler()
-            if worker is None:
-                worker = self._start_worker()
-        except Exception as e:  # a failing tokenizer load or start must fail one request
+            names = compiler.candidates(task.kind, task.spec)
+            spec = check_spec(task.kind, task.spec)
+        except Exception as e:  # a bad spec, a failing tokenizer load: fails one request
             with self._lock:
                 self._settle(task, error=_as_value_error(task.kind, e))
-            return worker
+            return
+        errors: list[Exception] = []
+        for name in names:
+            grammar, error, died = self._compile_on(name, task, spec, workers)
+            if grammar is not None or died or task.future.done():
+                with self._lock:
+                    self._settle(task, grammar, error)
+                return
+            errors.append(error)
+        with self._lock:
+            self._settle(task, error=errors[0])
+
+    def _compile_on(
+        self, name: str, task: _Task, spec: Any, workers: dict[str, _Worker]
+    ) -> tuple[CompiledGrammar | None, Exception | None, bool]:
+        """(grammar, None, False), or (None, why, whether the worker died or failed) for
+        `task` on this thread's worker of backend `name`, started if there is none, replaced
+        if it dies or is stopped (`overran`)."""
+        try:
+            compiler = self._get_compiler()
+            backend = compiler.get_backend(name)
+            worker = workers.get(name) or self._start_worker(name, workers)
+        except Exception as e:  # a failing backend build or worker start
+            return None, _as_value_error(task.kind, e), True
         with self._lock:
             if task.future.done():
-                return worker
+                return None, None, True
             task.worker = worker
-        grammar = error = None
+        error: Exception | None = None
         try:
-            answer = worker.compile(task.kind, task.spec)
-            if answer is not None:
-                index, message = answer
-                if message is None:
-                    grammar = compiler.add(task.kind, task.spec, index)
-                else:
-                    error = ValueError(message)
+            answer = worker.compile(task.kind, spec)
         except Exception as e:  # a garbled answer: treat the worker as broken
             answer, error = None, _as_value_error(task.kind, e)
         with self._lock:
@@ -294,40 +343,56 @@ class AsyncGrammarCompiler:
             replace = answer is None or worker.stopping
         if replace:
             self._end(worker)  # dead, stopped, or stopped just after it answered
-        if answer is None and error is None:
-            error = ValueError(
-                f"{task.kind}: grammar compilation failed: the compile worker {worker.exit_status}"
+            del workers[name]
+        grammar = None
+        if answer is None:
+            error = error or ValueError(
+                f"{task.kind}: grammar compilation failed: the {name} compile worker "
+                f"{worker.exit_status}"
             )
-        with self._lock:
-            self._settle(task, grammar, error)
-        return self._start_worker_or_log() if replace else worker
+        elif answer[1] is not None:
+            error = ValueError(answer[1])
+        else:
+            try:  # cached even if its request ran out of time meanwhile: the next may use it
+                loaded = backend.load(task.kind, spec, answer[0])
+                grammar = compiler.add(task.kind, task.spec, loaded)
+            except Exception as e:  # refused when loaded (llguidance with the vocabulary)
+                error = _as_value_error(task.kind, e)
+        if replace:
+            self._start_worker_or_log(name, workers)
+        return grammar, error, answer is None
 
     def _get_compiler(self) -> GrammarCompiler:
         with self._build_lock:
             if self._compiler is None:
-                compiler = self._make_compiler()
-                self._vocabulary = pickle.dumps(compiler.vocabulary, pickle.HIGHEST_PROTOCOL)
-                self._compiler = compiler
+                self._compiler = self._make_compiler()
             return self._compiler
 
-    def _start_worker(self) -> _Worker:
-        self._get_compiler()
-        assert self._vocabulary is not None
-        worker = _Worker(self._vocabulary)
+    def _payload(self, name: str) -> bytes:
+        with self._build_lock:
+            payload = self._payloads.get(name)
+        if payload is None:
+            payload = self._get_compiler().get_backend(name).worker_payload()
+            with self._build_lock:
+                payload = self._payloads.setdefault(name, payload)
+        return payload
+
+    def _start_worker(self, name: str, workers: dict[str, _Worker]) -> _Worker:
+        worker = _Worker(name, self._payload(name))
         with self._lock:
             self._live.add(worker)
+        workers[name] = worker
         return worker
 
-    def _start_worker_or_log(self) -> _Worker | None:
-        """A fresh worker, or None if the pool is shutting down or one cannot start (logged;
-        the next task tries again and fails with the reason)."""
+    def _start_worker_or_log(self, name: str, workers: dict[str, _Worker]) -> None:
+        """A fresh worker of backend `name` in `workers`, unless the pool is shutting down or
+        one cannot start (logged; the next task tries again and fails with the reason)."""
         if self._closed:
-            return None
+            return
         try:
-            return self._start_worker()
+            self._start_worker(name, workers)
         except Exception as e:  # reported to the next request as well
             logger.warning("a grammar compile worker did not start: %s: %s", type(e).__name__, e)
-            return None
 
     def _end(self, worker: _Worker) -> None:
         worker.close()

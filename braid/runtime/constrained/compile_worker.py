@@ -1,17 +1,20 @@
-"""A grammar compile worker: a small process that builds outlines-core indexes for
+"""A grammar compile worker: a small process that compiles grammars of one backend for
 `compile_pool`, which starts it as
 `python -m braid.runtime.constrained.compile_worker TASKS RESULTS PARENT_PID` and kills it when
 a compile overruns its time limit.
 
 TASKS and RESULTS are pipe fds. Each message is a frame: an 8-byte little-endian length, then
-that many bytes of pickle. The parent sends the outlines-core `Vocabulary` first, then one
-`(kind, spec)` task at a time; the worker answers each with `(index, None)` or
-`(None, message)`, the message naming the field as `spec.build_index`'s `ValueError` does.
+that many bytes of pickle. The parent sends `(backend name, payload)` first (the backend's
+`worker_payload`: outlines-core's pickled `Vocabulary`, xgrammar's serialized `TokenizerInfo`),
+then one `(kind, spec)` task at a time; the worker answers each with `(artifact, None)` (the
+backend's `worker_build`: an outlines-core `Index`, a serialized xgrammar `CompiledGrammar`) or
+`(None, message)`, the message naming the field as the backend's `ValueError` does.
 
 The worker never outlives its parent: it exits when the task pipe closes, and Linux kills it
 (PR_SET_PDEATHSIG) when the parent thread that started it ends, which covers a parent killed
-while the worker is deep in a compile. It imports outlines-core and no torch, so it starts
-quickly (measured: docs/benchmarks.md, Figures behind design choices).
+while the worker is deep in a compile. An outlines-core worker imports no torch, so it starts
+quickly (measured: docs/benchmarks.md, Figures behind design choices); an xgrammar one imports
+torch with xgrammar and takes seconds.
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ import struct
 import sys
 from typing import Any
 
-from outlines_core import Index, Vocabulary
-
-from braid.runtime.constrained.spec import build_index
+from braid.runtime.constrained import get_grammar_backend
 
 _HEADER = struct.Struct("<Q")
 
@@ -58,11 +59,12 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def compile_task(task: tuple[str, Any], vocabulary: Vocabulary) -> tuple[Index | None, str | None]:
-    """One task's answer: the index, or the message of why the spec cannot be compiled."""
+def compile_task(backend: Any, state: Any, task: tuple[str, Any]) -> tuple[Any, str | None]:
+    """One task's answer: `backend`'s artifact for it, or the message of why the spec cannot be
+    compiled."""
     kind, spec = task
     try:
-        return build_index(kind, spec, vocabulary), None
+        return backend.worker_build(state, kind, spec), None
     except ValueError as e:
         return None, str(e)
     except Exception as e:  # anything else fails this grammar alone, not the worker
@@ -87,9 +89,11 @@ def main(argv: list[str]) -> None:
     data = read_frame(tasks)
     if data is None:
         return
-    vocabulary = pickle.loads(data)
+    name, payload = pickle.loads(data)
+    backend = get_grammar_backend(name)
+    state = backend.worker_load(payload)
     while (data := read_frame(tasks)) is not None:
-        answer = compile_task(pickle.loads(data), vocabulary)
+        answer = compile_task(backend, state, pickle.loads(data))
         write_frame(results, pickle.dumps(answer, pickle.HIGHEST_PROTOCOL))
 
 

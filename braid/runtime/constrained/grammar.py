@@ -1,48 +1,197 @@
-"""Grammars: a constraint spec -> regex -> outlines-core `Index` (see `spec`), cached with its
-forced strings, and a per-request matcher that walks the index as tokens are sampled and writes
-its allowed-token bitmask."""
+"""Grammar backends behind one interface, and the compiler the scheduler holds.
+
+A `GrammarBackend` (outlines-core, xgrammar, llguidance: one module each, in the
+`GRAMMAR_BACKENDS` registry) turns a constraint (kind, spec) into a `CompiledGrammar` over one
+tokenizer's vocabulary; a `GrammarMatcher` walks it as a request's tokens are sampled and
+writes the int32 bitmask rows `bitmask.BitmaskBuffer` applies. Every backend writes the same
+rows, so requests of different backends share a batch.
+
+`GrammarCompiler` holds the vocabulary, a bounded cache of compiled grammars and the backends
+it has built. Each constraint goes to the configured backend, unless that backend cannot
+enforce it (a kind it lacks, a schema keyword it would ignore: see `schema_support`, or a
+refusal it gives when compiling); then it goes to the next backend in `FALLBACK_ORDER` that
+can, and if none can, the request is refused with the first reason. Nothing is ever compiled
+into a grammar that accepts more than the spec does, so the output never silently fails to
+match.
+
+Imports no torch (the compile workers import the backends through this module).
+"""
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-from outlines_core import Guide, Index, Vocabulary
+from braid.runtime.constrained import GRAMMAR_BACKENDS, get_grammar_backend
+from braid.runtime.constrained.spec import check_spec, grammar_key
+from braid.runtime.constrained.vocab import TokenVocab, token_vocab
 
-from braid.runtime.constrained import GRAMMAR_BACKENDS
-from braid.runtime.constrained.jump_forward import MAX_FORCED_BYTES, ForcedStrings
-from braid.runtime.constrained.spec import build_index, grammar_key
-from braid.runtime.constrained.spec import to_regex as to_regex  # callers import it from here
-from braid.runtime.constrained.vocab import token_vocab
+# Where a constraint goes when the configured backend cannot enforce it: llguidance refuses
+# what it cannot enforce itself and covers the most of JSON Schema; then xgrammar.
+FALLBACK_ORDER = ("llguidance", "xgrammar", "outlines")
 
 
-@dataclass(frozen=True, eq=False)
-class CompiledGrammar:
-    """A compiled constraint: its token index and, when the vocabulary allows finding them, its
-    forced strings (`forced` is None otherwise). Shared by every request with the same spec."""
+class CompiledGrammar(ABC):
+    """A compiled constraint, shared by every request with the same spec (thread-safe to
+    share). `forced` is the outlines backend's forced-string finder, None elsewhere."""
 
     kind: str
-    index: Index
-    forced: ForcedStrings | None
+    backend: str
+    forced: Any = None
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start."""
 
 
-@GRAMMAR_BACKENDS.register
+class GrammarMatcher(ABC):
+    """Where one request stands in its grammar. Not thread-safe: one per request, used by the
+    scheduler's thread."""
+
+    grammar: CompiledGrammar
+
+    @abstractmethod
+    def fill_bitmask(self, row: Any) -> None:
+        """Write this state's allowed tokens into `row`, a contiguous int32 CPU tensor of
+        ceil(vocab.size / 32) or more words: bit j of word w set means token 32 * w + j is
+        allowed; every other bit is cleared. EOS is allowed exactly where the grammar may end.
+        Does not change the state."""
+
+    @abstractmethod
+    def advance(self, token_id: int) -> None:
+        """Move past `token_id`; `ValueError` if the grammar does not allow it here (the state
+        is then unusable: the request fails)."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` advances (at most MAX_FORCED_BYTES)."""
+
+    @property
+    @abstractmethod
+    def is_final(self) -> bool:
+        """Whether the text so far is a whole match (EOS is allowed here)."""
+
+    @abstractmethod
+    def forced_tokens(self) -> tuple[int, ...]:
+        """Tokens spelling the string the grammar forces next (empty if none, or if this
+        vocabulary does not support finding forced strings; see `jump_forward`)."""
+
+    @abstractmethod
+    def allowed_tokens(self) -> list[int]:
+        """The token ids `fill_bitmask` allows (for tests; slow)."""
+
+
+class GrammarBackend(ABC):
+    """One grammar library over one tokenizer's vocabulary.
+
+    `kinds` are the constraint kinds it compiles. Its compiles run in a compile worker
+    process, killed when one overruns its time limit (see `compile_pool`: each library has
+    inputs that take minutes, or crash the process). The worker protocol: `worker_payload()`
+    (bytes, sent once) -> `worker_load` in the worker -> `worker_build(state, kind, spec)` per
+    task, returning a picklable artifact -> `load` here. `build` does it all in this thread
+    (tests, benchmarks)."""
+
+    name: ClassVar[str]
+    kinds: ClassVar[frozenset[str]]
+
+    @classmethod
+    def refusal(cls, kind: str, spec: Any) -> str | None:
+        """Why this backend cannot enforce (kind, spec), checked spec, or None if it can (it
+        may still fail to compile). Cheap: needs no vocabulary."""
+        if kind not in cls.kinds:
+            return f"{kind}: the {cls.name} grammar backend does not take {kind} constraints"
+        return None
+
+    @abstractmethod
+    def __init__(self, vocab: TokenVocab, mapping: dict[bytes, list[int]]) -> None:
+        """Build the backend's own view of the vocabulary (`token_vocab`'s results)."""
+
+    def build(self, kind: str, spec: Any) -> CompiledGrammar:
+        """Compile in this thread, with no time limit; `ValueError` naming the field if it
+        cannot be compiled."""
+        state = self.worker_load(self.worker_payload())
+        return self.load(kind, spec, self.worker_build(state, kind, spec))
+
+    @abstractmethod
+    def worker_payload(self) -> bytes:
+        """What a compile worker needs of this backend's vocabulary view."""
+
+    @staticmethod
+    @abstractmethod
+    def worker_load(payload: bytes) -> Any:
+        """In the worker: its state, from `worker_payload`'s bytes."""
+
+    @staticmethod
+    @abstractmethod
+    def worker_build(state: Any, kind: str, spec: Any) -> Any:
+        """In the worker: the artifact of a checked (kind, spec); `ValueError` naming the field
+        if it cannot be compiled."""
+
+    @abstractmethod
+    def load(self, kind: str, spec: Any, artifact: Any) -> CompiledGrammar:
+        """The compiled grammar of a worker's artifact; `ValueError` if it is refused here."""
+
+
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer's vocabulary; compiled grammars are kept in a
-    bounded LRU keyed by (kind, spec). `compile` may be called from several threads at once."""
+    """Compiles constraints against one tokenizer's vocabulary with `backend` (a name in
+    `GRAMMAR_BACKENDS`), falling back as the module docstring says (unless `fallback` is
+    False: then what `backend` cannot enforce is refused; for measuring one backend alone);
+    compiled grammars are kept in a bounded LRU keyed by (kind, spec). Thread-safe."""
 
-    def __init__(self, tokenizer, max_entries: int = 256) -> None:
-        self.vocab, mapping = token_vocab(tokenizer)
+    def __init__(
+        self, tokenizer, backend: str, max_entries: int = 256, *, fallback: bool = True
+    ) -> None:
+        if backend not in GRAMMAR_BACKENDS:
+            get_grammar_backend(backend)  # raises the registry's ValueError
+        self.backend = backend
+        self.fallback = fallback
+        self.vocab, self._mapping = token_vocab(tokenizer)
         self.eos_token_id = self.vocab.eos_token_id
-        self.vocabulary = Vocabulary(self.eos_token_id, mapping)
-        self.jump_forward_supported = self.vocab.spells_every_first_byte
         self.max_entries = max_entries
+        self._backends: dict[str, GrammarBackend] = {}
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self.hits = self.misses = 0
+
+    def candidates(self, kind: str, spec: Any) -> list[str]:
+        """The backends to try for (kind, spec), in order: the configured one if it may enforce
+        it, then those in FALLBACK_ORDER that may (each may still refuse when compiling: then
+        the next is tried). `ValueError` naming the field if the spec is malformed or no
+        backend can enforce it."""
+        spec = check_spec(kind, spec)
+        names, reasons = [], []
+        order = (self.backend, *FALLBACK_ORDER) if self.fallback else (self.backend,)
+        for name in dict.fromkeys(order):
+            try:
+                cls = get_grammar_backend(name)
+            except ImportError as e:
+                reasons.append(f"{kind}: the {name} grammar backend is not installed ({e})")
+                continue
+            reason = cls.refusal(kind, spec)
+            if reason is None:
+                names.append(name)
+            else:
+                reasons.append(reason)
+        if names:
+            return names
+        if len(reasons) == 1:
+            raise ValueError(reasons[0])
+        raise ValueError(f"{reasons[0]}; no other grammar backend can enforce it either")
+
+    def get_backend(self, name: str) -> GrammarBackend:
+        """The backend `name` over this vocabulary, built on first use (holds the build lock:
+        building one takes up to a second)."""
+        backend = self._backends.get(name)
+        if backend is None:
+            with self._build_lock:
+                backend = self._backends.get(name)
+                if backend is None:
+                    backend = get_grammar_backend(name)(self.vocab, self._mapping)
+                    self._backends[name] = backend
+        return backend
 
     def cached(self, kind: str, spec: Any) -> CompiledGrammar | None:
         """The compiled grammar if it is in the cache (counts as a hit), else None."""
@@ -55,19 +204,23 @@ class GrammarCompiler:
             return grammar
 
     def compile(self, kind: str, spec: Any) -> CompiledGrammar:
-        """The compiled grammar, from the cache or built now in this thread; `ValueError`
-        naming the field if the spec is bad or outlines-core cannot build an automaton for it.
-        (`AsyncGrammarCompiler` builds indexes in worker processes and hands them to `add`.)"""
+        """The compiled grammar, from the cache or built now in this thread, with no time limit
+        and no worker (`AsyncGrammarCompiler` is the scheduler's way); `ValueError` naming the
+        field if no backend compiles it (the first backend's error)."""
         hit = self.cached(kind, spec)
         if hit is not None:
             return hit
-        return self.add(kind, spec, build_index(kind, spec, self.vocabulary))
+        names, checked = self.candidates(kind, spec), check_spec(kind, spec)
+        errors = []
+        for name in names:
+            try:
+                return self.add(kind, spec, self.get_backend(name).build(kind, checked))
+            except ValueError as e:
+                errors.append(e)
+        raise errors[0]
 
-    def add(self, kind: str, spec: Any, index: Index) -> CompiledGrammar:
-        """Cache `index`, built for (kind, spec) over `self.vocabulary` (counts as a miss), and
-        return its compiled grammar."""
-        forced = ForcedStrings(index, self.vocab) if self.jump_forward_supported else None
-        grammar = CompiledGrammar(kind, index, forced)
+    def add(self, kind: str, spec: Any, grammar: CompiledGrammar) -> CompiledGrammar:
+        """Cache `grammar`, compiled for (kind, spec) (counts as a miss), and return it."""
         with self._lock:
             self.misses += 1
             self._cache[grammar_key(kind, spec)] = grammar
@@ -76,46 +229,9 @@ class GrammarCompiler:
         return grammar
 
 
-class GrammarMatcher:
-    """Where one request stands in its grammar. Not thread-safe: one per request."""
+def to_regex(kind: str, spec: Any) -> str:
+    """The regex outlines-core would compile for a json_schema, regex or choice constraint
+    (tests compare outputs with it); `ValueError` naming the field if there is none."""
+    from braid.runtime.constrained.outlines_backend import to_regex as outlines_regex
 
-    def __init__(self, grammar: CompiledGrammar) -> None:
-        self.grammar = grammar
-        # A jump appends at most MAX_FORCED_BYTES tokens, all of which verifying may undo.
-        self._guide = Guide(grammar.index, max_rollback=MAX_FORCED_BYTES)
-
-    @property
-    def state(self) -> int:
-        return self._guide.get_state()
-
-    def allowed_tokens(self) -> list[int]:
-        return self._guide.get_tokens()
-
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write this state's allowed tokens into `row`, a contiguous int32 CPU tensor of
-        ceil(vocab.size / 32) or more words: bit j of word w set means token 32 * w + j is
-        allowed; every other bit is cleared."""
-        assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
-        self._guide.write_mask_into(row.data_ptr(), row.numel(), 4)
-
-    def advance(self, token_id: int) -> None:
-        """Move past `token_id`; `ValueError` if the grammar does not allow it here."""
-        try:
-            self._guide.advance(token_id, False)
-        except ValueError:
-            raise ValueError(f"token {token_id} is not allowed by the grammar here") from None
-
-    def rollback(self, n: int) -> None:
-        """Undo the last `n` advances (at most MAX_FORCED_BYTES)."""
-        if n:
-            self._guide.rollback_state(n)
-
-    @property
-    def is_final(self) -> bool:
-        return self.grammar.index.is_final_state(self.state)
-
-    def forced_tokens(self) -> tuple[int, ...]:
-        """Tokens spelling the string the grammar forces next (empty if none, or if this
-        vocabulary does not support finding forced strings)."""
-        forced = self.grammar.forced
-        return forced.tokens(self.state) if forced is not None else ()
+    return outlines_regex(kind, check_spec(kind, spec))

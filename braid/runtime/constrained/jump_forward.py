@@ -3,18 +3,21 @@ it without sampling it token by token.
 
 A string is forced at a state when every continuation the grammar accepts from there starts
 with it: a JSON key and its quotes, the `": ` after it, the rest of the only choice that starts
-with what was generated. outlines-core's index is a deterministic automaton over bytes whose
-transitions are labelled with tokens, so the next byte is forced exactly when the state is not
-final (EOS could end the output) and the one-byte token of a single byte is allowed. Following
-those bytes gives the forced string; it is cut at the last whole UTF-8 character, tokenized the
-way the tokenizer would tokenize that text, and kept only if the tokens spell it byte for byte
-and the index accepts them one after the other (a tokenizer that adds a prefix space, as
-SentencePiece does, fails that check and gets no jump).
+with what was generated. Each backend finds the forced bytes its own way: outlines-core's index
+is a deterministic automaton over bytes whose transitions are labelled with tokens, so the next
+byte is forced exactly when the state is not final (EOS could end the output) and the one-byte
+token of a single byte is allowed (`ForcedStrings`, cached by state); xgrammar and llguidance
+compute them from their parser state. For all of them the forced bytes are cut at the last
+whole UTF-8 character, tokenized the way the tokenizer would tokenize that text, and kept only
+if the tokens spell it byte for byte and the grammar accepts them one after the other
+(`tokens_spelling`; a tokenizer that adds a prefix space, as SentencePiece does, fails that
+check and gets no jump).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from outlines_core import Index
 
@@ -70,20 +73,33 @@ class ForcedStrings:
         return result
 
     def _compute(self, state: int) -> tuple[int, ...]:
-        raw = self.forced_bytes(state)
-        text = _whole_characters(raw)
-        if not text:
-            return ()
-        ids = self.vocab.encode(text)
-        spelled = b"".join(self.vocab.token_bytes.get(t, b"\xff\xff") for t in ids)
-        if spelled != text.encode():
-            return ()
-        for t in ids:
-            nxt = self.index.get_next_state(state, t)
-            if nxt is None:
-                return ()
-            state = nxt
-        return tuple(ids)
+        def accepts(ids: list[int]) -> bool:
+            s: int | None = state
+            for t in ids:
+                s = self.index.get_next_state(s, t)
+                if s is None:
+                    return False
+            return True
+
+        return tokens_spelling(self.forced_bytes(state), self.vocab, accepts)
+
+
+def tokens_spelling(
+    raw: bytes, vocab: TokenVocab, accepts: Callable[[list[int]], bool]
+) -> tuple[int, ...]:
+    """The tokens a jump appends for `raw`, the bytes a grammar forces: its longest prefix of
+    whole UTF-8 characters (at most MAX_FORCED_BYTES), tokenized as the tokenizer would
+    tokenize that text, if those tokens spell it byte for byte and the grammar `accepts` them
+    one after the other; else none. Every backend's matcher finds its forced bytes its own way
+    and gets its tokens here."""
+    text = _whole_characters(raw[:MAX_FORCED_BYTES])
+    if not text:
+        return ()
+    ids = vocab.encode(text)
+    spelled = b"".join(vocab.token_bytes.get(t, b"\xff\xff") for t in ids)
+    if spelled != text.encode() or not accepts(ids):
+        return ()
+    return tuple(ids)
 
 
 def _whole_characters(raw: bytes) -> str:

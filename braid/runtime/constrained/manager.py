@@ -107,10 +107,14 @@ class GrammarManager:
 
     # ---- masks ----------------------------------------------------------------------------
     def warm(self) -> None:
-        """Apply a bitmask once on the device, so the kernel's compilation (Triton JIT on
-        CUDA) happens at start rather than in the first constrained request's step."""
+        """Get the mask path ready at start rather than in the first constrained request:
+        the compiler threads build the vocabulary and start a worker in the background, and on
+        a GPU a bitmask is applied once (the kernel's Triton JIT). On the CPU nothing is
+        warmed: tests and small machines start many engines that never constrain."""
         if self.device.type == "cpu":
             return
+        if self.has_tokenizer:
+            self.waiting.compiler.start()
         logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
         words = bitmask_words(self.vocab_size)
         mask = torch.full((1, words), -1, dtype=torch.int32, device=self.device)

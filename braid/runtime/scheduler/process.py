@@ -51,7 +51,7 @@ def build_scheduler(
         from braid.runtime.constrained.grammar import GrammarCompiler
         from braid.runtime.tokenizer.tokenizer import load_tokenizer
 
-        return GrammarCompiler(load_tokenizer(model_path), config.grammar_backend)
+        return GrammarCompiler(load_tokenizer(model_path), config.effective_grammar_backend)
 
     runner = ModelRunner(
         config, model_config, None if config.load_format == "dummy" else model_path

@@ -6,6 +6,7 @@ own checks (a 400 too), and its message starts with the field."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -18,9 +19,13 @@ from braid.runtime.server.state import ServerState
 
 
 def param_of(message: str) -> str | None:
-    """The field an error message starts with ("max_tokens: ..."), or None."""
+    """The field an error message starts with ("max_tokens: ...", "structural_tag.triggers:
+    ...", "tools[0].function: ..."), or None."""
     head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head if head.replace("_", "").isalnum() else None
+    return head if _PARAM.fullmatch(head) else None
+
+
+_PARAM = re.compile(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*")
 
 
 # ---- bodies -------------------------------------------------------------------------------

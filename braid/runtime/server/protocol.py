@@ -94,8 +94,58 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag" (SGLang's and vLLM's shape): [{"begin", "schema", "end"}], triggers
+    structures: list[JsonObject] | None = None
+    triggers: list[Text] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (one constraint, and options braid already applies). Closed:
+    an option braid does not know is refused, never ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: JsonObject | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: JsonObject | Text | None = None
+    # braid's JSON is compact and its objects are closed already; fallback is braid's own.
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def constraints(self) -> list[tuple[str, str, Any]]:
+        """(where, kind, spec) of each constraint given."""
+        out = []
+        if self.json_ is not None:
+            out.append(("structured_outputs.json", "json_schema", self.json_))
+        if self.json_object:
+            out.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
+        for name in ("regex", "choice", "structural_tag"):
+            if getattr(self, name) is not None:
+                out.append((f"structured_outputs.{name}", name, getattr(self, name)))
+        if self.grammar is not None:
+            out.append(("structured_outputs.grammar", grammar_kind(self.grammar), self.grammar))
+        return out
+
+
+def grammar_kind(grammar: str) -> str:
+    """vLLM's `grammar` fields take EBNF or Lark: which this one is."""
+    from braid.runtime.constrained.spec import is_lark
+
+    return "lark" if is_lark(grammar) else "ebnf"
+
+
+# Constraint fields of other servers that braid does not implement: refused by name, since the
+# lenient bodies would otherwise drop them and answer with free text.
+REFUSED_CONSTRAINT_FIELDS = {
+    "guided_whitespace_pattern": "braid writes compact JSON; a whitespace pattern is not taken",
+    "guided_decoding_backend": "the grammar backend is the server's (--grammar-backend)",
+    "guided_json_object": "use response_format {'type': 'json_object'}",
+}
 
 
 class _SamplingFields(_Body):
@@ -124,25 +174,56 @@ class _SamplingFields(_Body):
     stop_regex: Text | list[Text] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # structured output: OpenAI's response_format, or braid's extras
+    # structured output: OpenAI's response_format, SGLang's and braid's extras, vLLM's
+    # structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     regex: Text | None = None
     json_schema: JsonObject | Text | None = None
     choice: list[Text] | None = None
+    ebnf: Text | None = None
+    lark: Text | None = None
+    grammar: Text | None = None  # EBNF or Lark, told apart
+    structural_tag: JsonObject | Text | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonObject | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    # Declared so that they are refused by name (see REFUSED_CONSTRAINT_FIELDS).
+    guided_whitespace_pattern: JsonValue = None
+    guided_decoding_backend: JsonValue = None
+    guided_json_object: JsonValue = None
 
     def constraint_fields(self) -> dict[str, Any]:
-        fields = {k: getattr(self, k) for k in ("regex", "json_schema", "choice")}
+        """The one output constraint of this body, as a `SamplingParams` field; `ValueError`
+        naming the second if two are given."""
+        for name, why in REFUSED_CONSTRAINT_FIELDS.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported ({why})")
+        given: list[tuple[str, str, Any]] = [
+            (name, name, getattr(self, name))
+            for name in ("regex", "json_schema", "choice", "ebnf", "lark", "structural_tag")
+        ]
+        given += [
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+        ]
+        for name in ("grammar", "guided_grammar"):
+            value = getattr(self, name)
+            given.append((name, grammar_kind(value) if value is not None else "ebnf", value))
+        given = [g for g in given if g[2] is not None]
+        if self.structured_outputs is not None:
+            given += self.structured_outputs.constraints()
         fmt = self.response_format
         if fmt is not None and fmt.type != "text":
-            if any(v is not None for v in fields.values()):
-                raise ValueError("response_format: do not combine with regex/json_schema/choice")
-            if fmt.type == "json_object":
-                fields["json_schema"] = {"type": "object"}
-            else:
-                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                    raise ValueError("response_format: json_schema.schema is required")
-                fields["json_schema"] = fmt.json_schema.schema_
-        return {k: v for k, v in fields.items() if v is not None}
+            given.append(("response_format", *_format_constraint(fmt)))
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[1][0]}: give one output constraint, not both {given[0][0]} and "
+                f"{given[1][0]}"
+            )
+        return {kind: spec for _, kind, spec in given}
 
     def sampling_params(
         self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None
@@ -177,6 +258,21 @@ class _SamplingFields(_Body):
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids") from None
         return SamplingParams(**fields)
+
+
+def _format_constraint(fmt: ResponseFormat) -> tuple[str, Any]:
+    if fmt.type == "json_object":
+        return "json_schema", {"type": "object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format: json_schema.schema is required")
+        return "json_schema", fmt.json_schema.schema_
+    if fmt.structures is None or fmt.triggers is None:
+        raise ValueError(
+            "response_format: a structural_tag takes structures ([{begin, schema, end}]) and "
+            "triggers"
+        )
+    return "structural_tag", {"structures": fmt.structures, "triggers": fmt.triggers}
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,276 @@
+"""Every grammar backend over SmolLM2's vocabulary, without a model: each accepts what its
+constraint allows and refuses what it does not (JSON schemas of the corpus, regexes, choices,
+EBNF, Lark, structural tags); a constraint a backend cannot enforce goes to one that can, or is
+a `ValueError` naming the keyword; bad grammars are `ValueError`s naming the field; SGLang's
+character regex compiles in well under a second."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+from braid import SamplingParams
+from braid.runtime.config import DEFAULT_GRAMMAR_BACKEND
+from braid.runtime.constrained import grammar_backend_names
+from braid.runtime.constrained.grammar import GrammarCompiler
+from braid.runtime.constrained.schema_support import closed_objects, unenforced
+from braid.runtime.constrained.xgrammar_backend import SUPPORT as XGRAMMAR
+from braid.runtime.constrained.xgrammar_backend import compile_spec
+from braid.runtime.tokenizer.tokenizer import load_tokenizer
+from tests.runtime.grammars import (
+    ARITHMETIC,
+    CHARACTER,
+    CHARACTER_REGEX,
+    INSTANCES,
+    SQL,
+    SQL_LARK,
+    TOOL_TAG,
+)
+from tests.runtime.json_schemas import CORPUS
+
+BACKENDS = grammar_backend_names()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def compilers(tok):
+    return {b: GrammarCompiler(tok, b) for b in BACKENDS}
+
+
+def walk(compiler: GrammarCompiler, kind: str, spec, text: str) -> tuple[bool, bool]:
+    """(every token of `text` is accepted, the grammar may end after it)."""
+    m = compiler.compile(kind, spec).matcher()
+    for t in compiler.vocab.encode(text):
+        try:
+            m.advance(t)
+        except ValueError:
+            return False, False
+    return True, m.is_final
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_corpus_schema_takes_its_instance_and_refuses_others(compilers, backend):
+    c = compilers[backend]
+    for name, schema in CORPUS.items():
+        assert walk(c, "json_schema", schema, json.dumps(INSTANCES[name])) == (True, True), name
+    refused = {
+        "flat": '{"a": 3}',
+        "enum": '"huge"',
+        "int_bounds": "300",
+        "pattern": '"AB-12"',
+        "array_bounds": '["x"]',
+        "const": '{"v": 2}',
+        "string_length": '"abcdefg"',
+    }
+    for name, text in refused.items():
+        assert walk(c, "json_schema", CORPUS[name], text) != (True, True), (name, text)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regexes_and_choices(compilers, backend):
+    c = compilers[backend]
+    assert walk(c, "regex", r" [12][0-9]{3}", " 1999") == (True, True)
+    assert walk(c, "regex", r" [12][0-9]{3}", " 3999")[0] is False
+    assert walk(c, "regex", r" (yes|no)", " maybe")[0] is False
+    fruit = ["apple", "banana", "cherry pie", "a.b*c"]  # metacharacters are literal
+    assert all(walk(c, "choice", fruit, f) == (True, True) for f in fruit)
+    assert walk(c, "choice", fruit, "cherry")[1] is False
+    assert walk(c, "choice", fruit, "aXb")[0] is False
+
+
+def test_integer_bounds_are_enforced_by_whichever_backend_compiles_them(compilers):
+    qty = {"type": "integer", "minimum": 1, "maximum": 9}
+    bounded = {"type": "object", "properties": {"qty": qty}, "required": ["qty"]}
+    for backend, c in compilers.items():
+        grammar = c.compile("json_schema", bounded)
+        # outlines-core would write an unbounded integer: the schema goes to llguidance.
+        assert grammar.backend == ("llguidance" if backend == "outlines" else backend)
+        assert walk(c, "json_schema", bounded, '{"qty": 7}') == (True, True)
+        assert walk(c, "json_schema", bounded, '{"qty": 300}')[1] is False
+        assert walk(c, "json_schema", bounded, '{"qty": 0')[1] is False
+    why = compilers["outlines"].get_backend("outlines").refusal("json_schema", json.dumps(bounded))
+    assert "'minimum' (at /properties/qty) is not enforced by the outlines backend" in why
+
+
+def test_ebnf_grammars(compilers):
+    for backend, c in compilers.items():
+        assert c.compile("ebnf", ARITHMETIC).backend != "outlines"
+        for text in ("12 + 7 = 19", "3 * 4 = 12"):
+            assert walk(c, "ebnf", ARITHMETIC, text) == (True, True), (backend, text)
+        assert walk(c, "ebnf", ARITHMETIC, "12 + + 7")[0] is False
+        assert walk(c, "ebnf", ARITHMETIC, "12 + 7")[1] is False
+        for text in ("SELECT name FROM users;", "SELECT id, age FROM orders WHERE age > 30;"):
+            assert walk(c, "ebnf", SQL, text) == (True, True), (backend, text)
+        assert walk(c, "ebnf", SQL, "SELECT name FROM students;")[0] is False
+        assert walk(c, "ebnf", SQL, "DROP TABLE users;")[0] is False
+
+
+def test_lark_grammars_go_to_llguidance(compilers):
+    for c in compilers.values():
+        assert c.compile("lark", SQL_LARK).backend == "llguidance"
+        assert walk(c, "lark", SQL_LARK, "SELECT name FROM users;") == (True, True)
+        assert walk(c, "lark", SQL_LARK, "SELECT name FROM users")[1] is False
+
+
+def test_structural_tags_constrain_only_inside_the_tags(compilers):
+    call = '<function=get_weather>{"city": "Paris"}</function>'
+    wrong = 'Hm <function=get_weather>{"town": 1}'
+    for c in compilers.values():
+        assert c.compile("structural_tag", TOOL_TAG).backend != "outlines"
+        assert walk(c, "structural_tag", TOOL_TAG, "Free text, any words.") == (True, True)
+        assert walk(c, "structural_tag", TOOL_TAG, f"Let me check. {call} Done.") == (True, True)
+        assert walk(c, "structural_tag", TOOL_TAG, wrong)[0] is False
+        assert walk(c, "structural_tag", TOOL_TAG, "<function=get_time>{}")[0] is False
+        # Inside a tag the text is not free: a tag left open may not end there.
+        assert walk(c, "structural_tag", TOOL_TAG, '<function=get_weather>{"city": "P')[1] is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_grammars_and_unenforceable_schemas_are_value_errors_naming_them(compilers, backend):
+    c = compilers[backend]
+    with pytest.raises(ValueError, match="^ebnf: "):
+        c.compile("ebnf", 'root ::= "a" undefined_rule')
+    with pytest.raises(ValueError, match="^lark: "):
+        c.compile("lark", "start: (")
+    with pytest.raises(ValueError, match="^json_schema: .*uniqueItems"):
+        c.compile("json_schema", {"type": "array", "uniqueItems": True})
+    with pytest.raises(ValueError, match="^json_schema: .*not"):
+        c.compile("json_schema", {"not": {"type": "string"}})
+    with pytest.raises(ValueError, match="^json_schema: .*format.*idn-email"):
+        c.compile("json_schema", {"type": "string", "format": "idn-email"})
+
+
+def test_sglang_character_regex_compiles_in_well_under_a_second(compilers):
+    c = compilers[DEFAULT_GRAMMAR_BACKEND]
+    t0 = time.perf_counter()
+    c.compile("regex", CHARACTER_REGEX)
+    assert time.perf_counter() - t0 < 1.0
+    assert walk(c, "regex", CHARACTER_REGEX, CHARACTER) == (True, True)
+    assert walk(compilers["xgrammar"], "regex", CHARACTER_REGEX, CHARACTER) == (True, True)
+
+
+def test_sampling_params_check_what_no_backend_is_needed_for():
+    for kw, field in [
+        (dict(ebnf=""), "ebnf"),
+        (dict(structural_tag={"structures": [], "triggers": ["<f"]}), "structural_tag"),
+        (
+            dict(structural_tag={"structures": [{"begin": "<g>", "end": ""}], "triggers": ["<f"]}),
+            "structural_tag.structures",
+        ),
+        (
+            dict(structural_tag={"structures": [{"begin": "<f>", "end": ""}], "format": {}}),
+            "structural_tag",
+        ),
+        (dict(ebnf="root ::= x", regex="a"), "ebnf: give only one of"),
+        (dict(lark="start: x", json_schema={}), "lark: give only one of"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    sp = SamplingParams(structural_tag=json.dumps({"type": "structural_tag", **TOOL_TAG}))
+    assert sp.constraint[0] == "structural_tag" and json.loads(sp.structural_tag) == TOOL_TAG
+
+
+def test_what_xgrammar_would_skip_is_refused_before_and_while_compiling():
+    import xgrammar as xgr
+
+    both = {"allOf": [{"type": "integer"}, {"minimum": 3}]}
+    assert "allOf of several schemas (at /)" in unenforced(both, XGRAMMAR)
+    assert "multipleOf on a non-integer" in unenforced({"multipleOf": 0.5}, XGRAMMAR)
+    assert unenforced({"type": "integer", "multipleOf": 3}, XGRAMMAR) is None
+    # Past the check, xgrammar's own warning (it would accept any JSON) refuses the grammar.
+    info = xgr.TokenizerInfo([b"a", b"1", b""], xgr.VocabType.RAW, stop_token_ids=[2])
+    with pytest.raises(ValueError, match="^json_schema: xgrammar would not enforce all of it"):
+        compile_spec(xgr.GrammarCompiler(info, max_threads=1), "json_schema", json.dumps(both))
+
+
+def test_closed_objects_narrow_and_keep_allof_schemas():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert schema == {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
+    keep = {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}}
+    assert closed_objects(keep) == keep
+    merged = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(merged) == merged
+
+
+# ---- how each backend compiles on the pool ---------------------------------------------------
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_grammar_that_crashes_llguidance_fails_its_request_alone(tok):
+    from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
+
+    pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tok, "llguidance"), workers=1)
+    try:
+        assert pool.submit("regex", "warm").result(timeout=60).backend == "llguidance"
+        [worker] = pool.worker_pids
+        # A light worker: llguidance without torch (torch alone is over 200 MB).
+        assert psutil.Process(worker).memory_info().rss < 150 * 2**20
+        # 2000 chained rules: llguidance's grammar check overflows its stack (SIGSEGV).
+        chain = "\n".join(f'r{i}: "w" (/[a-z]+/ | r{i + 1})?' for i in range(2000))
+        crash = pool.submit("lark", f'start: r0\n{chain}\nr2000: "end"')
+        with pytest.raises(
+            ValueError, match="^lark: .*llguidance compile worker was killed by SIGSEGV"
+        ):
+            crash.result(timeout=60)
+        assert _gone(worker)
+        assert pool.submit("lark", SQL_LARK).result(timeout=60) is not None  # a new worker
+    finally:
+        pool.shutdown()
+
+
+def test_an_overrunning_xgrammar_compile_has_its_worker_killed(tok):
+    from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
+
+    pool = AsyncGrammarCompiler(lambda: GrammarCompiler(tok, "xgrammar"), workers=1)
+    try:
+        assert pool.submit("regex", "(yes|no)").result(timeout=120).backend == "xgrammar"
+        [worker] = pool.worker_pids
+        pending: PendingGrammars[str] = PendingGrammars(pool, timeout_s=1.0)
+        pending.add("slow", "regex", "(.{1,300}){1,300}")  # seconds of mask-cache building
+        time.sleep(1.2)
+        _, failed = pending.poll()
+        assert failed and "timed out after 1 s" in failed[0][1]
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker)
+    finally:
+        pool.shutdown()
+
+
+def test_schemas_whose_parts_a_backend_would_write_alone_go_to_one_that_merges_them(compilers):
+    # JSON Schema applies `anyOf` together with the keywords beside it, and a required key
+    # whether or not `properties` lists it: outlines-core and xgrammar would write either the
+    # properties or the anyOf alone (any JSON, for xgrammar), or an object without the key.
+    either = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "anyOf": [{"required": ["a"]}],
+    }
+    unlisted = {"type": "object", "required": ["x"]}
+    for backend in ("outlines", "xgrammar"):
+        why = compilers[backend].get_backend(backend).refusal
+        assert "anyOf beside 'properties' (at /)" in why("json_schema", json.dumps(either))
+        assert "required key 'x' (at /) is not in properties" in why(
+            "json_schema", json.dumps(unlisted)
+        )
+    for c in compilers.values():
+        assert c.compile("json_schema", either).backend == "llguidance"
+        assert walk(c, "json_schema", either, '{"a": 1}') == (True, True)
+        assert walk(c, "json_schema", either, "{}")[1] is False
+        assert walk(c, "json_schema", unlisted, '{"x": 1}') == (True, True)
+        assert walk(c, "json_schema", unlisted, "{}")[1] is False
