@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from braid.runtime.server.protocol import ChatCompletionRequest
 from tests.server.conftest import start_server
 
 # Short forced outputs keep the module quick on a CPU: reasoning then an answer, and reasoning
@@ -115,10 +114,6 @@ def test_streamed_tool_calls_come_from_the_content_after_the_reasoning(client):
     assert (names, args, finish) == (["now"], "{}", "tool_calls")
 
 
-@pytest.mark.skipif(
-    "separate_reasoning" not in ChatCompletionRequest.model_fields,
-    reason="ChatCompletionRequest does not declare separate_reasoning yet",
-)
 def test_separate_reasoning_false_returns_the_raw_text(client, whole):
     raw = ask(client, THINK, extra_body={"separate_reasoning": False})
     msg = raw.choices[0].message

@@ -306,6 +306,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[JsonValue] | None = None
     tool_choice: JsonValue = None
     parallel_tool_calls: JsonValue = True
+    # SGLang's: false returns a reasoning model's raw text as content (--reasoning-parser).
+    separate_reasoning: bool = True
 
 
 class GenerateRequest(_Body):

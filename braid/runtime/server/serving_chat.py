@@ -308,9 +308,7 @@ def _thinking_closed(prompt: str, cls: type[ReasoningParser]) -> bool:
 
 def _separates_reasoning(req: ChatCompletionRequest) -> bool:
     """SGLang's `separate_reasoning` (default true): false returns the raw text as content."""
-    # protocol.py (another module's owner) does not declare the field yet; until it does,
-    # the lenient body model drops it and every request separates.
-    return getattr(req, "separate_reasoning", True) is not False
+    return req.separate_reasoning
 
 
 def _chat_message(
