@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import statistics
@@ -128,10 +129,17 @@ def _classify(message: str) -> str:
     return "refused" if any(w in message for w in _REFUSED) else "failed"
 
 
-def coverage(tokenizer, backend: str, bench: list[dict], timeout_s: float, workers: int = 2):
-    """`backend` alone on `bench` (see the module docstring); returns (summary, the compiled
-    grammars by id, each schema's outcome)."""
-    compiler = GrammarCompiler(tokenizer, backend, fallback=False)
+def coverage(
+    tokenizer,
+    backend: str,
+    bench: list[dict],
+    timeout_s: float,
+    workers: int = 2,
+    fallback: bool = False,
+):
+    """`backend` alone on `bench` (see the module docstring), or with `fallback` as braid
+    serves it; returns (summary, the compiled grammars by id, each schema's outcome)."""
+    compiler = GrammarCompiler(tokenizer, backend, fallback=fallback)
     pool = AsyncGrammarCompiler(lambda: compiler, workers=workers)
     pending: PendingGrammars[str] = PendingGrammars(pool, timeout_s)
     pool.submit("regex", "warm").result()  # vocabulary and workers up: time compiles alone
@@ -195,6 +203,7 @@ def coverage(tokenizer, backend: str, bench: list[dict], timeout_s: float, worke
         "instances": [valid_n, invalid_n],
         "top_refusals": reasons.most_common(8),
         "time_limit_s": timeout_s,
+        "compiled_by": dict(Counter(g.backend for g in grammars.values())),
     }
     return summary, grammars, outcome
 
@@ -208,9 +217,13 @@ def _validates(schema: Any, text: str) -> bool:
     return cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(value)
 
 
-def generation(sched, tokenizer, sample: list[dict], max_tokens: int) -> dict:
+def generation(sched, tokenizer, sample: list[dict], max_tokens: int, warm_s: float = 120) -> dict:
     """One greedy output per schema of `sample` on `sched` (its grammar backend alone): how
-    many were refused, finished, and validate."""
+    many were refused, finished, and validate. The grammars are compiled first (up to
+    `warm_s`), so that a burst of new schemas queueing for the workers does not count: that
+    is `coverage`'s to measure."""
+    pool = sched.grammars.waiting.compiler
+    concurrent.futures.wait([pool.submit("json_schema", i["schema"]) for i in sample], warm_s)
     prompt = tokenizer.encode("Reply with one JSON value only.\n")
     refused: list[str] = []
     ids: dict[str, list[int]] = {}

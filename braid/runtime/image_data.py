@@ -3,6 +3,7 @@ and the content hash that names it in the prefix cache and the encoder-output ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,16 @@ class ImageData:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_each(images: list[ImageData], check: Callable[[ImageData], None]) -> None:
+    """`check(image)` for every image (a model's `check_image`); its `ValueError` is re-raised
+    naming the image's index."""
+    for i, image in enumerate(images):
+        try:
+            check(image)
+        except ValueError as e:
+            raise ValueError(f"image {i}: {e}") from None
 
 
 def to_wire(image: ImageData, offset: int, dtype: torch.dtype | None = None) -> ImageInput:

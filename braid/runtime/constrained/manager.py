@@ -33,6 +33,11 @@ class Constrained(Protocol):
     grammar: GrammarMatcher | None
     output_ids: list[int]
     verified: int
+    waiting_grammar: GrammarMatcher | None  # compiled, waiting for the end of thinking
+    grammar_open: int | None  # the token that may open the thinking first
+
+    @property
+    def grammar_undecided(self) -> bool: ...
 
     @property
     def remaining_new_tokens(self) -> int: ...
@@ -132,7 +137,7 @@ class GrammarManager:
             if r.grammar is not None:
                 rows.append(i)
                 matchers.append(r.grammar)
-            elif getattr(r, "grammar_undecided", False):
+            elif r.grammar_undecided:
                 rows.append(i)
                 matchers.append(_OrToken(r.waiting_grammar, r.grammar_open))
         if not rows:

@@ -20,7 +20,7 @@ from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.image_data import ImageData
+from braid.runtime.image_data import ImageData, check_each
 from braid.runtime.layers.linear import Linear
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
@@ -208,10 +208,6 @@ class LlavaForConditionalGeneration(LlavaBase):
         of it (`tokens_per_image`), or its pixels are not the tower's input size."""
         if not images:
             return []
-        for i, image in enumerate(images):
-            try:
-                self.check_image(image)
-            except ValueError as e:
-                raise ValueError(f"image {i}: {e}") from None
+        check_each(images, self.check_image)
         pixels = torch.stack([im.pixel_values for im in images])
         return list(self.image_features(pixels).unbind(0))

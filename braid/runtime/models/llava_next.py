@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from braid.runtime.image_data import ImageData
+from braid.runtime.image_data import ImageData, check_each
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.llava import LlavaBase
@@ -184,11 +184,7 @@ class LlavaNextForConditionalGeneration(LlavaBase):
         `check_image` refuses."""
         if not images:
             return []
-        for i, image in enumerate(images):
-            try:
-                self.check_image(image)
-            except ValueError as e:
-                raise ValueError(f"image {i}: {e}") from None
+        check_each(images, self.check_image)
         feats = self.image_features(torch.cat([im.pixel_values for im in images]))
         per_image = feats.split([im.pixel_values.shape[0] for im in images])
         return [self._pack(f, *im.image_size) for f, im in zip(per_image, images)]

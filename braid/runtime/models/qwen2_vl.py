@@ -22,7 +22,7 @@ from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.image_data import ImageData
+from braid.runtime.image_data import ImageData, check_each
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm, default_weight_loader
 from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_axes
@@ -511,11 +511,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         from one tower pass over all of them."""
         if not images:
             return []
-        for i, image in enumerate(images):
-            try:
-                self.check_image(image)
-            except ValueError as e:
-                raise ValueError(f"image {i}: {e}") from None
+        check_each(images, self.check_image)
         device = self.model.embed_tokens.weight.device
         pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=self.dtype)
         grids = [(int(t), int(h), int(w)) for t, h, w in (im.grid_thw for im in images)]
