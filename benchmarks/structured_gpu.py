@@ -21,11 +21,16 @@ Writes benchmarks/results/structured_gpu_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -79,6 +84,30 @@ def timed(llm, prompts: list[list[int]], sp: braid.SamplingParams) -> float:
     return dt
 
 
+@contextlib.contextmanager
+def sampled_stacks(path: Path | None) -> Iterator[None]:
+    """Record this process's and its children's Python stacks (py-spy, if on PATH) into `path`,
+    as collapsed stacks (one line per stack with its sample count), while the block runs."""
+    if path is None or shutil.which("py-spy") is None:
+        yield
+        return
+    argv = ["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--idle"]
+    argv += ["--rate", "200", "--format", "raw", "--output", str(path), "--nonblocking"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode:
+            print(f"py-spy exited {proc.returncode}: {err.decode()[-500:]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny-cpu", action="store_true", help="toy model on the CPU")
@@ -92,6 +121,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--engine-arg", action="append", default=[], help="KEY=VALUE passed to braid.LLM"
+    )
+    ap.add_argument(
+        "--profile-first",
+        type=Path,
+        default=None,
+        help="write py-spy's collapsed stacks of the first constrained request here",
     )
     args = ap.parse_args()
     tiny = args.tiny_cpu
@@ -128,7 +163,10 @@ def main() -> None:
             # a free one goes first, so the constrained one after it shows the grammar's.
             first_free = braid.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
             first_free_s = timed(llm, make_prompts(1, n_in, vocab, seed=1), first_free)
-            first_s = timed(llm, make_prompts(1, n_in, vocab, seed=0), first)
+            with sampled_stacks(args.profile_first):
+                first_s = timed(llm, make_prompts(1, n_in, vocab, seed=0), first)
+            # The same again: what a constrained request costs once its first-use costs are paid.
+            second_s = timed(llm, make_prompts(1, n_in, vocab, seed=5), first)
             rows, seed = [], 2
             for bs in tqdm(batches, desc="batch sizes"):
                 runs = {"free": [], "constrained": []}
@@ -163,6 +201,7 @@ def main() -> None:
         "load_s": load_s,
         "first_request_s": first_free_s,
         "first_constrained_request_s": first_s,
+        "second_constrained_request_s": second_s,
         "rows": rows,
         "constrained_steps_ahead": stats.get("constrained_steps_ahead"),
         "mask_us_per_row": 1e6
@@ -173,6 +212,7 @@ def main() -> None:
     write_result("structured_gpu", device, args.out, result)
     print(f"first request (20 tokens, free): {first_free_s:.2f} s")
     print(f"first constrained request after it (20 tokens): {first_s:.2f} s")
+    print(f"second constrained request (20 tokens): {second_s:.2f} s")
     print(f"bitmask fill: {result['mask_us_per_row']:.1f} us per constrained row")
     for r in rows:
         print(f"batch {r['batch']:>4}: overhead {100 * r['overhead']:+.1f}%")

@@ -80,6 +80,24 @@ def _grammar_backends() -> list[str]:
     return grammar_backend_names()
 
 
+def _quantization_methods() -> list[str]:
+    from braid.runtime.quantization import quantization_method_names
+
+    return quantization_method_names()
+
+
+# Speculative decoding: SGLang's algorithm names (`--speculative-algorithm`); vLLM's
+# `speculative_config["method"]` names map onto them (`SPECULATIVE_METHODS`).
+SPECULATIVE_ALGORITHMS = ("NGRAM", "DRAFT", "MEDUSA", "EAGLE", "EAGLE3")
+SPECULATIVE_METHODS = {
+    "ngram": "NGRAM",
+    "draft_model": "DRAFT",
+    "medusa": "MEDUSA",
+    "eagle": "EAGLE",
+    "eagle3": "EAGLE3",
+}
+
+
 def _attention_backends() -> list[str]:
     # Imported when asked: the registry is cheap, but config must not import it at load.
     from braid.runtime.attention import backend_names
@@ -209,8 +227,56 @@ class EngineConfig:
     encoder_cache_mb: int = setting(
         256, "MB of vision-tower outputs kept by image content hash (scheduler process)"
     )
+    quantization: str | None = setting(
+        None,
+        "how the linear layers' weights are stored and multiplied; unset: from the checkpoint's "
+        "quantization_config (none: the model's dtype)",
+        choices=_quantization_methods,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's element type; auto: the model's dtype; fp8_e4m3: 8-bit floats with "
+        "scales (twice the tokens in the same memory)",
+        choices=("auto", "fp8_e4m3"),
+    )
+    dequantize_gguf: bool = setting(
+        False, "load a GGUF file's quantized tensors as floats (the slower float path)"
+    )
+    speculative_algorithm: str | None = setting(
+        None,
+        "speculative decoding: NGRAM (drafts from the prompt and output so far), DRAFT (a "
+        "smaller model), MEDUSA (heads on the target's last hidden state), EAGLE / EAGLE3 (a "
+        "draft layer over the target's hidden states); output is identical in distribution "
+        "(greedy: token for token); unset: off",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = setting(
+        None, "DRAFT: the draft model's directory; MEDUSA / EAGLE: the heads' checkpoint"
+    )
+    speculative_num_steps: int | None = setting(
+        None, "draft tokens proposed in a row per step (the tree's depth); unset: 4"
+    )
+    speculative_eagle_topk: int | None = setting(
+        None, "EAGLE / MEDUSA: branches kept per draft position (1: a chain); unset: 1"
+    )
+    speculative_num_draft_tokens: int | None = setting(
+        None,
+        "draft tokens verified per request per step (a tree's nodes); unset: "
+        "speculative_num_steps for a chain",
+    )
+    speculative_ngram_min_match_window_size: int = setting(
+        1, "NGRAM: the shortest suffix of the text so far that is looked up"
+    )
+    speculative_ngram_max_match_window_size: int = setting(
+        4, "NGRAM: the longest suffix looked up (the longest one that matches wins)"
+    )
 
     def __post_init__(self) -> None:
+        algo = self.speculative_algorithm
+        if isinstance(algo, str):  # SGLang's upper case, or vLLM's method names
+            object.__setattr__(
+                self, "speculative_algorithm", SPECULATIVE_METHODS.get(algo.lower(), algo.upper())
+            )
         check_choices(self)
         for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
             v = getattr(self, name)
@@ -250,10 +316,45 @@ class EngineConfig:
             raise ValueError(
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
             )
+        self._check_speculative()
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(
                 f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
             )
+
+    def _check_speculative(self) -> None:
+        ints = (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_max_match_window_size",
+        )
+        for name in ints:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if lo > hi:
+            raise ValueError(
+                f"speculative_ngram_min_match_window_size ({lo}) must be at most "
+                f"speculative_ngram_max_match_window_size ({hi})"
+            )
+        algo = self.speculative_algorithm
+        needs_path = algo in ("DRAFT", "MEDUSA", "EAGLE", "EAGLE3")
+        if needs_path and not self.speculative_draft_model_path:
+            raise ValueError(
+                f"speculative_algorithm {algo} needs speculative_draft_model_path "
+                "(--speculative-draft-model-path)"
+            )
+        if algo is None and self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path is set but speculative_algorithm is not")
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft tokens proposed in a row per step: `speculative_num_steps`, or 4."""
+        return self.speculative_num_steps or 4
 
     @property
     def torch_device(self) -> torch.device:
@@ -327,13 +428,49 @@ def keyword_names() -> dict[str, str]:
     return names
 
 
+# vLLM's `speculative_config` keys -> the settings they give.
+_SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_algorithm",
+    "model": "speculative_draft_model_path",
+    "num_speculative_tokens": "speculative_num_steps",
+    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+}
+
+
+def speculative_settings(spec: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` dict (`method`, `model`, `num_speculative_tokens`,
+    `prompt_lookup_min`, `prompt_lookup_max`) as `EngineConfig` settings; `ValueError` naming
+    an unknown key. Without a `method`, a `model` means a draft model."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unknown key {unknown[0]!r} (have "
+            f"{sorted(_SPECULATIVE_CONFIG_KEYS)})"
+        )
+    out = {_SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items()}
+    if "speculative_algorithm" not in out and "speculative_draft_model_path" in out:
+        out["speculative_algorithm"] = "DRAFT"
+    return out
+
+
 def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """`LLM`'s keywords to `EngineConfig` field names (values untouched). `ValueError` names
-    a keyword that is no setting, with the close matches, or a field given under two names."""
+    a keyword that is no setting, with the close matches, or a field given under two names.
+    vLLM's `speculative_config` dict stands for the speculative settings it holds."""
     names = keyword_names()
     resolved: dict[str, Any] = {}
     given_as: dict[str, str] = {}
-    for key, value in overrides.items():
+    items = [(k, k, v) for k, v in overrides.items() if k != "speculative_config"]
+    if "speculative_config" in overrides:
+        spec = speculative_settings(overrides["speculative_config"])
+        by_field = {v: k for k, v in _SPECULATIVE_CONFIG_KEYS.items()}
+        items += [
+            (f, f"speculative_config[{by_field.get(f, 'model')!r}]", v) for f, v in spec.items()
+        ]
+    for key, shown, value in items:
         name = names.get(key)
         if name is None:
             close = difflib.get_close_matches(key, names, n=3)
@@ -344,7 +481,7 @@ def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
             )
             raise ValueError(f"unknown engine setting {key!r}: {hint}")
         if name in given_as:
-            raise ValueError(f"{name} is given twice: as {given_as[name]!r} and {key!r}")
-        given_as[name] = key
+            raise ValueError(f"{name} is given twice: as {given_as[name]} and {shown}")
+        given_as[name] = shown
         resolved[name] = value
     return resolved

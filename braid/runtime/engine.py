@@ -24,12 +24,12 @@ from tqdm import tqdm
 
 from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig, resolve_overrides
-from braid.runtime.ipc.to_detokenizer import TokenLogprob
+from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.multimodal.frontend import MediaFrontend, flatten_content
-from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput, spec_meta_info
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.manager import TokenizerManager
 from braid.runtime.tokenizer.tokenizer import render_chat
@@ -80,6 +80,7 @@ class _Request:
     samples: list[_Sample] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    spec: list[SpecUsage] = field(default_factory=list)  # each finished sample's
 
     @property
     def finished(self) -> bool:
@@ -94,7 +95,19 @@ class _Request:
             finished=self.finished,
             num_cached_tokens=self.cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            metrics=self.metrics(),
         )
+
+    def metrics(self) -> dict[str, float]:
+        """Speculative decoding's counts over the samples (SGLang's `meta_info` names)."""
+        if not self.spec:
+            return {}
+        total = SpecUsage(
+            sum(s.verify_steps for s in self.spec),
+            sum(s.proposed_drafts for s in self.spec),
+            sum(s.accepted_drafts for s in self.spec),
+        )
+        return spec_meta_info(total)
 
 
 def logprob_dict(lp: TokenLogprob, texts: dict[int, str] | None) -> dict[int, Logprob]:
@@ -467,6 +480,8 @@ class LLM:
         if out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             sample.error = out.error
+            if out.spec is not None:
+                req.spec.append(out.spec)
 
 
 Engine = LLM

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from braid.runtime.function_call.base import ToolCall
+    from braid.runtime.ipc.to_detokenizer import SpecUsage
 
 
 @dataclass
@@ -63,3 +64,17 @@ def finish_reason_info(
     if reason == "abort":
         return {"type": "abort", "message": message}
     return {"type": reason, "matched": matched}
+
+
+def spec_meta_info(spec: SpecUsage) -> dict[str, float]:
+    """SGLang's `meta_info` fields for one request's speculative decoding: its decode steps
+    (`spec_verify_ct`), the draft tokens it verified and kept, their ratio, and the mean tokens
+    a decode step gave it (1 + the drafts kept per step)."""
+    steps, proposed, accepted = spec.verify_steps, spec.proposed_drafts, spec.accepted_drafts
+    return {
+        "spec_verify_ct": steps,
+        "spec_num_proposed_drafts": proposed,
+        "spec_num_correct_drafts": accepted,
+        "spec_accept_rate": accepted / proposed if proposed else 0.0,
+        "spec_accept_length": (steps + accepted) / steps if steps else 0.0,
+    }

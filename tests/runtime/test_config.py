@@ -207,6 +207,13 @@ def test_an_empty_command_line_gives_the_declared_defaults():
     assert SERVE_DEFAULTS == {"show_progress": False}
 
 
+# Flags that are valid only beside another one, and that other one.
+COMPANIONS = {
+    "speculative_draft_model_path": ["--speculative-algorithm", "DRAFT"],
+    "speculative_ngram_min_match_window_size": ["--speculative-ngram-max-match-window-size", "8"],
+}
+
+
 @pytest.mark.parametrize("cls", [EngineConfig, ServerSettings])
 def test_each_flag_sets_its_field_with_the_fields_type(cls):
     for f in fields(cls):
@@ -216,6 +223,7 @@ def test_each_flag_sets_its_field_with_the_fields_type(cls):
             argv = [flag(f.name)]
         else:
             argv = [flag(f.name), sample_value(cls, f)]
+        argv += COMPANIONS.get(f.name, [])
         got = getattr(parse(*argv), f.name)
         assert got != f.default or f.name in SERVE_DEFAULTS, f.name
         assert getattr(settings_from_args(cls, parse(*argv)), f.name) == got

@@ -1,11 +1,12 @@
 """Token bitmasks: one int32 row per constrained request, `[rows, ceil(vocab / 32)]`, bit j of
 word w set when token 32 * w + j is allowed; applied to those requests' logit rows only.
 
-Rows are written on the CPU by outlines-core (`GrammarMatcher.fill_bitmask`) and copied to the
-device in one transfer. On CUDA the mask is applied by braid's Triton kernel
-(`braid.kernels.apply_token_bitmask_`; if it cannot be imported, by `apply_token_bitmask_torch`),
-on the CPU by a numpy version. (outlines-core's own torch kernel goes through torch.compile, which
-makes its first use slow (measured: docs/benchmarks.md, Figures behind design choices).)
+Rows are written on the CPU by the grammar backends (`GrammarMatcher.fill_many`, in the
+libraries' own threads where they have them) and copied to the device in one transfer. On CUDA
+the mask is applied by braid's Triton kernel (`braid.kernels.apply_token_bitmask_`; if it cannot
+be imported, by `apply_token_bitmask_torch`), on the CPU by a numpy version. (outlines-core's
+own torch kernel goes through torch.compile, which makes its first use slow (measured:
+docs/benchmarks.md, Figures behind design choices).)
 """
 
 from __future__ import annotations
@@ -119,20 +120,41 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: to
 
 class BitmaskBuffer:
     """A reusable CPU buffer (pinned on CUDA, so the copy can overlap) that the constrained
-    rows of a step are written into."""
+    rows of a step are written into, `words` int32 words a row: the tokenizer's vocabulary's,
+    which every matcher writes exactly (tokens past it, a model's padding rows, are banned
+    when the mask is applied)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.words = bitmask_words(vocab_size)
+    def __init__(self, words: int, device: torch.device) -> None:
+        self.words = words
         self.device = device
         self._buf = torch.empty(0, self.words, dtype=torch.int32)
 
     def fill(
-        self, matchers: Sequence[GrammarMatcher], rows: Sequence[int]
+        self,
+        matchers: Sequence[GrammarMatcher],
+        rows: Sequence[int],
+        extra: Sequence[tuple[int, int]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(bitmask [len(rows), words], row indices [len(rows)]), both on the device:
-        `matchers[i]`'s allowed tokens, for logits row `rows[i]`. Valid until the next `fill`
-        (on the CPU the bitmask is a view of the buffer)."""
+        `matchers[i]`'s allowed tokens, for logits row `rows[i]`, each (i, token) of `extra`
+        allowing one more token in mask row i. Matchers of one backend are filled together
+        (`GrammarMatcher.fill_many`). Valid until the next `fill` (on the CPU the bitmask is a
+        view of the buffer)."""
         n = len(matchers)
+        buf = self.rows(n)
+        by_class: dict[type[GrammarMatcher], list[int]] = {}
+        for i, m in enumerate(matchers):
+            by_class.setdefault(type(m), []).append(i)
+        for cls, positions in by_class.items():
+            cls.fill_many([matchers[i] for i in positions], buf, positions)
+        if extra:
+            octets = buf.view(torch.uint8)  # token t: bit t % 8 of byte t // 8 of a row
+            for i, token in extra:
+                octets[i, token >> 3] |= 1 << (token & 7)
+        return self.send(n, rows)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The CPU buffer, at least `n` rows, for a caller writing rows itself (then `send`)."""
         if self._buf.shape[0] < n:
             self._buf = torch.empty(
                 max(n, 2 * self._buf.shape[0]),
@@ -140,8 +162,10 @@ class BitmaskBuffer:
                 dtype=torch.int32,
                 pin_memory=self.device.type == "cuda",
             )
-        for i, m in enumerate(matchers):
-            m.fill_bitmask(self._buf[i])
+        return self._buf
+
+    def send(self, n: int, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `n` rows written, for logits rows `rows`, on the device (as `fill`)."""
         mask = self._buf[:n]
         idx = torch.tensor(list(rows), dtype=torch.int64)
         if self.device.type == "cpu":

@@ -22,15 +22,23 @@ otherwise goes on inventing keys. Imports no torch: the compile worker imports t
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from braid.runtime.constrained import GRAMMAR_BACKENDS
-from braid.runtime.constrained.grammar import CompiledGrammar, GrammarBackend, GrammarMatcher
+from braid.runtime.constrained.grammar import (
+    PARALLEL_MIN_ROWS,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    parallel_cpus,
+)
 from braid.runtime.constrained.jump_forward import tokens_spelling
 from braid.runtime.constrained.schema_support import closed_objects
 from braid.runtime.constrained.spec import json_spec, regex_of_choices, structural_tag, trigger_of
@@ -180,11 +188,50 @@ class LLGuidanceBackend(GrammarBackend):
         return compiled
 
 
+@functools.cache
+def _executor() -> llg.LLExecutor | None:
+    """llguidance's thread pool for a batch's masks and advances (None on a machine with too
+    few CPUs for it to pay)."""
+    cpus = parallel_cpus()
+    return llg.LLExecutor() if cpus else None
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, grammar: LLGuidanceGrammar, matcher: llg.LLMatcher) -> None:
         self.grammar = grammar
         self._m = matcher
         self._words = grammar.words
+
+    @classmethod
+    def fill_many(
+        cls, matchers: Sequence[LLGuidanceMatcher], buf: Any, rows: Sequence[int]
+    ) -> None:
+        executor = _executor()
+        if executor is None or len(matchers) < PARALLEL_MIN_ROWS:
+            return super().fill_many(matchers, buf, rows)
+        assert buf.dtype.itemsize == 4 and buf.is_contiguous() and buf.device.type == "cpu"
+        words = buf.shape[1]
+        assert all(m._words == words for m in matchers), "a row is not one mask wide"
+        # A matcher in an error state gets an all-banned row, as from `fill_bitmask`.
+        executor.unsafe_compute_mask_ptr(
+            [(m._m, r) for m, r in zip(matchers, rows)], buf.data_ptr(), 4 * words, buf.shape[0]
+        )
+        for m, r in zip(matchers, rows):
+            if m._m.is_error():
+                buf[r].zero_()
+
+    @classmethod
+    def advance_many(
+        cls, matchers: Sequence[LLGuidanceMatcher], tokens: Sequence[int]
+    ) -> list[str | None]:
+        executor = _executor()
+        if executor is None or len(matchers) < PARALLEL_MIN_ROWS:
+            return super().advance_many(matchers, tokens)
+        took = executor.consume_token_par([(m._m, t) for m, t in zip(matchers, tokens)])
+        return [
+            None if ok else _refusal(t, m._m.get_error())
+            for m, t, ok in zip(matchers, tokens, took)
+        ]
 
     def fill_bitmask(self, row: Any) -> None:
         assert row.element_size() == 4 and row.is_contiguous() and row.device.type == "cpu"
@@ -197,9 +244,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def advance(self, token_id: int) -> None:
         if self._m.try_consume_tokens([token_id]) != 1:
-            error = self._m.get_error()
-            why = f" ({error})" if error else ""
-            raise ValueError(f"token {token_id} is not allowed by the grammar here{why}")
+            raise ValueError(_refusal(token_id, self._m.get_error()))
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
@@ -225,3 +270,8 @@ class LLGuidanceMatcher(GrammarMatcher):
         ids = torch.arange(self._words * 32)
         bits = (row[ids // 32] >> (ids % 32)) & 1
         return ids[bits.bool()].tolist()
+
+
+def _refusal(token_id: int, error: str | None) -> str:
+    why = f" ({error})" if error else ""
+    return f"token {token_id} is not allowed by the grammar here{why}"

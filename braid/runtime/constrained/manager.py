@@ -130,7 +130,7 @@ class GrammarManager:
         a None row is left unmasked (its sample is dropped). A request whose first token decides
         whether its grammar waits for the end of thinking (`grammar_undecided`) may take the
         grammar's tokens or the one that opens the thinking."""
-        rows, matchers = [], []
+        rows, matchers, extra = [], [], []
         for i, r in enumerate(reqs):
             if r is None:
                 continue
@@ -138,17 +138,78 @@ class GrammarManager:
                 rows.append(i)
                 matchers.append(r.grammar)
             elif r.grammar_undecided:
+                extra.append((len(rows), r.grammar_open))
                 rows.append(i)
-                matchers.append(_OrToken(r.waiting_grammar, r.grammar_open))
+                matchers.append(r.waiting_grammar)
         if not rows:
             return {}
         if self._bitmask is None:
-            self._bitmask = BitmaskBuffer(self._vocab, self.device)
+            self._bitmask = BitmaskBuffer(bitmask_words(self.compiler.vocab.size), self.device)
         t0 = time.perf_counter()
-        mask, idx = self._bitmask.fill(matchers, rows)
+        mask, idx = self._bitmask.fill(matchers, rows, extra)
         self.mask_seconds += time.perf_counter() - t0
         self.masked_rows += len(rows)
         return {"bitmask": mask, "bitmask_rows": idx}
+
+    def mask_drafts(
+        self,
+        reqs: list[Constrained],
+        drafts: list[list[int]],
+        first_rows: list[int],
+        eos_ids: frozenset[int],
+    ) -> dict[str, torch.Tensor]:
+        """The bitmask arguments of a verify step (see `scheduler/verify.py`): for each
+        constrained request, the row verifying its j-th draft gets the grammar's mask after
+        the drafts before it (an EOS draft moves no grammar, as a sampled EOS does not). A draft
+        the grammar refuses stops the walk (the target's sample there cannot be it, so no later
+        draft is kept; the later rows repeat that mask)."""
+        todo = [(r, d, f) for r, d, f in zip(reqs, drafts, first_rows) if r.grammar is not None]
+        if not todo:
+            return {}
+        if self._bitmask is None:
+            self._bitmask = BitmaskBuffer(bitmask_words(self.compiler.vocab.size), self.device)
+        t0 = time.perf_counter()
+        n = sum(1 + len(d) for _, d, _ in todo)
+        buf = self._bitmask.rows(n)
+        rows: list[int] = []
+        for req, d, first in todo:
+            grammar, advanced, alive = req.grammar, 0, True
+            for j in range(len(d) + 1):
+                k = len(rows)
+                if alive:
+                    grammar.fill_bitmask(buf[k])
+                else:
+                    buf[k].copy_(buf[k - 1])
+                rows.append(first + j)
+                if j == len(d) or not alive:
+                    continue
+                if not _allows(buf[k], d[j]):
+                    alive = False
+                elif d[j] not in eos_ids:
+                    try:
+                        grammar.advance(d[j])
+                        advanced += 1
+                    except ValueError:
+                        alive = False
+            grammar.rollback(advanced)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masked_rows += n
+        mask, idx = self._bitmask.send(n, rows)
+        return {"bitmask": mask, "bitmask_rows": idx}
+
+    def advance(self, reqs: list[Constrained], tokens: list[int]) -> list[str | None]:
+        """Advance each request's grammar by its sampled token, those of one backend together
+        (`GrammarMatcher.advance_many`); the error of each whose grammar refused it, else
+        None."""
+        errors: list[str | None] = [None] * len(reqs)
+        by_class: dict[type, list[int]] = {}
+        for i, r in enumerate(reqs):
+            by_class.setdefault(type(r.grammar), []).append(i)
+        for cls, idx in by_class.items():
+            got = cls.advance_many([reqs[i].grammar for i in idx], [tokens[i] for i in idx])
+            for i, e in zip(idx, got):
+                errors[i] = e
+        return errors
 
     def counters(self) -> dict[str, float]:
         return {"grammar_mask_seconds": self.mask_seconds, "grammar_masked_rows": self.masked_rows}
@@ -211,16 +272,9 @@ class GrammarManager:
         del req.output_ids[req.verified :]
 
 
-class _OrToken:
-    """A matcher's mask with one more token allowed."""
-
-    def __init__(self, matcher: GrammarMatcher, token: int) -> None:
-        self.matcher, self.token = matcher, token
-
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        self.matcher.fill_bitmask(row)
-        # Token t is bit t % 8 of byte t // 8 of the row's little-endian words.
-        row.view(torch.uint8)[self.token >> 3] |= 1 << (self.token & 7)
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether bitmask `row` (int32 words on the CPU) allows `token`."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
 def _no_tokenizer() -> GrammarCompiler:

@@ -19,17 +19,24 @@ the grammar if there are any.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from braid.runtime.constrained import GRAMMAR_BACKENDS
-from braid.runtime.constrained.grammar import CompiledGrammar, GrammarBackend, GrammarMatcher
+from braid.runtime.constrained.grammar import (
+    PARALLEL_MIN_ROWS,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    parallel_cpus,
+)
 from braid.runtime.constrained.jump_forward import tokens_spelling
 from braid.runtime.constrained.schema_support import CORE, SchemaSupport, unenforced
 from braid.runtime.constrained.spec import json_spec, regex_of_choices, structural_tag
@@ -185,11 +192,39 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarGrammar(kind, compiled, self.vocab)
 
 
+@functools.cache
+def _batch() -> xgr.BatchGrammarMatcher | None:
+    """xgrammar's thread pool for a batch's masks (None on a machine with too few CPUs for it
+    to pay)."""
+    cpus = parallel_cpus()
+    return xgr.BatchGrammarMatcher(max_threads=cpus) if cpus else None
+
+
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, grammar: XGrammarGrammar) -> None:
         self.grammar = grammar
         self._m = xgr.GrammarMatcher(grammar.compiled)
         self._words = grammar.words
+
+    @classmethod
+    def fill_many(cls, matchers: Sequence[XGrammarMatcher], buf: Any, rows: Sequence[int]) -> None:
+        batch = _batch()
+        if batch is None or len(matchers) < PARALLEL_MIN_ROWS:
+            return super().fill_many(matchers, buf, rows)
+        assert all(m._words == buf.shape[1] for m in matchers), "a row is not one mask wide"
+        batch.batch_fill_next_token_bitmask([m._m for m in matchers], buf, list(rows))
+
+    @classmethod
+    def advance_many(
+        cls, matchers: Sequence[XGrammarMatcher], tokens: Sequence[int]
+    ) -> list[str | None]:
+        if len(matchers) < PARALLEL_MIN_ROWS:
+            return super().advance_many(matchers, tokens)
+        took = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], list(tokens))
+        return [
+            None if ok else f"token {t} is not allowed by the grammar here"
+            for t, ok in zip(tokens, took)
+        ]
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"

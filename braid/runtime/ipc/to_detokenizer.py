@@ -33,6 +33,17 @@ class DetokSpec:
 
 
 @dataclass
+class SpecUsage:
+    """A request's speculative decoding, as SGLang's `meta_info` reports it: the decode steps
+    it took (each verifying its drafts, if it had any), the draft tokens it verified and how
+    many of them it kept."""
+
+    verify_steps: int
+    proposed_drafts: int
+    accepted_drafts: int
+
+
+@dataclass
 class TokenOut:
     """What one request gained in one step.
 
@@ -52,6 +63,7 @@ class TokenOut:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     detok: DetokSpec | None = None
     refused: bool = False  # `error` is the request's own fault (a grammar that cannot compile)
+    spec: SpecUsage | None = None  # with speculative decoding, in the request's last TokenOut
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from braid.runtime.ipc.to_detokenizer import TokenLogprob
+from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
 
 
 @dataclass
@@ -27,6 +27,7 @@ class StrOut:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_texts: dict[int, str] | None = None
     refused: bool = False  # the error is the request's own: it was refused before it ran
+    spec: SpecUsage | None = None  # speculative decoding's counts, with the last output
 
 
 @dataclass

@@ -18,6 +18,7 @@ from braid.runtime.scheduler.batch import StepPlan, build_decode
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
+from braid.runtime.scheduler.verify import Drafter, build_verify
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +30,26 @@ RESERVE_CLIP = 4096
 
 class DecodePlanner:
     def __init__(
-        self, reqs: RequestTable, kv: KVManager, stats: SchedulerStats, device: torch.device
+        self,
+        reqs: RequestTable,
+        kv: KVManager,
+        stats: SchedulerStats,
+        device: torch.device,
+        drafter: Drafter | None = None,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
         self.stats = stats
         self.device = device
+        self.drafter = drafter  # speculative decoding: drafts to verify with each step
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
 
     def plan(self) -> tuple[StepPlan | None, Req | None]:
         """The decode step of every running request, after retracting what must go to make room
-        for it; when a lone request cannot grow, no plan and that request (it cannot ever
-        fit: the caller fails it)."""
+        for it (with speculative decoding a `VerifyPlan`, with the drafts whose pages can be
+        made free);
+        when a lone request cannot grow, no plan and that request (it cannot ever fit: the
+        caller fails it)."""
         running = self.reqs.view(ReqStatus.RUNNING)
         while running:
             need = sum(1 for r in running if r.kv_len % self.kv.page_size == 0)
@@ -56,6 +65,10 @@ class DecodePlanner:
         if not running:
             return None, None
         self.count_step()
+        if self.drafter is not None:  # every decode step verifies (maybe no drafts)
+            drafts = self.drafter.drafts(running)
+            plan = build_verify(running, drafts, self.kv.allocator, self.kv.table, self.device)
+            return plan, None
         return build_decode(running, self.kv.allocator, self.kv.table, self.device), None
 
     def plan_ahead(self, reqs: list[Req], input_ids: torch.Tensor) -> StepPlan:

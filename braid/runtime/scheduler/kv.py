@@ -10,6 +10,8 @@ between queues.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
@@ -38,6 +40,9 @@ class KVManager:
         self.sessions = SessionPins(
             cache, allocator.capacity_pages // 2, max_session_pins, session_ttl_s
         )
+        # Told of every request that gives its KV back (a speculative proposer's draft KV goes
+        # with it).
+        self.on_release: Callable[[Req], None] | None = None
 
     # ---- room -----------------------------------------------------------------------------
     def make_room(self, need: int) -> bool:
@@ -108,6 +113,8 @@ class KVManager:
         (the KV of a failed step is suspect)."""
         if req.pool_row is None and not req.pages:
             return
+        if self.on_release is not None:
+            self.on_release(req)
         full = min(req.kv_len // self.page_size, len(req.pages))
         if not keep_kv:
             full = req.shared_pages

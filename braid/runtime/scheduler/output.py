@@ -11,12 +11,14 @@ from braid.runtime.constrained.manager import GrammarManager
 from braid.runtime.executor.executor import Executor
 from braid.runtime.executor.sampler import SampleResult, SamplingInput
 from braid.runtime.forward_batch import ForwardMode
-from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS, DetokSpec, TokenOut
+from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS, DetokSpec, SpecUsage, TokenOut
 from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
+from braid.runtime.scheduler.verify import VerifyPlan
+from braid.runtime.speculative.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class OutputProcessor:
         executor: Executor,
         stats: SchedulerStats,
         eos_token_ids: frozenset[int],
+        speculative: bool = False,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
@@ -37,6 +40,7 @@ class OutputProcessor:
         self.executor = executor
         self.stats = stats
         self.eos_token_ids = eos_token_ids
+        self.speculative = speculative  # finished requests report `SpecUsage`
 
     def process(
         self,
@@ -59,6 +63,7 @@ class OutputProcessor:
             result = result.on_host()
             next_ids = result.next_ids.tolist()
             logprobs = token_logprobs(result) if result.logprobs is not None else None
+            advanced = self._advance_grammars(plan.sampling, next_ids, dropped)
             for i, req in enumerate(plan.sampling):
                 if req.finished or id(req) in dropped:
                     continue  # aborted, or stopped or jumped the step before this ran ahead
@@ -66,7 +71,14 @@ class OutputProcessor:
                 if req.max_new_tokens == 0:
                     req.finish_reason = "length"  # prefill only: the sample is not kept
                 else:
-                    error = self._append_sample(req, next_ids[i], plan.last_rows[i], logits)
+                    error = self._append_sample(
+                        req,
+                        next_ids[i],
+                        plan.last_rows[i],
+                        logits,
+                        i in advanced,
+                        advanced.get(i),
+                    )
                 out = self.token_out(req, req.take_unreported())
                 out.error = error
                 kept = req.max_new_tokens > 0
@@ -90,11 +102,103 @@ class OutputProcessor:
                     self.kv.cache_unfinished(req)
         return outs
 
+    def process_verify(
+        self, plan: VerifyPlan, result: SampleResult, proposer: Proposer
+    ) -> list[TokenOut]:
+        """Apply a verify step: each request keeps its drafts while they equal the target's
+        samples at their rows, then the target's sample after them, appended one by one until
+        one finishes it; the KV of rows past what it kept is freed (never cached)."""
+        result = result.on_host()
+        ids = result.next_ids.tolist()
+        logprobs = token_logprobs(result) if result.logprobs is not None else None
+        stats = self.stats
+        stats.spec_verify_steps += 1
+        outs = []
+        for req, drafts, first, end in zip(plan.reqs, plan.drafts, plan.first_rows, plan.ends):
+            if req.finished:
+                continue
+            accepted = 0
+            while accepted < len(drafts) and ids[first + accepted] == drafts[accepted]:
+                accepted += 1
+            kept, error = 0, None
+            for tok in [*drafts[:accepted], ids[first + accepted]]:
+                error = self._append_verified(req, tok)
+                kept += 1
+                if req.finished:
+                    break
+            # KV holds the last token and the drafts kept (not the target's token after them).
+            self.kv.trim(req, end - len(drafts) + min(kept, accepted))
+            req.spec_steps += 1
+            req.spec_drafts += len(drafts)
+            req.spec_accepted += accepted
+            stats.spec_request_steps += 1
+            stats.spec_draft_tokens += len(drafts)
+            stats.spec_accepted_tokens += accepted
+            stats.spec_emitted_tokens += kept
+            proposer.verified(req, drafts, accepted)
+            if req.grammar is not None and not req.finished:
+                self.jump_forward(req)
+            out = self.token_out(req, req.take_unreported())
+            out.error = error
+            if logprobs is not None and req.params.logprobs is not None:
+                out.logprobs = []
+                for lp in logprobs[first : first + kept]:
+                    lp.top = lp.top[: req.params.logprobs]
+                    out.logprobs.append(lp)
+            if req.finished:
+                self.kv.release(req)
+                self.reqs.discard(req)
+                stats.finished_requests += 1
+            outs.append(out)
+        return outs
+
+    def _append_verified(self, req: Req, tok: int) -> str | None:
+        """Append a token a verify step kept, advance the grammar over it and check whether it
+        finished `req`; the grammar's error, if it refused the token (which fails `req`)."""
+        req.output_ids.append(tok)
+        req.verified = len(req.output_ids)
+        if req.grammar is not None and tok not in self.eos_token_ids:
+            try:
+                req.grammar.advance(tok)
+            except ValueError as e:
+                req.finish_reason = "abort"
+                return f"grammar: {e}"
+        req.check_finished(tok)
+        return None
+
+    def _advance_grammars(
+        self, reqs: list[Req], tokens: list[int], dropped: frozenset[int]
+    ) -> dict[int, str | None]:
+        """Advance, all at once, the grammars of the rows whose sampled token is the one they
+        keep (no jump-forward tokens to verify, grammar already applying, not EOS): {row: the
+        grammar's error or None}. `_append_sample` advances the others itself."""
+        rows = [
+            i
+            for i, req in enumerate(reqs)
+            if req.grammar is not None
+            and not req.finished
+            and id(req) not in dropped
+            and req.max_new_tokens > 0
+            and req.unverified == 0
+            and tokens[i] not in self.eos_token_ids
+        ]
+        if not rows:
+            return {}
+        errors = self.grammars.advance([reqs[i] for i in rows], [tokens[i] for i in rows])
+        return dict(zip(rows, errors))
+
     def _append_sample(
-        self, req: Req, tok: int, last_row: int, logits: torch.Tensor | None
+        self,
+        req: Req,
+        tok: int,
+        last_row: int,
+        logits: torch.Tensor | None,
+        advanced: bool = False,
+        grammar_error: str | None = None,
     ) -> str | None:
         """Append the token sampled for `req` (or the model's own token where it rejects
-        jump-forward tokens), advance its grammar, check whether it finished, and jump forward;
+        jump-forward tokens), advance its grammar (unless `advanced`: done already, failing
+        with `grammar_error` if that is set), check whether it finished, and jump forward;
         returns the error that failed it, if any."""
         if req.unverified:
             rows = logits[last_row - req.unverified : last_row]
@@ -107,7 +211,10 @@ class OutputProcessor:
         req.verified = len(req.output_ids)
         req.decide_grammar()  # a first token that does not open the thinking is the grammar's
         error = None
-        if req.grammar is not None and tok not in self.eos_token_ids:
+        if advanced:
+            if grammar_error is not None:
+                req.finish_reason, error = "abort", f"grammar: {grammar_error}"
+        elif req.grammar is not None and tok not in self.eos_token_ids:
             try:
                 req.grammar.advance(tok)
             except ValueError as e:
@@ -163,6 +270,8 @@ class OutputProcessor:
             finish_reason=req.finish_reason,
             stop_token=req.stop_token,
         )
+        if self.speculative and req.finished:
+            out.spec = SpecUsage(req.spec_steps, req.spec_drafts, req.spec_accepted)
         if not req.detok_sent:
             req.detok_sent = True
             p = req.params

@@ -84,6 +84,10 @@ class Req:
     # position p is rotated as p + rope_delta. None: 1-D positions.
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # Speculative decoding: decode steps taken, draft tokens verified, and kept.
+    spec_steps: int = 0
+    spec_drafts: int = 0
+    spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"

@@ -36,6 +36,9 @@ from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
+from braid.runtime.scheduler.verify import Drafter, VerifyPlan
+from braid.runtime.speculative import PROPOSERS
+from braid.runtime.speculative.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,14 @@ class Scheduler:
         self.image_rope = functools.partial(rope, runner.model_config) if rope else None
         self.check_image = getattr(runner.model, "check_image", None)
         self.eos_token_ids = eos_token_ids
-        self.overlap = config.use_overlap_schedule
+        # Speculative decoding: drafts verified with each decode step. Its steps are read back
+        # before the next is planned (the next drafts depend on what this step keeps), so the
+        # overlap schedule is off with it.
+        self.proposer: Proposer | None = None
+        if config.speculative_algorithm is not None:
+            cls = PROPOSERS.get(config.speculative_algorithm)
+            self.proposer = cls.from_config(config, runner)
+        self.overlap = config.use_overlap_schedule and self.proposer is None
         self.stats = SchedulerStats()
         self.requests = RequestTable()
         allocator = runner.kv_pool.allocator
@@ -86,7 +96,11 @@ class Scheduler:
             jump_forward=not config.disable_jump_forward,
         )
         self.grammars.warm()
-        self.decode = DecodePlanner(self.requests, self.kv, self.stats, self.device)
+        drafter = None
+        if self.proposer is not None:
+            self.kv.on_release = self.proposer.release
+            drafter = Drafter(self.proposer, config.speculative_steps, self.kv, self.context_length)
+        self.decode = DecodePlanner(self.requests, self.kv, self.stats, self.device, drafter)
         max_prefill = config.effective_max_prefill_tokens
         chunk = config.effective_chunked_prefill_size
         self.prefill = PrefillPlanner(
@@ -102,7 +116,13 @@ class Scheduler:
             max_running=runner.max_running_requests,
         )
         self.output = OutputProcessor(
-            self.requests, self.kv, self.grammars, self.executor, self.stats, eos_token_ids
+            self.requests,
+            self.kv,
+            self.grammars,
+            self.executor,
+            self.stats,
+            eos_token_ids,
+            speculative=self.proposer is not None,
         )
         self._last_was_prefill = False
         self._launched: Launched | None = None  # a decode step queued, not yet read back
@@ -202,6 +222,8 @@ class Scheduler:
             if not outs and len(self.grammars):
                 self.grammars.wait(GRAMMAR_POLL_S)  # nothing else to do but not spin
             return outs
+        if isinstance(plan, VerifyPlan):
+            return outs + self._verify(plan)
         if plan.batch.mode is ForwardMode.DECODE:
             launched = self._launch_decode(plan)
             if self.overlap:
@@ -228,6 +250,17 @@ class Scheduler:
         inputs = [r.sampling for r in plan.sampling]
         masks = lambda: self.grammars.mask(plan.sampling)  # noqa: E731
         return Launched(plan, self.executor.launch_decode(plan.batch, inputs, masks, ahead))
+
+    def _verify(self, plan: VerifyPlan) -> list[TokenOut]:
+        """Run a verify step and keep, for each request, its drafts up to the first its target
+        disagrees with, plus the target's token there (`OutputProcessor.process_verify`)."""
+        for req, end in zip(plan.reqs, plan.ends):
+            req.kv_len = end
+        masks = lambda: self.grammars.mask_drafts(  # noqa: E731
+            plan.reqs, plan.drafts, plan.first_rows, self.eos_token_ids
+        )
+        result = self.executor.launch_decode(plan.batch, plan.inputs, masks)
+        return self.output.process_verify(plan, result, self.proposer)
 
     def _run_ahead(self, launched: Launched) -> Launched | None:
         """Queue the decode step that follows `launched` when `overlap.next_step` says it is

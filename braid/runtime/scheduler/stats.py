@@ -20,12 +20,26 @@ class SchedulerStats:
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
     jump_forward_rejected: int = 0  # of those, dropped because greedy decoding chose otherwise
     constrained_steps_ahead: int = 0  # decode steps with grammar rows queued before the last read
+    # Speculative decoding: verify steps, request-steps in them (a request verifying drafts
+    # in a step), draft tokens verified and kept, and tokens those request-steps appended.
+    spec_verify_steps: int = 0
+    spec_request_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens a request gained per verify step it took part in (1 without drafts)."""
+        n = self.spec_request_steps
+        return self.spec_emitted_tokens / n if n else 0.0
+
     def as_dict(self) -> dict[str, float]:
         d = dict(self.__dict__)
         d["cache_hit_rate"] = self.cache_hit_rate
+        d["spec_accept_length"] = self.spec_accept_length
         return d

@@ -73,8 +73,26 @@ class ServerMetrics:
             ("braid_kv_usage", "kv_usage", "Fraction of KV slots held by running requests."),
             ("braid_kv_free_tokens", "kv_free_tokens", "Free KV slots."),
             ("braid_kv_cached_tokens", "kv_cached_tokens", "KV slots held by the prefix cache."),
+            (
+                "braid_spec_accept_length",
+                "spec_accept_length",
+                "Speculative decoding: mean tokens a request gains per decode step.",
+            ),
         ]
         rows += [(name, "gauge", text, scheduler.get(stat, 0)) for name, stat, text in gauges]
+        spec = [  # (metric, scheduler stat, help): counters kept by the scheduler
+            (
+                "braid_spec_draft_tokens_total",
+                "spec_draft_tokens",
+                "Speculative decoding: draft tokens verified.",
+            ),
+            (
+                "braid_spec_accepted_tokens_total",
+                "spec_accepted_tokens",
+                "Speculative decoding: draft tokens kept.",
+            ),
+        ]
+        rows += [(name, "counter", text, scheduler.get(stat, 0)) for name, stat, text in spec]
         lines = []
         for name, kind, text, value in rows:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from braid.runtime.ipc.to_detokenizer import SpecUsage
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
@@ -164,6 +165,7 @@ class Choice:
     token_texts: dict[int, str] = field(default_factory=dict)
     first_at: float | None = None
     last_at: float | None = None
+    spec: SpecUsage | None = None  # speculative decoding's counts, once finished
 
 
 def absorb(state: ServerState, c: Choice, out: StrOut, now: float, t0: float) -> None:
@@ -186,6 +188,7 @@ def absorb(state: ServerState, c: Choice, out: StrOut, now: float, t0: float) ->
         c.token_texts.update(out.token_texts)
     if out.finish_reason:
         c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
+        c.spec = out.spec
         state.metrics.generation_tokens += len(c.token_ids)
         if out.error:
             state.metrics.requests_failed += 1

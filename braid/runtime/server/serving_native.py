@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from braid.runtime.outputs import finish_reason_info
+from braid.runtime.outputs import finish_reason_info, spec_meta_info
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import json_body, tokenize_prompts, validate_prompts
 from braid.runtime.server.openapi import STREAMED, takes
@@ -114,6 +114,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 ),
                 "e2e_latency": time.perf_counter() - t0,
             }
+            if c.spec is not None:
+                meta |= spec_meta_info(c.spec)
             if req.return_logprob:
                 meta["output_token_logprobs"] = [
                     entry(lp.logprob, lp.token_id, c.token_texts) for lp in c.logprobs

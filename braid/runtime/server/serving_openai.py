@@ -230,12 +230,22 @@ def _usage(choices: list[Choice], prompt_choice: list[int]) -> dict[str, Any]:
     prompt = sum(choices[i].prompt_tokens for i in prompt_choice)
     cached = sum(choices[i].cached_tokens for i in prompt_choice)
     completion = sum(len(c.token_ids) for c in choices)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    specs = [c.spec for c in choices if c.spec is not None]
+    if specs:
+        # Speculative decoding, in OpenAI's fields for predicted tokens: drafts kept and not.
+        accepted = sum(s.accepted_drafts for s in specs)
+        rejected = sum(s.proposed_drafts - s.accepted_drafts for s in specs)
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
+        }
+    return usage
 
 
 def _tool_deltas(ts: ToolCallStream, out: StrOut) -> list[dict[str, Any]]:

@@ -99,6 +99,7 @@ class DetokenizerManager:
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
             token_texts=texts,
+            spec=out.spec,
         )
 
 
