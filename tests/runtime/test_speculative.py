@@ -18,6 +18,7 @@ from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.speculative.base import Proposer
 from braid.runtime.speculative.ngram import lookup
 from tests.conftest import hf_greedy, local_scheduler
+from tests.runtime import spec_heads
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -325,3 +326,185 @@ def test_sampled_tokens_follow_the_target_distribution(tiny, drafts):
     counts = np.array([seconds.count(int(t)) for t in top.indices])
     assert counts.sum() == len(seconds), "a token outside the top 4 was sampled"
     assert _chi_square_p(counts, probs) > 1e-3, (counts, probs)
+
+
+# ---- a draft model -----------------------------------------------------------------------------
+def _draft_scheduler(target, draft, **config):
+    return local_scheduler(
+        target, speculative_algorithm="DRAFT", speculative_draft_model_path=str(draft), **config
+    )
+
+
+def _draft_kv_all_free(sched) -> None:
+    proposer = sched.proposer
+    a = proposer.runner.kv_pool.allocator
+    assert not proposer.states
+    assert a.free_pages == a.capacity_pages
+    assert proposer.runner.req_to_token.free_slots == proposer.runner.req_to_token.size
+
+
+def test_the_target_as_its_own_draft_keeps_every_draft(tiny, plain):
+    """Full acceptance checks the bookkeeping: every draft kept (sampled ones too: the draft
+    draws with the request's seed at the target's positions), the same tokens and logprobs,
+    and the draft model's KV all given back."""
+    reqs, want = plain
+    sched = _draft_scheduler(tiny, tiny, **CFG)
+    got = _run(sched, reqs)
+    for rid, w in want.items():
+        assert (got[rid]["ids"], got[rid]["lp"], got[rid]["finish"]) == (
+            w["ids"],
+            w["lp"],
+            w["finish"],
+        ), rid
+    s = sched.stats
+    assert s.spec_draft_tokens > 100 and s.spec_accepted_tokens == s.spec_draft_tokens
+    _draft_kv_all_free(sched)
+
+
+def test_another_draft_model_changes_no_token_under_pressure_and_aborts(tiny, tiny_model_dirs):
+    """A draft model that mostly disagrees, a pool too small for all requests, aborts: the
+    tokens of decoding without speculation, and no KV left behind in either model."""
+    reqs = _mixed(60, 512)
+    small = dict(CFG, kv_tokens=120, page_size=4)
+    want = _run(_spec_scheduler(tiny, None, **small), reqs)
+    order = [f"r{i}" for i in range(0, 60, 7)]
+
+    def abort(step: int) -> list[str]:
+        return [order.pop()] if order and step % 4 == 2 else []
+
+    sched = _draft_scheduler(tiny, tiny_model_dirs["llama"], **small)
+    got = _run(sched, reqs, abort)
+    assert sched.stats.retractions > 0
+    assert 0 < sched.stats.spec_accepted_tokens < sched.stats.spec_draft_tokens
+    for rid, w in want.items():
+        if got[rid]["finish"] != "abort":
+            assert got[rid]["ids"] == w["ids"], rid
+    _draft_kv_all_free(sched)
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _tiny_config
+
+    cfg = _tiny_config("llama")
+    cfg.vocab_size = 600
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="speculative_draft_model_path: .*vocabulary"):
+        _draft_scheduler(tiny, tmp_path, **CFG)
+
+
+# ---- heads on the target's hidden states: Medusa, EAGLE, EAGLE-3 -----------------------------
+HEADS_CASES = {
+    "medusa": ("MEDUSA", lambda p: spec_heads.write_medusa(p)),
+    "medusa-pt": ("MEDUSA", lambda p: spec_heads.write_medusa(p, layers=2, pt=True)),
+    "eagle": ("EAGLE", lambda p: spec_heads.write_eagle(p)),
+    "eagle-bin-embed": ("EAGLE", lambda p: spec_heads.write_eagle(p, pt=True, embed=True)),
+    "eagle3": ("EAGLE3", lambda p: spec_heads.write_eagle3(p)),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADS_CASES))
+def test_random_draft_heads_propose_and_change_no_token(tiny, plain, tmp_path, case):
+    """Random-weight heads in each published layout load strictly, propose drafts every step
+    (rarely right) and leave every token, logprob and finish reason as without speculation,
+    with the KV accounted for; a prefix-cache hit (the same prompts again) changes nothing."""
+    algo, write = HEADS_CASES[case]
+    reqs, want = plain
+    sched = local_scheduler(
+        tiny,
+        speculative_algorithm=algo,
+        speculative_draft_model_path=str(write(tmp_path / case)),
+        **CFG,
+    )
+    again = [GenerateReq(r.rid + "-again", r.input_ids, r.params, r.seed) for r in reqs]
+    got = _run(sched, reqs)
+    got |= _run(sched, again)  # after the first ones: their prompts come from the cache
+    for rid, w in want.items():
+        for r in (rid, rid + "-again"):
+            assert (got[r]["ids"], got[r]["lp"], got[r]["finish"]) == (
+                w["ids"],
+                w["lp"],
+                w["finish"],
+            ), r
+    s = sched.stats
+    assert s.spec_draft_tokens > 200 and s.spec_accepted_tokens < s.spec_draft_tokens
+    assert s.cached_prompt_tokens > 0
+    assert not getattr(sched.proposer, "hidden", {}) and not getattr(sched.proposer, "pending", {})
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(tiny, tmp_path):
+    path = spec_heads.write_eagle3(tmp_path / "bad", layers=(0, 1, 5))
+    with pytest.raises(ValueError, match="speculative_draft_model_path: EAGLE-3 reads 3 layers"):
+        local_scheduler(
+            tiny, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(path), **CFG
+        )
+    path = spec_heads.write_eagle3(tmp_path / "e3")
+    with pytest.raises(ValueError, match="use speculative_algorithm EAGLE3"):
+        local_scheduler(
+            tiny, speculative_algorithm="EAGLE", speculative_draft_model_path=str(path), **CFG
+        )
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="speculative_draft_model_path: .*config.json"):
+        local_scheduler(
+            tiny,
+            speculative_algorithm="MEDUSA",
+            speculative_draft_model_path=str(tmp_path / "empty"),
+            **CFG,
+        )
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_eagle_feeds_each_position_its_target_feature_and_the_next_token(
+    tiny_model_dirs, tmp_path, algo
+):
+    """The draft's catch-up gets, at position t, the target's feature at t (EAGLE: the final
+    normed hidden state; EAGLE-3: layers 0, 1 and 1's outputs) with the token at t + 1, for
+    every position the target computed, as transformers computes them."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs["llama"]
+    head = (spec_heads.write_eagle if algo == "EAGLE" else spec_heads.write_eagle3)(tmp_path / "h")
+    sched = local_scheduler(
+        path, speculative_algorithm=algo, speculative_draft_model_path=str(head), **CFG
+    )
+    proposer, draft = sched.proposer, sched.proposer.draft
+    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
+    first = {"call": False}
+    real_forward, real_propose = draft.forward, proposer.propose
+
+    def recording(batch, attn, embeds, features):
+        if first["call"]:  # the catch-up; the calls after it draft from the draft's features
+            seen.append((batch.positions.tolist(), batch.input_ids.tolist(), features.clone()))
+            first["call"] = False
+        return real_forward(batch, attn, embeds, features)
+
+    def proposing(reqs, limits):
+        first["call"] = True
+        return real_propose(reqs, limits)
+
+    draft.forward, proposer.propose = recording, proposing
+    prompt = [5, 17, 99, 4, 250, 31]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = _run(sched, [GenerateReq("r", prompt, sp, 0)])
+    seq = prompt + got["r"]["ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    outs = []  # each layer's output (transformers' last hidden state is the normed one)
+    for layer in hf.model.layers:
+        layer.register_forward_hook(
+            lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o)
+        )
+    with torch.inference_mode():
+        states = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    if algo == "EAGLE":
+        want = states[-1][0]
+    else:
+        want = torch.cat([outs[0][0], outs[1][0], outs[1][0]], -1)
+    covered = set()
+    for positions, ids, feats in seen:
+        for pos, tok, f in zip(positions, ids, feats):
+            assert tok == seq[pos + 1], pos
+            torch.testing.assert_close(f, want[pos], rtol=1e-4, atol=1e-4)
+            covered.add(pos)
+    # Every position was fed, up to those of the last step (no drafting after it).
+    assert covered == set(range(max(covered) + 1)) and max(covered) >= len(seq) - 8, covered

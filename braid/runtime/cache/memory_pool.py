@@ -9,7 +9,11 @@ what attention reads.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+from braid.runtime.forward_batch import to_device
 
 
 class PageAllocator:
@@ -116,3 +120,28 @@ class ReqToTokenPool:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class SlotHolder(Protocol):
+    """What holds KV pages and a row of the request-to-token table."""
+
+    pages: list[int]
+    kv_len: int
+    pool_row: int | None
+
+
+def assign_slots(
+    req: SlotHolder, new_len: int, allocator: PageAllocator, table: ReqToTokenPool
+) -> list[int]:
+    """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
+    them in its row of the request-to-token table. The caller has made sure the pages are free.
+    `req` is anything holding KV this way: a scheduler request, a draft model's state."""
+    ps = allocator.page_size
+    need = allocator.pages_for(new_len) - len(req.pages)
+    if need > 0:
+        pages = allocator.alloc(need)
+        assert pages is not None, "no free KV pages: the scheduler must make room first"
+        req.pages.extend(pages)
+    slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
+    table.table[req.pool_row, req.kv_len : new_len] = to_device(slots, table.table.device)
+    return slots

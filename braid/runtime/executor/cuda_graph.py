@@ -131,7 +131,14 @@ class CudaGraphRunner:
     until the next forward (which overwrites it).
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, max_bs: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        max_bs: int,
+        capture_hidden: bool = False,
+        aux_layers: tuple[int, ...] = (),
+    ) -> None:
         if not backend.supports_cuda_graph:
             raise ValueError(
                 f"attention backend {type(backend).__name__} does not support CUDA graphs "
@@ -141,6 +148,11 @@ class CudaGraphRunner:
         self.backend = backend
         self.device = backend.device
         self.max_bs = max_bs
+        # Speculative decoding: the graphs leave the hidden states (and EAGLE-3's layer
+        # inputs) in static outputs too, handed to each replayed batch.
+        self.capture_hidden = capture_hidden
+        self.aux_layers = aux_layers
+        self._hidden: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = {}
         self.batch_sizes = capture_batch_sizes(max_bs)
         # _bucket[n]: the captured size a batch of n requests runs in.
         self._bucket = [0] + [padded_batch_size(n, self.batch_sizes) for n in range(1, max_bs + 1)]
@@ -186,6 +198,7 @@ class CudaGraphRunner:
         self, bs: int, pool: tuple[int, int], stream: torch.cuda.Stream
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self.inputs.batch(bs)
+        batch.capture_hidden, batch.aux_layers = self.capture_hidden, self.aux_layers
         self.backend.init_forward_metadata_capture_cuda_graph(batch)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -194,15 +207,19 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             logits = self.model(batch, self.backend)
+        self._hidden[bs] = (batch.hidden_states, batch.aux_hidden_states)
         return graph, logits
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether `batch` replays a graph: decode, 1..max_bs requests, one logits row each."""
+        """Whether `batch` replays a graph: decode, 1..max_bs requests, one logits row each,
+        asking for no hidden states the graphs do not capture."""
         n = batch.batch_size
         return (
             batch.mode is ForwardMode.DECODE
             and 1 <= n <= self.max_bs
             and batch.logits_indices.shape[0] == n
+            and (not batch.capture_hidden or self.capture_hidden)
+            and (not batch.aux_layers or batch.aux_layers == self.aux_layers)
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -213,4 +230,8 @@ class CudaGraphRunner:
         self.backend.init_forward_metadata_replay_cuda_graph(batch, bs)
         self._graphs[bs].replay()
         self.replays[bs] += 1
+        hidden, aux = self._hidden[bs]
+        if batch.capture_hidden:
+            batch.hidden_states = hidden[:n]
+            batch.aux_hidden_states = None if aux is None else [a[:n] for a in aux]
         return self._outputs[bs][:n]

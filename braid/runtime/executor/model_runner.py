@@ -48,9 +48,22 @@ def _available_bytes(device: torch.device) -> tuple[int, int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path | None):
+    """`capture_hidden` / `aux_layers`: what the decode CUDA graphs also leave behind for a
+    speculative proposer (see `ForwardBatch.capture_hidden`); eager forwards capture whatever
+    a batch asks for."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: Path | None,
+        *,
+        capture_hidden: bool = False,
+        aux_layers: tuple[int, ...] = (),
+    ):
         self.config = config
         self.model_config = model_config
+        self.model_dir = model_dir  # None: random weights
         self.device = config.torch_device
         self.dtype = config.torch_dtype(model_config.dtype)
         ctx = config.context_length or model_config.max_position_embeddings
@@ -126,7 +139,11 @@ class ModelRunner:
         # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
         self.graph_runner: CudaGraphRunner | None = None
         if config.use_cuda_graph:
-            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, graph_bs)
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, graph_bs, capture_hidden, aux_layers
+            )
+        self.capture_hidden = capture_hidden
+        self.aux_layers = aux_layers
 
     def _kv_tokens_from_memory(self) -> tuple[int, str]:
         """KV tokens that fit the memory budget, and how the budget was set (for the log)."""

@@ -70,6 +70,14 @@ class SamplingInput:
     output_ids: Sequence[int]
     stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached
 
+    def after(self, tokens: Sequence[int]) -> SamplingInput:
+        """This request at the position after `tokens` more output tokens (speculative drafts:
+        they count for penalties, `min_tokens` and the draw's step)."""
+        if not tokens:
+            return self
+        output = [*self.output_ids, *tokens]
+        return SamplingInput(self.params, self.seed, self.prompt_ids, output, self.stop_ids)
+
 
 _RESULT_TENSORS = ("next_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
 

@@ -138,6 +138,7 @@ class LlamaModel(nn.Module):
             cos_sin = self.rotary.lookup(batch.positions)
         rows, extra = deepstack if deepstack is not None else (None, [])
         residual = None
+        wanted, captured = batch.aux_layers, {}
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos_sin, batch, attn)
             if i < len(extra):
@@ -146,6 +147,9 @@ class LlamaModel(nn.Module):
                 h = h + residual if residual is not None else h.clone()
                 h.index_add_(0, rows, extra[i].to(h.dtype))
                 residual = None
+            if wanted and i in wanted:
+                captured[i] = h + residual if residual is not None else h.clone()
+        batch.aux_hidden_states = [captured[i] for i in wanted] if wanted else None
         if residual is None:
             return self.norm(h)
         h, _ = self.norm(h, residual)
@@ -183,4 +187,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Logits (float32) for the rows `batch.logits_indices` selects."""
         h = self.model(batch, attn)
+        if batch.capture_hidden:
+            batch.hidden_states = h
         return self.lm_head(h[batch.logits_indices]).float()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
+from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool, assign_slots
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode, ImageSlice, to_device
 from braid.runtime.scheduler.request import Req
 
@@ -28,22 +28,6 @@ class StepPlan:
     last_rows: list[int]
     prompt_rows: dict[int, tuple[int, int]]
     ends: list[int]
-
-
-def assign_slots(
-    req: Req, new_len: int, allocator: PageAllocator, table: ReqToTokenPool
-) -> list[int]:
-    """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
-    them in its row of the request-to-token table. The caller has made sure the pages are free."""
-    ps = allocator.page_size
-    need = allocator.pages_for(new_len) - len(req.pages)
-    if need > 0:
-        pages = allocator.alloc(need)
-        assert pages is not None, "no free KV pages: the scheduler must make room first"
-        req.pages.extend(pages)
-    slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
-    table.table[req.pool_row, req.kv_len : new_len] = to_device(slots, table.table.device)
-    return slots
 
 
 def build_extend(

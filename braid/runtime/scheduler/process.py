@@ -53,8 +53,18 @@ def build_scheduler(
 
         return GrammarCompiler(load_tokenizer(model_path), config.effective_grammar_backend)
 
+    capture, aux = False, ()
+    if config.speculative_algorithm is not None:
+        from braid.runtime.speculative import PROPOSERS
+
+        proposer = PROPOSERS.get(config.speculative_algorithm)
+        capture, aux = proposer.target_capture(config, model_config)
     runner = ModelRunner(
-        config, model_config, None if config.load_format == "dummy" else model_path
+        config,
+        model_config,
+        None if config.load_format == "dummy" else model_path,
+        capture_hidden=capture,
+        aux_layers=aux,
     )
     return Scheduler(
         runner,

@@ -76,6 +76,8 @@ class Scheduler:
             cls = PROPOSERS.get(config.speculative_algorithm)
             self.proposer = cls.from_config(config, runner)
         self.overlap = config.use_overlap_schedule and self.proposer is None
+        # What the proposer reads of each forward (the decode graphs were captured with it).
+        self.capture_hidden = runner.capture_hidden
         self.stats = SchedulerStats()
         self.requests = RequestTable()
         allocator = runner.kv_pool.allocator
@@ -99,7 +101,13 @@ class Scheduler:
         drafter = None
         if self.proposer is not None:
             self.kv.on_release = self.proposer.release
-            drafter = Drafter(self.proposer, config.speculative_steps, self.kv, self.context_length)
+            drafter = Drafter(
+                self.proposer,
+                config.speculative_steps,
+                self.kv,
+                self.context_length,
+                self.vocab_size,
+            )
         self.decode = DecodePlanner(self.requests, self.kv, self.stats, self.device, drafter)
         max_prefill = config.effective_max_prefill_tokens
         chunk = config.effective_chunked_prefill_size
@@ -232,8 +240,31 @@ class Scheduler:
             return outs + self.output.process(plan, launched.result, None)
         inputs = [r.sampling for r in plan.sampling]
         masks = lambda: self.grammars.mask(plan.sampling)  # noqa: E731
+        self._capture(plan)
         logits, result = self.executor.extend(plan.batch, plan.last_rows, inputs, masks)
-        return outs + self.output.process(plan, result, logits)
+        outs += self.output.process(plan, result, logits)
+        if plan.batch.capture_hidden:
+            offsets = [0]
+            for n in plan.batch.extend_lens[:-1]:
+                offsets.append(offsets[-1] + n)
+            # Each request's rows up to the KV it kept (jump-forward tokens it verified).
+            kept = [
+                range(o, o + max(0, r.kv_len - p))
+                for r, o, p in zip(plan.reqs, offsets, plan.batch.prefix_lens)
+            ]
+            self._observe(plan.reqs, plan.batch.prefix_lens, kept, plan.batch)
+        return outs
+
+    def _capture(self, plan: StepPlan) -> None:
+        """Ask `plan`'s forward for the hidden states the proposer reads."""
+        if self.capture_hidden:
+            plan.batch.capture_hidden, plan.batch.aux_layers = True, self.runner.aux_layers
+
+    def _observe(self, reqs: list[Req], starts: list[int], rows: list[range], batch) -> None:
+        """Hand the proposer the hidden states of the positions each running request kept."""
+        live = [(r, s, list(k)) for r, s, k in zip(reqs, starts, rows) if not r.finished and k]
+        if live:
+            self.proposer.observe(*map(list, zip(*live)), batch)
 
     def _out_of_memory(self, req: Req) -> str:
         return (
@@ -259,8 +290,17 @@ class Scheduler:
         masks = lambda: self.grammars.mask_drafts(  # noqa: E731
             plan.reqs, plan.drafts, plan.first_rows, self.eos_token_ids
         )
+        self._capture(plan)
         result = self.executor.launch_decode(plan.batch, plan.inputs, masks)
-        return self.output.process_verify(plan, result, self.proposer)
+        outs = self.output.process_verify(plan, result, self.proposer)
+        if plan.batch.capture_hidden:
+            # Each request kept the KV of its last token and of its drafts kept.
+            starts = [end - len(d) - 1 for end, d in zip(plan.ends, plan.drafts)]
+            kept = [
+                range(f, f + r.kv_len - p) for r, f, p in zip(plan.reqs, plan.first_rows, starts)
+            ]
+            self._observe(plan.reqs, starts, kept, plan.batch)
+        return outs
 
     def _run_ahead(self, launched: Launched) -> Launched | None:
         """Queue the decode step that follows `launched` when `overlap.next_step` says it is

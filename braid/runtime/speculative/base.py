@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     from braid.runtime.config import EngineConfig
     from braid.runtime.executor.model_runner import ModelRunner
+    from braid.runtime.executor.sampler import SamplingInput
+    from braid.runtime.models.config import ModelConfig
 
 
 class Drafting(Protocol):
@@ -40,6 +42,10 @@ class Drafting(Protocol):
 
     @property
     def seq_len(self) -> int: ...
+
+    @property
+    def sampling(self) -> SamplingInput:
+        """How its next token is sampled (its output so far, live)."""
 
     def tokens(self, end: int | None = None) -> list[int]: ...
 
@@ -62,6 +68,28 @@ class Proposer(ABC):
         """The proposer `config` asks for, beside the target model's runner; `ValueError`
         naming the setting when it cannot be built (a draft model that does not fit the
         target, a checkpoint of the wrong shape)."""
+
+    @classmethod
+    def target_capture(
+        cls, config: EngineConfig, model: ModelConfig
+    ) -> tuple[bool, tuple[int, ...]]:
+        """What the proposer reads of the target's forwards: whether its final hidden states
+        (`ForwardBatch.capture_hidden`) and the inputs of which layers (`aux_layers`). Asked
+        before the target model is built (its CUDA graphs capture them too)."""
+        return False, ()
+
+    def observe(
+        self,
+        reqs: Sequence[Drafting],
+        starts: Sequence[int],
+        rows: Sequence[Sequence[int]],
+        batch: Any,
+    ) -> None:
+        """After a target forward that `target_capture` asked hidden states of: `rows[i]` are
+        the rows of `batch.hidden_states` (and `batch.aux_hidden_states`) holding the positions
+        `starts[i]`, `starts[i] + 1`, ... of `reqs[i]` that this forward computed and kept (the
+        row of position t predicts the token at t + 1). Valid until the next forward."""
+        return None
 
     @abstractmethod
     def propose(self, reqs: Sequence[Drafting], limits: Sequence[int]) -> list[list[int]]:

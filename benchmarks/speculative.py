@@ -1,0 +1,307 @@
+"""Speculative decoding: what a verify step costs, and what n-gram drafts buy at batch 1.
+
+    python benchmarks/speculative.py                 # H200: Llama-3.1-8B shapes, random bf16
+    python benchmarks/speculative.py --tiny-cpu      # the same code at toy size
+    python benchmarks/speculative.py --smollm2       # CPU, the embedded model's real weights
+
+Three figures, each in one run:
+- `verify`: in process (no front end), `Scheduler.step()` with k = 2, 4, 8 draft tokens a
+  request against a decode step, at each batch size; the drafts are made up (mostly rejected),
+  so every step gains about one token: the ratio is what verifying k drafts costs, and
+  (k + 1) x decode / verify the most a step of k drafts could gain.
+- `ngram`: `braid.LLM` at batch 1, greedy, without and with n-gram speculation, on a workload
+  whose output repeats itself. With random weights a model's greedy output is close to a fixed
+  function of the last token (the residual stream is mostly the current token's embedding), so
+  it falls into a short loop within a few dozen tokens: the n-gram lookup then finds every
+  continuation earlier in the output. The run reports the loop's period and checks the tokens
+  are the same with and without speculation.
+- `smollm2` (CPU): the embedded model on copy-heavy prompts ("repeat this passage", "fix one
+  word in this code"), batch 1 and 4, with and without n-gram speculation.
+Writes benchmarks/results/speculative_<device>.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import braid  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.offline_throughput import make_prompts  # noqa: E402
+from braid.runtime.config import EngineConfig  # noqa: E402
+from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq  # noqa: E402
+from braid.runtime.scheduler.process import build_scheduler  # noqa: E402
+from braid.runtime.speculative.base import Proposer  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+class MadeUpDrafts(Proposer):
+    """k drafts a request, all the request's last token (a model rarely repeats it)."""
+
+    name = "MADE_UP"
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    @classmethod
+    def from_config(cls, config, target):
+        raise NotImplementedError
+
+    def propose(self, reqs: Sequence, limits: Sequence[int]) -> list[list[int]]:
+        return [[r.output_ids[-1]] * min(self.k, n) for r, n in zip(reqs, limits)]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def verify_cost(
+    model_dir: Path, batches: list[int], ks: list[int], context: int, steps: int, device: str
+) -> list[dict]:
+    """Per batch size: ms per `Scheduler.step()` for plain decode (overlapped and not) and for
+    verify steps of k made-up drafts a request."""
+    most = max(batches)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype=dtype,
+        device=device,
+        kv_tokens=most * (context + steps * (max(ks) + 2) + 64) + 4096,
+        max_running_requests=max(8, most),
+        cuda_graph_max_bs=max(8, min(160, most * (max(ks) + 1))),
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=max(ks),
+        show_progress=False,
+    )
+    sched = build_scheduler(config, model_dir, frozenset())
+    drafter = sched.decode.drafter
+    vocab = sched.vocab_size
+    rows = []
+    for b in tqdm(batches, desc="verify cost"):
+        row = {"batch": b}
+        modes = [("decode_overlap", None), ("decode", 0)] + [(f"verify_k{k}", k) for k in ks]
+        for name, k in modes:
+            sp = braid.SamplingParams(
+                temperature=0.0, max_tokens=steps * (max(ks) + 1) + 32, ignore_eos=True
+            )
+            for i in range(b):
+                prompt = [(7 + 131 * i + 17 * j) % vocab for j in range(context)]
+                sched.handle(GenerateReq(f"r{i}", prompt, sp, i))
+            if k is None:  # plain decode, overlapped: the path without speculation
+                sched.decode.drafter, sched.overlap = None, device == "cuda"
+            else:
+                sched.decode.drafter, sched.overlap = drafter, False
+                drafter.proposer = sched.proposer = MadeUpDrafts(k)
+            while len(sched.running) < b:
+                sched.step()
+            for _ in range(5):
+                sched.step()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            _sync(device)
+            row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
+            for i in range(b):
+                sched.handle(AbortReq(f"r{i}"))
+            while sched.has_work:
+                sched.step()
+        for k in ks:
+            row[f"verify_k{k}_over_decode"] = row[f"verify_k{k}_ms"] / row["decode_ms"]
+            row[f"ceiling_k{k}"] = (k + 1) * row["decode_overlap_ms"] / row[f"verify_k{k}_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    sched.decode.drafter = drafter
+    return rows
+
+
+def _period(tokens: list[int]) -> int | None:
+    """The shortest period of the last half of `tokens`, if it repeats at all."""
+    tail = tokens[len(tokens) // 2 :]
+    for p in range(1, len(tail) // 2 + 1):
+        if all(tail[i] == tail[i - p] for i in range(p, len(tail))):
+            return p
+    return None
+
+
+def ngram_speed(
+    model_dir: Path, n_in: int, n_out: int, steps_list: list[int], device: str, repeats: int
+) -> dict:
+    """Batch-1 greedy tokens/s without and with n-gram speculation, same prompt, same engine
+    settings; the tokens must be equal."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    common = dict(load_format="dummy", dtype=dtype, device=device, show_progress=False)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = make_prompts(1, n_in, vocab, seed=3)[0]
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    out: dict = {"input_len": n_in, "output_len": n_out, "runs": []}
+    baseline_tokens = None
+    for steps in [0, *steps_list]:
+        spec = (
+            {} if steps == 0 else dict(speculative_algorithm="NGRAM", speculative_num_steps=steps)
+        )
+        llm = braid.LLM(str(model_dir), **common, **spec)
+        try:
+            llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                res = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            stats = llm.stats()
+        finally:
+            llm.shutdown()
+        tokens = list(res[0].outputs[0].token_ids)
+        if baseline_tokens is None:
+            baseline_tokens = tokens
+            out["period"] = _period(tokens)
+        run = {
+            "num_steps": steps,
+            "seconds": times,
+            "tok_s": n_out / min(times),
+            "same_tokens": tokens == baseline_tokens,
+            "spec_accept_length": stats.get("spec_accept_length"),
+            "metrics": res[0].metrics,
+        }
+        out["runs"].append(run)
+        print(json.dumps({k: v for k, v in run.items() if k != "seconds"}), flush=True)
+    base = out["runs"][0]["tok_s"]
+    for run in out["runs"][1:]:
+        run["speedup"] = run["tok_s"] / base
+    return out
+
+
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff for nearly two hundred years. Every "
+    "night its keeper climbed the spiral stairs, trimmed the wick and wound the clockwork "
+    "that turned the great lens, so that ships far out at sea could find their way home."
+)
+CODE = (
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(vaules)\n\n\ndef spread(values):\n    m = mean(values)\n"
+    "    return max(values) - min(values), m\n"
+)
+TASKS = {
+    "repeat": "Repeat the following passage exactly, word for word:\n\n" + PASSAGE,
+    "fix": "Fix the typo in this code and output the whole corrected code:\n\n" + CODE,
+}
+
+
+def smollm2_speed(n_out: int, batches: list[int], steps: int, repeats: int) -> dict:
+    """The embedded model on CPU, copy-heavy chat prompts, greedy: tokens/s without and with
+    n-gram speculation in one run, per batch size."""
+    out: dict = {"output_len": n_out, "rows": []}
+    engines = {
+        "plain": {},
+        "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=steps),
+    }
+    results: dict = {}
+    for name, spec in engines.items():
+        llm = braid.LLM(show_progress=False, **spec)
+        try:
+            sp = braid.SamplingParams(temperature=0.0, max_tokens=n_out)
+            convs = [[{"role": "user", "content": t}] for t in TASKS.values()]
+            llm.chat(convs[0], sp, use_tqdm=False)  # warm-up
+            for b in batches:
+                batch = [convs[i % len(convs)] for i in range(b)]
+                times, outs = [], None
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = llm.chat(batch, sp, use_tqdm=False)
+                    times.append(time.perf_counter() - t0)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                results[(name, b)] = {
+                    "seconds": times,
+                    "tokens": tokens,
+                    "tok_s": tokens / min(times),
+                    "texts": [o.outputs[0].text for o in outs],
+                    "metrics": [o.metrics for o in outs],
+                }
+            results[(name, "stats")] = llm.stats()
+        finally:
+            llm.shutdown()
+    for b in batches:
+        plain, ngram = results[("plain", b)], results[("ngram", b)]
+        row = {
+            "batch": b,
+            "plain_tok_s": plain["tok_s"],
+            "ngram_tok_s": ngram["tok_s"],
+            "speedup": ngram["tok_s"] / plain["tok_s"],
+            "same_text": plain["texts"] == ngram["texts"],
+            "accept_length": [m.get("spec_accept_length") for m in ngram["metrics"]],
+        }
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+    out["ngram_stats"] = results[("ngram", "stats")]
+    out["example_output"] = results[("ngram", batches[0])]["texts"][0][:400]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny-cpu", action="store_true", help="toy model on the CPU")
+    ap.add_argument("--smollm2", action="store_true", help="CPU, the embedded model's weights")
+    ap.add_argument("--batches", default=None, help="verify cost batch sizes (default 1,4,16,64)")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per verify cell")
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smollm2:
+        res = {"smollm2": smollm2_speed(args.output_len or 96, [1, 4], 4, args.repeats)}
+        write_result("speculative", "cpu", args.out or None, res)
+        return
+    tiny = args.tiny_cpu
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    model_dir = CONFIGS / ("tiny-llama" if tiny else "llama-3.1-8b")
+    batches = [int(b) for b in (args.batches or ("1,2" if tiny else "1,4,16,64")).split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    res: dict = {"model": model_dir.name}
+    if not args.skip_verify:
+        res["verify"] = verify_cost(
+            model_dir,
+            batches,
+            ks,
+            args.context or (16 if tiny else 512),
+            args.steps or (4 if tiny else 50),
+            device,
+        )
+    res["ngram"] = ngram_speed(
+        model_dir,
+        16 if tiny else 128,
+        args.output_len or (48 if tiny else 512),
+        [4, 8],
+        device,
+        args.repeats,
+    )
+    write_result("speculative", device, args.out, res)
+    for row in res.get("verify", []):
+        cells = " ".join(f"k{k}: {row[f'verify_k{k}_over_decode']:.2f}x" for k in ks)
+        print(f"batch {row['batch']:>3}: decode {row['decode_ms']:.2f} ms; verify/decode {cells}")
+    ng = res["ngram"]
+    print(f"n-gram batch 1: output period {ng['period']}")
+    for run in ng["runs"]:
+        extra = f" speedup {run['speedup']:.2f}x" if "speedup" in run else ""
+        print(
+            f"  steps {run['num_steps']}: {run['tok_s']:.1f} tok/s, accept length "
+            f"{run['spec_accept_length']}, same tokens {run['same_tokens']}{extra}"
+        )
+
+
+if __name__ == "__main__":
+    main()
