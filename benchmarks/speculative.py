@@ -9,12 +9,14 @@ Three figures, each in one run:
   request against a decode step, at each batch size; the drafts are made up (mostly rejected),
   so every step gains about one token: the ratio is what verifying k drafts costs, and
   (k + 1) x decode / verify the most a step of k drafts could gain.
-- `ngram`: `braid.LLM` at batch 1, greedy, without and with n-gram speculation, on a workload
-  whose output repeats itself. With random weights a model's greedy output is close to a fixed
-  function of the last token (the residual stream is mostly the current token's embedding), so
-  it falls into a short loop within a few dozen tokens: the n-gram lookup then finds every
-  continuation earlier in the output. The run reports the loop's period and checks the tokens
-  are the same with and without speculation.
+- `ngram`: batch 1, greedy, in process, without speculation (the overlapped decode) and with
+  n-gram drafts of 4 and 8 tokens, on two workloads of the same random model. As drawn
+  (N(0, 0.02)), its greedy output does not repeat (measured: no period, about one draft found
+  in a hundred steps). Made to loop (`make_it_loop`: the layers' writes to the residual
+  stream scaled by 1e-3 and the LM head set to the embedding, so the model repeats its last
+  token), every n-gram draft is right: the speed when drafts are right, with the same kernels
+  and shapes. The run reports each workload's output period and whether the tokens are the
+  ones decoding without drafts gives.
 - `smollm2` (CPU): the embedded model on copy-heavy prompts ("repeat this passage", "fix one
   word in this code"), batch 1 and 4, with and without n-gram speculation.
 Writes benchmarks/results/speculative_<device>.json (or `--out`).
@@ -80,7 +82,7 @@ def verify_cost(
         device=device,
         kv_tokens=most * (context + steps * (max(ks) + 2) + 64) + 4096,
         max_running_requests=max(8, most),
-        cuda_graph_max_bs=max(8, min(160, most * (max(ks) + 1))),
+        cuda_graph_max_bs=max(8, min(512, most * (max(ks) + 1))),
         speculative_algorithm="NGRAM",
         speculative_num_steps=max(ks),
         show_progress=False,
@@ -136,50 +138,92 @@ def _period(tokens: list[int]) -> int | None:
     return None
 
 
+def make_it_loop(model) -> None:
+    """Make the random model's greedy output repeat its last token: the layers' writes to the
+    residual stream are scaled down (so it stays the current token's embedding) and the LM head
+    is the embedding (so that token scores highest). In place: CUDA graphs stay valid."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+            layer.mlp.down_proj.weight.mul_(1e-3)
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+
+
 def ngram_speed(
     model_dir: Path, n_in: int, n_out: int, steps_list: list[int], device: str, repeats: int
 ) -> dict:
-    """Batch-1 greedy tokens/s without and with n-gram speculation, same prompt, same engine
-    settings; the tokens must be equal."""
+    """Batch-1 greedy tokens/s in process, without speculation (overlapped decode) and with
+    n-gram drafts of each length, on the random model as it is and on the same model made to
+    loop (`make_it_loop`); the tokens must be the same with and without drafts."""
     dtype = "bfloat16" if device == "cuda" else "float32"
-    common = dict(load_format="dummy", dtype=dtype, device=device, show_progress=False)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompt = make_prompts(1, n_in, vocab, seed=3)[0]
-    sp = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-    out: dict = {"input_len": n_in, "output_len": n_out, "runs": []}
-    baseline_tokens = None
-    for steps in [0, *steps_list]:
-        spec = (
-            {} if steps == 0 else dict(speculative_algorithm="NGRAM", speculative_num_steps=steps)
-        )
-        llm = braid.LLM(str(model_dir), **common, **spec)
-        try:
-            llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)  # warm-up
-            times = []
-            for _ in range(repeats):
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype=dtype,
+        device=device,
+        kv_tokens=8 * (n_in + n_out + 64) + 4096,
+        max_running_requests=8,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=max(steps_list),
+        show_progress=False,
+    )
+    sched = build_scheduler(config, model_dir, frozenset())
+    drafter = sched.decode.drafter
+    vocab = sched.vocab_size
+    out: dict = {"input_len": n_in, "output_len": n_out}
+    for workload in ("random", "looping"):
+        if workload == "looping":
+            make_it_loop(sched.runner.model)
+        runs, baseline = [], None
+        for steps in [0, *steps_list]:
+            if steps == 0:
+                sched.decode.drafter, sched.overlap = None, device == "cuda"
+            else:
+                sched.decode.drafter, sched.overlap = drafter, False
+                drafter.steps = steps
+            times, tokens, stats = [], None, {}
+            for r in range(repeats + 1):  # the first is a warm-up
+                prompt = make_prompts(1, n_in, vocab, seed=3)[0]
+                sp = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+                before = dict(sched.stats.as_dict())
+                _sync(device)
                 t0 = time.perf_counter()
-                res = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-                times.append(time.perf_counter() - t0)
-            stats = llm.stats()
-        finally:
-            llm.shutdown()
-        tokens = list(res[0].outputs[0].token_ids)
-        if baseline_tokens is None:
-            baseline_tokens = tokens
-            out["period"] = _period(tokens)
-        run = {
-            "num_steps": steps,
-            "seconds": times,
-            "tok_s": n_out / min(times),
-            "same_tokens": tokens == baseline_tokens,
-            "spec_accept_length": stats.get("spec_accept_length"),
-            "metrics": res[0].metrics,
-        }
-        out["runs"].append(run)
-        print(json.dumps({k: v for k, v in run.items() if k != "seconds"}), flush=True)
-    base = out["runs"][0]["tok_s"]
-    for run in out["runs"][1:]:
-        run["speedup"] = run["tok_s"] / base
+                sched.handle(GenerateReq(f"{workload}-{steps}-{r}", prompt, sp, 0))
+                got: list[int] = []
+                while sched.has_work:
+                    for o in sched.step():
+                        got += o.new_token_ids
+                _sync(device)
+                if r:
+                    times.append(time.perf_counter() - t0)
+                tokens = got
+                after = sched.stats.as_dict()
+                stats = {k: after[k] - before[k] for k in after if k.startswith("spec_")}
+                sched.flush_cache()  # the next run prefills again
+            if baseline is None:
+                baseline = tokens
+            req_steps = stats.get("spec_request_steps", 0)
+            run = {
+                "num_steps": steps,
+                "seconds": times,
+                "tok_s": n_out / min(times),
+                "same_tokens": tokens == baseline,
+                "first_difference": next(
+                    (i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b), None
+                ),
+                "accept_length": stats.get("spec_emitted_tokens", 0) / req_steps
+                if req_steps
+                else None,
+                "drafts": stats.get("spec_draft_tokens", 0),
+                "accepted": stats.get("spec_accepted_tokens", 0),
+            }
+            runs.append(run)
+            print(json.dumps({"workload": workload, **run}), flush=True)
+        for run in runs[1:]:
+            run["speedup"] = run["tok_s"] / runs[0]["tok_s"]
+        out[workload] = {"period": _period(baseline), "runs": runs}
+    sched.decode.drafter = drafter
     return out
 
 
@@ -293,14 +337,15 @@ def main() -> None:
     for row in res.get("verify", []):
         cells = " ".join(f"k{k}: {row[f'verify_k{k}_over_decode']:.2f}x" for k in ks)
         print(f"batch {row['batch']:>3}: decode {row['decode_ms']:.2f} ms; verify/decode {cells}")
-    ng = res["ngram"]
-    print(f"n-gram batch 1: output period {ng['period']}")
-    for run in ng["runs"]:
-        extra = f" speedup {run['speedup']:.2f}x" if "speedup" in run else ""
-        print(
-            f"  steps {run['num_steps']}: {run['tok_s']:.1f} tok/s, accept length "
-            f"{run['spec_accept_length']}, same tokens {run['same_tokens']}{extra}"
-        )
+    for workload in ("random", "looping"):
+        ng = res["ngram"][workload]
+        print(f"n-gram batch 1, {workload} model: output period {ng['period']}")
+        for run in ng["runs"]:
+            extra = f" speedup {run['speedup']:.2f}x" if "speedup" in run else ""
+            print(
+                f"  steps {run['num_steps']}: {run['tok_s']:.1f} tok/s, accept length "
+                f"{run['accept_length']}, same tokens {run['same_tokens']}{extra}"
+            )
 
 
 if __name__ == "__main__":

@@ -123,6 +123,13 @@ def main() -> None:
         "--engine-arg", action="append", default=[], help="KEY=VALUE passed to braid.LLM"
     )
     ap.add_argument(
+        "--profile-batch",
+        type=int,
+        default=None,
+        help="record py-spy's stacks of the last free and constrained runs at this batch size",
+    )
+    ap.add_argument("--profile-dir", type=Path, default=Path("."), help="where they go")
+    ap.add_argument(
         "--profile-first",
         type=Path,
         default=None,
@@ -170,10 +177,15 @@ def main() -> None:
             rows, seed = [], 2
             for bs in tqdm(batches, desc="batch sizes"):
                 runs = {"free": [], "constrained": []}
-                for _ in range(args.repeats):
+                for rep in range(args.repeats):
                     for name, sp in (("free", free), ("constrained", masked)):
-                        runs[name].append(timed(llm, make_prompts(bs, n_in, vocab, seed=seed), sp))
+                        prompts = make_prompts(bs, n_in, vocab, seed=seed)
                         seed += 1
+                        path = None
+                        if bs == args.profile_batch and rep == args.repeats - 1:
+                            path = args.profile_dir / f"stacks_{name}_{bs}.txt"
+                        with sampled_stacks(path):
+                            runs[name].append(timed(llm, prompts, sp))
                 best_free, best_masked = min(runs["free"]), min(runs["constrained"])
                 rows.append(
                     {

@@ -192,10 +192,11 @@ class EngineConfig:
         False, "sample every token a grammar forces instead of appending it, for A/B measurement"
     )
     cuda_graph_max_bs: int = setting(
-        160,
-        "decode batches of up to this many requests (and at most max_running_requests) replay "
-        "CUDA graphs, padded to the next captured size; larger ones run eagerly. Graphs are "
-        "used only with the triton backend on CUDA",
+        256,
+        "decode batches of up to this many rows (requests, or with speculative decoding the "
+        "tokens they verify; at most what max_running_requests can hold) replay CUDA graphs, "
+        "padded to the next captured size; larger ones run eagerly. Graphs are used only with "
+        "the triton backend on CUDA",
     )
     disable_cuda_graph: bool = setting(False, "run every decode step eagerly")
     overlap_schedule: bool | None = setting(

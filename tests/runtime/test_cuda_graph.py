@@ -53,7 +53,7 @@ def test_attention_backend_and_cuda_graphs_default_by_device():
     assert not EngineConfig(device="cuda", disable_cuda_graph=True).use_cuda_graph
     # The triton backend on CPU (interpreter, for tests) never captures graphs.
     assert not EngineConfig(device="cpu", attention_backend="triton").use_cuda_graph
-    assert cuda.cuda_graph_max_bs == 160
+    assert cuda.cuda_graph_max_bs == 256
 
 
 @pytest.mark.parametrize(

@@ -30,12 +30,19 @@ def test_ngram_lookup_takes_the_longest_suffix_at_its_most_recent_earlier_match(
     assert lookup(t, 1, 4, 3) == [8, 7, 5]
     # Only [2, 3] allowed: its most recent earlier occurrence (at 10) is followed by 6, 1.
     assert lookup(t, 1, 2, 2) == [6, 1]
-    assert lookup(t, 1, 4, 10) == [8, 7, 5, 2, 3, 6, 1, 2, 3]  # up to the end of the text
+    # Past the end of the text, the run after the match repeats.
+    assert lookup(t, 1, 4, 11) == [8, 7, 5, 2, 3, 6, 1, 2, 3, 8, 7]
+
+
+def test_ngram_lookup_drafts_a_whole_loop():
+    loop = np.array([4, 5, 6] + [7] * 6)
+    assert lookup(loop, 1, 4, 4) == [7, 7, 7, 7]  # not just the two 7s after the latest match
+    assert lookup(np.array([1, 8, 9, 1, 8, 9, 1, 8]), 1, 2, 5) == [9, 1, 8, 9, 1]
 
 
 def test_ngram_lookup_never_matches_the_suffix_itself():
     assert lookup(np.array([4, 5, 6, 7]), 1, 3, 4) == []
-    assert lookup(np.array([5, 5]), 1, 3, 4) == [5]  # a loop: the earlier 5 is followed by 5
+    assert lookup(np.array([5, 5]), 1, 3, 4) == [5, 5, 5, 5]  # a loop: 5 follows 5
     assert lookup(np.array([1, 2, 1, 2]), 2, 2, 1) == [1]
     assert lookup(np.array([1, 2, 3]), 3, 3, 1) == []  # too short to hold an earlier match
 
@@ -508,3 +515,35 @@ def test_eagle_feeds_each_position_its_target_feature_and_the_next_token(
             covered.add(pos)
     # Every position was fed, up to those of the last step (no drafting after it).
     assert covered == set(range(max(covered) + 1)) and max(covered) >= len(seq) - 8, covered
+
+
+# ---- CUDA: verify steps replay the decode graphs --------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("algo", ["ORACLE", "EAGLE"])
+def test_verify_steps_replay_cuda_graphs_and_give_the_plain_tokens(tiny, tmp_path, algo):
+    """On CUDA (triton attention, float32) verify steps run as decode batches through the
+    captured graphs (EAGLE's with the hidden states captured too) and keep exactly the tokens
+    of decoding without speculation."""
+    cuda = dict(
+        kv_tokens=4096,
+        device="cuda",
+        dtype="float32",
+        max_running_requests=16,
+        cuda_graph_max_bs=64,
+    )
+    reqs = _mixed(8, 512)
+    want = _run(local_scheduler(tiny, **cuda), reqs)
+    if algo == "ORACLE":
+        sched = _spec_scheduler(tiny, Oracle({r: g["ids"] for r, g in want.items()}), **cuda)
+    else:
+        head = spec_heads.write_eagle(tmp_path / "eagle")
+        sched = local_scheduler(
+            tiny, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head), **cuda
+        )
+    got = _run(sched, reqs)
+    for rid, w in want.items():
+        assert (got[rid]["ids"], got[rid]["finish"]) == (w["ids"], w["finish"]), rid
+    replays = sched.runner.graph_runner.replays
+    assert sum(n for bs, n in replays.items() if bs > 8) > 0, "verify rows ran in graphs"
+    assert sched.stats.spec_draft_tokens > 0

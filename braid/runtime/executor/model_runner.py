@@ -117,7 +117,11 @@ class ModelRunner:
             head_dim=model_config.head_dim,
             sliding_window=model_config.sliding_window,
         )
-        graph_bs = min(config.cuda_graph_max_bs, self.max_running_requests)
+        # A speculative verify step is a decode batch of one row per verified token.
+        rows = self.max_running_requests
+        if config.speculative_algorithm is not None:
+            rows *= 1 + config.speculative_steps
+        graph_bs = min(config.cuda_graph_max_bs, rows)
         logger.info(
             "KV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
             "context length %d; max running requests %d; attention backend %s; CUDA graphs %s",

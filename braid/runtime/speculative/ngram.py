@@ -3,7 +3,8 @@ text's own suffix.
 
 For each request the last `max_match` tokens of its prompt-plus-output are looked up in the
 text before them, then shorter suffixes down to `min_match`; the longest suffix found wins, at
-its most recent occurrence, and the tokens after that occurrence are the drafts. No weights: it
+its most recent occurrence, and the tokens after that occurrence are the drafts (repeated as a
+loop where they reach the end of the text: the text is taken to repeat from the match). No weights: it
 pays off where output repeats its input (editing code, quoting a source, JSON that echoes a
 prompt) or itself (a model caught in a loop).
 """
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
 
 
 def lookup(tokens: np.ndarray, min_match: int, max_match: int, k: int) -> list[int]:
-    """Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix
-    of `tokens` (between `min_match` and `max_match` long) that occurs earlier; [] if none."""
+    """`k` tokens guessed from the most recent earlier occurrence of the longest suffix of
+    `tokens` (between `min_match` and `max_match` long) that occurs earlier: those after it,
+    repeated from there when they run out; [] if there is none."""
     n = tokens.shape[0]
     if k < 1 or n < min_match + 1:
         return []
@@ -37,7 +39,10 @@ def lookup(tokens: np.ndarray, min_match: int, max_match: int, k: int) -> list[i
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + size
-            return tokens[start : start + k].tolist()
+            run = tokens[start:].tolist()
+            # If the text repeats from the match, it goes on repeating past its end: a loop's
+            # most recent match sits right before the end, with only a few tokens after it.
+            return [run[j % len(run)] for j in range(k)]
     return []
 
 
