@@ -4,9 +4,9 @@ text's own suffix.
 For each request the last `max_match` tokens of its prompt-plus-output are looked up in the
 text before them, then shorter suffixes down to `min_match`; the longest suffix found wins, at
 its most recent occurrence, and the tokens after that occurrence are the drafts (repeated as a
-loop where they reach the end of the text: the text is taken to repeat from the match). No weights: it
-pays off where output repeats its input (editing code, quoting a source, JSON that echoes a
-prompt) or itself (a model caught in a loop).
+loop where they reach the end of the text: the text is taken to repeat from the match). No
+weights: it pays off where output repeats its input (editing code, quoting a source, JSON that
+echoes a prompt) or itself (a model caught in a loop).
 """
 
 from __future__ import annotations
