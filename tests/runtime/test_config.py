@@ -259,7 +259,7 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for f in [*ENGINE_FIELDS, *SERVER_FIELDS]:
         assert flag(f.name) in text
-    assert "--max-total-tokens" in text and "(default: 160)" in text
+    assert "--max-total-tokens" in text and "(default: 256)" in text
 
 
 def test_python_dash_m_braid_serve_help_runs():
@@ -271,3 +271,27 @@ def test_python_dash_m_braid_serve_help_runs():
     )
     assert out.returncode == 0, out.stderr
     assert "--kv-tokens" in out.stdout and "--disable-overlap-schedule" in out.stdout
+
+
+def test_vllms_speculative_config_stands_for_the_speculative_flags():
+    got = settings_from_args(
+        EngineConfig,
+        parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),
+    )
+    assert got.speculative_algorithm == "NGRAM" and got.speculative_num_steps == 3
+    with pytest.raises(ValueError, match="speculative_num_steps is given twice"):
+        settings_from_args(
+            EngineConfig,
+            parse(
+                "--speculative-num-steps",
+                "2",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 3}',
+            ),
+        )
+    with pytest.raises(ValueError, match="speculative_config: unknown key 'draft'"):
+        settings_from_args(EngineConfig, parse("--speculative-config", '{"draft": 1}'))
+    assert resolve_overrides({"speculative_config": {"model": "d"}}) == {
+        "speculative_draft_model_path": "d",
+        "speculative_algorithm": "DRAFT",
+    }

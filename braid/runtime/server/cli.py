@@ -9,6 +9,7 @@ doc as help and its default, plus SGLang's names for it as aliases (`--max-total
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -19,7 +20,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from braid._logging import configure_logging
-from braid.runtime.config import EngineConfig, check_choices, choices_of, setting
+from braid.runtime.config import (
+    EngineConfig,
+    check_choices,
+    choices_of,
+    setting,
+    speculative_settings,
+)
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
 from braid.runtime.reasoning import get_parser as get_reasoning_parser
@@ -195,8 +202,21 @@ def add_setting_flags(
 
 def settings_from_args(cls: type, args: argparse.Namespace) -> Any:
     """The settings dataclass `cls` built from the fields of parsed flags (`ValueError` from
-    its validation)."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+    its validation). For `EngineConfig`, vLLM's `--speculative-config` JSON stands for the
+    speculative flags it sets (given twice is a `ValueError`)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    raw = getattr(args, "speculative_config", None)
+    if cls is EngineConfig and raw is not None:
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config: not JSON: {e}") from None
+        defaults = {f.name: f.default for f in fields(cls)}
+        for name, value in speculative_settings(spec).items():
+            if values[name] != defaults[name]:
+                raise ValueError(f"{name} is given twice: as a flag and in --speculative-config")
+            values[name] = value
+    return cls(**values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine = s.add_argument_group("engine settings (braid.LLM takes them as keywords)")
     add_setting_flags(engine, EngineConfig, SERVE_DEFAULTS)
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's speculative_config as JSON (method, model, num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max): the --speculative-* flags it stands for",
+    )
     add_setting_flags(s.add_argument_group("server settings"), ServerSettings)
     return ap
 
