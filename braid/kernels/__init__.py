@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from braid.kernels.argmax import argmax_rows
     from braid.kernels.attention_decode import decode_attention
     from braid.kernels.attention_extend import extend_attention
+    from braid.kernels.fp8_quant import per_token_quant_fp8
     from braid.kernels.kv_store import store_kv
     from braid.kernels.norm import rmsnorm
+    from braid.kernels.quant_gemm import int4_linear, int8_linear
     from braid.kernels.rope import rotary
     from braid.kernels.skinny_gemm import skinny_linear
     from braid.kernels.token_bitmask import apply_token_bitmask_
@@ -35,6 +37,9 @@ _LAUNCHERS = {
     "silu_and_mul": "braid.kernels.activation",
     "apply_token_bitmask_": "braid.kernels.token_bitmask",
     "skinny_linear": "braid.kernels.skinny_gemm",
+    "int4_linear": "braid.kernels.quant_gemm",
+    "int8_linear": "braid.kernels.quant_gemm",
+    "per_token_quant_fp8": "braid.kernels.fp8_quant",
 }
 
 __all__ = [
@@ -42,6 +47,9 @@ __all__ = [
     "argmax_rows",
     "decode_attention",
     "extend_attention",
+    "int4_linear",
+    "int8_linear",
+    "per_token_quant_fp8",
     "rmsnorm",
     "rotary",
     "silu_and_mul",

@@ -80,6 +80,7 @@ class ModelRunner:
             max_positions=ctx,
             load_format=config.load_format,
             progress=config.show_progress,
+            quantization=config.quantization,
         )
         page = config.page_size
         if config.kv_tokens:

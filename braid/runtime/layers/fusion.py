@@ -7,6 +7,10 @@ fusions and the same rounding points.
   one-row input on CUDA in 16 bits.
 - `select_one_row_forward`: a whole pre-norm decoder layer for one token on CUDA in 16 bits,
   each RMSNorm inside the projection after it.
+
+Both read the projections' float `.weight`, so a model built for quantized weights
+(`quantization.base.building` with a method) gets neither: its layers run their own path, each
+projection through its quantization method.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from braid.runtime.layers.activation import silu_and_mul
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.quantization.base import building_quantized
 
 SiluMulDown = Callable[[torch.Tensor, Linear], torch.Tensor]
 
@@ -79,8 +84,11 @@ def select_silu_mul_down(device: torch.device, dtype: torch.dtype) -> SiluMulDow
     outputs equal to the two-kernel path's up to the order of the float32 sum. Other inputs,
     and every input elsewhere, run `silu_mul_down`. The kernel's first call autotunes
     (host-synchronising), which the CUDA-graph runner's eager warm-up does before capture.
+    In a model built for quantized weights, always `silu_mul_down`.
     """
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return silu_mul_down
+    if building_quantized() is not None:
         return silu_mul_down
     from braid.kernels.skinny_gemm import skinny_linear
 
@@ -105,9 +113,11 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
     launches fewer per layer, with every rounding point of the unfused path (the sums in the
     projections may add in another order). Both costs were measured on an H200 with
     `benchmarks/kernels.py` and `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind
-    design choices).
+    design choices). None in a model built for quantized weights.
     """
     if not FUSE_ONE_ROW or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if building_quantized() is not None:
         return None
     from braid.kernels.skinny_gemm import skinny_linear
 

@@ -54,6 +54,10 @@ class ModelConfig:
     # Qwen3-VL: the sections' frequencies interleave (t, h, w, t, h, w, ...) instead of
     # following one another.
     mrope_interleaved: bool = False
+    # How the checkpoint's linear weights are quantized (config.json's `quantization_config`,
+    # or `compression_config` in older compressed-tensors checkpoints), as written; None: floats.
+    # braid.runtime.quantization reads it.
+    quantization_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +168,7 @@ class ModelConfig:
             vision_config=vision,
             mrope_section=tuple(mrope) if mrope else None,
             mrope_interleaved=arch == QWEN3_VL,
+            quantization_config=top.get("quantization_config") or top.get("compression_config"),
             raw=top,
         )
 

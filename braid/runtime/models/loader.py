@@ -1,5 +1,10 @@
 """Strict weight loading from safetensors: every checkpoint key must be consumed and every
-parameter (every shard of a fused one) filled exactly once; anything else is an error."""
+parameter (every shard of a fused one) filled exactly once; anything else is an error.
+
+A quantized model (config.json's `quantization_config`, or `quantization` for a float
+checkpoint) is built inside `quantization.base.building(method)`, its linear layers are bound
+to their methods by name, loaded the same strict way, then repacked for the device's kernels
+(`Linear.finish_loading`)."""
 
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from braid.runtime.layers.linear import Linear
 from braid.runtime.models import get_model_class
 from braid.runtime.models.config import ModelConfig
+from braid.runtime.quantization import select_quantization
+from braid.runtime.quantization.base import QuantizationMethod, building
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,42 @@ def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) ->
         raise ValueError(f"parameters the checkpoint did not fill: {shown}")
 
 
+def _checkpoint_names(model: nn.Module, name: str, layer: Linear) -> tuple[str, ...]:
+    """The checkpoint's module names of a linear layer's shards: q_proj, k_proj and v_proj for
+    a fused qkv_proj (through the model's `stacked_params`), else its own name."""
+    parts: dict[str | None, str] = {}
+    prefix, _, leaf = name.rpartition(".")
+    for part, (fused, shard) in getattr(model, "stacked_params", {}).items():
+        if fused == leaf:
+            parts[shard] = part
+    if set(parts) != set(layer.offsets):
+        return (name,)
+    return tuple(f"{prefix}.{parts[s]}" if prefix else parts[s] for s in layer.offsets)
+
+
+def _bind_linears(model: nn.Module, method: QuantizationMethod, device: torch.device) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            spec = module.spec(name, device)
+            module.bind(method.linear_method(spec, _checkpoint_names(model, name, module)), device)
+
+
+def _fill_random(model: nn.Module, device: torch.device) -> None:
+    """Random weights drawn on the target device (an 8B model draws in seconds on a GPU). A
+    weight quantized as it loads (a meta-device placeholder) is drawn in floats, shard by
+    shard, and loaded through its quantizing loader."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif p.is_meta:
+            for shard, (_, rows) in p.shard_slices.items():
+                w = torch.empty(rows, p.shape[1], dtype=p.dtype, device=device)
+                p.weight_loader(p, w.normal_(0.0, 0.02, generator=gen), shard)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
 def build_model(
     cfg: ModelConfig,
     model_dir: Path | None,
@@ -88,35 +132,49 @@ def build_model(
     max_positions: int,
     load_format: str = "auto",
     progress: bool = True,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model for `cfg` and fill it from `model_dir` (or randomly with
-    `load_format="dummy"`)."""
+    `load_format="dummy"`). Its linear layers are quantized as the checkpoint's
+    `quantization_config` says, or with the method `quantization` names (a float checkpoint,
+    or random weights, quantized as they load); `ValueError` for a method or config field
+    braid does not support, naming it."""
     t0 = time.perf_counter()
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if load_format == "auto" and model_dir is None:
+        raise ValueError("load_format='auto' needs a model directory")
+    method = select_quantization(
+        cfg.quantization_config, quantization, dummy=load_format == "dummy"
+    )
+    if method is not None and cfg.is_multimodal:
+        # Their towers and projectors read their own weights' dtype and device, and which of
+        # their layers a checkpoint quantizes is untested: refused rather than guessed.
+        raise ValueError(
+            f"quantization ({method.name}) of vision-language models ({cfg.architecture}) is "
+            "not supported yet"
+        )
     cls = get_model_class(cfg.architecture)
     # Parameters are created with torch.empty (no init cost); buffers such as the rotary tables
     # are computed on the target device.
-    with torch.device(device):
+    with torch.device(device), building(method):
         model = cls(cfg, dtype, max_positions)
+        if method is not None:
+            _bind_linears(model, method, device)
     if load_format == "dummy":
-        # Random weights drawn on the target device (an 8B model draws in seconds on a GPU).
-        gen = torch.Generator(device=device).manual_seed(0)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data.fill_(1.0)
-            else:
-                p.data.normal_(0.0, 0.02, generator=gen)
-    elif load_format == "auto":
-        if model_dir is None:
-            raise ValueError("load_format='auto' needs a model directory")
-        load_weights(model, model_dir, progress=progress)
+        _fill_random(model, device)
     else:
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        load_weights(model, model_dir, progress=progress)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finish_loading()
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
-        "model %s loaded: %.1f MB of weights in %.2f s",
+        "model %s loaded: %.1f MB of weights%s in %.2f s",
         cfg.architecture,
         nbytes / 1e6,
+        f" ({method.name})" if method is not None else "",
         time.perf_counter() - t0,
     )
     return model

@@ -1,0 +1,85 @@
+"""Dynamic per-token fp8 (e4m3) quantization of activations, the first half of an FP8 W8A8
+linear layer (`torch._scaled_mm` is the second): one program per row reads it once for its
+max |x|, then again (from L2) to scale and round it, in one launch instead of the four of the
+torch form (abs, amax, divide, cast).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
+from braid.kernels.quant_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_SCALE,
+    per_token_quant_fp8_reference,
+)
+
+__all__ = ["per_token_quant_fp8", "per_token_quant_fp8_reference"]
+
+# Widest load of a row: Llama hidden sizes up to 4096 (and 14336 in four) at 4 warps.
+BLOCK_MAX = 4096
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 v with |v| <= 448 -> the nearest e4m3 value (ties to even), still as float32,
+    so the cast that follows is exact. Rounded here rather than by the cast because Triton's
+    interpreter casts to fp8 without carrying into the exponent or rounding ties to even; on a
+    GPU the two agree. Normal range (|v| >= 2**-6): keep 3 mantissa bits by integer rounding
+    of the bits (a carry moves into the exponent, as it should). Subnormal range: multiples of
+    2**-9, rounded by adding and subtracting 2**14, whose float32 spacing is 2**-9."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    a = tl.abs(v)
+    sub = (a + 16384.0) - 16384.0
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _per_token_quant_kernel(
+    X, Codes, Scales, K, stride_xm, fp8_max, min_scale, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    x_row = X + row.to(tl.int64) * stride_xm
+    c_row = Codes + row.to(tl.int64) * K
+    offs = tl.arange(0, BLOCK)
+    amax = 0.0
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + offs
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    # IEEE-rounded divisions (plain / is approximate on GPUs), as the torch reference divides.
+    scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+    tl.store(Scales + row, scale)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + offs
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        tl.store(c_row + ks, _round_to_e4m3(q).to(Codes.dtype.element_ty), mask=ks < K)
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn codes [M, K] contiguous, float32 scales [M, 1]) with
+    x ~= codes * scales, bit for bit `per_token_quant_fp8_reference`: each row's scale is
+    max|row| / 448 (at least FP8_MIN_SCALE), its codes x / scale rounded to nearest even.
+
+    `x`: float [M, K] with unit stride in K (any row stride), M >= 0. Never synchronises with
+    the host.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return codes, scales.fill_(FP8_MIN_SCALE)
+    block = min(next_pow2(k), BLOCK_MAX)
+    _per_token_quant_kernel[(m,)](
+        x, codes, scales, k, x.stride(0), FP8_MAX, FP8_MIN_SCALE, BLOCK=block, num_warps=4
+    )
+    return codes, scales

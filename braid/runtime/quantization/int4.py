@@ -1,0 +1,250 @@
+"""Group-wise 4-bit weights (W4A16), whatever checkpoint format they came in: one layout, one
+method, three kernels.
+
+A checkpoint format (`awq.py`, `gptq.py`) creates its tensors as parameters and, once they are
+loaded, reads them into `Int4Weights`: the layout of `braid.kernels.int4_linear` (codes packed
+along K, a float scale and a uint8 zero per group and output) plus, for GPTQ's act-order, the
+permutation of the input that makes each group's rows contiguous. A float checkpoint is
+quantized as it loads instead (round to nearest with a zero point, AutoAWQ's formula).
+
+`finish_loading` then chooses the kernel once, from the device:
+- CUDA: the Triton dequantizing GEMM (`braid.kernels.int4_linear`), scales in float16 (the
+  checkpoints' dtype, so the weights are exactly the checkpoint's in any model dtype);
+- CPU: torch's int4 weight-packed matmul (`_weight_int4pack_mm_for_cpu`, bfloat16 in and
+  out), whose weight is (q - 8) * scale + offset per group: the offset (8 - zero) * scale is
+  rounded to bfloat16, and so is the scale, so its weights differ from the checkpoint's by up
+  to 1/64 of a quantization step. It needs N % 16 == 0 and groups of 32, 64, 128 or 256 rows
+  (a larger group is split into equal ones);
+- otherwise (shapes the CPU kernel refuses, other devices): the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from braid.kernels.quant_reference import (
+    PACK,
+    dequantize_int4,
+    pack_int4,
+    unpack_int4,
+)
+from braid.runtime.quantization.base import (
+    CPU_COMPUTE_DTYPE,
+    LinearSpec,
+    WeightOnlyMethod,
+    kept,
+    online_placeholder,
+)
+
+CPU_GROUP_SIZES = (256, 128, 64, 32)
+# Group sizes a float checkpoint is quantized with online: the first that divides the layer's
+# input size (SmolLM2's 576 takes 64).
+ONLINE_GROUP_SIZES = (128, 64, 32)
+
+
+@dataclass
+class Int4Weights:
+    """`braid.kernels.quant_reference`'s int4 layout: `qweight` int32 [N, K / 8], `scales`
+    float32 [K / G, N], `zeros` uint8 [K / G, N]; `perm` (int64 [K] or None): the kernel
+    multiplies `x[:, perm]`, so W[:, perm] is the weight these hold."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    perm: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+
+class Int4Checkpoint(Protocol):
+    """A checkpoint format's int4 tensors for one layer."""
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        """The tensors to load, as the checkpoint names them, with their loaders."""
+
+    def read(self) -> Int4Weights:
+        """The loaded tensors in braid's layout; `ValueError` for values it cannot hold."""
+
+
+def check_group_size(spec: LinearSpec, group_size: int) -> None:
+    """`ValueError` naming the layer unless `group_size` splits its input into whole groups
+    the kernels take."""
+    k = spec.in_features
+    if k % group_size:
+        raise ValueError(f"{spec.name}: group_size {group_size} does not divide its input size {k}")
+    if group_size % 16:
+        raise ValueError(
+            f"{spec.name}: group_size {group_size} is not a multiple of 16 (the int4 kernels' "
+            "smallest block of K)"
+        )
+
+
+def online_group_size(spec: LinearSpec) -> int:
+    for g in ONLINE_GROUP_SIZES:
+        if spec.in_features % g == 0:
+            return g
+    raise ValueError(
+        f"{spec.name}: no int4 group size of {list(ONLINE_GROUP_SIZES)} divides its input size "
+        f"{spec.in_features}"
+    )
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Round-to-nearest 4-bit quantization of float rows w [R, K] in groups of `group_size`
+    along K, with a zero point per group (AutoAWQ's formula): scale = (max - min) / 15, zero =
+    round(-min / scale), code = clamp(round(w / scale) + zero, 0, 15), the scale rounded to a
+    float16 value first. Returns (codes uint8 [R, K], scales float32 [R, K / G], zeros uint8
+    [R, K / G])."""
+    r, k = w.shape
+    g = w.float().reshape(r, k // group_size, group_size)
+    hi, lo = g.amax(-1), g.amin(-1)
+    # Scales held as float16 values (AWQ's and GPTQ's scale dtype, kept by the CUDA kernel).
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half().float()
+    zeros = (-torch.round(lo / scales)).clamp(0, 15)
+    codes = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+    return codes.reshape(r, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+class Int4LinearMethod(WeightOnlyMethod):
+    """A linear layer with group-wise int4 weights. `checkpoint`: the format its tensors load
+    in, or None to quantize a float weight as it loads (round to nearest, `quantize_int4`)."""
+
+    def __init__(
+        self, spec: LinearSpec, group_size: int, checkpoint: Int4Checkpoint | None
+    ) -> None:
+        super().__init__(spec)
+        check_group_size(spec, group_size)
+        self.group_size = group_size
+        self.checkpoint = checkpoint
+        self.weights: Int4Weights | None = None
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    def create_weights(self) -> dict[str, nn.Parameter]:
+        if self.checkpoint is not None:
+            return self.checkpoint.parameters()
+        n, k, g = self.spec.out_features, self.spec.in_features, self.group_size
+        dev = self.spec.device
+        self.weights = Int4Weights(
+            torch.zeros(n, k // PACK, dtype=torch.int32, device=dev),
+            torch.zeros(k // g, n, dtype=torch.float32, device=dev),
+            torch.zeros(k // g, n, dtype=torch.uint8, device=dev),
+            g,
+        )
+        return {"weight": online_placeholder(self.spec, self._quantize_rows)}
+
+    def _quantize_rows(self, rows: torch.Tensor, start: int) -> None:
+        codes, scales, zeros = quantize_int4(rows, self.group_size)
+        end = start + rows.shape[0]
+        self.weights.qweight[start:end] = pack_int4(codes)
+        self.weights.scales[:, start:end] = scales.T
+        self.weights.zeros[:, start:end] = zeros.T
+
+    def finish_loading(self) -> dict[str, nn.Parameter]:
+        w = self.checkpoint.read() if self.checkpoint is not None else self.weights
+        self.weights = w
+        dev, n = self.spec.device, self.spec.out_features
+        if dev.type == "cuda":
+            return self._use_triton(w)
+        if dev.type == "cpu" and n % 16 == 0 and _cpu_group(w.group_size) is not None:
+            return self._use_cpu(w)
+        self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
+        self._kernel = self._reference_kernel
+        return _kept(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=w.perm)
+
+    def _use_triton(self, w: Int4Weights) -> dict[str, nn.Parameter]:
+        from braid.kernels.quant_gemm import int4_linear
+
+        self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
+        # float16, the checkpoints' own scale dtype: a bfloat16 model's weights stay exactly
+        # the checkpoint's (bfloat16 would drop 3 bits of every scale).
+        w.scales = w.scales.to(torch.float16).contiguous()
+        w.qweight, w.zeros = w.qweight.contiguous(), w.zeros.contiguous()
+        qweight, scales, zeros, group, perm = w.qweight, w.scales, w.zeros, w.group_size, w.perm
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if perm is not None:
+                x = x.index_select(1, perm)
+            return int4_linear(x, qweight, scales, zeros, group, bias)
+
+        self._kernel = run
+        return _kept(qweight=qweight, scales=scales, zeros=zeros, perm=perm)
+
+    def _use_cpu(self, w: Int4Weights) -> dict[str, nn.Parameter]:
+        self.compute_dtype, self.bias_in_kernel = CPU_COMPUTE_DTYPE, False
+        group = _cpu_group(w.group_size)
+        codes = unpack_int4(w.qweight).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales = w.scales.to(CPU_COMPUTE_DTYPE)
+        offsets = ((8 - w.zeros.float()) * scales.float()).to(CPU_COMPUTE_DTYPE)
+        repeat = w.group_size // group
+        table = torch.stack([scales, offsets], dim=-1).repeat_interleave(repeat, dim=0)
+        table = table.contiguous()
+        perm = w.perm
+        self._cpu = (packed, group, table, perm)
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if perm is not None:
+                x = x.index_select(1, perm)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(CPU_COMPUTE_DTYPE), packed, group, table
+            ).to(x.dtype)
+            return y if bias is None else y + bias
+
+        self._kernel = run
+        self.weights = None  # the packed form is what is kept
+        return _kept(qweight=packed, scales_and_zeros=table, perm=perm)
+
+    # ---- compute ------------------------------------------------------------------------------
+
+    def dequantize(self) -> torch.Tensor:
+        if self.weights is not None:
+            return self.weights.dequantize()
+        packed, group, table, perm = self._cpu
+        # The CPU kernel's packing is opaque; its codes come back through the kernel itself,
+        # with unit scales and zero offsets ((q - 8) * 1 + 0 is exact in bfloat16).
+        k = self.spec.in_features
+        unit = torch.zeros_like(table)
+        unit[..., 0] = 1
+        eye = torch.eye(k, dtype=CPU_COMPUTE_DTYPE)
+        centered = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group, unit).T.float()
+        scales = table[..., 0].float().repeat_interleave(group, dim=0).T
+        offsets = table[..., 1].float().repeat_interleave(group, dim=0).T
+        w = centered * scales + offsets
+        if perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, perm] = w
+        return out
+
+
+def _cpu_group(group_size: int) -> int | None:
+    """The group size torch's CPU int4 kernel takes that splits `group_size` evenly."""
+    return next((g for g in CPU_GROUP_SIZES if group_size % g == 0), None)
+
+
+def group_size_of(spec: LinearSpec, configured: int) -> int:
+    """A checkpoint's group size for this layer: -1 (one group per output row) is the input
+    size."""
+    if configured == -1:
+        return spec.in_features
+    if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
+        raise ValueError(
+            f"quantization_config group_size must be -1 or positive, got {configured!r}"
+        )
+    return configured
+
+
+def _kept(**tensors: torch.Tensor | None) -> dict[str, nn.Parameter]:
+    return {name: kept(t) for name, t in tensors.items() if t is not None}
