@@ -54,7 +54,7 @@ def measure(compiler: GrammarCompiler, backend: str, spec, batch: int, repeats: 
     out = {}
     for mode, min_cpus in (("one_at_a_time", 10**6), ("library_threads", 1)):
         grammar_module.PARALLEL_MIN_CPUS = min_cpus
-        _clear_pools()
+        _clear_pools(backend)
         matchers = [grammar.matcher() for _ in range(batch)]
         _walk(matchers, rng, 6, compiler.eos_token_id)
         cls = type(matchers[0])
@@ -84,11 +84,17 @@ def measure(compiler: GrammarCompiler, backend: str, spec, batch: int, repeats: 
     return out
 
 
-def _clear_pools() -> None:
-    from braid.runtime.constrained import llguidance_backend, xgrammar_backend
+def _clear_pools(backend: str) -> None:
+    """Forget the backend's thread pool, so the next batch call builds it for the new
+    threshold (only the backend measured is imported: xgrammar may not be installed)."""
+    if backend == "llguidance":
+        from braid.runtime.constrained import llguidance_backend
 
-    llguidance_backend._executor.cache_clear()
-    xgrammar_backend._batch.cache_clear()
+        llguidance_backend._executor.cache_clear()
+    elif backend == "xgrammar":
+        from braid.runtime.constrained import xgrammar_backend
+
+        xgrammar_backend._batch.cache_clear()
 
 
 def main() -> None:
