@@ -8,6 +8,10 @@ normalised partial output and log-sum-exp (base 2) into a float32 workspace. Sta
 program per (request, head) and merges the splits. The grid depends only on the batch size,
 the head counts and `num_kv_splits`, never on sequence lengths, and nothing is read back to
 the host, so a decode step can be captured in a CUDA graph.
+
+Tree verification (speculative decoding) gives a row a tail: its first `prefix[b]` keys come
+from its table row and the rest from `tail[b]` (the slots of a draft node's ancestors and its
+own), so rows of one request see different branches of a draft tree through one table row.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def _decode_stage1(
     ReqToToken,
     ReqIdx,
     SeqLens,
+    Prefix,
+    Tail,
     MidO,
     MidLse,
     scale_log2,
@@ -53,6 +59,7 @@ def _decode_stage1(
     stride_vs,
     stride_vh,
     stride_rt,
+    stride_tail,
     stride_ob,
     stride_oh,
     stride_os,
@@ -66,6 +73,7 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -97,10 +105,19 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = ReqToToken + row * stride_rt
+    if HAS_TAIL:
+        prefix = tl.load(Prefix + b).to(tl.int32)
+        tail_row = Tail + b.to(tl.int64) * stride_tail
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if HAS_TAIL:
+            in_table = offs_n < prefix
+            from_table = tl.load(table_row + offs_n, mask=mask_n & in_table, other=0)
+            from_tail = tl.load(tail_row + (offs_n - prefix), mask=mask_n & ~in_table, other=0)
+            loc = tl.where(in_table, from_table, from_tail).to(tl.int64)
+        else:
+            loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(
             KCache + loc[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
@@ -195,6 +212,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     stage1_config: tuple[int, int, int] | None = None,
+    tree_prefix: torch.Tensor | None = None,
+    tree_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens[b]` tokens.
 
@@ -213,6 +232,11 @@ def decode_attention(
     given, else allocated. `stage1_config` = (BLOCK_N, num_warps, num_stages) of the split
     kernel overrides the default (for tuning sweeps: `benchmarks/tune_attention.py`). The launch
     never synchronises with the host. Returns the output.
+
+    `tree_prefix` (int32/int64 [batch]) and `tree_tail` (int32/int64 [batch, depth], unit
+    column stride) go together: row b reads its first `tree_prefix[b]` slots from its table
+    row and the next `seq_lens[b] - tree_prefix[b]` (at most depth) from `tree_tail[b]`. Not
+    with `window`.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, num_heads, _ = q.shape
@@ -223,6 +247,17 @@ def decode_attention(
     if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be a positive integer, got {num_kv_splits!r}")
     win = check_window(window)
+    has_tail = tree_prefix is not None or tree_tail is not None
+    if has_tail:
+        if tree_prefix is None or tree_tail is None:
+            raise ValueError("tree_prefix and tree_tail go together")
+        if win:
+            raise ValueError("a tree tail does not go with a sliding window")
+        check_index("tree_prefix", tree_prefix, batch, device)
+        check_tensor("tree_tail", tree_tail, ndim=2, dtypes=(torch.int32, torch.int64))
+        check_shape("tree_tail", tree_tail, (batch, tree_tail.shape[1]))
+        if tree_tail.device != device or tree_tail.stride(1) != 1:
+            raise ValueError("tree_tail must be on q's device with unit column stride")
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=device)
     else:
@@ -257,6 +292,8 @@ def decode_attention(
         req_to_token,
         req_pool_indices,
         seq_lens,
+        tree_prefix if has_tail else seq_lens,
+        tree_tail if has_tail else req_pool_indices,
         mid_o,
         mid_lse,
         sm_scale * LOG2E,
@@ -268,6 +305,7 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
+        tree_tail.stride(0) if has_tail else 0,
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),
@@ -281,6 +319,7 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_kv_splits,
         USE_WINDOW=win > 0,
+        HAS_TAIL=has_tail,
         DOT_PREC=dot_precision(q.dtype),
         num_warps=warps,
         num_stages=stages,
@@ -315,6 +354,8 @@ def decode_attention_reference(
     sm_scale: float,
     *,
     window: int | None = None,
+    tree_prefix: torch.Tensor | None = None,
+    tree_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What `decode_attention` computes, request by request in float32; output in q's dtype."""
     batch, num_heads, _ = q.shape
@@ -324,6 +365,10 @@ def decode_attention_reference(
         n = int(seq_lens[b])
         lo = max(0, n - window) if window is not None else 0
         slots = req_to_token[int(req_pool_indices[b]), lo:n].long()
+        if tree_prefix is not None:
+            p = int(tree_prefix[b])
+            table = req_to_token[int(req_pool_indices[b]), :p].long()
+            slots = torch.cat([table, tree_tail[b, : n - p].long().to(table.device)])
         k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, heads, d]
         v = v_cache[slots].float().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale

@@ -358,6 +358,15 @@ class EngineConfig:
         return self.speculative_num_steps or 4
 
     @property
+    def speculative_tree_nodes(self) -> int:
+        """Nodes of the draft trees MEDUSA / EAGLE propose (`speculative_eagle_topk` > 1):
+        `speculative_num_draft_tokens`, or topk x steps; 0 when they propose chains."""
+        topk = self.speculative_eagle_topk or 1
+        if self.speculative_algorithm not in ("MEDUSA", "EAGLE", "EAGLE3") or topk == 1:
+            return 0
+        return self.speculative_num_draft_tokens or topk * self.speculative_steps
+
+    @property
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)

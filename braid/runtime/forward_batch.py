@@ -63,6 +63,11 @@ class ForwardBatch:
     # output (residual stream) of each layer in `aux_layers` (EAGLE-3) in `aux_hidden_states`.
     capture_hidden: bool = False
     aux_layers: tuple[int, ...] = ()
+    # A decode batch verifying draft trees: row b's first `tree_prefix[b]` keys are its table
+    # row's, the rest (`seq_lens[b]` in all) the slots in `tree_tail[b]` (a draft node's
+    # ancestors and itself). None: every row reads its table row alone.
+    tree_prefix: torch.Tensor | None = None
+    tree_tail: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
 

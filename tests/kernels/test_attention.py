@@ -286,3 +286,45 @@ def test_store_kv_real_sizes_gpu(dtype):
     loc = torch.randperm(100_000, device=dev)[:4096]
     store_kv(k_cache, v_cache, k, v, loc)
     assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
+
+
+def test_decode_with_a_tree_tail_reads_the_tail_after_the_table_prefix(device):
+    """Rows of one table row with their own tails (a draft tree's branches) attend exactly as
+    a row whose table lists the prefix and then the tail would."""
+    k_cache, v_cache, table = _paged(6, 50, 160, 2, 32, torch.float32, device)
+    # Rows 0-2 share table row 1 with prefix 20 and different tails; row 3 has no tail (its
+    # prefix is its whole length); row 4: table row 3, prefix 35, a tail of 3.
+    rows = torch.tensor([1, 1, 1, 0, 3], device=device)
+    prefix = torch.tensor([20, 20, 20, 30, 35], device=device)
+    tail = torch.tensor(
+        [[140, 0, 0], [141, 142, 0], [141, 143, 144], [0, 0, 0], [150, 151, 152]], device=device
+    )
+    seq_lens = prefix + torch.tensor([1, 2, 3, 0, 3], device=device)
+    q = torch.randn(5, 4, 32, device=device)
+    got = decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        seq_lens,
+        0.2,
+        num_kv_splits=3,
+        tree_prefix=prefix,
+        tree_tail=tail,
+    )
+    # The same rows written out as plain table rows.
+    flat = table.clone()
+    spare = [2, 4, 5, 0, 3]
+    for i, (r, p, n) in enumerate(zip(rows.tolist(), prefix.tolist(), seq_lens.tolist())):
+        flat[spare[i], :n] = torch.cat([table[r, :p], tail[i, : n - p].to(table.dtype)])
+    plain = decode_attention(
+        q, k_cache, v_cache, flat, torch.tensor(spare, device=device), seq_lens, 0.2
+    )
+    want = decode_attention_reference(
+        q, k_cache, v_cache, table, rows, seq_lens, 0.2, tree_prefix=prefix, tree_tail=tail
+    )
+    _close(got, plain, torch.float32)
+    _close(got, want, torch.float32)
+    with pytest.raises(ValueError, match="go together"):
+        decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2, tree_prefix=prefix)

@@ -402,12 +402,16 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny, tmp_path):
 
 
 # ---- heads on the target's hidden states: Medusa, EAGLE, EAGLE-3 -----------------------------
+TREE = dict(speculative_eagle_topk=3, speculative_num_draft_tokens=10)
 HEADS_CASES = {
-    "medusa": ("MEDUSA", lambda p: spec_heads.write_medusa(p)),
-    "medusa-pt": ("MEDUSA", lambda p: spec_heads.write_medusa(p, layers=2, pt=True)),
-    "eagle": ("EAGLE", lambda p: spec_heads.write_eagle(p)),
-    "eagle-bin-embed": ("EAGLE", lambda p: spec_heads.write_eagle(p, pt=True, embed=True)),
-    "eagle3": ("EAGLE3", lambda p: spec_heads.write_eagle3(p)),
+    "medusa": ("MEDUSA", lambda p: spec_heads.write_medusa(p), {}),
+    "medusa-pt": ("MEDUSA", lambda p: spec_heads.write_medusa(p, layers=2, pt=True), {}),
+    "medusa-tree": ("MEDUSA", lambda p: spec_heads.write_medusa(p), TREE),
+    "eagle": ("EAGLE", lambda p: spec_heads.write_eagle(p), {}),
+    "eagle-bin-embed": ("EAGLE", lambda p: spec_heads.write_eagle(p, pt=True, embed=True), {}),
+    "eagle2-tree": ("EAGLE", lambda p: spec_heads.write_eagle(p), TREE),
+    "eagle3": ("EAGLE3", lambda p: spec_heads.write_eagle3(p), {}),
+    "eagle3-tree": ("EAGLE3", lambda p: spec_heads.write_eagle3(p), dict(TREE, page_size=4)),
 }
 
 
@@ -416,13 +420,13 @@ def test_random_draft_heads_propose_and_change_no_token(tiny, plain, tmp_path, c
     """Random-weight heads in each published layout load strictly, propose drafts every step
     (rarely right) and leave every token, logprob and finish reason as without speculation,
     with the KV accounted for; a prefix-cache hit (the same prompts again) changes nothing."""
-    algo, write = HEADS_CASES[case]
+    algo, write, extra = HEADS_CASES[case]
     reqs, want = plain
     sched = local_scheduler(
         tiny,
         speculative_algorithm=algo,
         speculative_draft_model_path=str(write(tmp_path / case)),
-        **CFG,
+        **(CFG | extra),
     )
     again = [GenerateReq(r.rid + "-again", r.input_ids, r.params, r.seed) for r in reqs]
     got = _run(sched, reqs)
@@ -437,6 +441,8 @@ def test_random_draft_heads_propose_and_change_no_token(tiny, plain, tmp_path, c
     s = sched.stats
     assert s.spec_draft_tokens > 200 and s.spec_accepted_tokens < s.spec_draft_tokens
     assert s.cached_prompt_tokens > 0
+    if extra:  # trees: more nodes a step than a chain of 4 could hold
+        assert s.spec_draft_tokens > 6 * s.spec_request_steps, s.as_dict()
     assert not getattr(sched.proposer, "hidden", {}) and not getattr(sched.proposer, "pending", {})
 
 
@@ -520,7 +526,7 @@ def test_eagle_feeds_each_position_its_target_feature_and_the_next_token(
 # ---- CUDA: verify steps replay the decode graphs --------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("algo", ["ORACLE", "EAGLE"])
+@pytest.mark.parametrize("algo", ["ORACLE", "TREE_ORACLE", "EAGLE", "EAGLE_TREE"])
 def test_verify_steps_replay_cuda_graphs_and_give_the_plain_tokens(tiny, tmp_path, algo):
     """On CUDA (triton attention, float32) verify steps run as decode batches through the
     captured graphs (EAGLE's with the hidden states captured too) and keep exactly the tokens
@@ -534,12 +540,29 @@ def test_verify_steps_replay_cuda_graphs_and_give_the_plain_tokens(tiny, tmp_pat
     )
     reqs = _mixed(8, 512)
     want = _run(local_scheduler(tiny, **cuda), reqs)
+    futures = {r: g["ids"] for r, g in want.items()}
     if algo == "ORACLE":
-        sched = _spec_scheduler(tiny, Oracle({r: g["ids"] for r, g in want.items()}), **cuda)
+        sched = _spec_scheduler(tiny, Oracle(futures), **cuda)
+    elif algo == "TREE_ORACLE":  # Medusa trees: the graphs read tree tails
+        sched = local_scheduler(
+            tiny,
+            speculative_algorithm="MEDUSA",
+            speculative_draft_model_path=str(spec_heads.write_medusa(tmp_path / "m")),
+            **cuda,
+            **TREE,
+        )
+        oracle = TreeOracle(futures)
+        sched.proposer = sched.decode.drafter.proposer = oracle
+        sched.kv.on_release = oracle.release
     else:
         head = spec_heads.write_eagle(tmp_path / "eagle")
+        tree = TREE if algo == "EAGLE_TREE" else {}
         sched = local_scheduler(
-            tiny, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head), **cuda
+            tiny,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=str(head),
+            **cuda,
+            **tree,
         )
     got = _run(sched, reqs)
     for rid, w in want.items():
@@ -547,3 +570,62 @@ def test_verify_steps_replay_cuda_graphs_and_give_the_plain_tokens(tiny, tmp_pat
     replays = sched.runner.graph_runner.replays
     assert sum(n for bs, n in replays.items() if bs > 8) > 0, "verify rows ran in graphs"
     assert sched.stats.spec_draft_tokens > 0
+
+
+# ---- draft trees ---------------------------------------------------------------------------
+class TreeOracle(Oracle):
+    """Proposes a tree: the right continuation as one branch and, at every depth, a wrong
+    sibling before the right node whose own child is the right next token (a branch that
+    must not be followed)."""
+
+    tree_nodes = 32
+
+    def propose(self, reqs, limits):
+        from braid.runtime.speculative.tree import DraftTree
+
+        out = []
+        for r, k in zip(reqs, limits):
+            done = len(r.output_ids)
+            right = list(self.futures.get(r.rid, [])[done : done + k])
+            tokens, parents, parent = [], [], -1
+            for j, t in enumerate(right):
+                wrong = (t + 1 + j) % 512
+                tokens += [wrong]
+                parents += [parent]
+                if j + 1 < len(right):
+                    tokens += [right[j + 1]]  # under the wrong sibling
+                    parents += [len(tokens) - 2]
+                tokens += [t]
+                parents += [parent]
+                parent = len(tokens) - 1
+            out.append(DraftTree(tuple(tokens), tuple(parents)))
+        return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_draft_tree_keeps_the_right_branch_and_changes_nothing(tiny, plain, page_size):
+    """Trees whose right branch is a sibling of wrong ones: the right branch is kept in full
+    (its KV moved from the tree's pages to its positions), the wrong ones are not, and every
+    token, logprob and finish reason is as without speculation, with the KV accounted for."""
+    reqs, want = plain
+    cfg = dict(CFG, page_size=page_size)
+    oracle = TreeOracle({rid: g["ids"] for rid, g in want.items()})
+    sched = _spec_scheduler(tiny, oracle, **cfg)
+    sched.decode.drafter.steps = 4
+    got = _run(sched, reqs)
+    for rid, w in want.items():
+        assert (got[rid]["ids"], got[rid]["lp"], got[rid]["finish"]) == (
+            w["ids"],
+            w["lp"],
+            w["finish"],
+        ), rid
+    s = sched.stats
+    # Each step verifies 4 right nodes and 7 wrong ones, and keeps the 4 right ones.
+    assert s.spec_accept_length > 3.5
+    assert 2 * s.spec_accepted_tokens < s.spec_draft_tokens < 3 * s.spec_accepted_tokens
+    # Later requests with the same prompts hit the cache that holds the moved KV.
+    again = [GenerateReq(r.rid + "-again", r.input_ids, r.params, r.seed) for r in reqs]
+    sched.proposer.futures.update({r.rid + "-again": want[r.rid]["ids"] for r in reqs})
+    got = _run(sched, again)
+    for rid, w in want.items():
+        assert got[rid + "-again"]["ids"] == w["ids"], rid

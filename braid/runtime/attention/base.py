@@ -64,6 +64,14 @@ class AttentionBackend(ABC):
         q and k before K is stored (`apply_rotary`; a backend may fuse it with the store, and
         may rotate q and k in place). Returns [tokens, heads * head_dim]."""
 
+    def enable_tree_tails(self, depth: int) -> None:
+        """Decode batches will carry draft-tree tails of up to `depth` slots
+        (`ForwardBatch.tree_prefix`, `tree_tail`); call before `init_cuda_graph_state` so the
+        captured graphs read them too. A backend without graphs reads any tail a batch has
+        and has nothing to prepare; one with a sliding window refuses (`ValueError`)."""
+        if getattr(self, "sliding_window", None) is not None:
+            raise ValueError("draft trees do not go with a sliding window")
+
     def _no_cuda_graph(self) -> NotImplementedError:
         return NotImplementedError(
             f"attention backend {type(self).__name__} does not support CUDA graphs "

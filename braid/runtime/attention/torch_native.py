@@ -72,8 +72,12 @@ class TorchNativeBackend(AttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             seq_lens = batch.seq_lens
             max_len = int(seq_lens.max())
-            slots = table[batch.req_pool_indices, :max_len]
             k_pos = torch.arange(max_len, device=device)[None, :]
+            slots = table[batch.req_pool_indices, :max_len]
+            if batch.tree_prefix is not None:  # keys past the prefix come from the tail
+                prefix, tail = batch.tree_prefix[:, None], batch.tree_tail
+                at = (k_pos - prefix).clamp(0, tail.shape[1] - 1)
+                slots = torch.where(k_pos < prefix, slots, tail.gather(1, at))
             mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])
             slots = torch.where(mask, slots, 0)
             batch.attn_metadata = _DecodeMeta(slots=slots, mask=mask[:, None, None, :])

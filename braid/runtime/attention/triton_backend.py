@@ -55,6 +55,8 @@ class _DecodeMeta:
     seq_lens: torch.Tensor  # [bs] lengths including the new token
     workspace: torch.Tensor  # float32 split partials, reused by every layer
     num_kv_splits: int
+    tree_prefix: torch.Tensor | None = None  # draft-tree rows: see ForwardBatch.tree_prefix
+    tree_tail: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class _GraphBuffers:
     req_pool_indices: torch.Tensor  # int64 [max_bs]
     seq_lens: torch.Tensor  # int64 [max_bs]
     workspace: torch.Tensor  # float32, sized for max_bs at any split count
+    tree_prefix: torch.Tensor | None  # int64 [max_bs], with tree tails enabled
+    tree_tail: torch.Tensor | None  # int64 [max_bs, depth]
 
 
 @BACKENDS.register
@@ -131,6 +135,14 @@ class TritonBackend(AttentionBackend):
         self.sliding_window = sliding_window
         self.num_kv_splits = num_kv_splits
         self._graph: _GraphBuffers | None = None
+        self.tree_depth = 0  # tails the decode graphs read (speculative draft trees)
+
+    def enable_tree_tails(self, depth: int) -> None:
+        """Let captured decode graphs read draft-tree tails of up to `depth` slots (call before
+        `init_cuda_graph_state`); eager forwards read any tail a batch has."""
+        if self.sliding_window is not None:
+            raise ValueError("draft trees do not go with a sliding window")
+        self.tree_depth = depth
 
     @property
     def device(self) -> torch.device:
@@ -160,6 +172,8 @@ class TritonBackend(AttentionBackend):
                 seq_lens=batch.seq_lens,
                 workspace=self._workspace(bs, splits),
                 num_kv_splits=splits,
+                tree_prefix=batch.tree_prefix,
+                tree_tail=batch.tree_tail,
             )
             return
         starts, start = [], 0
@@ -211,6 +225,8 @@ class TritonBackend(AttentionBackend):
                 num_kv_splits=meta.num_kv_splits,
                 window=self.sliding_window,
                 workspace=meta.workspace,
+                tree_prefix=meta.tree_prefix,
+                tree_tail=meta.tree_tail,
             )
         else:
             o = extend_attention(
@@ -239,6 +255,7 @@ class TritonBackend(AttentionBackend):
             workspace_numel(bs, self.num_heads, self.head_dim, self.kv_splits_for(bs))
             for bs in range(1, max_bs + 1)
         )
+        depth = self.tree_depth
         self._graph = _GraphBuffers(
             max_bs=max_bs,
             req_pool_indices=torch.full(
@@ -246,6 +263,12 @@ class TritonBackend(AttentionBackend):
             ),
             seq_lens=torch.full((max_bs,), PAD_SEQ_LEN, dtype=torch.int64, device=self.device),
             workspace=torch.empty(need, dtype=torch.float32, device=self.device),
+            tree_prefix=torch.full((max_bs,), PAD_SEQ_LEN, dtype=torch.int64, device=self.device)
+            if depth
+            else None,
+            tree_tail=torch.zeros(max_bs, depth, dtype=torch.int64, device=self.device)
+            if depth
+            else None,
         )
 
     def _graph_meta(self, bs: int) -> _DecodeMeta:
@@ -259,6 +282,8 @@ class TritonBackend(AttentionBackend):
             seq_lens=g.seq_lens[:bs],
             workspace=g.workspace,
             num_kv_splits=self.kv_splits_for(bs),
+            tree_prefix=None if g.tree_prefix is None else g.tree_prefix[:bs],
+            tree_tail=None if g.tree_tail is None else g.tree_tail[:bs],
         )
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -269,6 +294,9 @@ class TritonBackend(AttentionBackend):
         meta = self._graph_meta(batch.batch_size)
         meta.req_pool_indices.fill_(PAD_REQ_ROW)
         meta.seq_lens.fill_(PAD_SEQ_LEN)
+        if meta.tree_prefix is not None:
+            meta.tree_prefix.fill_(PAD_SEQ_LEN)
+            meta.tree_tail.zero_()
         batch.attn_metadata = meta
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch, bs: int) -> None:
@@ -284,4 +312,18 @@ class TritonBackend(AttentionBackend):
         meta.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
         meta.req_pool_indices[n:].fill_(PAD_REQ_ROW)
         meta.seq_lens[n:].fill_(PAD_SEQ_LEN)
+        if meta.tree_prefix is not None:
+            if batch.tree_prefix is None:  # every row reads its table row alone
+                meta.tree_prefix[:n].copy_(batch.seq_lens, non_blocking=True)
+            else:
+                width = batch.tree_tail.shape[1]
+                if width > self.tree_depth:
+                    raise ValueError(
+                        f"a tail of {width} is deeper than the graphs' {self.tree_depth}"
+                    )
+                meta.tree_prefix[:n].copy_(batch.tree_prefix, non_blocking=True)
+                meta.tree_tail[:n, :width].copy_(batch.tree_tail, non_blocking=True)
+            meta.tree_prefix[n:].fill_(PAD_SEQ_LEN)
+        elif batch.tree_prefix is not None:
+            raise ValueError("this decode batch has draft-tree tails the graphs were not built for")
         batch.attn_metadata = meta

@@ -90,6 +90,13 @@ class KVPool:
         for buf in self.k + self.v:
             buf[:page_size].zero_()
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """K[dst] = K[src] and V[dst] = V[src] in every layer (`dst` distinct from `src`)."""
+        device = self.k[0].device
+        index = torch.tensor([src, dst], dtype=torch.int64).to(device, non_blocking=True)
+        for buf in self.k + self.v:
+            buf.index_copy_(0, index[1], buf.index_select(0, index[0]))
+
     @property
     def page_size(self) -> int:
         return self.allocator.page_size

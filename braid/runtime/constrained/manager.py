@@ -154,15 +154,15 @@ class GrammarManager:
     def mask_drafts(
         self,
         reqs: list[Constrained],
-        drafts: list[list[int]],
+        drafts: list[Any],
         first_rows: list[int],
         eos_ids: frozenset[int],
     ) -> dict[str, torch.Tensor]:
-        """The bitmask arguments of a verify step (see `scheduler/verify.py`): for each
-        constrained request, the row verifying its j-th draft gets the grammar's mask after
-        the drafts before it (an EOS draft moves no grammar, as a sampled EOS does not). A draft
-        the grammar refuses stops the walk (the target's sample there cannot be it, so no later
-        draft is kept; the later rows repeat that mask)."""
+        """The bitmask arguments of a verify step (see `scheduler/verify.py`; `drafts` are
+        `DraftTree`s): for each constrained request, the row of draft node n gets the grammar's
+        mask after the tokens of n's branch (an EOS moves no grammar, as a sampled EOS does
+        not). A node whose token its parent's mask refuses is never kept (the target's sample
+        there cannot be it): its row, and its descendants', repeat the parent's mask."""
         todo = [(r, d, f) for r, d, f in zip(reqs, drafts, first_rows) if r.grammar is not None]
         if not todo:
             return {}
@@ -172,26 +172,13 @@ class GrammarManager:
         n = sum(1 + len(d) for _, d, _ in todo)
         buf = self._bitmask.rows(n)
         rows: list[int] = []
-        for req, d, first in todo:
-            grammar, advanced, alive = req.grammar, 0, True
-            for j in range(len(d) + 1):
-                k = len(rows)
-                if alive:
-                    grammar.fill_bitmask(buf[k])
-                else:
-                    buf[k].copy_(buf[k - 1])
-                rows.append(first + j)
-                if j == len(d) or not alive:
-                    continue
-                if not _allows(buf[k], d[j]):
-                    alive = False
-                elif d[j] not in eos_ids:
-                    try:
-                        grammar.advance(d[j])
-                        advanced += 1
-                    except ValueError:
-                        alive = False
-            grammar.rollback(advanced)
+        for req, tree, first in todo:
+            base = len(rows)
+            rows += range(first, first + 1 + len(tree))
+            if tree.is_chain:
+                _fill_chain(req.grammar, tree.tokens, buf[base:], eos_ids)
+            else:
+                _fill_tree(req.grammar, tree, buf[base:], eos_ids)
         self.mask_seconds += time.perf_counter() - t0
         self.masked_rows += n
         mask, idx = self._bitmask.send(n, rows)
@@ -270,6 +257,52 @@ class GrammarManager:
         """Drop the unverified jump-forward tokens of `req` (which has no KV for them)."""
         req.grammar.rollback(req.unverified)
         del req.output_ids[req.verified :]
+
+
+def _fill_chain(
+    grammar: GrammarMatcher, tokens: tuple[int, ...], buf: torch.Tensor, eos_ids: frozenset[int]
+) -> None:
+    """Rows 0..len(tokens) of `buf`: the grammar's masks along a chain, in one walk."""
+    advanced, alive = 0, True
+    for j in range(len(tokens) + 1):
+        if alive:
+            grammar.fill_bitmask(buf[j])
+        else:
+            buf[j].copy_(buf[j - 1])
+        if j == len(tokens) or not alive:
+            continue
+        if not _allows(buf[j], tokens[j]):
+            alive = False
+        elif tokens[j] not in eos_ids:
+            try:
+                grammar.advance(tokens[j])
+                advanced += 1
+            except ValueError:
+                alive = False
+    grammar.rollback(advanced)
+
+
+def _fill_tree(grammar: GrammarMatcher, tree: Any, buf: torch.Tensor, eos_ids) -> None:
+    """Row 0 of `buf`: the grammar's mask now; row 1 + n: after draft node n's branch."""
+    grammar.fill_bitmask(buf[0])
+    alive = {-1: True}
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        above = buf[1 + parent] if parent >= 0 else buf[0]
+        alive[node] = alive[parent] and _allows(above, token)
+        if not alive[node]:
+            buf[1 + node].copy_(above)
+            continue
+        advanced = 0
+        try:
+            for a in tree.path(node):
+                if tree.tokens[a] not in eos_ids:
+                    grammar.advance(tree.tokens[a])
+                    advanced += 1
+            grammar.fill_bitmask(buf[1 + node])
+        except ValueError:
+            alive[node] = False
+            buf[1 + node].copy_(above)
+        grammar.rollback(advanced)
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

@@ -138,6 +138,7 @@ class CudaGraphRunner:
         max_bs: int,
         capture_hidden: bool = False,
         aux_layers: tuple[int, ...] = (),
+        tree_depth: int = 0,
     ) -> None:
         if not backend.supports_cuda_graph:
             raise ValueError(
@@ -152,6 +153,7 @@ class CudaGraphRunner:
         # inputs) in static outputs too, handed to each replayed batch.
         self.capture_hidden = capture_hidden
         self.aux_layers = aux_layers
+        self.tree_depth = tree_depth  # draft-tree tails the graphs read (the backend's)
         self._hidden: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = {}
         self.batch_sizes = capture_batch_sizes(max_bs)
         # _bucket[n]: the captured size a batch of n requests runs in.
@@ -212,7 +214,8 @@ class CudaGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether `batch` replays a graph: decode, 1..max_bs requests, one logits row each,
-        asking for no hidden states the graphs do not capture."""
+        asking for no hidden states the graphs do not capture, and no draft-tree tail deeper
+        than they read."""
         n = batch.batch_size
         return (
             batch.mode is ForwardMode.DECODE
@@ -220,6 +223,7 @@ class CudaGraphRunner:
             and batch.logits_indices.shape[0] == n
             and (not batch.capture_hidden or self.capture_hidden)
             and (not batch.aux_layers or batch.aux_layers == self.aux_layers)
+            and (batch.tree_tail is None or batch.tree_tail.shape[1] <= self.tree_depth)
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

@@ -121,7 +121,7 @@ class ModelRunner:
         # A speculative verify step is a decode batch of one row per verified token.
         rows = self.max_running_requests
         if config.speculative_algorithm is not None:
-            rows *= 1 + config.speculative_steps
+            rows *= 1 + max(config.speculative_steps, config.speculative_tree_nodes)
         graph_bs = min(config.cuda_graph_max_bs, rows)
         logger.info(
             "KV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
@@ -141,11 +141,14 @@ class ModelRunner:
         self.encoder_cache: EncoderCache | None = None
         if model_config.is_multimodal:
             self.encoder_cache = EncoderCache(config.encoder_cache_mb * 2**20)
+        if config.speculative_tree_nodes:  # draft trees: rows read their branches' slots
+            self.attn_backend.enable_tree_tails(config.speculative_steps)
         # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
         self.graph_runner: CudaGraphRunner | None = None
         if config.use_cuda_graph:
+            depth = config.speculative_steps if config.speculative_tree_nodes else 0
             self.graph_runner = CudaGraphRunner(
-                self.model, self.attn_backend, graph_bs, capture_hidden, aux_layers
+                self.model, self.attn_backend, graph_bs, capture_hidden, aux_layers, depth
             )
         self.capture_hidden = capture_hidden
         self.aux_layers = aux_layers

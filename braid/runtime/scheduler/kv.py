@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
+from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
@@ -30,8 +30,10 @@ class KVManager:
         stats: SchedulerStats,
         max_session_pins: int,
         session_ttl_s: float,
+        pool: KVPool | None = None,
     ) -> None:
         self.allocator = allocator
+        self.pool = pool
         self.table = table
         self.cache = cache
         self.page_size = allocator.page_size
@@ -130,6 +132,26 @@ class KVManager:
         if req.pool_row is not None:
             self.table.free(req.pool_row)
             req.pool_row = None
+
+    def place(self, moves: list[tuple[Req, int, list[int]]]) -> None:
+        """For each (req, position, slots): copy the K and V held at `slots` (a draft tree's
+        kept branch) to `req`'s slots for `position` onwards (its pages hold them), and point
+        its table row there."""
+        if self.pool is None:
+            raise RuntimeError("this KV manager has no pool to copy in")
+        ps = self.page_size
+        src, dst, rows, positions = [], [], [], []
+        for req, start, slots in moves:
+            for j, s in enumerate(slots):
+                pos = start + j
+                src.append(s)
+                dst.append(req.pages[pos // ps] * ps + pos % ps)
+                rows.append(req.pool_row)
+                positions.append(pos)
+        self.pool.copy_slots(src, dst)
+        device = self.table.table.device
+        index = torch.tensor([rows, positions, dst], dtype=torch.int64).to(device)
+        self.table.table[index[0], index[1]] = index[2]
 
     def trim(self, req: Req, kv_len: int | None = None) -> None:
         """Drop the KV past `req`'s sequence (its rejected jump-forward tokens), or past

@@ -105,44 +105,63 @@ class OutputProcessor:
     def process_verify(
         self, plan: VerifyPlan, result: SampleResult, proposer: Proposer
     ) -> list[TokenOut]:
-        """Apply a verify step: each request keeps its drafts while they equal the target's
-        samples at their rows, then the target's sample after them, appended one by one until
-        one finishes it; the KV of rows past what it kept is freed (never cached)."""
+        """Apply a verify step: from each request's last token, follow the draft node whose
+        token is the target's sample at its parent's row, then keep the target's sample after
+        the last node followed; the tokens are appended one by one until one finishes the
+        request. The KV of the nodes kept ends up at their positions (a tree's is moved
+        there); the rest is freed, never cached. `plan.kept_rows` records each request's rows
+        whose KV it kept."""
         result = result.on_host()
         ids = result.next_ids.tolist()
         logprobs = token_logprobs(result) if result.logprobs is not None else None
         stats = self.stats
         stats.spec_verify_steps += 1
-        outs = []
-        for req, drafts, first, end in zip(plan.reqs, plan.drafts, plan.first_rows, plan.ends):
+        moves: list[tuple[Req, int, list[int]]] = []
+        plan.kept_rows = [[] for _ in plan.reqs]
+        walked = []  # (i, rows sampled, accepted, kept, error) of each request processed
+        for i, (req, tree, first) in enumerate(zip(plan.reqs, plan.drafts, plan.first_rows)):
             if req.finished:
                 continue
-            accepted = 0
-            while accepted < len(drafts) and ids[first + accepted] == drafts[accepted]:
-                accepted += 1
+            path, node, row = [], -1, first
+            while (child := tree.children.get(node, {}).get(ids[row])) is not None:
+                path.append(child)
+                node, row = child, first + 1 + child
             kept, error = 0, None
-            for tok in [*drafts[:accepted], ids[first + accepted]]:
+            for tok in [*(tree.tokens[n] for n in path), ids[row]]:
                 error = self._append_verified(req, tok)
                 kept += 1
                 if req.finished:
                     break
-            # KV holds the last token and the drafts kept (not the target's token after them).
-            self.kv.trim(req, end - len(drafts) + min(kept, accepted))
+            held = min(kept, len(path))  # nodes whose KV is kept (not the token after them)
+            if plan.tree_slots[i] and held:
+                moves.append((req, plan.roots[i] + 1, [plan.tree_slots[i][n] for n in path[:held]]))
+            rows = [first] + [first + 1 + n for n in path]  # the rows that sampled what is kept
+            plan.kept_rows[i] = rows[: 1 + held]
+            walked.append((i, rows, len(path), kept, error))
+        if moves:
+            self.kv.place(moves)  # before any of these requests' pages is cached
+        for pages in plan.tree_pages:
+            self.kv.allocator.free(pages)
+        outs = []
+        for i, rows, accepted, kept, error in walked:
+            req, tree = plan.reqs[i], plan.drafts[i]
+            self.kv.trim(req, plan.roots[i] + len(plan.kept_rows[i]))
             req.spec_steps += 1
-            req.spec_drafts += len(drafts)
+            req.spec_drafts += len(tree)
             req.spec_accepted += accepted
             stats.spec_request_steps += 1
-            stats.spec_draft_tokens += len(drafts)
+            stats.spec_draft_tokens += len(tree)
             stats.spec_accepted_tokens += accepted
             stats.spec_emitted_tokens += kept
-            proposer.verified(req, drafts, accepted)
+            proposer.verified(req, tree, accepted)
             if req.grammar is not None and not req.finished:
                 self.jump_forward(req)
             out = self.token_out(req, req.take_unreported())
             out.error = error
             if logprobs is not None and req.params.logprobs is not None:
                 out.logprobs = []
-                for lp in logprobs[first : first + kept]:
+                for r in rows[:kept]:
+                    lp = logprobs[r]
                     lp.top = lp.top[: req.params.logprobs]
                     out.logprobs.append(lp)
             if req.finished:

@@ -89,6 +89,7 @@ class Scheduler:
             self.stats,
             config.max_session_pins,
             config.session_ttl_s,
+            runner.kv_pool,
         )
         self.grammars = GrammarManager(
             grammar_compiler,
@@ -293,13 +294,8 @@ class Scheduler:
         self._capture(plan)
         result = self.executor.launch_decode(plan.batch, plan.inputs, masks)
         outs = self.output.process_verify(plan, result, self.proposer)
-        if plan.batch.capture_hidden:
-            # Each request kept the KV of its last token and of its drafts kept.
-            starts = [end - len(d) - 1 for end, d in zip(plan.ends, plan.drafts)]
-            kept = [
-                range(f, f + r.kv_len - p) for r, f, p in zip(plan.reqs, plan.first_rows, starts)
-            ]
-            self._observe(plan.reqs, starts, kept, plan.batch)
+        if plan.batch.capture_hidden:  # the rows of the KV each kept, from its last token on
+            self._observe(plan.reqs, plan.roots, plan.kept_rows, plan.batch)
         return outs
 
     def _run_ahead(self, launched: Launched) -> Launched | None:

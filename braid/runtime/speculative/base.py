@@ -24,6 +24,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from braid.runtime.speculative.tree import DraftTree
+
 if TYPE_CHECKING:
     from braid.runtime.config import EngineConfig
     from braid.runtime.executor.model_runner import ModelRunner
@@ -61,6 +63,10 @@ class Proposer(ABC):
     run in the scheduler's thread only."""
 
     name: ClassVar[str]
+    # Most nodes of a draft tree it proposes (0: it proposes chains only), and of the scratch
+    # KV slots it takes while drafting one (pages the drafter makes room for).
+    tree_nodes: int = 0
+    scratch_nodes: int = 0
 
     @classmethod
     @abstractmethod
@@ -92,13 +98,16 @@ class Proposer(ABC):
         return None
 
     @abstractmethod
-    def propose(self, reqs: Sequence[Drafting], limits: Sequence[int]) -> list[list[int]]:
-        """Draft tokens for each request, at most `limits[i]` for `reqs[i]` (0: none), in the
-        order they would follow its last token."""
+    def propose(
+        self, reqs: Sequence[Drafting], limits: Sequence[int]
+    ) -> list[list[int] | DraftTree]:
+        """Draft tokens for each request, at most `limits[i]` deep for `reqs[i]` (0: none):
+        a chain (the tokens in the order they would follow its last token) or a `DraftTree`
+        (of at most `tree_nodes` nodes)."""
 
-    def verified(self, req: Drafting, drafts: Sequence[int], kept: int) -> None:
-        """The verify step kept the first `kept` of `drafts` (and appended one more token of
-        the target's own, unless `req` finished first)."""
+    def verified(self, req: Drafting, drafts: DraftTree, kept: int) -> None:
+        """The verify step kept `kept` nodes of `drafts` (the first `kept` of a chain), and
+        appended one more token of the target's own unless `req` finished first."""
         return None
 
     def release(self, req: Drafting) -> None:

@@ -25,6 +25,7 @@ from braid.runtime.models.config import ModelConfig
 from braid.runtime.speculative import PROPOSERS
 from braid.runtime.speculative.base import Drafting, Proposer
 from braid.runtime.speculative.rows import extend_batch, row_batch
+from braid.runtime.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from braid.runtime.config import EngineConfig
@@ -120,7 +121,7 @@ class DraftModelProposer(Proposer):
             self.runner.kv_pool.allocator.free(st.pages)
             self.runner.req_to_token.free(st.pool_row)
 
-    def verified(self, req: Drafting, drafts: Sequence[int], kept: int) -> None:
+    def verified(self, req: Drafting, drafts: DraftTree, kept: int) -> None:
         st = self.states.get(req.rid)
         if st is None or st.base is None:
             return

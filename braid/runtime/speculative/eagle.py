@@ -22,11 +22,13 @@ import torch
 from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool
 from braid.runtime.executor.sampler import Sampler
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
 from braid.runtime.speculative import PROPOSERS
 from braid.runtime.speculative.base import Drafting, Proposer
 from braid.runtime.speculative.checkpoint import safetensors_dir
 from braid.runtime.speculative.eagle_model import WEIGHTS, EagleDraft, EagleSpec
 from braid.runtime.speculative.rows import extend_batch, row_batch
+from braid.runtime.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from braid.runtime.config import EngineConfig
@@ -55,6 +57,11 @@ class EagleProposer(Proposer):
         self.pool = pool
         self.backend = backend
         self.sampler = Sampler(target.model_config.vocab_size, target.device)
+        config = target.config
+        self.topk = config.speculative_eagle_topk or 1
+        self.tree_nodes = config.speculative_tree_nodes  # 0: chains (topk 1)
+        # The draft's own entries for the nodes it expands (scratch pages, per request).
+        self.scratch_nodes = self.topk * config.speculative_steps if self.tree_nodes else 0
         # Each request's features not yet fed to the draft: (first position, [n, dim]).
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
         hot = getattr(draft, "d2t", None)
@@ -197,11 +204,16 @@ class EagleProposer(Proposer):
         else:
             batch = extend_batch(holders, tokens, allocator, table, device, starts=starts)
             logits, g = self._run(batch, torch.cat(feats))
+        pos = [s + len(t) for s, t in zip(starts, tokens)]  # the next entry's position
+        if self.tree_nodes:
+            trees = self._grow_trees(holders, [limits[i] for i in todo], logits, g, pos)
+            for i, tree in zip(todo, trees):
+                drafts[i] = tree
+            return drafts
         inputs = [r.sampling for r in holders]
         ids = self.sampler.sample(logits, inputs).next_ids.tolist()
         for i, t in zip(todo, ids):
             drafts[i].append(t)
-        pos = [s + len(t) for s, t in zip(starts, tokens)]  # the next entry's position
         live = [k for k, i in enumerate(todo) if limits[i] > 1]
         while live:
             batch = row_batch(
@@ -220,6 +232,115 @@ class EagleProposer(Proposer):
                 pos[k] += 1
             live = [k for k in live if len(drafts[todo[k]]) < limits[todo[k]]]
         return drafts
+
+    def _grow_trees(self, holders, limits, logits, g, pos) -> list[DraftTree]:
+        """EAGLE-2's dynamic trees: from the catch-up's guesses, depth by depth, expand the
+        `topk` likeliest nodes of the last depth (score: the product of the draft's
+        probabilities along the branch) into their `topk` likeliest children; keep the
+        `tree_nodes` likeliest nodes of all. The draft's entries for the nodes it expands go
+        to scratch pages (freed here), each reading the catch-up's entries and its branch's."""
+        device, k = self.target.device, self.topk
+        allocator = self.target.kv_pool.allocator
+        ps = allocator.page_size
+        top = torch.log_softmax(logits, -1).topk(k, -1)
+        vals, ids = top.values.tolist(), top.indices.tolist()
+        # Per request: nodes (token, parent, score, depth), the last depth's, their entries.
+        nodes = [[(t, -1, v, 1) for t, v in zip(ids[r], vals[r])] for r in range(len(holders))]
+        frontier = [list(range(k)) for _ in holders]
+        slot_of: list[dict[int, int]] = [{} for _ in holders]
+        feat_of: dict[tuple[int, int], int] = {}  # (request, node) -> row of `feats`
+        feats = g
+        scratch = [allocator.alloc(allocator.pages_for(max(1, k * (n - 1)))) for n in limits]
+        assert all(p is not None for p in scratch), "the drafter made room for the scratch"
+        try:
+            for depth in range(2, max(limits) + 1):
+                rows = []  # (request, node)
+                for r, front in enumerate(frontier):
+                    if limits[r] >= depth and front:
+                        best = sorted(front, key=lambda n, r=r: -nodes[r][n][2])[:k]
+                        rows += [(r, n) for n in best]
+                if not rows:
+                    break
+                for r, n in rows:
+                    used = len(slot_of[r])
+                    slot_of[r][n] = scratch[r][used // ps] * ps + used % ps
+                batch = self._expansion_batch(holders, nodes, slot_of, rows, pos, depth, device)
+                parent_feats = torch.stack(
+                    [
+                        g[r] if nodes[r][n][1] < 0 else feats[feat_of[(r, nodes[r][n][1])]]
+                        for r, n in rows
+                    ]
+                )
+                logits, out = self._run(batch, parent_feats)
+                base = feats.shape[0]
+                feats = torch.cat([feats, out])
+                top = torch.log_softmax(logits, -1).topk(k, -1)
+                frontier = [[] for _ in holders]
+                for j, ((r, n), tv, ti) in enumerate(
+                    zip(rows, top.values.tolist(), top.indices.tolist())
+                ):
+                    feat_of[(r, n)] = base + j
+                    score = nodes[r][n][2]
+                    for t, v in zip(ti, tv):
+                        frontier[r].append(len(nodes[r]))
+                        nodes[r].append((t, n, score + v, depth))
+        finally:
+            for pages in scratch:
+                allocator.free(pages)
+        return [_best_tree(ns, self.tree_nodes) for ns in nodes]
+
+    def _expansion_batch(self, holders, nodes, slot_of, rows, pos, depth, device):
+        """The draft's decode rows for expanding `rows` (request, node) at `depth`: node n's
+        entry sits at its branch's next position, in its scratch slot, and reads the
+        catch-up's entries (its table row up to `pos`) then its branch's entries."""
+        ids, positions, pool_rows, locs, prefix, tails = [], [], [], [], [], []
+        for r, n in rows:
+            branch = []
+            a = n
+            while a >= 0:
+                branch.append(slot_of[r][a])
+                a = nodes[r][a][1]
+            branch.reverse()
+            ids.append(nodes[r][n][0])
+            positions.append(pos[r] + depth - 2)
+            pool_rows.append(holders[r].pool_row)
+            locs.append(slot_of[r][n])
+            prefix.append(pos[r])
+            tails.append(branch + [0] * (depth - 1 - len(branch)))
+        m = len(rows)
+        packed = to_device(ids + positions + pool_rows + locs + prefix, device)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=packed[:m],
+            positions=packed[m : 2 * m],
+            out_cache_loc=packed[3 * m : 4 * m],
+            req_pool_indices=packed[2 * m : 3 * m],
+            seq_lens=packed[m : 2 * m] + 1,
+            prefix_lens=positions,
+            extend_lens=[1] * m,
+            logits_indices=torch.arange(m, device=device),
+            tree_prefix=packed[4 * m :],
+            tree_tail=to_device([s for t in tails for s in t], device).view(m, depth - 1),
+        )
+
+
+def _best_tree(nodes: list[tuple[int, int, float, int]], size: int) -> DraftTree:
+    """The `size` likeliest nodes of (token, parent, score, depth) as a tree (a node's score
+    is at most its parent's, so the likeliest nodes include their parents; ties are broken
+    toward shallower nodes)."""
+    order = sorted(range(len(nodes)), key=lambda n: (-nodes[n][2], nodes[n][3]))
+    chosen: set[int] = set()
+    for n in order:
+        if len(chosen) == size:
+            break
+        if nodes[n][1] < 0 or nodes[n][1] in chosen:
+            chosen.add(n)
+    keep = sorted(chosen, key=lambda n: (nodes[n][3], -nodes[n][2]))  # parents first
+    index = {n: j for j, n in enumerate(keep)}
+    return DraftTree(
+        tuple(nodes[n][0] for n in keep),
+        tuple(-1 if nodes[n][1] < 0 else index[nodes[n][1]] for n in keep),
+    )
 
 
 def _spec(config: EngineConfig) -> EagleSpec:

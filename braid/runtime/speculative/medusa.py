@@ -25,6 +25,7 @@ from braid.runtime.layers.linear import Linear
 from braid.runtime.speculative import PROPOSERS
 from braid.runtime.speculative.base import Drafting, Proposer
 from braid.runtime.speculative.checkpoint import safetensors_dir
+from braid.runtime.speculative.tree import best_first
 
 if TYPE_CHECKING:
     from braid.runtime.config import EngineConfig
@@ -109,8 +110,10 @@ def load_medusa(path: Path, hidden: int, vocab: int, dtype, device) -> MedusaHea
 class MedusaProposer(Proposer):
     name = "MEDUSA"
 
-    def __init__(self, heads: MedusaHeads) -> None:
+    def __init__(self, heads: MedusaHeads, topk: int = 1, tree_nodes: int = 0) -> None:
         self.heads = heads
+        self.topk = topk
+        self.tree_nodes = tree_nodes  # with topk > 1: a tree of the heads' top choices
         self.hidden: dict[str, torch.Tensor] = {}  # each request's newest predicting state
 
     @classmethod
@@ -125,7 +128,7 @@ class MedusaProposer(Proposer):
         path = Path(config.speculative_draft_model_path)
         heads = load_medusa(path, cfg.hidden_size, cfg.vocab_size, target.dtype, target.device)
         logger.info("speculative decoding: %d Medusa heads from %s", len(heads.heads), path.name)
-        return cls(heads)
+        return cls(heads, config.speculative_eagle_topk or 1, config.speculative_tree_nodes)
 
     def observe(
         self,
@@ -147,15 +150,27 @@ class MedusaProposer(Proposer):
             self.hidden[req.rid] = state
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Drafting], limits: Sequence[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in reqs]
+    def propose(self, reqs: Sequence[Drafting], limits: Sequence[int]) -> list:
+        drafts: list = [[] for _ in reqs]
         todo = [i for i, k in enumerate(limits) if k > 0 and reqs[i].rid in self.hidden]
         if not todo:
             return drafts
         h = torch.stack([self.hidden[reqs[i].rid] for i in todo])
-        best = self.heads(h).argmax(dim=-1).t().tolist()  # [rows, heads]
-        for i, row in zip(todo, best):
-            drafts[i] = row[: limits[i]]
+        logits = self.heads(h)  # [heads, rows, vocab]
+        if not self.tree_nodes:
+            best = logits.argmax(dim=-1).t().tolist()  # [rows, heads]
+            for i, row in zip(todo, best):
+                drafts[i] = row[: limits[i]]
+            return drafts
+        # A tree of the heads' top choices, likeliest branches first (head d's guesses do not
+        # depend on the tokens before them).
+        top = logits.softmax(dim=-1).topk(self.topk, dim=-1)  # [heads, rows, k]
+        probs = top.values.permute(1, 0, 2).tolist()
+        ids = top.indices.permute(1, 0, 2).tolist()
+        for k, i in enumerate(todo):
+            depth = min(limits[i], len(ids[k]))
+            guesses = [list(zip(ids[k][d], probs[k][d])) for d in range(depth)]
+            drafts[i] = best_first(guesses, self.tree_nodes)
         return drafts
 
     def release(self, req: Drafting) -> None:
