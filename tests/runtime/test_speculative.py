@@ -283,11 +283,14 @@ def test_drafts_of_constrained_requests_go_through_the_grammar(tiny_constrained,
     futures = {rid: g["ids"] for rid, g in want.items()}
     good, good_stats = run(Oracle(futures))
     bad, bad_stats = run(Oracle(futures, lambda pos, tok: 300 if pos % 2 else tok))
+    # Trees: the right branch beside wrong siblings (tokens the grammar mostly refuses).
+    tree, tree_stats = run(TreeOracle(futures))
     for rid, w in want.items():
-        assert good[rid]["ids"] == w["ids"] == bad[rid]["ids"], rid
+        assert good[rid]["ids"] == w["ids"] == bad[rid]["ids"] == tree[rid]["ids"], rid
         assert good[rid]["finish"] == w["finish"] == bad[rid]["finish"], rid
     assert good_stats.spec_accepted_tokens > 20
     assert bad_stats.spec_accepted_tokens < good_stats.spec_accepted_tokens
+    assert tree_stats.spec_accepted_tokens == good_stats.spec_accepted_tokens
 
 
 # ---- the distribution --------------------------------------------------------------------------
