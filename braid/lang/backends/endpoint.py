@@ -47,6 +47,9 @@ class RuntimeEndpoint(Backend):
         tpl = self.info.get("role_template")
         self._roles = RoleTemplate.from_dict(tpl) if tpl else RoleTemplate.plain()
         self._placeholder: str | None = self.info.get("image_placeholder")
+        # Program sessions need one server; behind a router (`braid serve --dp-size`, which
+        # routes no /close_session) they are dropped after the first close finds no route.
+        self.sessions = True
 
     @property
     def role_template(self) -> RoleTemplate:
@@ -86,7 +89,7 @@ class RuntimeEndpoint(Backend):
             except (ValueError, KeyError, TypeError):
                 pass
             if 400 <= e.code < 500:
-                raise ValueError(f"{self.base_url}{path}: {detail}") from None
+                raise ValueError(f"{self.base_url}{path}: {detail or f'HTTP {e.code}'}") from None
             raise RuntimeError(f"{self.base_url}{path}: HTTP {e.code}: {detail}") from None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None):
@@ -111,7 +114,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": params,
             "return_logprob": bool(sampling.return_logprob),
             "top_logprobs_num": sampling.top_logprobs_num or 0,
-            "session_id": prompt.session,
+            "session_id": prompt.session if self.sessions else None,
         }
         if prompt.images:
             body["image_data"] = [to_base64(x) for x in prompt.images]
@@ -188,7 +191,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "logprob_start_len": first,
-            "session_id": session,
+            "session_id": session if self.sessions else None,
         }
         if image_data:
             body["image_data"] = [image_data] * len(ids)
@@ -212,7 +215,15 @@ class RuntimeEndpoint(Backend):
         return self._request("POST", "/generate", body)["meta_info"]["prompt_tokens"]
 
     def close_session(self, session: str) -> None:
-        self._request("POST", "/close_session", {"session_id": session})
+        if not self.sessions:
+            return
+        try:
+            self._request("POST", "/close_session", {"session_id": session})
+        except ValueError as e:
+            if "404" not in str(e) and "Not Found" not in str(e):
+                raise
+            # A router: its workers let the pin expire (session_ttl_s).
+            self.sessions = False
 
     def get_model_name(self) -> str:
         return self.info["model_path"]

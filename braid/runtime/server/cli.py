@@ -114,11 +114,24 @@ class ServerSettings:
     log_level: str = setting(
         "info", "log level", choices=("debug", "info", "warning", "error", "critical")
     )
+    dp_size: int = setting(
+        1,
+        "data parallelism: this many braid serve workers (one per GPU) behind SGLang's router "
+        "on --host/--port (pip install 'braid[router]')",
+    )
+    router_policy: str = setting(
+        "cache_aware",
+        "with --dp-size: how the router picks a worker (cache_aware: the one holding the "
+        "longest prefix of the request, load permitting)",
+        choices=("cache_aware", "round_robin", "random", "power_of_two"),
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
         if self.max_samples_per_request < 1:
             raise ValueError("max_samples_per_request must be at least 1")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be a positive integer, got {self.dp_size!r}")
 
     @property
     def origins(self) -> tuple[str, ...]:
@@ -257,7 +270,7 @@ def _api_key(settings: ServerSettings | argparse.Namespace) -> str | None:
     return os.environ.get("BRAID_API_KEY") or None
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from braid.runtime.assets import ModelAssets
     from braid.runtime.ipc.sockets import freeze_startup_heap
     from braid.runtime.launch import spawn_runtime
@@ -272,6 +285,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = settings_from_args(EngineConfig, args)
         settings = settings_from_args(ServerSettings, args)
+    except ValueError as e:
+        logger.error("braid serve: %s", e)
+        return 2
+    if settings.dp_size > 1:
+        from braid.runtime.server.data_parallel import serve_data_parallel
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return serve_data_parallel(argv, settings, settings.dp_size, settings.router_policy)
+    try:
         assets = ModelAssets.load(config.model)
         api_key = _api_key(settings)
         media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
@@ -369,9 +391,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        sys.exit(serve(args))
+        sys.exit(serve(args, argv))
 
 
 if __name__ == "__main__":

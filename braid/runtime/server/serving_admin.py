@@ -66,6 +66,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": [card]}
 
     @app.get("/get_model_info")
+    @app.get("/model_info", operation_id="model_info_alias")
     async def model_info():
         r = state.tm.ready
         return {
@@ -82,6 +83,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         }
 
     @app.get("/get_server_info")
+    @app.get("/server_info", operation_id="server_info_alias")
     async def server_info():
         r = state.tm.ready
         try:  # fresh stats if the scheduler answers within a second, else its last heartbeat
@@ -97,9 +99,33 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "dtype": r.dtype,
             "load_time_s": r.load_time_s,
             "pids": {"server": os.getpid(), **{n: p.pid for n, p in state.tm.procs.items()}},
+            # What SGLang's router reads of a worker: one data-parallel rank of one model.
+            "dp_size": 1,
+            "tp_size": 1,
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path if state.tokenizer is not None else None,
+            "served_model_name": state.served_model_name,
             "stats": stats,
             "problem": state.tm.problem(state.health_silent_s, state.health_stuck_s),
         }
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report (one entry per data-parallel rank: here one), for routers:
+        requests running and waiting, and the KV tokens in use. From the scheduler's last
+        heartbeat: never waits on a busy step."""
+        s = state.tm.stats_snapshot()
+        running, waiting = int(s.get("running_requests", 0)), int(s.get("queued_requests", 0))
+        used = s.get("kv_capacity_tokens", 0) - s.get("kv_free_tokens", 0)
+        return [
+            {
+                "dp_rank": 0,
+                "load": running + waiting,
+                "num_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_tokens": int(used),
+            }
+        ]
 
     @app.post("/flush_cache", response_class=PlainTextResponse)
     async def flush_cache():
