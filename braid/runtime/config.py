@@ -271,6 +271,21 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = setting(
         4, "NGRAM: the longest suffix looked up (the longest one that matches wins)"
     )
+    tp_size: int = setting(
+        1,
+        "tensor parallelism: split the model by heads and MLP columns over this many devices "
+        "(one process each; gloo on CPU, NCCL on CUDA)",
+        aliases=("--tensor-parallel-size",),
+    )
+    nnodes: int = setting(1, "machines the tensor-parallel group spans (tp_size ranks in all)")
+    node_rank: int = setting(
+        0, "this machine's index among --nnodes (0 serves; the others run their ranks only)"
+    )
+    dist_init_addr: str | None = setting(
+        None,
+        "host:port where the tensor-parallel ranks meet (rank 0's machine); unset: a free "
+        "port on 127.0.0.1 (one machine)",
+    )
 
     def __post_init__(self) -> None:
         algo = self.speculative_algorithm
@@ -318,10 +333,49 @@ class EngineConfig:
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
             )
         self._check_speculative()
+        self._check_parallel()
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(
                 f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
             )
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        r = self.node_rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {r!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
+                "every machine runs the same number of ranks"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size == 1:
+            return
+        # What a tensor-parallel forward does not carry yet: refused, never half-done.
+        if self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding with tp_size > 1 is not supported yet")
+        if self.quantization is not None:
+            raise ValueError(
+                f"quantization ({self.quantization}) with tp_size > 1 is not supported yet"
+            )
+        if self.overlap_schedule:
+            raise ValueError(
+                "overlap_schedule with tp_size > 1 is not supported yet (rank 0 sends each "
+                "step's plan before queuing it)"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def _check_speculative(self) -> None:
         ints = (
@@ -396,9 +450,10 @@ class EngineConfig:
 
     @property
     def use_overlap_schedule(self) -> bool:
+        """`overlap_schedule`, or when None: on with CUDA and one rank."""
         if self.overlap_schedule is not None:
             return self.overlap_schedule
-        return self.torch_device.type == "cuda"
+        return self.torch_device.type == "cuda" and self.tp_size == 1
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:

@@ -8,13 +8,14 @@ manager built without `spawn` still imports this module itself, for callers not 
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from braid.runtime.config import EngineConfig
-from braid.runtime.ipc.sockets import Addresses, without_main_reimport
+from braid.runtime.ipc.sockets import Addresses, free_port, without_main_reimport
 
 
 def spawn_runtime(
@@ -26,13 +27,17 @@ def spawn_runtime(
 ) -> dict[str, BaseProcess]:
     """Start the detokenizer and scheduler processes (spawned, daemonic; each exits when this
     process dies), talking on `addrs`; returns them, started, by name ("detokenizer",
-    "scheduler")."""
+    "scheduler"). With `tp_size` > 1 the scheduler is rank 0 of the tensor-parallel group and
+    this machine's other ranks start too ("tp-rank-N"; `executor/tp_worker.py`), meeting at
+    `dist_init_addr` or, on one machine, a free port here."""
     # Imported here, not at the top: the scheduler's module pulls in the model runner, and the
     # caller pays for that import only when it starts a runtime (the manager's loop thread,
     # while the engine loads its tokenizer).
     from braid.runtime.scheduler.process import run_scheduler_process
     from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
 
+    if config.tp_size > 1 and config.dist_init_addr is None:
+        config = dataclasses.replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
     ctx = mp.get_context("spawn")
     pid = os.getpid()
     procs: dict[str, BaseProcess] = {
@@ -52,4 +57,8 @@ def spawn_runtime(
     with without_main_reimport():
         for p in procs.values():
             p.start()
+    if config.tp_size > 1:
+        from braid.runtime.executor.tp_worker import spawn_followers
+
+        procs.update(spawn_followers(config, model_path, log_level))
     return procs

@@ -63,6 +63,8 @@ def serve_actions() -> dict[str, argparse.Action]:
 
 def sample_value(cls: type, f) -> str:
     """A valid command-line value for field `f` that differs from its default."""
+    if f.name == "dist_init_addr":
+        return "127.0.0.1:1234"
     choices = choices_of(f)
     if choices is not None:
         return str(next(c for c in choices if c != f.default))
@@ -211,6 +213,8 @@ def test_an_empty_command_line_gives_the_declared_defaults():
 COMPANIONS = {
     "speculative_draft_model_path": ["--speculative-algorithm", "DRAFT"],
     "speculative_ngram_min_match_window_size": ["--speculative-ngram-max-match-window-size", "8"],
+    "nnodes": ["--tp-size", "14", "--dist-init-addr", "127.0.0.1:1234"],
+    "node_rank": ["--nnodes", "8", "--tp-size", "8", "--dist-init-addr", "127.0.0.1:1234"],
 }
 
 

@@ -9,6 +9,7 @@ what attention reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -89,9 +90,14 @@ class KVPool:
         ]
         for buf in self.k + self.v:
             buf[:page_size].zero_()
+        # Under tensor parallelism, rank 0's writes outside a forward, for the other ranks
+        # (`distributed.plan`); None: not recorded.
+        self.journal: list[tuple] | None = None
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """K[dst] = K[src] and V[dst] = V[src] in every layer (`dst` distinct from `src`)."""
+        if self.journal is not None:
+            self.journal.append(("copy", list(src), list(dst)))
         device = self.k[0].device
         index = torch.tensor([src, dst], dtype=torch.int64).to(device, non_blocking=True)
         for buf in self.k + self.v:
@@ -117,6 +123,33 @@ class ReqToTokenPool:
         self.table = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
         self._free = list(range(max_requests - 1, -1, -1))
         self.size = max_requests
+        # As `KVPool.journal`: every write, recorded for the other tensor-parallel ranks.
+        self.journal: list[tuple] | None = None
+
+    def write(self, row: int, start: int, slots: Sequence[int] | torch.Tensor) -> None:
+        """Positions [start, start + len(slots)) of table row `row` hold `slots`."""
+        if self.journal is not None:
+            host = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+            self.journal.append(("row", row, start, host))
+        if not isinstance(slots, torch.Tensor):
+            slots = to_device(list(slots), self.table.device)
+        self.table[row, start : start + len(slots)] = slots
+
+    def write_at(
+        self,
+        rows: list[int],
+        positions: list[int],
+        slots: list[int],
+        on_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """table[rows[i], positions[i]] = slots[i]; `on_device`: the three already on the
+        table's device (a batch builder's packed copy)."""
+        if self.journal is not None:
+            self.journal.append(("at", list(rows), list(positions), list(slots)))
+        if on_device is None:
+            on_device = tuple(to_device(v, self.table.device) for v in (rows, positions, slots))
+        r, p, s = on_device
+        self.table[r, p] = s
 
     @property
     def free_slots(self) -> int:
@@ -150,5 +183,5 @@ def assign_slots(
         assert pages is not None, "no free KV pages: the scheduler must make room first"
         req.pages.extend(pages)
     slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
-    table.table[req.pool_row, req.kv_len : new_len] = to_device(slots, table.table.device)
+    table.write(req.pool_row, req.kv_len, slots)
     return slots

@@ -17,8 +17,11 @@ from torch import nn
 from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.config import EngineConfig
+from braid.runtime.distributed.group import TPGroup, sharding
+from braid.runtime.distributed.plan import PlanSender
 from braid.runtime.executor.cuda_graph import CudaGraphRunner
 from braid.runtime.forward_batch import ForwardBatch
+from braid.runtime.layers.parallel import head_shard
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.multimodal.encoder_cache import EncoderCache
@@ -50,7 +53,12 @@ def _available_bytes(device: torch.device) -> tuple[int, int]:
 class ModelRunner:
     """`capture_hidden` / `aux_layers`: what the decode CUDA graphs also leave behind for a
     speculative proposer (see `ForwardBatch.capture_hidden`); eager forwards capture whatever
-    a batch asks for."""
+    a batch asks for.
+
+    `tp`: this rank's tensor-parallel group (None: the whole model here). Each rank holds its
+    heads' KV; the pool is sized by the rank with the least room. On rank 0, `plans` sends
+    every forward, and the table and KV writes before it, to the other ranks
+    (`distributed.plan`); theirs is None."""
 
     def __init__(
         self,
@@ -60,8 +68,10 @@ class ModelRunner:
         *,
         capture_hidden: bool = False,
         aux_layers: tuple[int, ...] = (),
+        tp: TPGroup | None = None,
     ):
         self.config = config
+        self.tp = tp
         self.model_config = model_config
         self.model_dir = model_dir  # None: random weights
         self.device = config.torch_device
@@ -72,27 +82,39 @@ class ModelRunner:
                 f"context_length {config.context_length} exceeds the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
-        self.model = build_model(
-            model_config,
-            model_dir,
-            dtype=self.dtype,
-            device=self.device,
-            max_positions=ctx,
-            load_format=config.load_format,
-            progress=config.show_progress,
-            quantization=config.quantization,
-        )
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        if tp is not None and model_config.is_multimodal:
+            raise ValueError(
+                f"tensor parallelism of vision-language models ({model_config.architecture}) "
+                "is not supported yet"
+            )
+        if tp is not None and model_config.quantization_config:
+            raise ValueError("tensor parallelism of quantized checkpoints is not supported yet")
+        self.heads = head_shard(model_config.num_heads, model_config.num_kv_heads, rank, size)
+        with sharding(tp):
+            self.model = build_model(
+                model_config,
+                model_dir,
+                dtype=self.dtype,
+                device=self.device,
+                max_positions=ctx,
+                load_format=config.load_format,
+                progress=config.show_progress and rank == 0,
+                quantization=config.quantization,
+            )
         page = config.page_size
         if config.kv_tokens:
             kv_tokens, sized_by = config.kv_tokens, "kv_tokens"
         else:
             kv_tokens, sized_by = self._kv_tokens_from_memory()
+        if tp is not None:
+            kv_tokens = tp.min_int(kv_tokens)  # every rank holds the same slots
         num_pages = kv_tokens // page + 1  # +1: the padding page
         self.kv_pool = KVPool(
             model_config.num_layers,
             num_pages,
             page,
-            model_config.num_kv_heads,
+            self.heads.num_kv_heads,
             model_config.head_dim,
             self.dtype,
             self.device,
@@ -113,8 +135,8 @@ class ModelRunner:
             backend,
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
-            num_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
+            num_heads=self.heads.num_heads,
+            num_kv_heads=self.heads.num_kv_heads,
             head_dim=model_config.head_dim,
             sliding_window=model_config.sliding_window,
         )
@@ -124,8 +146,9 @@ class ModelRunner:
             rows *= 1 + max(config.speculative_steps, config.speculative_tree_nodes)
         graph_bs = min(config.cuda_graph_max_bs, rows)
         logger.info(
-            "KV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
+            "%sKV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
             "context length %d; max running requests %d; attention backend %s; CUDA graphs %s",
+            f"tensor-parallel rank {rank} of {size}: " if tp is not None else "",
             capacity,
             self.kv_pool.nbytes / 1e9,
             page,
@@ -152,6 +175,10 @@ class ModelRunner:
             )
         self.capture_hidden = capture_hidden
         self.aux_layers = aux_layers
+        self.plans: PlanSender | None = None
+        if tp is not None and tp.is_leader:
+            self.plans = PlanSender(tp, self.req_to_token.table)
+            self.kv_pool.journal = self.req_to_token.journal = self.plans.journal
 
     def _kv_tokens_from_memory(self) -> tuple[int, str]:
         """KV tokens that fit the memory budget, and how the budget was set (for the log)."""
@@ -168,7 +195,8 @@ class ModelRunner:
         else:
             budget = free * frac
             how = f"mem_fraction_static {frac} of {free / 1e9:.1f} GB available"
-        per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        whole = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        per_token = whole * self.heads.num_kv_heads // self.model_config.num_kv_heads  # this rank's
         tokens = int(budget // per_token)
         if tokens < 16 * self.config.page_size:
             raise ValueError(
@@ -180,7 +208,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32. From a CUDA graph they are a
-        view of the graph's static output, overwritten by the next forward: read them first."""
+        view of the graph's static output, overwritten by the next forward: read them first.
+        On rank 0 of a tensor-parallel group the other ranks are sent the plan first."""
+        if self.plans is not None:
+            self.plans.forward(batch)
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch)

@@ -6,6 +6,7 @@ import ctypes
 import gc
 import os
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -75,6 +76,13 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a server started next can bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parent_alive(parent_pid: int) -> bool:

@@ -23,9 +23,10 @@ import torch
 from braid.runtime.layers.activation import silu_and_mul
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.parallel import RowParallelLinear
 from braid.runtime.quantization.base import building_quantized
 
-SiluMulDown = Callable[[torch.Tensor, Linear], torch.Tensor]
+SiluMulDown = Callable[[torch.Tensor, RowParallelLinear], torch.Tensor]
 
 # Rows up to which the MLP fuses its activation into the down projection on CUDA (a batch-1
 # decode step). More rows run the fused kernel's tl.dot form, which repeats the activation per
@@ -43,7 +44,7 @@ class GatedMLP(Protocol):
     `select_silu_mul_down`'s choice."""
 
     gate_up_proj: Linear
-    down_proj: Linear
+    down_proj: RowParallelLinear
     silu_mul_down: SiluMulDown
 
 
@@ -52,7 +53,7 @@ class PreNormAttention(Protocol):
     the attention output before `o_proj` (rotary, q/k norms and the backend call included)."""
 
     qkv_proj: Linear
-    o_proj: Linear
+    o_proj: RowParallelLinear
 
     def attend(self, qkv: torch.Tensor, cos_sin: Any, batch: Any, attn: Any) -> torch.Tensor: ...
 
@@ -70,7 +71,7 @@ class PreNormDecoderLayer(Protocol):
 OneRowForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def silu_mul_down(gate_up: torch.Tensor, down: Linear) -> torch.Tensor:
+def silu_mul_down(gate_up: torch.Tensor, down: RowParallelLinear) -> torch.Tensor:
     """`down(silu(gate) * up)`: the activation, then the projection (two kernels on CUDA)."""
     return down(silu_and_mul(gate_up))
 
@@ -92,9 +93,10 @@ def select_silu_mul_down(device: torch.device, dtype: torch.dtype) -> SiluMulDow
         return silu_mul_down
     from braid.kernels.skinny_gemm import skinny_linear
 
-    def fused(gate_up: torch.Tensor, down: Linear) -> torch.Tensor:
+    def fused(gate_up: torch.Tensor, down: RowParallelLinear) -> torch.Tensor:
         if gate_up.dim() == 2 and 1 <= gate_up.shape[0] <= FUSED_MLP_MAX_ROWS:
-            return skinny_linear(gate_up, down.weight, down.bias, activation="silu_and_mul")
+            out = skinny_linear(gate_up, down.weight, down.bias, activation="silu_and_mul")
+            return down.reduce(out)
         return down(silu_and_mul(gate_up))
 
     return fused
@@ -111,9 +113,11 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
     the activation inside the down projection (the MLP's `silu_mul_down`), and o_proj in the
     same skinny kernel (`braid.kernels.skinny_linear`, no slower than cuBLAS for o_proj): four
     launches fewer per layer, with every rounding point of the unfused path (the sums in the
-    projections may add in another order). Both costs were measured on an H200 with
-    `benchmarks/kernels.py` and `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind
-    design choices). None in a model built for quantized weights.
+    projections may add in another order). Under tensor parallelism the row-parallel
+    projections' partial sums are all-reduced after their kernels, as their own forward does.
+    Both costs were measured on an H200 with `benchmarks/kernels.py` and
+    `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind design choices). None in a
+    model built for quantized weights.
     """
     if not FUSE_ONE_ROW or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -134,7 +138,7 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
         sa, mlp = layer.self_attn, layer.mlp
         qkv, residual = norm_then(sa.qkv_proj, layer.input_layernorm, x, residual)
         h = sa.attend(qkv, cos_sin, batch, attn)
-        h = skinny_linear(h, sa.o_proj.weight, sa.o_proj.bias)
+        h = sa.o_proj.reduce(skinny_linear(h, sa.o_proj.weight, sa.o_proj.bias))
         gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
         return mlp.silu_mul_down(gate_up, mlp.down_proj), residual
 

@@ -1,7 +1,10 @@
 """The Llama family: Llama 2/3.x, SmolLM2, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
 
 braid's own implementation: fused QKV and gate-up projections, attention through the
-pluggable backend over the paged KV cache, tied embeddings where the config asks.
+pluggable backend over the paged KV cache, tied embeddings where the config asks. The layers
+are the tensor-parallel ones (`layers.parallel`): built inside `distributed.group.sharding`
+each rank holds its heads, its MLP columns and its vocabulary block; outside it, the whole
+model.
 """
 
 from __future__ import annotations
@@ -10,11 +13,18 @@ import torch
 from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
+from braid.runtime.distributed.group import building_group
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.layers.embedding import LMHead, VocabEmbedding
 from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down
-from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_shards,
+    qkv_shards,
+)
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
@@ -24,17 +34,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        # Under tensor parallelism (`distributed.group.sharding`) this rank's heads only.
+        heads, shards = qkv_shards(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, building_group())
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = Linear(
-            cfg.hidden_size,
-            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-            bias=cfg.qkv_bias,
-            dtype=dtype,
+        self.q_size = heads.num_heads * cfg.head_dim
+        self.kv_size = heads.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, shards, bias=cfg.qkv_bias, dtype=dtype
         )
-        self.o_proj = Linear(cfg.q_size, {None: cfg.hidden_size}, bias=cfg.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -76,10 +86,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(
-            cfg.hidden_size, {"gate": inter, "up": inter}, bias=cfg.mlp_bias, dtype=dtype
+        shards = column_shards({"gate": inter, "up": inter}, building_group(), "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, shards, bias=cfg.mlp_bias, dtype=dtype
         )
-        self.down_proj = Linear(inter, {None: cfg.hidden_size}, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.silu_mul_down = select_silu_mul_down(self.down_proj.weight.device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
         )
@@ -156,11 +167,13 @@ class LlamaModel(nn.Module):
         return h
 
 
-def lm_head_for(cfg: ModelConfig, dtype: torch.dtype, embed: VocabEmbedding) -> LMHead:
+def lm_head_for(
+    cfg: ModelConfig, dtype: torch.dtype, embed: VocabParallelEmbedding
+) -> ParallelLMHead:
     """The LM head of a model whose token embedding is `embed`: tied to it when the config
     says so (the vision-language models build theirs with this too)."""
     tied = embed if cfg.tie_word_embeddings else None
-    return LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+    return ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
 
 
 @MODELS.register

@@ -71,8 +71,13 @@ def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) ->
                         continue
                     if (name, shard) in filled:
                         raise ValueError(f"checkpoint key {key} fills {name} twice")
+                    if getattr(param, "reads_slices", False):
+                        # A tensor-parallel layer reads only its block from the file.
+                        tensor = f.get_slice(stored)
+                    else:
+                        tensor = f.get_tensor(stored)
                     try:
-                        param.weight_loader(param, f.get_tensor(stored), shard)
+                        param.weight_loader(param, tensor, shard)
                     except ValueError as e:
                         raise ValueError(f"checkpoint key {key}: {e}") from None
                     filled.add((name, shard))

@@ -136,7 +136,7 @@ def build_decode(
     packed = to_device(rows + positions + locs + (deltas if shifted else []), device)
     rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
     rope_t = pos_t + packed[3 * n :] if shifted else pos_t
-    table.table[rows_t, pos_t] = locs_t
+    table.write_at(rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
     if input_ids is None:
         input_ids = to_device([r.output_ids[-1] for r in reqs], device)
     batch = ForwardBatch(

@@ -78,7 +78,7 @@ class KVManager:
         req.shared_pages = len(prefix_pages)
         req.kv_len = len(prefix_pages) * self.page_size
         if prefix_pages:
-            self.table.table[req.pool_row, : req.kv_len] = self._slots(prefix_pages)
+            self.table.write(req.pool_row, 0, self._slots(prefix_pages))
         if not req.admitted_once:
             req.admitted_once = True
             req.cached_tokens = min(req.kv_len, req.prompt_len)
@@ -105,7 +105,7 @@ class KVManager:
             self.allocator.free([req.pages[i] for i in changed])
             for i in changed:
                 req.pages[i] = match.pages[i]
-            self.table.table[req.pool_row, : full * self.page_size] = self._slots(req.pages[:full])
+            self.table.write(req.pool_row, 0, self._slots(req.pages[:full]))
         req.shared_pages = full
 
     def release(self, req: Req, keep_kv: bool = True) -> None:
@@ -149,9 +149,7 @@ class KVManager:
                 rows.append(req.pool_row)
                 positions.append(pos)
         self.pool.copy_slots(src, dst)
-        device = self.table.table.device
-        index = torch.tensor([rows, positions, dst], dtype=torch.int64).to(device)
-        self.table.table[index[0], index[1]] = index[2]
+        self.table.write_at(rows, positions, dst)
 
     def trim(self, req: Req, kv_len: int | None = None) -> None:
         """Drop the KV past `req`'s sequence (its rejected jump-forward tokens), or past

@@ -14,7 +14,9 @@ import zmq
 
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
+from braid.runtime.distributed.group import TPGroup
 from braid.runtime.executor.model_runner import ModelRunner
+from braid.runtime.executor.tp_worker import join_group
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import (
     Addresses,
@@ -43,9 +45,13 @@ IDLE_POLL_MS = 500
 
 
 def build_scheduler(
-    config: EngineConfig, model_path: Path, eos_token_ids: frozenset[int]
+    config: EngineConfig,
+    model_path: Path,
+    eos_token_ids: frozenset[int],
+    tp: TPGroup | None = None,
 ) -> Scheduler:
-    """Load the model and build the scheduler over it (in whatever process calls this)."""
+    """Load the model and build the scheduler over it (in whatever process calls this); `tp`:
+    this process is rank 0 of that tensor-parallel group."""
     model_config = ModelConfig.from_dir(model_path)
     tokenizer = None
     if config.torch_device.type == "cuda" and has_tokenizer(model_path):
@@ -74,6 +80,7 @@ def build_scheduler(
         None if config.load_format == "dummy" else model_path,
         capture_hidden=capture,
         aux_layers=aux,
+        tp=tp,
     )
     return Scheduler(
         runner,
@@ -95,6 +102,9 @@ class SchedulerLoop:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.stopping = False
+        # Under tensor parallelism a failed step is the group's end: the other ranks may be
+        # waiting in a collective rank 0 never reached, so it is raised, not survived.
+        self.failures_are_fatal = scheduler.runner.tp is not None
 
     def handle(self, msg: object) -> list[object]:
         s = self.scheduler
@@ -131,6 +141,8 @@ class SchedulerLoop:
         try:
             outs = s.step()
         except Exception as e:  # any failure of a forward must not kill the server
+            if self.failures_are_fatal:
+                raise
             logger.error("step failed, failing the requests in flight: %s", e)
             logger.debug("%s", traceback.format_exc())
             outs = s.fail_all(f"internal error: {e}")
@@ -153,11 +165,16 @@ def run_scheduler_process(
     out = ctx.socket(zmq.PUSH)
     out.connect(addrs.detokenizer)
     t0 = time.perf_counter()
+    tp = None
     try:
-        scheduler = build_scheduler(config, Path(model_path), frozenset(eos_token_ids))
+        if config.tp_size > 1:
+            config, tp = join_group(config, 0)
+        scheduler = build_scheduler(config, Path(model_path), frozenset(eos_token_ids), tp)
     except Exception as e:  # report any start-up failure to the front end, then exit
         send(out, ProcessFailed("scheduler", f"{type(e).__name__}: {e}"))
         time.sleep(0.5)
+        if tp is not None:
+            os._exit(1)  # the other ranks notice, and leave too
         return
     runner = scheduler.runner
     send(
@@ -180,6 +197,7 @@ def run_scheduler_process(
     beat = Heartbeat(ctx, addrs.tokenizer, scheduler)
     beat.start()
     worked = False  # since the heap was last given back
+    plans = runner.plans  # tensor parallelism: rank 0's line to the other ranks
     try:
         while not loop.stopping:
             beat.loop_iterated()
@@ -190,6 +208,8 @@ def run_scheduler_process(
                 if not busy and worked:
                     release_free_heap()  # idle for a while: what the work freed goes back
                     worked = False
+                if plans is not None and not busy:
+                    plans.tick()
             else:
                 while True:
                     try:
@@ -203,8 +223,22 @@ def run_scheduler_process(
                 send(out, r)
             if not scheduler.has_work and not parent_alive(parent_pid):
                 break
+        if plans is not None:
+            plans.stop()
+    except Exception as e:
+        if tp is None:
+            raise
+        # A rank died, or a step failed with the ranks out of step: the group is over.
+        message = f"tensor-parallel group failed: {type(e).__name__}: {e}"
+        logger.error("%s", message)
+        send(out, ProcessFailed("scheduler", message))
+        time.sleep(0.5)
+        beat.stop()
+        os._exit(1)
     finally:
         beat.stop()
+    if tp is not None:
+        tp.destroy()
     logger.debug("scheduler process %d exits", os.getpid())
     inbox.close(0)
     out.close(0)

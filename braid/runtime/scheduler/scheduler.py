@@ -410,9 +410,12 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Every KV page is free, held by exactly one active request, or held by the cache;
         every cache lock is held by exactly one active request's prefix or a session pin;
-        every request has one status, and those compiling are the grammar manager's."""
+        every request has one status, and those compiling are the grammar manager's; under
+        tensor parallelism, every rank's request-to-token table equals rank 0's."""
         active, queued = self.requests.view(*ACTIVE), self.requests.view(*QUEUED)
         assert len(active) + len(queued) == len(self.requests), "a request without a status"
         compiling = {id(r) for r in self.requests.view(ReqStatus.COMPILING)}
         assert compiling == {id(r) for r in self.grammars}, "grammar waiting != COMPILING"
         self.kv.check_invariants(active, queued)
+        if self.runner.plans is not None:  # tensor parallelism: every rank's table is ours
+            self.runner.plans.check()

@@ -143,11 +143,11 @@ def _tree_plan(reqs, drafts, allocator, table, device, common) -> VerifyPlan:
     for r, d in zip(reqs, drafts):
         p = r.kv_len
         root_slot = r.pages[p // ps] * ps + p % ps
-        table.table[r.pool_row, p] = root_slot
+        table.write(r.pool_row, p, [root_slot])
         if d.is_chain:  # positional, as `row_batch` lays it out
             slots = [r.pages[q // ps] * ps + q % ps for q in range(p + 1, p + 1 + len(d))]
             if slots:
-                table.table[r.pool_row, p + 1 : p + 1 + len(d)] = torch.tensor(slots)
+                table.write(r.pool_row, p + 1, slots)
             pages: list[int] = []
             row_prefix = [p + 1 + n for n in range(len(d) + 1)]
             row_tails = [[] for _ in range(len(d) + 1)]

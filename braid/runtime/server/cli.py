@@ -291,8 +291,23 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if settings.dp_size > 1:
         from braid.runtime.server.data_parallel import serve_data_parallel
 
+        if config.nnodes > 1:
+            logger.error("braid serve: --dp-size with --nnodes > 1 is not supported")
+            return 2
         argv = list(sys.argv[1:] if argv is None else argv)
-        return serve_data_parallel(argv, settings, settings.dp_size, settings.router_policy)
+        return serve_data_parallel(
+            argv, settings, settings.dp_size, settings.router_policy, config.tp_size
+        )
+    if config.node_rank > 0:
+        # Another machine of a multi-node tensor-parallel group: its ranks only, no server.
+        from braid.runtime.executor.tp_worker import serve_followers
+
+        try:
+            path = ModelAssets.load(config.model).path
+        except ValueError as e:
+            logger.error("braid serve: %s", e)
+            return 2
+        return serve_followers(config, path, level)
     try:
         assets = ModelAssets.load(config.model)
         api_key = _api_key(settings)

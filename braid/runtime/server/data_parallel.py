@@ -80,6 +80,7 @@ class DataParallelServer:
         port: int,
         policy: str,
         log_dir: Path,
+        tp_size: int = 1,
     ) -> None:
         if dp_size < 2:
             raise ValueError(f"dp_size must be at least 2 for a router, got {dp_size}")
@@ -89,6 +90,7 @@ class DataParallelServer:
         self.dp_size = dp_size
         self.host, self.port, self.policy = host, port, policy
         self.log_dir = log_dir
+        self.tp_size = tp_size  # devices (and processes) per worker
         self.workers: list[_Child] = []
         self.router: _Child | None = None
         self._stop = threading.Event()
@@ -113,11 +115,12 @@ class DataParallelServer:
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         threads = max(1, (os.cpu_count() or 1) // self.dp_size)
+        tp = self.tp_size
         for i in range(self.dp_size):
             port = free_port()
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            if gpus:  # worker i: GPUs i*tp .. i*tp + tp - 1 (wrapping round)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str((i * tp + j) % gpus) for j in range(tp))
             else:
                 env["OMP_NUM_THREADS"] = str(threads)
             argv = [sys.executable, "-m", "braid", *self.argv]
@@ -218,12 +221,17 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def serve_data_parallel(argv: Sequence[str], settings, dp_size: int, policy: str) -> int:
-    """Run `braid serve --dp-size N` (see the module docstring); the process's exit code."""
+def serve_data_parallel(
+    argv: Sequence[str], settings, dp_size: int, policy: str, tp_size: int = 1
+) -> int:
+    """Run `braid serve --dp-size N` (see the module docstring; with `tp_size` > 1 each
+    worker is a tensor-parallel group of that many devices); the process's exit code."""
     import tempfile
 
     log_dir = Path(tempfile.mkdtemp(prefix="braid-dp-"))
-    server = DataParallelServer(argv, dp_size, settings.host, settings.port, policy, log_dir)
+    server = DataParallelServer(
+        argv, dp_size, settings.host, settings.port, policy, log_dir, tp_size
+    )
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
     try:

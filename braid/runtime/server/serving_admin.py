@@ -101,7 +101,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "pids": {"server": os.getpid(), **{n: p.pid for n, p in state.tm.procs.items()}},
             # What SGLang's router reads of a worker: one data-parallel rank of one model.
             "dp_size": 1,
-            "tp_size": 1,
+            "tp_size": state.tm.config.tp_size,
             "model_path": state.model_path,
             "tokenizer_path": state.model_path if state.tokenizer is not None else None,
             "served_model_name": state.served_model_name,

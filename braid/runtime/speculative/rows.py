@@ -50,7 +50,7 @@ def row_batch(
     n = len(ids)
     packed = to_device(pool_rows + positions + locs + rope + ids, device)
     rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
-    table.table[rows_t, pos_t] = locs_t
+    table.write_at(pool_rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=packed[4 * n :],
@@ -82,7 +82,7 @@ def extend_batch(
         end = start + len(toks)
         grow(h, end, allocator)
         slots = [h.pages[p // ps] * ps + p % ps for p in range(start, end)]
-        table.table[h.pool_row, start:end] = to_device(slots, device)
+        table.write(h.pool_row, start, slots)
         ids += toks
         positions += range(start, end)
         locs += slots

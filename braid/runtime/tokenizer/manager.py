@@ -174,11 +174,14 @@ class TokenizerManager:
             self._to_sched.send_multipart(codec.encode(ShutdownReq()), zmq.NOBLOCK)
         except (zmq.ZMQError, AttributeError):
             pass
-        for name in ("scheduler", "detokenizer"):
+        # The scheduler first (under tensor parallelism it stops the other ranks), then the
+        # other ranks, then the detokenizer.
+        names = ["scheduler"] + [n for n in self.procs if n not in ("scheduler", "detokenizer")]
+        for name in names + ["detokenizer"]:
             p = self.procs.get(name)
             if p is None:
                 continue
-            await asyncio.to_thread(p.join, 3.0 if name == "scheduler" else 0.1)
+            await asyncio.to_thread(p.join, 0.1 if name == "detokenizer" else 3.0)
             if p.is_alive():
                 p.terminate()
                 await asyncio.to_thread(p.join, 3.0)

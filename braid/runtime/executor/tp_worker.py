@@ -1,0 +1,142 @@
+"""The processes of a tensor-parallel group: where each rank runs and how it joins.
+
+Rank 0 is the scheduler process (`scheduler/process.py`), which joins with `join_group`; every
+other rank runs `run_follower_process`: join, build the same `ModelRunner` over its shard, then
+run the plans rank 0 sends (`plan.follow`) until told to stop. On one machine the engine starts
+them all (`launch.spawn_runtime`); with `--nnodes N`, each other machine's `braid serve
+--node-rank K` starts its own ranks with `spawn_followers` and waits on them.
+
+A rank that dies takes the group down: its peers' next collective or plan fails at once (its
+sockets close), rank 0 reports it to the front end and exits, and the followers exit when
+rank 0 is gone (and with their parent, through the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+
+from braid._logging import configure_logging
+from braid.runtime.config import EngineConfig
+from braid.runtime.distributed.group import TPGroup, init_group
+from braid.runtime.ipc.sockets import die_with_parent, without_main_reimport
+
+logger = logging.getLogger(__name__)
+
+
+def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
+    """The settings one rank runs with: on CUDA its own GPU (`cuda:<local rank>`)."""
+    if config.torch_device.type == "cuda":
+        return dataclasses.replace(config, device=f"cuda:{local_rank}")
+    return config
+
+
+def cpu_threads(config: EngineConfig) -> None:
+    """On CPU, the machine's cores (or OMP_NUM_THREADS, where a data-parallel supervisor set
+    it) split between its ranks: each forward runs on all of them at once."""
+    if config.torch_device.type == "cpu":
+        cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // config.ranks_per_node))
+
+
+def join_group(config: EngineConfig, rank: int) -> tuple[EngineConfig, TPGroup]:
+    """This process as rank `rank` of `config`'s group: its settings and its group."""
+    local = rank % config.ranks_per_node
+    config = rank_config(config, local)
+    cpu_threads(config)
+    group = init_group(rank, config.tp_size, local, config.dist_init_addr, config.torch_device)
+    return config, group
+
+
+def run_follower_process(
+    config: EngineConfig, model_path: str, rank: int, parent_pid: int, log_level: str
+) -> None:
+    """Rank `rank` (> 0): build its shard of the model and run rank 0's plans."""
+    from braid.runtime.distributed.plan import follow
+    from braid.runtime.executor.model_runner import ModelRunner
+    from braid.runtime.models.config import ModelConfig
+
+    die_with_parent()
+    configure_logging(log_level)
+    path = Path(model_path)
+    try:
+        config, group = join_group(config, rank)
+        runner = ModelRunner(
+            config,
+            ModelConfig.from_dir(path),
+            None if config.load_format == "dummy" else path,
+            tp=group,
+        )
+    except Exception as e:  # rank 0 fails the same way and tells the front end
+        logger.error("tensor-parallel rank %d failed to start: %s: %s", rank, type(e).__name__, e)
+        os._exit(1)
+    try:
+        follow(runner, group)
+    except Exception as e:  # rank 0 gone (or this rank's forward failed): leave, loudly
+        logger.error("tensor-parallel rank %d stops: %s: %s", rank, type(e).__name__, e)
+        os._exit(1)
+    group.destroy()
+
+
+def follower_ranks(config: EngineConfig) -> list[int]:
+    """The ranks this machine runs besides rank 0 (which the scheduler process is)."""
+    per = config.ranks_per_node
+    first = config.node_rank * per
+    return [r for r in range(first, first + per) if r != 0]
+
+
+def spawn_followers(
+    config: EngineConfig, model_path: Path, log_level: str
+) -> dict[str, BaseProcess]:
+    """Start this machine's follower ranks (spawned, daemonic); returns them by name."""
+    ctx = mp.get_context("spawn")
+    procs: dict[str, BaseProcess] = {}
+    for rank in follower_ranks(config):
+        procs[f"tp-rank-{rank}"] = ctx.Process(
+            target=run_follower_process,
+            args=(config, str(model_path), rank, os.getpid(), log_level),
+            name=f"braid-tp-rank-{rank}",
+            daemon=True,
+        )
+    with without_main_reimport():
+        for p in procs.values():
+            p.start()
+    return procs
+
+
+def serve_followers(config: EngineConfig, model_path: Path, log_level: str) -> int:
+    """`braid serve --node-rank K` (K > 0): run this machine's ranks until they end; the exit
+    status is 0 when rank 0 stopped them, else 1 (a rank died, or rank 0 did)."""
+    procs = spawn_followers(config, model_path, log_level)
+    logger.info(
+        "node %d of %d: tensor-parallel ranks %s joining %s",
+        config.node_rank,
+        config.nnodes,
+        ", ".join(n.removeprefix("tp-rank-") for n in procs),
+        config.dist_init_addr,
+    )
+    try:
+        while all(p.is_alive() for p in procs.values()):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    status = 0
+    for name, p in procs.items():
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+        if p.exitcode != 0:
+            logger.error("node %d: %s exited with code %s", config.node_rank, name, p.exitcode)
+            status = 1
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+    return status
