@@ -152,8 +152,10 @@ class EngineConfig:
     )
     schedule_policy: str = setting(
         "lpm",
-        "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival order",
-        choices=("lpm", "fcfs"),
+        "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival "
+        "order; program: the program that has received the least service first, with aging "
+        "(braid programs and sessions; see docs/architecture.md)",
+        choices=("lpm", "fcfs", "program"),
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
     seed: int = setting(0, "seeds the sampling of requests that give no seed")

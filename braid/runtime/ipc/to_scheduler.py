@@ -31,6 +31,8 @@ class GenerateReq:
     `session_id`: the program session it belongs to; when it finishes, its whole sequence stays
     pinned in the prefix cache for that session (replacing the session's previous pin) until a
     `ControlReq("close_session", session_id)`.
+    `program_id`: the program run it belongs to (default: the root of `session_id`), for
+    program-aware scheduling (`scheduler/programs.py`).
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
     `grammar_after`: the output constraint (if any) applies only once the output has ended
     with these tokens (a reasoning model's end of thinking); empty: from the first token.
@@ -47,6 +49,7 @@ class GenerateReq:
     images: list[ImageInput] = field(default_factory=list)
     grammar_after: list[int] = field(default_factory=list)
     grammar_open: int | None = None
+    program_id: str | None = None
 
 
 @dataclass

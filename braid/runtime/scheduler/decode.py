@@ -3,8 +3,9 @@ pages, and the new-token ratio that admission reserves for future decodes.
 
 Admission is optimistic: it reserves only a fraction (the ratio) of each running request's
 remaining tokens, at most RESERVE_CLIP of them. The ratio decays while decoding goes well and
-jumps back up after a retraction. When a decode step cannot get the pages it needs anyway, a
-prompt between chunks is retracted first, then the newest running requests (their KV goes to the
+jumps back up after a retraction. When a decode step cannot get the pages it needs anyway,
+session pins are released (the soonest to expire first), then a prompt between chunks is
+retracted, then the newest running requests (their KV goes to the
 prefix cache; they wait again at the head of the queue with their output kept).
 """
 
@@ -53,7 +54,8 @@ class DecodePlanner:
         running = self.reqs.view(ReqStatus.RUNNING)
         while running:
             need = sum(1 for r in running if r.kv_len % self.kv.page_size == 0)
-            if self.kv.make_room(need):
+            # Pinned program KV goes before any running request is retracted.
+            if self.kv.make_room(need, release_pins=True):
                 break
             prefilling = self.reqs.first(ReqStatus.PREFILLING)
             if prefilling is not None:
@@ -64,7 +66,7 @@ class DecodePlanner:
             self.retract(running.pop())
         if not running:
             return None, None
-        self.count_step()
+        self.count_step(running)
         if self.drafter is not None:  # every decode step verifies (maybe no drafts)
             drafts = self.drafter.drafts(running)
             plan = build_verify(running, drafts, self.kv.allocator, self.kv.table, self.device)
@@ -74,11 +76,14 @@ class DecodePlanner:
     def plan_ahead(self, reqs: list[Req], input_ids: torch.Tensor) -> StepPlan:
         """The decode step after the one in flight for `reqs`, whose input tokens are that
         step's samples still on the device (the caller made sure the pages are free)."""
-        self.count_step()
+        self.count_step(reqs)
         return build_decode(reqs, self.kv.allocator, self.kv.table, self.device, input_ids)
 
-    def count_step(self) -> None:
+    def count_step(self, reqs: list[Req]) -> None:
         self.stats.decode_steps += 1
+        if self.reqs.programs is not None:
+            for r in reqs:
+                self.reqs.programs.serve(r, 1)
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )

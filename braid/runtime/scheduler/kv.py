@@ -45,16 +45,24 @@ class KVManager:
         # Told of every request that gives its KV back (a speculative proposer's draft KV goes
         # with it).
         self.on_release: Callable[[Req], None] | None = None
+        # How long a finished session request's pin lasts (its program's TTL); None: the
+        # sessions' own TTL.
+        self.pin_ttl: Callable[[Req], float] | None = None
 
     # ---- room -----------------------------------------------------------------------------
-    def make_room(self, need: int) -> bool:
-        """Make `need` pages free, evicting unlocked cache pages if necessary; whether they
-        are free now."""
-        short = need - self.allocator.free_pages
-        if short > 0:
-            freed = self.cache.evict(short)
-            self.stats.evicted_tokens += freed * self.page_size
-        return self.allocator.free_pages >= need
+    def make_room(self, need: int, release_pins: bool = False) -> bool:
+        """Make `need` pages free, evicting unlocked cache pages if necessary, and with
+        `release_pins` giving up session pins (the soonest to expire first) when that is not
+        enough; whether they are free now."""
+        while True:
+            short = need - self.allocator.free_pages
+            if short > 0:
+                freed = self.cache.evict(short)
+                self.stats.evicted_tokens += freed * self.page_size
+            if self.allocator.free_pages >= need:
+                return True
+            if not release_pins or not self.sessions.release_soonest():
+                return False
 
     @property
     def room(self) -> int:
@@ -125,7 +133,8 @@ class KVManager:
         own = set(req.pages[req.shared_pages :])
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
         if req.session_id is not None and req.finish_reason in ("stop", "length"):
-            self.sessions.pin(req.session_id, req.cache_tokens(full * self.page_size))
+            ttl = self.pin_ttl(req) if self.pin_ttl is not None else None
+            self.sessions.pin(req.session_id, req.cache_tokens(full * self.page_size), ttl)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0
@@ -177,6 +186,8 @@ class KVManager:
             "kv_usage": used / cap,
             "pinned_sessions": float(len(self.sessions)),
             "pinned_tokens": float(self.sessions.pinned_pages * self.page_size),
+            "pins_expired": float(self.sessions.expired),
+            "pins_released_for_room": float(self.sessions.released_for_room),
         }
 
     def flush(self) -> None:
@@ -206,6 +217,9 @@ class KVManager:
             assert len(r.pages) == self.allocator.pages_for(r.kv_len), "pages != kv length"
         holders = [r.cache_node for r in active if r.cache_node is not None]
         self.cache.check_locks(holders + self.sessions.nodes())
+        pins = self.sessions
+        assert len(pins) <= pins.max_sessions, "more sessions pinned than allowed"
+        assert pins.pinned_pages <= pins.max_pages, "pins hold more pages than allowed"
         rows = [r.pool_row for r in active]
         assert None not in rows and len(set(rows)) == len(rows)
         assert self.table.free_slots + len(rows) == self.table.size, "table rows leaked"

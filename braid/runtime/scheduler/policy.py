@@ -4,15 +4,29 @@
 prefix cache already holds, and defers a request that shares an uncached prefix with one
 already in this batch, so the shared part is computed once (the first request computes and
 caches it; the deferred one hits it a step later). `fcfs` takes requests in arrival order.
+
+`program` orders by program (Autellix's least attained service): requests of the program
+that has received the least service so far come first, at a level of PROGRAM_LEVELS, so a
+short agent's next step is not stuck behind long ones; a request rises one level for every
+PROGRAM_AGING_S it waits (no starvation); a program's waiting requests stay together (its
+fork branches are admitted one after the other), and within a level and program the longest
+cached prefix goes first. It defers in-batch sharers as lpm does.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
 from braid.runtime.cache.radix_cache import MatchResult, PrefixCache
+from braid.runtime.scheduler.programs import ProgramTable, program_of
 from braid.runtime.scheduler.request import Req
+
+# `program`: attained-service thresholds (tokens computed for the program) between its
+# priority levels, and the wait that lifts a request one level.
+PROGRAM_LEVELS = (256, 1024, 4096, 16384, 65536)
+PROGRAM_AGING_S = 2.0
 
 # Past this many waiting requests, lpm's per-request matching costs more than it saves.
 LPM_MAX_QUEUE = 128
@@ -43,24 +57,60 @@ def match_limit(req: Req) -> int:
 
 
 def effective_policy(policy: str, num_waiting: int) -> str:
-    """lpm turns into fcfs past LPM_MAX_QUEUE waiting requests."""
+    """lpm turns into fcfs past LPM_MAX_QUEUE waiting requests (`program` then orders by
+    program without looking up prefixes: see `candidates`)."""
     return "fcfs" if policy == "lpm" and num_waiting > LPM_MAX_QUEUE else policy
 
 
-def candidates(waiting: list[Req], cache: PrefixCache, policy: str) -> list[Candidate]:
+def program_level(service: int) -> int:
+    """The priority level of a program that has received `service` tokens (0 first)."""
+    return bisect.bisect_right(PROGRAM_LEVELS, service)
+
+
+def candidates(
+    waiting: list[Req],
+    cache: PrefixCache,
+    policy: str,
+    programs: ProgramTable | None = None,
+    now: float = 0.0,
+) -> list[Candidate]:
     """The waiting requests in the order `policy` (an effective policy) wants them prefilled.
-    Only lpm looks up cached prefixes here (the scheduler matches again on admission, since
-    making room for earlier admissions may evict)."""
+    lpm and program look up cached prefixes here (the scheduler matches again on admission,
+    since making room for earlier admissions may evict); program reads `programs`' service
+    and ages requests by `now` (the request table's clock)."""
     out = []
+    lookup = policy == "lpm" or (policy == "program" and len(waiting) <= LPM_MAX_QUEUE)
     for req in waiting:
         use_cache = match_limit(req) > 0
         match = None
-        if use_cache and policy == "lpm":
+        if use_cache and lookup:
             match = cache.match_prefix(req.cache_tokens(match_limit(req)))
         out.append(Candidate(req, use_cache, match, cache.page_size))
     if policy == "lpm":
         out.sort(key=lambda c: -c.matched_tokens)  # stable: arrival order among equals
+    elif policy == "program":
+        out = _by_program(out, programs, now)
     return out
+
+
+def _by_program(cands: list[Candidate], programs: ProgramTable | None, now: float):
+    """Order for the `program` policy: by each program's best (lowest) aged level, then the
+    program's first waiting request; within a program, the longest cached prefix first."""
+    best: dict[object, tuple[int, int]] = {}  # program -> (aged level, first position)
+    keys = []
+    for i, c in enumerate(cands):
+        req = c.req
+        group = program_of(req) or ("request", req.rid)
+        service = programs.service(req) if programs is not None else req.kv_len
+        aged = program_level(service) - int(max(0.0, now - req.waiting_since) / PROGRAM_AGING_S)
+        level, first = best.get(group, (aged, i))
+        best[group] = (min(level, aged), first)
+        keys.append(group)
+    order = sorted(
+        range(len(cands)),
+        key=lambda i: (*best[keys[i]], -cands[i].matched_tokens, i),
+    )
+    return [cands[i] for i in order]
 
 
 def shares_uncached_prefix(c: Candidate, admitted: list[Candidate]) -> bool:

@@ -73,6 +73,8 @@ class PrefillPlanner:
             return None
         for req, end in items:
             self.stats.prefill_tokens_computed += end - req.kv_len
+            if self.reqs.programs is not None:
+                self.reqs.programs.serve(req, end - req.kv_len)
         self.stats.prefill_steps += 1
         return build_extend(items, self.kv.allocator, self.kv.table, self.device)
 
@@ -82,12 +84,13 @@ class PrefillPlanner:
         running = self.reqs.view(ReqStatus.RUNNING)
         policy = effective_policy(self.policy, len(waiting))
         admitted = []
-        for cand in candidates(waiting, self.kv.cache, policy):
+        ordered = candidates(waiting, self.kv.cache, policy, self.reqs.programs, self.reqs.clock())
+        for cand in ordered:
             if len(running) + len(items) >= self.max_running:
                 break
             if self.kv.table.free_slots == 0 or budget <= 0:
                 break
-            if policy == "lpm" and shares_uncached_prefix(cand, admitted):
+            if policy != "fcfs" and shares_uncached_prefix(cand, admitted):
                 continue
             req = cand.req
             # Match again: making room for earlier admissions may have evicted pages.
@@ -132,7 +135,7 @@ class PrefillPlanner:
         items = []
         for req in self.reqs.view(ReqStatus.JUMPED):
             grow = self.kv.pages_to_grow(req, req.seq_len)
-            if self.kv.make_room(grow):
+            if self.kv.make_room(grow, release_pins=True):
                 self.kv.grow(req, grow)
                 items.append((req, req.seq_len))
             else:
@@ -160,8 +163,9 @@ class PrefillPlanner:
             return False
         policy = effective_policy(self.policy, len(waiting))
         # fcfs keeps arrival order: the head is the first candidate.
-        considered = waiting if policy == "lpm" else [waiting[0]]
-        cand = candidates(considered, self.kv.cache, policy)[0]
+        considered = waiting if policy != "fcfs" else [waiting[0]]
+        programs, now = self.reqs.programs, self.reqs.clock()
+        cand = candidates(considered, self.kv.cache, policy, programs, now)[0]
         req = cand.req
         cached = 0
         if cand.use_cache:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +16,9 @@ from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.image_data import ImageData, from_wire
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from braid.runtime.scheduler.programs import ProgramTable
 
 # M-RoPE positions of a prompt: (the [3, prompt_len] positions, the delta that later positions
 # add), computed by the model class from the prompt and its images.
@@ -76,6 +81,8 @@ class Req:
     finish_reason: str | None = None
     stop_token: int | None = None
     session_id: str | None = None  # the program session whose KV stays pinned after it
+    program_id: str | None = None  # the program run it belongs to (see `programs.py`)
+    waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
     # The prompt's images, in order, and where each one's tokens start in `input_ids`.
     images: list[ImageData] = field(default_factory=list)
@@ -172,6 +179,7 @@ class Req:
             eos_ids=eos_ids,
             max_new_tokens=max_new,
             session_id=msg.session_id,
+            program_id=msg.program_id,
             grammar_after=tuple(msg.grammar_after),
             grammar_open=msg.grammar_open if msg.grammar_after else None,
             images=images,
@@ -273,9 +281,16 @@ class RequestTable:
     at the head of its status' queue: a retracted request resumes first). Finding a request by
     rid is a lookup; changing status is O(1) except at the front."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        programs: ProgramTable | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._by_rid: dict[str, Req] = {}
         self._queues: dict[ReqStatus, dict[str, Req]] = {s: {} for s in ReqStatus}
+        # Per-program accounting: told of every request that enters and leaves.
+        self.programs = programs
+        self.clock = clock
 
     def add(self, req: Req, status: ReqStatus) -> None:
         """Take in a new request; a rid already held is a `ValueError`."""
@@ -284,6 +299,9 @@ class RequestTable:
         self._by_rid[req.rid] = req
         self._queues[status][req.rid] = req
         req.status = status
+        req.waiting_since = self.clock()
+        if self.programs is not None:
+            self.programs.arrive(req)
 
     def move(self, req: Req, status: ReqStatus, front: bool = False) -> None:
         assert self._by_rid.get(req.rid) is req, f"{req.rid} is not in the table"
@@ -294,6 +312,8 @@ class RequestTable:
         else:
             queue[req.rid] = req
         req.status = status
+        if status is ReqStatus.WAITING:
+            req.waiting_since = self.clock()
 
     def discard(self, req: Req) -> None:
         """Let a (finished) request go; nothing if it already left."""
@@ -301,6 +321,8 @@ class RequestTable:
             del self._by_rid[req.rid]
             del self._queues[req.status][req.rid]
             req.status = None
+            if self.programs is not None:
+                self.programs.leave(req)
 
     def get(self, rid: str) -> Req | None:
         return self._by_rid.get(rid)

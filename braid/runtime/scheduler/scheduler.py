@@ -34,6 +34,7 @@ from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.prefill import PrefillPlanner
+from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
 from braid.runtime.scheduler.verify import Drafter, VerifyPlan
@@ -79,7 +80,9 @@ class Scheduler:
         # What the proposer reads of each forward (the decode graphs were captured with it).
         self.capture_hidden = runner.capture_hidden
         self.stats = SchedulerStats()
-        self.requests = RequestTable()
+        # Programs (braid programs, sessions): per-program service and pin TTLs.
+        self.programs = ProgramTable(config.session_ttl_s, config.session_ttl_s)
+        self.requests = RequestTable(self.programs)
         allocator = runner.kv_pool.allocator
         cache = NoPrefixCache(allocator) if config.disable_radix_cache else RadixCache(allocator)
         self.kv = KVManager(
@@ -99,6 +102,7 @@ class Scheduler:
             jump_forward=not config.disable_jump_forward,
         )
         self.grammars.warm()
+        self.kv.pin_ttl = self.programs.pin_ttl
         drafter = None
         if self.proposer is not None:
             self.kv.on_release = self.proposer.release
@@ -206,6 +210,7 @@ class Scheduler:
         while scheduling). With `overlap`, a decode step's tokens come out of the next call,
         which first queues the decode after it when nothing else should run next."""
         self.kv.sessions.expire()
+        self.programs.expire()
         outs = self._poll_grammars()
         launched, self._launched = self._launched, None
         if launched is not None:
@@ -365,7 +370,11 @@ class Scheduler:
             return {"closed": float(self.close_session(arg))}
         if op == "stats":
             return (
-                self.stats.as_dict() | self.usage() | self.image_stats() | self.grammars.counters()
+                self.stats.as_dict()
+                | self.usage()
+                | self.image_stats()
+                | self.grammars.counters()
+                | self.programs.stats()
             )
         if op == "flush_cache":
             return {"flushed": float(self.flush_cache())}
@@ -375,7 +384,10 @@ class Scheduler:
         raise ValueError(f"unknown control op {op!r}")
 
     def close_session(self, session: str) -> bool:
-        """Release `session`'s pin; whether it had one."""
+        """Release `session`'s pin; whether it had one. Closing a program's root session
+        ends the program."""
+        if "." not in session:
+            self.programs.end(session)
         return self.kv.sessions.close(session)
 
     def usage(self) -> dict[str, float]:

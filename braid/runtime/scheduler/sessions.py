@@ -4,7 +4,9 @@ between its requests so eviction cannot take it.
 Any client can name a session, so pins are bounded three ways: all pins together hold at most
 `max_pages` pages (half the pool), one session at most half of that, and at most
 `max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
-also expires `ttl_s` after its session's last request.
+also expires after its TTL: `ttl_s`, or the one its pin asks for (a program's, adapted to its
+tool calls: `programs.ProgramTable.pin_ttl`). Under memory pressure the scheduler releases
+pins, the soonest to expire first, before it retracts a running request (`release_soonest`).
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ class SessionPins:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.clock = clock
+        # session -> (locked node, pages, expiry time)
         self._pins: OrderedDict[str, tuple[TreeNode, int, float]] = OrderedDict()
+        self.expired = 0  # pins that reached their TTL
+        self.released_for_room = 0  # pins given up to keep running requests going
 
-    def pin(self, session: str, tokens: list[int]) -> None:
-        """Lock `tokens`' cached path for `session` (whole pages already in the cache),
-        replacing the session's previous pin. A path past the per-session or total limit is
-        not pinned (the old pin is still released)."""
+    def pin(self, session: str, tokens: list[int], ttl_s: float | None = None) -> None:
+        """Lock `tokens`' cached path for `session` (whole pages already in the cache) for
+        `ttl_s` (default: the table's), replacing the session's previous pin. A path past the
+        per-session or total limit is not pinned (the old pin is still released)."""
         self.expire()
         match = self.cache.match_prefix(tokens)
         old = self._pins.pop(session, None)
@@ -53,17 +58,27 @@ class SessionPins:
             ):
                 self.close(next(iter(self._pins)))  # the least recently used goes first
             self.cache.lock(match.node)
-            self._pins[session] = (match.node, pages, self.clock())
+            ttl = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
+            self._pins[session] = (match.node, pages, self.clock() + ttl)
         if old is not None:
             self.cache.unlock(old[0])
 
     def expire(self) -> int:
-        """Release the pins whose session has been quiet for `ttl_s`; how many."""
-        cutoff = self.clock() - self.ttl_s
-        stale = [s for s, (_, _, at) in self._pins.items() if at < cutoff]
+        """Release the pins past their TTL; how many."""
+        now = self.clock()
+        stale = [s for s, (_, _, until) in self._pins.items() if until < now]
         for s in stale:
             self.close(s)
+        self.expired += len(stale)
         return len(stale)
+
+    def release_soonest(self) -> bool:
+        """Release the pin that would expire first (to make room); whether there was one."""
+        if not self._pins:
+            return False
+        self.close(min(self._pins, key=lambda s: self._pins[s][2]))
+        self.released_for_room += 1
+        return True
 
     def close(self, session: str) -> bool:
         """Release `session`'s pin; whether it had one."""

@@ -1,0 +1,383 @@
+"""Programs in the runtime (issue 23): per-program accounting, the `program` policy (least
+attained service with aging, a program's requests together), pins whose TTL follows a
+program's tool calls and that give way before a running request is retracted, and the
+constant prefix of a `run_batch` computed once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import braid
+from braid.runtime.cache.memory_pool import PageAllocator
+from braid.runtime.cache.radix_cache import RadixCache
+from braid.runtime.ipc.to_scheduler import GenerateReq
+from braid.runtime.scheduler import policy
+from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, ProgramTable
+from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.sessions import SessionPins
+from tests.conftest import local_scheduler
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _req(rid: str, n: int = 4, session: str | None = None, program: str | None = None) -> Req:
+    return Req(
+        rid=rid,
+        input_ids=list(range(1, n + 1)),
+        params=braid.SamplingParams(max_tokens=4),
+        seed=0,
+        eos_ids=frozenset(),
+        max_new_tokens=4,
+        session_id=session,
+        program_id=program,
+    )
+
+
+# ---- accounting -----------------------------------------------------------------------------
+def test_programs_are_named_by_id_or_session_root_and_learn_their_pauses():
+    clock = Clock()
+    table = ProgramTable(max_ttl_s=100.0, clock=clock)
+    a = _req("a", session="prog-1")
+    fork = _req("f", session="prog-1.0")
+    other = _req("o", program="agent-7")
+    for r in (a, fork, other):
+        table.arrive(r)
+    assert table.get(a) is table.get(fork) and table.get(a).in_flight == 2
+    assert table.get(other).id == "agent-7" and table.get(_req("x")) is None
+    table.serve(a, 10)
+    table.serve(fork, 5)
+    assert table.service(a) == 15
+    assert table.pin_ttl(a) == PIN_TTL_FIRST_S  # no pause seen yet
+    table.leave(a)
+    table.leave(fork)
+    clock.now = 3.0  # a 3 s tool call
+    nxt = _req("b", session="prog-1")
+    table.arrive(nxt)
+    assert table.pin_ttl(nxt) == 6.0  # twice the longest pause
+    table.leave(nxt)
+    clock.now = 50.0  # a 47 s pause
+    table.arrive(nxt)
+    assert table.pin_ttl(nxt) == 94.0
+    table.leave(nxt)
+    clock.now = 1000.0  # a 950 s pause: capped by max_ttl_s
+    table.arrive(n2 := _req("c", session="prog-1"))
+    assert table.pin_ttl(n2) == 100.0
+    assert table.stats()["programs_in_flight"] == 2.0
+
+
+def test_program_policy_orders_by_attained_service_keeps_programs_together_and_ages():
+    alloc = PageAllocator(257, 1)
+    cache = RadixCache(alloc)
+    clock = Clock()
+    table = ProgramTable(clock=clock)
+    heavy1, light, heavy2, loner = (
+        _req("h1", program="heavy"),
+        _req("l1", program="light"),
+        _req("h2", program="heavy"),
+        _req("solo"),
+    )
+    for r in (heavy1, light, heavy2, loner):
+        table.arrive(r)
+    table.serve(heavy1, 5000)  # level 3
+    table.serve(light, 100)  # level 0
+    waiting = [heavy1, light, heavy2, loner]
+    order = [c.req.rid for c in policy.candidates(waiting, cache, "program", table, now=0.0)]
+    # light and the lone request are level 0 (light waited first); heavy's two stay together.
+    assert order == ["l1", "solo", "h1", "h2"]
+    # Aging: after 3 levels' worth of waiting, heavy is level 0 too and came first.
+    for r in waiting:
+        r.waiting_since = 0.0
+    heavy1.waiting_since = -3 * policy.PROGRAM_AGING_S
+    order = [c.req.rid for c in policy.candidates(waiting, cache, "program", table, now=0.0)]
+    assert order == ["h1", "h2", "l1", "solo"]
+    assert [c.req.rid for c in policy.candidates(waiting, cache, "fcfs")] == [
+        "h1",
+        "l1",
+        "h2",
+        "solo",
+    ]
+
+
+# ---- the policy in a running scheduler, against a reference simulation -------------------------
+# Heavy programs generate many tokens per step, light ones few: least attained service lets
+# the light programs through first; fcfs does not.
+WORKLOAD = {  # program -> (steps, new prompt tokens per step, output tokens per step)
+    "H1": (3, 10, 150),
+    "H2": (3, 10, 150),
+    "L1": (4, 6, 4),
+    "L2": (4, 6, 4),
+    "L3": (4, 6, 4),
+}
+
+
+def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
+    """Run WORKLOAD on scheduler `s` (one request at a time): each program's next step is sent
+    when its previous one finishes, its prompt the program's text so far plus new tokens.
+    Returns (the order programs finished in, each step's output tokens)."""
+    rng = random.Random(seed)
+    context = {p: [] for p in WORKLOAD}
+    step_no = {p: 0 for p in WORKLOAD}
+    outputs: dict[tuple[str, int], list[int]] = {}
+    done: list[str] = []
+
+    def send(p: str) -> None:
+        steps, new, out = WORKLOAD[p]
+        context[p] = context[p] + [rng.randrange(1, 500) for _ in range(new)]
+        sp = braid.SamplingParams(max_tokens=out, **GREEDY)
+        s.handle(GenerateReq(f"{p}/{step_no[p]}", list(context[p]), sp, 0, session_id=p))
+
+    for p in WORKLOAD:
+        send(p)
+    while s.has_work:
+        for out in s.step():
+            outputs.setdefault(tuple(out.rid.split("/")), []).extend(out.new_token_ids)
+            if out.finish_reason:
+                p, k = out.rid.split("/")
+                context[p] += outputs[(p, k)]
+                step_no[p] += 1
+                if step_no[p] < WORKLOAD[p][0]:
+                    send(p)
+                else:
+                    done.append(p)
+        if clock is not None:
+            clock.now += 0.1
+        if on_step is not None:
+            on_step()
+        s.check_invariants()
+    return done, outputs
+
+
+def _simulate() -> list[str]:
+    """The `program` policy's choices, one request at a time, from the workload alone:
+    service per step = new prompt tokens + 1 (the previous output's last token, which has
+    no KV yet) + output tokens - 1 (the first comes from the prefill), no aging."""
+    service = {p: 0 for p in WORKLOAD}
+    step_no = {p: 0 for p in WORKLOAD}
+    waiting = list(WORKLOAD)  # arrival order
+    done = []
+    while waiting:
+        first = {p: i for i, p in reversed(list(enumerate(waiting)))}
+        p = min(waiting, key=lambda q: (policy.program_level(service[q]), first[q]))
+        waiting.remove(p)
+        steps, new, out = WORKLOAD[p]
+        service[p] += new + (1 if step_no[p] else 0) + out - 1
+        step_no[p] += 1
+        if step_no[p] < steps:
+            waiting.append(p)
+        else:
+            done.append(p)
+    return done
+
+
+@pytest.fixture(scope="module")
+def fcfs_run(tiny_model_dirs):
+    s = local_scheduler(
+        tiny_model_dirs["llama"], kv_tokens=4096, max_running_requests=1, schedule_policy="fcfs"
+    )
+    return _drive(s, seed=1)
+
+
+def test_program_policy_finishes_programs_as_the_simulation_predicts(
+    tiny_model_dirs, fcfs_run, monkeypatch
+):
+    monkeypatch.setattr(policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
+    s = local_scheduler(
+        tiny_model_dirs["llama"],
+        kv_tokens=4096,
+        max_running_requests=1,
+        schedule_policy="program",
+    )
+    done, outputs = _drive(s, seed=1)
+    expected = _simulate()
+    assert done == expected
+    assert done[:3] == ["L1", "L2", "L3"]  # the light programs are not stuck behind heavy ones
+    fcfs_done, fcfs_outputs = fcfs_run
+    assert fcfs_done != done  # fcfs interleaves by arrival: a heavy program finishes earlier
+    assert outputs == fcfs_outputs  # the same tokens, in another order
+    stats = s.control("stats")
+    assert stats["programs_known"] == len(WORKLOAD) and stats["programs_in_flight"] == 0
+
+
+def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(
+    tiny_model_dirs, monkeypatch
+):
+    """A heavy program's next step waits behind an endless stream of fresh light programs:
+    without aging it is never admitted while they keep coming; with aging it is, within the
+    bound its level gap sets."""
+
+    def run(aging_s: float) -> int | None:
+        monkeypatch.setattr(policy, "PROGRAM_AGING_S", aging_s)
+        s = local_scheduler(
+            tiny_model_dirs["llama"],
+            kv_tokens=4096,
+            max_running_requests=1,
+            schedule_policy="program",
+        )
+        clock = Clock()
+        s.requests.clock = clock
+        sp_heavy = braid.SamplingParams(max_tokens=300, **GREEDY)
+        s.handle(GenerateReq("heavy/0", list(range(1, 11)), sp_heavy, 0, session_id="heavy"))
+        fresh = iter(range(10_000))
+
+        def light() -> None:
+            sp = braid.SamplingParams(max_tokens=3, **GREEDY)
+            i = next(fresh)
+            s.handle(GenerateReq(f"light{i}/0", [7, 8, 9, i % 400 + 1], sp, 0, session_id=f"l{i}"))
+
+        light()
+        light()
+        admitted_at = None
+        for n in range(400):
+            for out in s.step():
+                if out.finish_reason and out.rid == "heavy/0":
+                    s.handle(
+                        GenerateReq(
+                            "heavy/1",
+                            list(range(1, 11)) + [5],
+                            braid.SamplingParams(max_tokens=5, **GREEDY),
+                            0,
+                            session_id="heavy",
+                        )
+                    )
+                elif out.finish_reason:
+                    light()  # the stream never ends
+            clock.now += 0.1
+            if admitted_at is None and s.requests.get("heavy/1") is not None:
+                if s.requests.get("heavy/1").status.value != "waiting":
+                    admitted_at = n
+        s.abort_all()
+        return admitted_at
+
+    assert run(1e9) is None  # starved: the light stream always wins
+    # Service after step 0: ~310 tokens, level 1: one PROGRAM_AGING_S of waiting (5 steps of
+    # 0.1 s) lifts it to level 0, then it waits for the request running to finish (3 tokens).
+    admitted = run(0.5)
+    assert admitted is not None and admitted < 300 + 5 + 3 + 5
+
+
+# ---- pins across tool calls ---------------------------------------------------------------
+def test_pins_follow_their_ttl_and_give_way_to_running_requests():
+    alloc = PageAllocator(129, 1)
+    cache = RadixCache(alloc)
+    clock = Clock()
+    pins = SessionPins(cache, max_pages=64, ttl_s=100.0, clock=clock)
+    for s, ttl in (("a", 5.0), ("b", 50.0), ("c", 500.0)):
+        tokens = [ord(s)] * 8
+        cache.insert(tokens, alloc.alloc(8))
+        pins.pin(s, tokens, ttl)
+    clock.now = 6.0
+    assert pins.expire() == 1 and pins.expired == 1  # a's 5 s are up
+    assert pins.release_soonest() and pins.released_for_room == 1  # b before c
+    assert pins.nodes() == [cache.match_prefix([ord("c")] * 8).node]
+    clock.now = 99.0
+    assert pins.expire() == 0  # c's TTL was capped at the table's 100 s
+    clock.now = 101.0
+    assert pins.expire() == 1 and len(pins) == 0
+
+
+def test_a_pinned_step_survives_a_flood_within_its_ttl_and_not_after(tiny_model_dirs):
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program")
+    clock = Clock()
+    s.kv.sessions.clock = clock
+    s.programs.clock = clock
+    rng = random.Random(4)
+    agent = [rng.randrange(1, 500) for _ in range(40)]  # its pin: at most 64 pages
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+
+    def run(rid: str, ids: list[int], session: str | None = None) -> Req:
+        s.handle(GenerateReq(rid, ids, sp, 0, session_id=session))
+        req = s.requests.get(rid)
+        while s.has_work:
+            s.step()
+            s.check_invariants()
+        return req
+
+    step0 = run("agent/0", agent, "agent")
+    assert s.control("stats")["pinned_tokens"] >= 40
+
+    def flood(tag: str) -> None:
+        for i in range(8):  # 8 x 40 tokens through a 256-token pool
+            run(f"{tag}{i}", [rng.randrange(1, 500) for _ in range(40)])
+
+    flood("a")
+    nxt = agent + step0.output_ids + [9, 9]
+    hit = run("agent/1", nxt, "agent")
+    assert hit.cached_tokens >= 40  # the pin held through the flood
+    clock.now += PIN_TTL_FIRST_S + 1  # the tool call took longer than the pin lasts
+    flood("b")
+    assert s.control("stats")["pins_expired"] >= 1
+    late = run("agent/2", nxt + hit.output_ids + [3], "agent")
+    assert late.cached_tokens < 40
+
+
+def test_pins_are_released_before_a_running_request_is_retracted(tiny_model_dirs):
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=200)
+    rng = random.Random(8)
+    sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+    for i in range(4):  # four sessions pin ~25 tokens each: ~100 of 200, the limit
+        s.handle(GenerateReq(f"p{i}", [rng.randrange(1, 500) for _ in range(24)], sp, 0, f"s{i}"))
+    while s.has_work:
+        s.step()
+    pinned = s.control("stats")["pinned_tokens"]
+    assert pinned >= 75
+    # One request whose KV needs more than the unpinned room as it decodes.
+    long = braid.SamplingParams(max_tokens=150, **GREEDY)
+    s.handle(GenerateReq("big", [rng.randrange(1, 500) for _ in range(20)], long, 0))
+    outs = []
+    while s.has_work:
+        outs += s.step()
+        s.check_invariants()
+    big = [o for o in outs if o.rid == "big" and o.finish_reason]
+    assert big[0].finish_reason == "length" and big[0].error is None
+    stats = s.control("stats")
+    assert stats["pins_released_for_room"] >= 1 and stats["retractions"] == 0
+
+
+# ---- pre-caching ------------------------------------------------------------------------------
+def test_run_batch_computes_the_constant_prefix_once(tmp_path):
+    from braid.lang.backends.engine import EngineBackend
+    from braid.lang.config import global_config
+    from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+    path, _ = build_tiny_constrained_model(tmp_path / "m")
+
+    @braid.function
+    def prog(s, i):
+        s += "the cat sat on the mat and the dog sat on the log. " * 8
+        s += f"question {i}:"
+        s += braid.gen("a", max_tokens=1, temperature=0)
+
+    def run(precache: bool) -> tuple[int, int, list[int]]:
+        """(prefill tokens computed, prefix tokens, each program's cached prompt tokens)."""
+        with braid.LLM(path, kv_tokens=8192, schedule_policy="fcfs", show_progress=False) as llm:
+            backend = EngineBackend(llm)
+            prefix = len(llm.tokenizer.encode(prog.constant_prefix(backend, {"i"})))
+            before = llm.stats()["prefill_tokens_computed"]
+            old = global_config.enable_precache_with_tracing
+            global_config.enable_precache_with_tracing = precache
+            try:
+                states = prog.run_batch([{"i": i} for i in range(64)], backend=backend)
+            finally:
+                global_config.enable_precache_with_tracing = old
+            cached = [st.get_meta_info("a")["cached_tokens"] for st in states]
+            return llm.stats()["prefill_tokens_computed"] - before, prefix, cached
+
+    computed, prefix, cached = run(True)
+    assert prefix > 100
+    # Every program found the prefix cached: it was computed once, before them; what was
+    # computed is that prefix and each program's own few tokens.
+    assert min(cached) >= prefix - 1
+    assert computed <= prefix + 64 * 12
+    # Without pre-caching, the first program admitted computes the prefix itself.
+    _, _, cached = run(False)
+    assert min(cached) < prefix // 2
