@@ -335,7 +335,8 @@ def main() -> None:
     if args.model is None:
         from braid.runtime.models.source import resolve_model
 
-        args.model = str(resolve_model(None))
+        # The embedded model's float config (the GGUF directory's declares its blocks).
+        args.model = str(resolve_model(None, dequantize_gguf=True))
     base = Path(args.model)
     cfg = ModelConfig.from_dir(base)
     dtype = getattr(torch, args.dtype)

@@ -79,7 +79,8 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    return resolve_model(None)
+    # The float model transformers loads (the default runs the GGUF kept quantized).
+    return resolve_model(None, dequantize_gguf=True)
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,12 @@ if TYPE_CHECKING:
     from braid.kernels.attention_decode import decode_attention
     from braid.kernels.attention_extend import extend_attention
     from braid.kernels.fp8_quant import per_token_quant_fp8
+    from braid.kernels.gguf_gemm import gguf_linear
     from braid.kernels.kv_store import store_kv
     from braid.kernels.norm import rmsnorm
     from braid.kernels.quant_gemm import int4_linear, int8_linear
+    from braid.kernels.quant_gemv import fp8_gemv, int4_gemv, int8_gemv
+    from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
     from braid.kernels.rope import rotary
     from braid.kernels.skinny_gemm import skinny_linear
     from braid.kernels.token_bitmask import apply_token_bitmask_
@@ -40,14 +43,26 @@ _LAUNCHERS = {
     "int4_linear": "braid.kernels.quant_gemm",
     "int8_linear": "braid.kernels.quant_gemm",
     "per_token_quant_fp8": "braid.kernels.fp8_quant",
+    "int4_gemv": "braid.kernels.quant_gemv",
+    "int8_gemv": "braid.kernels.quant_gemv",
+    "fp8_gemv": "braid.kernels.quant_gemv",
+    "int4_planar_linear": "braid.kernels.quant_planar",
+    "dequantize_int4_planar": "braid.kernels.quant_planar",
+    "gguf_linear": "braid.kernels.gguf_gemm",
 }
 
 __all__ = [
     "apply_token_bitmask_",
     "argmax_rows",
     "decode_attention",
+    "dequantize_int4_planar",
     "extend_attention",
+    "fp8_gemv",
+    "gguf_linear",
+    "int4_gemv",
     "int4_linear",
+    "int4_planar_linear",
+    "int8_gemv",
     "int8_linear",
     "per_token_quant_fp8",
     "rmsnorm",

@@ -36,9 +36,20 @@ def _round_to_e4m3(v):
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
     a = tl.abs(v)
-    sub = (a + 16384.0) - 16384.0
-    sub = tl.where(v < 0, -sub, sub)
+    # |v| rounded, then v's sign bit put back by hand: a negative value that rounds to zero is
+    # -0, as the cast makes it (a negation compiled as 0 - x would give +0 on the GPU).
+    sign = (bits >> 31) << 31
+    sub = (((a + 16384.0) - 16384.0).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _row_scale(amax, fp8_max, min_scale):
+    """A row's scale max(amax / 448, min_scale) and its reciprocal, each one IEEE-rounded
+    division (a plain / is approximate on GPUs), as `per_token_quant_fp8_reference` makes them
+    (the codes are x * reciprocal, one rounded product each)."""
+    scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+    return scale, tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
@@ -54,20 +65,20 @@ def _per_token_quant_kernel(
         ks = k0 + offs
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-    # IEEE-rounded divisions (plain / is approximate on GPUs), as the torch reference divides.
-    scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+    scale, inverse = _row_scale(amax, fp8_max, min_scale)
     tl.store(Scales + row, scale)
     for k0 in range(0, K, BLOCK):
         ks = k0 + offs
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-        tl.store(c_row + ks, _round_to_e4m3(q).to(Codes.dtype.element_ty), mask=ks < K)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max))
+        tl.store(c_row + ks, q.to(Codes.dtype.element_ty), mask=ks < K)
 
 
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn codes [M, K] contiguous, float32 scales [M, 1]) with
-    x ~= codes * scales, bit for bit `per_token_quant_fp8_reference`: each row's scale is
-    max|row| / 448 (at least FP8_MIN_SCALE), its codes x / scale rounded to nearest even.
+    x ~= codes * scales, bit for bit `per_token_quant_fp8_reference` on any device: each row's
+    scale is max|row| / 448 (at least FP8_MIN_SCALE), its codes x * (1 / scale) rounded to
+    nearest even.
 
     `x`: float [M, K] with unit stride in K (any row stride), M >= 0. Never synchronises with
     the host.

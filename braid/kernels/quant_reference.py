@@ -9,6 +9,12 @@ Layouts (the kernels' own, which every checkpoint format is converted into at lo
   row n holding the code q[n, 8j + i] in 0..15; `scales` float [K / G, N]; `zeros` uint8
   [K / G, N]. The weight is W[n, k] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n].
 - int8, per output channel (W8A16): `weight` int8 [N, K]; `scales` float [N]; W = q * scales.
+- int4, planar (the GEMV and small-batch kernels' form of the same weights, made once at load
+  by `pack_int4_planar` and `pack_int4_meta`): K padded to a multiple of 128 with zero codes,
+  then per row and per block b of 128 inputs, word 16 b + w holds in nibble p the code of input
+  128 b + 16 p + w. Each of a word's 8 nibbles multiplies its own contiguous run of 16 inputs,
+  so a kernel turns a tile of words into 8 tiles of codes with a mask each (no shuffle of codes
+  or inputs). `meta` int32 [K / G, N] holds each group's zero and float16 scale.
 - fp8 e4m3 (W8A8): `weight` float8_e4m3fn [N, K] with `scales` float32 [N]; activations are
   scaled per token (row) by max|x| / 448 and rounded to e4m3 before the product.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 
 PACK = 8  # int4 codes per int32 word
+PLANAR_BLOCK = 128  # inputs per block of the planar int4 layout: 16 words of 8 planes
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # A row of zeros still gets a positive scale (its codes are all zero whatever the scale).
@@ -44,6 +51,40 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=words.device)
     nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
     return nibbles.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def pack_int4_planar(qweight: torch.Tensor) -> torch.Tensor:
+    """The int4 layout's `qweight` int32 [N, K / 8] -> the planar layout's int32
+    [N, ceil(K / 128) * 16] (see the module docstring)."""
+    n = qweight.shape[0]
+    codes = unpack_int4(qweight)
+    k = codes.shape[1]
+    padded = -(-k // PLANAR_BLOCK) * PLANAR_BLOCK
+    codes = torch.nn.functional.pad(codes, (0, padded - k))
+    blocks = codes.reshape(n, padded // PLANAR_BLOCK, PACK, PLANAR_BLOCK // PACK)
+    return pack_int4(blocks.transpose(2, 3).reshape(n, padded))
+
+
+def pack_int4_meta(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The int4 layout's `scales` [G', N] (values a float16 holds) and `zeros` uint8 [G', N]
+    -> int32 [G', N]: `(zero << 16) | float16 bits of the scale`, what the planar kernels
+    read (one load for both)."""
+    bits = scales.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return (zeros.to(torch.int32) << 16) | bits
+
+
+def unpack_int4_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4_meta`: (scales float16, zeros uint8)."""
+    scales = (meta & 0xFFFF).to(torch.int16).view(torch.float16)
+    return scales, (meta >> 16).to(torch.uint8)
+
+
+def unpack_int4_planar(words: torch.Tensor, k: int) -> torch.Tensor:
+    """The planar layout's int32 [N, Kp / 8] -> uint8 codes [N, k], the inverse of
+    `pack_int4_planar` for an input size k."""
+    n, width = words.shape
+    codes = unpack_int4(words).reshape(n, width // 16, PLANAR_BLOCK // PACK, PACK)
+    return codes.transpose(2, 3).reshape(n, width * PACK)[:, :k]
 
 
 def dequantize_int4(
@@ -86,11 +127,18 @@ def int8_linear_reference(
 
 def per_token_quant_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 codes [M, K], float32 scales [M, 1]) with x ~= codes * scales: each
-    row's scale is max|row| / 448 (at least FP8_MIN_SCALE), the codes x / scale rounded to
-    nearest even."""
+    row's scale is max|row| / 448 (at least FP8_MIN_SCALE), its codes x * (1 / scale) rounded
+    to nearest even.
+
+    Every step is one IEEE-rounded float32 operation on tensors, so the CPU and a GPU give the
+    same bits, and so do the kernels: a division by a Python number would not do (on CUDA,
+    torch multiplies by its float32 reciprocal instead, which can differ in the last bit), and
+    the reciprocal is taken once per row so the kernels multiply each element."""
     xf = x.float()
-    scales = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    codes = (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scales = torch.div(amax, torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
+    inverse = torch.div(torch.ones_like(scales), scales)
+    codes = (xf * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scales
 
 

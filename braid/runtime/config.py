@@ -236,12 +236,6 @@ class EngineConfig:
         "quantization_config (none: the model's dtype)",
         choices=_quantization_methods,
     )
-    kv_cache_dtype: str = setting(
-        "auto",
-        "the KV cache's element type; auto: the model's dtype; fp8_e4m3: 8-bit floats with "
-        "scales (twice the tokens in the same memory)",
-        choices=("auto", "fp8_e4m3"),
-    )
     dequantize_gguf: bool = setting(
         False, "load a GGUF file's quantized tensors as floats (the slower float path)"
     )

@@ -76,7 +76,10 @@ def _build(path: Path, **kw):
 
 
 def test_every_method_is_a_choice_of_the_quantization_setting():
-    assert quantization_method_names() == ["awq", "compressed-tensors", "fp8", "gptq", "w8a16"]
+    names = quantization_method_names()
+    # Sorted, and holding these (GGUF registers its own beside them).
+    assert names == sorted(names)
+    assert {"awq", "compressed-tensors", "fp8", "gptq", "w8a16"} <= set(names)
     for name in quantization_method_names():
         assert EngineConfig(quantization=name).quantization == name
     with pytest.raises(ValueError, match=r"quantization must be None or one of \['awq'"):
@@ -257,6 +260,23 @@ def test_shapes_the_cpu_int4_kernel_refuses_run_the_reference_in_the_models_dtyp
     exact = x @ dequantize_int4(weights.qweight, weights.scales, weights.zeros, 32).T
     # No bfloat16 anywhere: float32 to the last bits.
     torch.testing.assert_close(m.apply(x, None), exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+def test_the_planar_form_holds_the_same_weights(perm):
+    """What the CUDA path keeps (`PlanarInt4`) dequantizes to the checkpoint's weights: the
+    references of CUDA layers read it."""
+    from braid.kernels.quant_reference import pack_int4, pack_int4_meta, pack_int4_planar
+    from braid.runtime.quantization.int4 import PlanarInt4
+
+    g = torch.Generator().manual_seed(3)
+    codes, scales, zeros = quantize_int4(torch.randn(24, 320, generator=g), 64)
+    order = torch.randperm(320, generator=g) if perm else None
+    w = Int4Weights(pack_int4(codes), scales.T.contiguous(), zeros.T.contiguous(), 64, order)
+    planar = PlanarInt4(
+        pack_int4_planar(w.qweight), pack_int4_meta(w.scales, w.zeros), 64, 320, order
+    )
+    assert torch.equal(planar.dequantize(), w.dequantize())
 
 
 def test_a_quantized_model_takes_no_fused_float_kernel():

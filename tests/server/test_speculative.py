@@ -26,6 +26,7 @@ def spec_server(tmp_path_factory):
         "NGRAM",
         "--speculative-num-steps",
         "4",
+        "--dequantize-gguf",  # transformers' float model is the reference
     )
     yield s
     s.stop()

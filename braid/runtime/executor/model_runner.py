@@ -101,6 +101,7 @@ class ModelRunner:
                 load_format=config.load_format,
                 progress=config.show_progress and rank == 0,
                 quantization=config.quantization,
+                dequantize_gguf=config.dequantize_gguf,
             )
         page = config.page_size
         if config.kv_tokens:

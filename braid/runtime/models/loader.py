@@ -4,7 +4,13 @@ parameter (every shard of a fused one) filled exactly once; anything else is an 
 A quantized model (config.json's `quantization_config`, or `quantization` for a float
 checkpoint) is built inside `quantization.base.building(method)`, its linear layers are bound
 to their methods by name, loaded the same strict way, then repacked for the device's kernels
-(`Linear.finish_loading`)."""
+(`Linear.finish_loading`).
+
+A GGUF directory (`quantization/gguf_file.py`: config.json's `quant_method: gguf`) holds raw
+blocks: they go as they are to the layers that keep them (`GGUFLinearMethod`), and are
+dequantized to float32 for every other parameter (the embedding, norms in a quantized type),
+for types braid does not keep, and for all of them with `dequantize_gguf` or another
+`quantization` (the file then loads as the float model it holds)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from braid.runtime.models import get_model_class
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.quantization import select_quantization
 from braid.runtime.quantization.base import QuantizationMethod, building
+from braid.runtime.quantization.gguf import KEPT_TYPES, gguf_tensor_types
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +50,39 @@ def _target(model: nn.Module, key: str) -> tuple[str, str | None]:
     return key, None
 
 
-def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) -> None:
+def gguf_float(key: str, raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A GGUF tensor (raw blocks uint8 [..., row bytes], or floats) as float32 [..., K]."""
+    if qtype in ("F32", "F16", "BF16"):
+        return raw
+    from braid.kernels.gguf_reference import dequantize
+
+    rows = raw.reshape(-1, raw.shape[-1])
+    if qtype in KEPT_TYPES:
+        w = dequantize(rows, qtype)
+    else:
+        import gguf
+
+        try:
+            w = torch.from_numpy(
+                gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType[qtype])
+            )
+        except (KeyError, NotImplementedError) as e:
+            raise ValueError(
+                f"checkpoint key {key}: GGUF type {qtype} cannot be read ({e})"
+            ) from None
+    return w.reshape(*raw.shape[:-1], w.shape[-1])
+
+
+def load_weights(
+    model: nn.Module,
+    model_dir: Path,
+    *,
+    progress: bool = True,
+    gguf_types: dict[str, str] | None = None,
+) -> None:
+    """Fill `model` from `model_dir`'s safetensors. `gguf_types`: a GGUF directory's tensor
+    types (raw blocks go to parameters that take them, the rest are dequantized)."""
+    gguf_types = gguf_types or {}
     params = dict(model.named_parameters())
     expected = {(name, s) for name, p in params.items() for s in p.shard_names}
     filled: set[tuple[str, str | None]] = set()
@@ -71,11 +110,16 @@ def load_weights(model: nn.Module, model_dir: Path, *, progress: bool = True) ->
                         continue
                     if (name, shard) in filled:
                         raise ValueError(f"checkpoint key {key} fills {name} twice")
-                    if getattr(param, "reads_slices", False):
+                    qtype = gguf_types.get(key)
+                    if qtype is None and getattr(param, "reads_slices", False):
                         # A tensor-parallel layer reads only its block from the file.
                         tensor = f.get_slice(stored)
                     else:
                         tensor = f.get_tensor(stored)
+                    if qtype is not None and not (
+                        qtype in KEPT_TYPES and getattr(param, "takes_gguf_blocks", False)
+                    ):
+                        tensor = gguf_float(key, tensor, qtype)
                     try:
                         param.weight_loader(param, tensor, shard)
                     except ValueError as e:
@@ -138,20 +182,24 @@ def build_model(
     load_format: str = "auto",
     progress: bool = True,
     quantization: str | None = None,
+    dequantize_gguf: bool = False,
 ) -> nn.Module:
     """Build the model for `cfg` and fill it from `model_dir` (or randomly with
     `load_format="dummy"`). Its linear layers are quantized as the checkpoint's
     `quantization_config` says, or with the method `quantization` names (a float checkpoint,
     or random weights, quantized as they load); `ValueError` for a method or config field
-    braid does not support, naming it."""
+    braid does not support, naming it. A GGUF directory keeps its blocks, unless
+    `dequantize_gguf` or a `quantization` other than "gguf" makes it a float checkpoint."""
     t0 = time.perf_counter()
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if load_format == "auto" and model_dir is None:
         raise ValueError("load_format='auto' needs a model directory")
-    method = select_quantization(
-        cfg.quantization_config, quantization, dummy=load_format == "dummy"
-    )
+    qconfig = cfg.quantization_config
+    gguf_types = gguf_tensor_types(qconfig)
+    if gguf_types is not None and (dequantize_gguf or quantization not in (None, "gguf")):
+        qconfig = None  # every block is dequantized as it loads: a float checkpoint
+    method = select_quantization(qconfig, quantization, dummy=load_format == "dummy")
     if method is not None and cfg.is_multimodal:
         # Their towers and projectors read their own weights' dtype and device, and which of
         # their layers a checkpoint quantizes is untested: refused rather than guessed.
@@ -169,7 +217,7 @@ def build_model(
     if load_format == "dummy":
         _fill_random(model, device)
     else:
-        load_weights(model, model_dir, progress=progress)
+        load_weights(model, model_dir, progress=progress, gguf_types=gguf_types)
     for module in model.modules():
         if isinstance(module, Linear):
             module.finish_loading()

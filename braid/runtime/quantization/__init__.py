@@ -13,7 +13,9 @@ Methods sit in `QUANTIZATION_METHODS`, a registry of lazily imported factories, 
 - `fp8`: e4m3 weights with per-channel or per-tensor scales and activations quantized per
   token (W8A8), from `fp8` or compressed-tensors FP8 checkpoints or a float checkpoint;
 - `compressed-tensors`: the name of llm-compressor's checkpoints, which resolve to `fp8` or
-  `w8a16` by their scheme.
+  `w8a16` by their scheme;
+- `gguf`: a GGUF file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) kept as they are, read from the
+  directory braid writes for a .gguf file (`gguf_file.py`).
 
 `docs/quantization.md` has the formats, the kernels and the numbers they compute.
 """
@@ -30,11 +32,12 @@ QUANTIZATION_METHODS: Registry = Registry(
         "fp8": "braid.runtime.quantization.fp8",
         "w8a16": "braid.runtime.quantization.int8",
         "compressed-tensors": "braid.runtime.quantization.compressed_tensors",
+        "gguf": "braid.runtime.quantization.gguf",
     },
 )
 
 # The `quant_method`s of checkpoints braid reads (config.json's quantization_config).
-CHECKPOINT_METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
+CHECKPOINT_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq")
 
 
 def quantization_method_names() -> list[str]:

@@ -11,11 +11,13 @@ token, which is never coarser than one scale per tensor. A float checkpoint load
 The shards of a fused layer keep their own scales (one per output row), so per-tensor and
 per-channel checkpoints run the same row-wise `_scaled_mm`.
 
-On CUDA (compute capability 8.9 and up: Ada, Hopper, ...), `braid.kernels.per_token_quant_fp8`
-then `torch._scaled_mm` with row-wise scales, whose output is bfloat16 (a float16 or float32
-model's outputs pass through it, and then get the bias). Elsewhere (CPU), the same numbers
-through the torch reference (`fp8_linear_reference`): exact, for tests and correctness, not
-speed.
+On CUDA (compute capability 8.9 and up: Ada, Hopper, ...), one row (batch-1 decode) runs
+`braid.kernels.quant_gemv.fp8_gemv`, which quantizes the row itself and reads the e4m3
+weights once; more rows run `braid.kernels.per_token_quant_fp8` then `torch._scaled_mm` with
+row-wise scales. Both give bfloat16 (a float16 or float32 model's outputs pass through it, and
+then get the bias), and compute the same numbers up to the order of the float32 sums.
+Elsewhere (CPU), the same numbers through the torch reference (`fp8_linear_reference`): exact,
+for tests and correctness, not speed.
 """
 
 from __future__ import annotations
@@ -114,28 +116,43 @@ class Fp8LinearMethod(LinearMethod):
             self.scales = self.params["weight_scale"].data
             del self.params
         if self.spec.device.type == "cuda":
-            from braid.kernels.fp8_quant import per_token_quant_fp8
+            self._use_cuda()
+        return {"weight": kept(self.weight), "weight_scale": kept(self.scales)}
 
-            self.out_dtype = torch.bfloat16
-            self.bias_in_kernel = self.spec.dtype == torch.bfloat16
-            weight_t = self.weight.t()  # column-major [K, N], as _scaled_mm takes its second
-            row_scales = self.scales.reshape(1, -1).contiguous()
-            fused_bias = self.bias_in_kernel
+    def _use_cuda(self) -> None:
+        from braid.kernels.fp8_quant import per_token_quant_fp8
+        from braid.kernels.quant_gemv import GemvWorkspace, fp8_gemv
 
-            def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.out_dtype = torch.bfloat16
+        self.bias_in_kernel = self.spec.dtype == torch.bfloat16
+        weight = self.weight.contiguous()
+        weight_t = weight.t()  # column-major [K, N], as _scaled_mm takes its second
+        scales = self.scales.float().contiguous()
+        row_scales = scales.reshape(1, -1)
+        fused_bias = self.bias_in_kernel
+        n, k = weight.shape
+        workspace = GemvWorkspace.for_launch("fp8", n, k, self.spec.device)
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            inner = bias if fused_bias else None
+            if x.shape[0] == 1:
+                # One launch that quantizes the row as per_token_quant_fp8 does: _scaled_mm
+                # is built for many rows, and the separate quantization costs a launch.
+                y = fp8_gemv(x, weight, scales, inner, workspace=workspace)
+            else:
                 codes, x_scales = per_token_quant_fp8(x)
                 y = torch._scaled_mm(
                     codes,
                     weight_t,
                     scale_a=x_scales,
                     scale_b=row_scales,
-                    bias=bias if fused_bias else None,
+                    bias=inner,
                     out_dtype=torch.bfloat16,
-                ).to(x.dtype)
-                return y if fused_bias or bias is None else y + bias
+                )
+            y = y.to(x.dtype)
+            return y if fused_bias or bias is None else y + bias
 
-            self._kernel = run
-        return {"weight": kept(self.weight), "weight_scale": kept(self.scales)}
+        self._kernel = run
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat_rows(x)

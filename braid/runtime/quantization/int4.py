@@ -7,9 +7,12 @@ along K, a float scale and a uint8 zero per group and output) plus, for GPTQ's a
 permutation of the input that makes each group's rows contiguous. A float checkpoint is
 quantized as it loads instead (round to nearest with a zero point, AutoAWQ's formula).
 
-`finish_loading` then chooses the kernel once, from the device:
-- CUDA: the Triton dequantizing GEMM (`braid.kernels.int4_linear`), scales in float16 (the
-  checkpoints' dtype, so the weights are exactly the checkpoint's in any model dtype);
+`finish_loading` then chooses the kernels once, from the device:
+- CUDA: the weights repacked into the planar layout (`PlanarInt4`; scales in float16, the
+  checkpoints' dtype, so the weights are exactly the checkpoint's in any model dtype), and by
+  rows per call: one row, the split-K GEMV (`braid.kernels.quant_gemv.int4_gemv`); up to
+  `quant_planar.DEQUANTIZE_MIN_ROWS`, the Triton GEMM (`int4_planar_linear`); more, the weight
+  dequantized to the model's dtype (each weight rounded once) then cuBLAS;
 - CPU: torch's int4 weight-packed matmul (`_weight_int4pack_mm_for_cpu`, bfloat16 in and
   out), whose weight is (q - 8) * scale + offset per group: the offset (8 - zero) * scale is
   rounded to bfloat16, and so is the scale, so its weights differ from the checkpoint's by up
@@ -30,7 +33,11 @@ from braid.kernels.quant_reference import (
     PACK,
     dequantize_int4,
     pack_int4,
+    pack_int4_meta,
+    pack_int4_planar,
     unpack_int4,
+    unpack_int4_meta,
+    unpack_int4_planar,
 )
 from braid.runtime.quantization.base import (
     CPU_COMPUTE_DTYPE,
@@ -60,6 +67,32 @@ class Int4Weights:
 
     def dequantize(self) -> torch.Tensor:
         w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+
+@dataclass
+class PlanarInt4:
+    """The same weights in the planar layout the CUDA kernels read
+    (`braid.kernels.quant_reference`): `qweight` int32 [N, ceil(K / 128) * 16], `meta` int32
+    [K / G, N] (each group's zero and float16 scale), `k` the input size, `perm` as in
+    `Int4Weights`."""
+
+    qweight: torch.Tensor
+    meta: torch.Tensor
+    group_size: int
+    k: int
+    perm: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        scales, zeros = unpack_int4_meta(self.meta)
+        q = unpack_int4_planar(self.qweight, self.k).float()
+        z = zeros.float().repeat_interleave(self.group_size, dim=0).T
+        s = scales.float().repeat_interleave(self.group_size, dim=0).T
+        w = (q - z) * s
         if self.perm is None:
             return w
         out = torch.empty_like(w)
@@ -127,7 +160,7 @@ class Int4LinearMethod(WeightOnlyMethod):
         check_group_size(spec, group_size)
         self.group_size = group_size
         self.checkpoint = checkpoint
-        self.weights: Int4Weights | None = None
+        self.weights: Int4Weights | PlanarInt4 | None = None
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -164,22 +197,42 @@ class Int4LinearMethod(WeightOnlyMethod):
         return _kept(qweight=w.qweight, scales=w.scales, zeros=w.zeros, perm=w.perm)
 
     def _use_triton(self, w: Int4Weights) -> dict[str, nn.Parameter]:
-        from braid.kernels.quant_gemm import int4_linear
+        from braid.kernels.quant_gemv import GemvWorkspace, int4_gemv
+        from braid.kernels.quant_planar import (
+            DEQUANTIZE_MIN_ROWS,
+            dequantize_int4_planar,
+            int4_planar_linear,
+        )
 
         self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
-        # float16, the checkpoints' own scale dtype: a bfloat16 model's weights stay exactly
-        # the checkpoint's (bfloat16 would drop 3 bits of every scale).
-        w.scales = w.scales.to(torch.float16).contiguous()
-        w.qweight, w.zeros = w.qweight.contiguous(), w.zeros.contiguous()
-        qweight, scales, zeros, group, perm = w.qweight, w.scales, w.zeros, w.group_size, w.perm
+        # Scales in float16, the checkpoints' own dtype: a bfloat16 model's weights stay
+        # exactly the checkpoint's (bfloat16 would drop 3 bits of every scale).
+        planar = PlanarInt4(
+            pack_int4_planar(w.qweight).contiguous(),
+            pack_int4_meta(w.scales.to(torch.float16), w.zeros),
+            w.group_size,
+            self.spec.in_features,
+            w.perm,
+        )
+        self.weights = planar
+        qweight, meta, group, k, perm = planar.qweight, planar.meta, w.group_size, planar.k, w.perm
+        n = self.spec.out_features
+        workspace = GemvWorkspace.for_launch("int4", n, k, self.spec.device)
 
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             if perm is not None:
                 x = x.index_select(1, perm)
-            return int4_linear(x, qweight, scales, zeros, group, bias)
+            rows = x.shape[0]
+            if rows == 1:
+                return int4_gemv(x, qweight, meta, group, bias, workspace=workspace)
+            if rows < DEQUANTIZE_MIN_ROWS:
+                return int4_planar_linear(x, qweight, meta, group, bias)
+            # Compute-bound: a pass over the weight into x's dtype, then cuBLAS.
+            weight = dequantize_int4_planar(qweight, meta, group, k, x.dtype)
+            return torch.nn.functional.linear(x, weight, bias)
 
         self._kernel = run
-        return _kept(qweight=qweight, scales=scales, zeros=zeros, perm=perm)
+        return _kept(qweight=qweight, meta=meta, perm=perm)
 
     def _use_cpu(self, w: Int4Weights) -> dict[str, nn.Parameter]:
         self.compute_dtype, self.bias_in_kernel = CPU_COMPUTE_DTYPE, False

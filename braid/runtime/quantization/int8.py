@@ -7,9 +7,11 @@ Checkpoints: compressed-tensors' INT8 W8A16 (`compressed_tensors.py` reads the c
 checkpoint loaded with `quantization="w8a16"` is quantized as it loads: scale = max|row| / 127,
 code = round(w / scale).
 
-Kernels, chosen once per layer: CUDA, the Triton dequantizing GEMM
-(`braid.kernels.int8_linear`); CPU, torch's int8 weight-packed matmul (`_weight_int8pack_mm`,
-bfloat16 in and out, bfloat16 scales; K a multiple of 16); else the torch reference.
+Kernels, chosen once per layer: CUDA, the split-K GEMV for one row
+(`braid.kernels.quant_gemv.int8_gemv`) and the Triton dequantizing GEMM
+(`braid.kernels.int8_linear`) for more; CPU, torch's int8 weight-packed matmul
+(`_weight_int8pack_mm`, bfloat16 in and out, bfloat16 scales; K a multiple of 16); else the
+torch reference.
 """
 
 from __future__ import annotations
@@ -100,11 +102,7 @@ class Int8LinearMethod(WeightOnlyMethod):
             self.scales = self.scale_param.data
         dev = self.spec.device
         if dev.type == "cuda":
-            from braid.kernels.quant_gemm import int8_linear
-
-            self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
-            weight, scales = self.weight.contiguous(), self.scales.contiguous()
-            self._kernel = lambda x, bias: int8_linear(x, weight, scales, bias)
+            self._use_triton()
         elif dev.type == "cpu" and self.spec.in_features % 16 == 0:
             self.compute_dtype, self.bias_in_kernel = CPU_COMPUTE_DTYPE, False
             # The kernel takes its scales in the activations' dtype.
@@ -121,6 +119,22 @@ class Int8LinearMethod(WeightOnlyMethod):
             self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
             self._kernel = self._reference_kernel
         return {"weight": kept(self.weight), "weight_scale": kept(self.scales)}
+
+    def _use_triton(self) -> None:
+        from braid.kernels.quant_gemm import int8_linear
+        from braid.kernels.quant_gemv import GemvWorkspace, int8_gemv
+
+        self.compute_dtype, self.bias_in_kernel = self.spec.dtype, True
+        weight, scales = self.weight.contiguous(), self.scales.contiguous()
+        n, k = weight.shape
+        workspace = GemvWorkspace.for_launch("int8", n, k, self.spec.device)
+
+        def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if x.shape[0] == 1:
+                return int8_gemv(x, weight, scales, bias, workspace=workspace)
+            return int8_linear(x, weight, scales, bias)
+
+        self._kernel = run
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]

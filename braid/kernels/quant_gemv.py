@@ -1,0 +1,514 @@
+"""One-row (batch-1 decode) matrix-vector products over quantized weights: `int4_gemv` (the
+planar int4 layout), `int8_gemv` (per-channel int8) and `fp8_gemv` (e4m3 weights, the
+activation quantized per token inside the kernel, W8A8 as `fp8_linear_reference` computes it).
+
+One row reads each weight once and does two FLOPs per weight, so the time is the weight bytes
+over the memory rate, if the kernel issues few enough instructions per weight and keeps enough
+bytes in flight. Per weight: int4 one LOP3 (mask one nibble and OR in a float exponent: the
+planar layout puts nibble p of every word at the same bits, so a constant mask per plane
+replaces a shift per code), one FADD (remove the exponent's offset and the zero: exact
+`code - zero`) and one FFMA; int8 the same through the 1.5 * 2**23 bits (no int-to-float
+conversion, a quarter-rate instruction); fp8 two e4m3 -> f16 per conversion instruction, one
+f16 -> f32 and one FFMA. Scales are applied once per group (int4) or once per output.
+
+Parallelism: each program owns BLOCK_N outputs and a slice of K; SPLIT_K slices run as
+separate programs so that small layers still fill the GPU with loads. A split writes its
+partial sums to a float32 workspace, and the last of a row block's splits to arrive (an
+atomic counter) adds them in split order, scales, adds the bias and stores: one launch, and
+the same bits whatever order the programs ran in. The counters return to zero after each
+call, so one workspace serves any number of sequential calls (CUDA graphs included) but not
+two kernels running at once.
+
+Configurations (BLOCK_N, BLOCK_K or SUBS, SPLIT_K, warps, stages) come from the `*_CONFIGS`
+tables keyed by (N, K), written from `benchmarks/quant_kernels.py`'s measurements on an
+H200; other shapes take a rule of thumb. No autotuning at run time: a launch never
+synchronises with the host. Under TRITON_INTERPRET=1 the same kernels run on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    next_pow2,
+)
+from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
+from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE, PLANAR_BLOCK
+
+# 1.5 * 2**23: an integer c < 2**22 OR'ed into its bits reads as this float plus c.
+MAGIC_BITS = 0x4B400000
+
+__all__ = ["GemvConfig", "GemvWorkspace", "fp8_gemv", "int4_gemv", "int8_gemv"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch shape: `block_n` outputs per program; `block_k` inputs per loop step (int4:
+    a multiple of 128, as `subs` = block_k / 128 blocks unrolled); `split_k` programs along
+    K; `warps`; `stages` (software pipelining of the loop's loads)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 2
+
+
+# Best measured on an H200 per (N, K) (benchmarks/quant_kernels.py writes these; run of
+# 2026-12-02, benchmarks/results/quant_kernels_cuda.json); other shapes take `default_config`.
+INT4_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (4096, 4096): GemvConfig(256, 128, 8, 4, 3),
+    (4096, 14336): GemvConfig(256, 128, 8, 4, 3),
+    (6144, 4096): GemvConfig(256, 128, 8, 4, 3),
+    (28672, 4096): GemvConfig(64, 256, 4, 2, 2),
+}
+INT8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (4096, 4096): GemvConfig(16, 512, 1, 4, 3),
+    (4096, 14336): GemvConfig(64, 256, 4, 4, 3),
+    (6144, 4096): GemvConfig(16, 512, 1, 4, 3),
+}
+FP8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (4096, 4096): GemvConfig(16, 512, 1, 4, 3),
+    (4096, 14336): GemvConfig(64, 256, 4, 4, 3),
+    (6144, 4096): GemvConfig(16, 512, 1, 4, 3),
+    (28672, 4096): GemvConfig(16, 512, 1, 4, 3),
+}
+
+
+def default_config(kind: str, n: int, k: int) -> GemvConfig:
+    """A rule of thumb (the predictions the first H200 run checks): tiles that give each
+    thread 4 (int4, int8) or 8 (fp8, whose activation is quantized once per thread and used
+    for each of its rows) output rows, and K split until there are about 4 programs per SM of
+    a 132-SM GPU."""
+    block_n, block_k = {"int4": (128, 256), "int8": (16, 512), "fp8": (32, 512)}[kind]
+    blocks = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while blocks * split < 512 and split * 2 <= steps and split < 8:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, 4, 2)
+
+
+def config_for(kind: str, n: int, k: int) -> GemvConfig:
+    table = {"int4": INT4_CONFIGS, "int8": INT8_CONFIGS, "fp8": FP8_CONFIGS}[kind]
+    return table.get((n, k)) or default_config(kind, n, k)
+
+
+class GemvWorkspace:
+    """Split-K scratch on one device: float32 partial sums and one int32 counter per output
+    block, zero between calls. A layer that owns one sized for its launches (`for_launch`)
+    never reallocates, so CUDA graphs that captured it stay valid; the shared one of
+    `for_device` grows when a larger launch needs it and keeps what it outgrew alive (a graph
+    may hold it)."""
+
+    _by_device: dict[torch.device, GemvWorkspace] = {}
+
+    def __init__(self, device: torch.device, partials: int = 0, counters: int = 0) -> None:
+        self.device = device
+        self.partials = torch.empty(partials, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
+        self._outgrown: list[torch.Tensor] = []
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> GemvWorkspace:
+        if device not in cls._by_device:
+            cls._by_device[device] = cls(device)
+        return cls._by_device[device]
+
+    @classmethod
+    def for_launch(cls, kind: str, n: int, k: int, device: torch.device) -> GemvWorkspace:
+        """Scratch for the launches of an [n, k] weight of `kind` ("int4", "int8", "fp8")."""
+        cfg = config_for(kind, n, k)
+        return cls(device, cfg.split_k * n, triton.cdiv(n, cfg.block_n))
+
+    def take(self, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.partials.numel() < partials:
+            self._outgrown.append(self.partials)
+            self.partials = torch.empty(partials, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < counters:
+            self._outgrown.append(self.counters)
+            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
+        return self.partials, self.counters
+
+
+@triton.jit
+def _finish(
+    y,
+    rows,
+    rmask,
+    Out,
+    Bias,
+    ColScales,
+    row_scale,
+    Partials,
+    Counters,
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):
+    """Stores `((sum of the splits' y) * row_scale) * ColScales[rows] + Bias[rows]`, rounded
+    once to Out's dtype; with SPLIT_K > 1 only the last split of the row block does."""
+    last = True
+    if SPLIT_K > 1:
+        tl.store(Partials + tl.program_id(1) * N + rows, y, mask=rmask)
+        # Every thread's partial is written before one thread announces the split.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + tl.program_id(0), 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:
+            y = tl.load(Partials + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                y += tl.load(Partials + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(Counters + tl.program_id(0), 0)
+    if last:
+        y = y * row_scale
+        if HAS_SCALES:
+            y = y * tl.load(ColScales + rows, mask=rmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _plane(words, hi, P: tl.constexpr, zero, magic):
+    """Nibble P of each word as float32 `code - zero`, exactly: the nibble, left in place
+    (bits 4j..4j+3 of the word or of its upper half, j = P % 4), OR'ed into the mantissa of
+    1.5 * 2**(23 - 4j) reads as that float plus the code; subtracting the float plus the zero
+    leaves code - zero. `magic` is the bits of 1.5 * 2**23 passed at run time: held in a
+    register, the mask and the OR fold into one LOP3 (two immediates would take two)."""
+    J: tl.constexpr = P % 4
+    if P < 4:
+        src = words
+    else:
+        src = hi
+    bits = (src & (0xF << (4 * J))) | (magic - ((4 * J) << 23))
+    offset = zero + 12582912.0 / (16.0**J)
+    return bits.to(tl.float32, bitcast=True) - offset[:, None]
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    X,
+    Q,
+    Meta,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    N,
+    K,
+    KB,
+    GROUPS,
+    SPLIT_BLOCKS,
+    magic,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUBS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # Planes per group segment: a group spans whole 128-input blocks, or whole planes of one.
+    PPS: tl.constexpr = 8 if GROUP % 128 == 0 else (GROUP // 16 if 128 % GROUP == 0 else 1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w16 = tl.arange(0, 16)
+    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
+    first = tl.program_id(1) * SPLIT_BLOCKS
+    end = tl.minimum(first + SPLIT_BLOCKS, KB)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
+        for sb in tl.static_range(SUBS):
+            b = b0 + sb
+            if EVEN_K:
+                wmask = rmask[:, None] | EVEN_N
+            else:
+                # Past the split's end (SUBS does not divide it): masked off, as tensors.
+                wmask = rmask[:, None] & ((w16 * 0 + b) < end)[None, :]
+            wq = tl.load(q_rows + b * 16, mask=wmask, other=0)
+            hi = wq >> 16
+            for seg in tl.static_range(8 // PPS):
+                g = rows * 0 + (b * 128 + seg * PPS * 16) // GROUP
+                if EVEN_K:
+                    gmask = rmask | EVEN_N
+                else:
+                    gmask = rmask & ((rows * 0 + b) < end) & (g < GROUPS)
+                # (zero << 16) | float16 bits of the scale, one load for both.
+                meta = tl.load(Meta + g * N + rows, mask=gmask, other=0)
+                scale = (meta & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+                zero = ((meta >> 16) | magic).to(tl.float32, bitcast=True) - 12582912.0
+                part = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+                for j in tl.static_range(PPS):
+                    ks = b * 128 + (seg * PPS + j) * 16 + w16
+                    if EVEN_K:
+                        x = tl.load(X + ks)
+                    else:
+                        x = tl.load(X + ks, mask=ks < K, other=0.0)
+                    part += _plane(wq, hi, seg * PPS + j, zero, magic) * x.to(tl.float32)[None, :]
+                acc += part * scale.to(tl.float32)[:, None]
+    _finish(
+        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    X,
+    W,
+    Scales,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    N,
+    K,
+    SPLIT_LEN,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    offs = tl.arange(0, BLOCK_K)
+    w_rows = W + rows.to(tl.int64)[:, None] * K
+    first = tl.program_id(1) * SPLIT_LEN
+    end = tl.minimum(first + SPLIT_LEN, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(first, end, BLOCK_K, num_stages=STAGES):
+        ks = k0 + offs
+        kmask = ks < end
+        w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
+        x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
+        # int8 -> float32 through the bits of 1.5 * 2**23 (no int-to-float conversion).
+        wf = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        acc += wf * x[None, :]
+    _finish(
+        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Scales, 1.0, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    X,
+    W,
+    Scales,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    N,
+    K,
+    SPLIT_LEN,
+    min_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from L2).
+    xo = tl.arange(0, X_BLOCK)
+    amax = tl.zeros([X_BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, X_BLOCK):
+        xa = tl.load(X + k0 + xo, mask=k0 + xo < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xa))
+    x_scale, inverse = _row_scale(tl.max(amax, axis=0), 448.0, min_scale)
+    offs = tl.arange(0, BLOCK_K)
+    w_rows = W + rows.to(tl.int64)[:, None] * K
+    first = tl.program_id(1) * SPLIT_LEN
+    end = tl.minimum(first + SPLIT_LEN, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(first, end, BLOCK_K, num_stages=STAGES):
+        ks = k0 + offs
+        kmask = ks < end
+        w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
+        # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
+        # float32, so the sum differs from _scaled_mm's only in its order.
+        xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
+        acc += w.to(tl.float32) * xq[None, :]
+    _finish(
+        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Scales, x_scale, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, True,
+    )  # fmt: skip
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+
+
+def _check_row(x: torch.Tensor, k: int) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[0] != 1 or x.shape[1] != k:
+        raise ValueError(f"x must have shape (1, {k}) (one row), got {tuple(x.shape)}")
+
+
+def _check_out(
+    x: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor | None, dtype
+) -> torch.Tensor:
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, device=x.device)
+        check_same_dtype("bias", bias, "x", x)
+        check_shape("bias", bias, (n,))
+        check_contiguous("bias", bias)
+    if out is None:
+        return torch.empty(1, n, dtype=dtype, device=x.device)
+    check_tensor("out", out, ndim=2, dtypes=(dtype,), device=x.device)
+    check_shape("out", out, (1, n))
+    return out
+
+
+def _scratch(
+    x: torch.Tensor, n: int, cfg: GemvConfig, workspace: GemvWorkspace | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cfg.split_k == 1:
+        return x, x  # unused
+    ws = workspace or GemvWorkspace.for_device(x.device)
+    return ws.take(cfg.split_k * n, triton.cdiv(n, cfg.block_n))
+
+
+def _launch_meta(cfg: GemvConfig) -> dict:
+    return {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages}
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    meta: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    workspace: GemvWorkspace | None = None,
+) -> torch.Tensor:
+    """`x @ W.T + bias` for one row x [1, K] and the int4 weight W[n, k] = (q - zero[g, n]) *
+    scale[g, n], g = k // group_size, held in the planar layout: `qweight` int32
+    [N, ceil(K / 128) * 16] (`quant_reference.pack_int4_planar`) and `meta` int32 [K / G, N]
+    (`quant_reference.pack_int4_meta`: the zero and the float16 scale of each group and
+    output). Summed in float32, each group's sum scaled once, rounded once to x's dtype after
+    the bias; the bits do not depend on the order the programs run in. `config` overrides the
+    table's launch shape."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    k = x.shape[1]
+    _check_row(x, k)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size % 16:
+        raise ValueError(f"group_size must be a multiple of 16, got {group_size!r}")
+    if group_size < 16 or k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K = {k} (x's columns)")
+    kb = triton.cdiv(k, PLANAR_BLOCK)
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_contiguous("qweight", qweight)
+    n = qweight.shape[0]
+    check_shape("qweight", qweight, (n, kb * 16))
+    groups = k // group_size
+    check_tensor("meta", meta, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_shape("meta", meta, (groups, n))
+    check_contiguous("meta", meta)
+    out = _check_out(x, n, bias, out, x.dtype)
+    cfg = config or config_for("int4", n, k)
+    subs = cfg.block_k // PLANAR_BLOCK
+    if subs < 1 or cfg.block_k % PLANAR_BLOCK:
+        raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
+    split_blocks = triton.cdiv(triton.cdiv(kb, cfg.split_k), subs) * subs
+    partials, counters = _scratch(x, n, cfg, workspace)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
+    _int4_gemv_kernel[grid](
+        x, qweight, meta, bias if bias is not None else x, out, partials, counters, n, k, kb,
+        groups, split_blocks, MAGIC_BITS, GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs,
+        SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, **_launch_meta(cfg),
+    )  # fmt: skip
+    return out
+
+
+def _check_byte_weight(x, weight, scales, dtype) -> tuple[int, int]:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    k = x.shape[1]
+    _check_row(x, k)
+    check_tensor("weight", weight, ndim=2, dtypes=(dtype,), device=x.device)
+    check_contiguous("weight", weight)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} columns, x has {k} (K must match)")
+    check_tensor("scales", scales, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check_shape("scales", scales, (n,))
+    check_contiguous("scales", scales)
+    return n, k
+
+
+def int8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    workspace: GemvWorkspace | None = None,
+) -> torch.Tensor:
+    """`x @ (weight * scales[:, None]).T + bias` for one row x [1, K] and a per-channel int8
+    weight [N, K] (contiguous): the float32 sum times the scale, plus the bias, rounded once
+    to x's dtype, as `int8_linear`."""
+    n, k = _check_byte_weight(x, weight, scales, torch.int8)
+    out = _check_out(x, n, bias, out, x.dtype)
+    cfg = config or config_for("int8", n, k)
+    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partials, counters = _scratch(x, n, cfg, workspace)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _int8_gemv_kernel[grid](
+        x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
+        split_len, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        HAS_BIAS=bias is not None, **_launch_meta(cfg),
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    workspace: GemvWorkspace | None = None,
+) -> torch.Tensor:
+    """W8A8 fp8 for one row: x [1, K] quantized per token inside the kernel (the codes and
+    scale of `per_token_quant_fp8`), times the e4m3 weight [N, K] (contiguous) summed in
+    float32, times x's scale then `scales` [N] (float32), plus the bias (x's dtype), rounded
+    once to `out_dtype`: `fp8_linear_reference(x, weight, scales, bias, out_dtype)` up to the
+    order of the float32 sum, in one launch."""
+    n, k = _check_byte_weight(x, weight, scales, FP8_DTYPE)
+    out = _check_out(x, n, bias, out, out_dtype)
+    cfg = config or config_for("fp8", n, k)
+    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partials, counters = _scratch(x, n, cfg, workspace)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemv_kernel[grid](
+        x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
+        split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
+        **_launch_meta(cfg),
+    )  # fmt: skip
+    return out

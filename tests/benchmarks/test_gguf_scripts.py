@@ -1,0 +1,45 @@
+"""The GGUF benchmarks still run at toy size on the CPU and write every figure their docstrings
+name: benchmarks/gguf_cpu.py (a tiny GGUF file, every braid method and transformers; no
+llama.cpp here) and benchmarks/gguf_gpu.py (its kernel loop under Triton's interpreter).
+benchmarks/perplexity.py runs whole in tests/runtime/test_perplexity.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], out: Path, **env) -> dict:
+    p = subprocess.run(
+        [sys.executable, *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_gguf_cpu_tiny_run_writes_every_engine(tmp_path):
+    r = _run(["benchmarks/gguf_cpu.py", "--tiny-cpu", "--repeats", "1"], tmp_path / "c.json")
+    engines = r["engines"]
+    assert set(engines) == {"braid float32", "braid gguf", "braid int8", "transformers float32"}
+    assert all(e["tokens_per_s"]["1"] > 0 for e in engines.values())
+    # Kept quantized holds fewer weight bytes than float32, so more KV fits beside them.
+    f, g = engines["braid float32"], engines["braid gguf"]
+    assert g["weight_mb"] < f["weight_mb"]
+    assert g["kv_tokens_in_budget"] > f["kv_tokens_in_budget"]
+
+
+def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
+    r = _run(["benchmarks/gguf_gpu.py", "--tiny"], tmp_path / "g.json", TRITON_INTERPRET="1")
+    rows = r["kernels"]
+    assert {row["type"] for row in rows} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
+    assert all(row["max_abs_err_vs_reference"] < 1e-2 for row in rows)

@@ -1,0 +1,129 @@
+"""GGUF blocks: each type's decoder bit for bit against gguf-py's dequantizers (the layouts),
+the kernel planes exact, and `gguf_linear` against its dequantize-then-matmul reference (one
+row: the multiply-add form; several and many rows: tl.dot per group; ragged N and K past the
+tile; bias; float16 planes and float32 ones); argument checks. On a GPU: Llama-3.1-8B shapes
+in bfloat16 for every type and row class, and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from braid.kernels import gguf_linear
+from braid.kernels.gguf_reference import (
+    BLOCK_LAYOUTS,
+    decode,
+    dequantize,
+    dequantize_kernel_planes,
+    gguf_linear_reference,
+    kernel_planes,
+    random_blocks,
+)
+from tests.kernels.conftest import CPU_DTYPES
+
+TYPES = list(BLOCK_LAYOUTS)
+
+
+def _raw(qtype, n, k, seed=0, scale=0.02):
+    return random_blocks(qtype, n, k, torch.Generator().manual_seed(seed), scale=scale)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_decoders_equal_gguf_py_bit_for_bit(qtype):
+    raw = _raw(qtype, 9, 512)
+    want = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert torch.equal(dequantize(raw, qtype), torch.from_numpy(want))
+    planes = kernel_planes(decode(raw, qtype), qtype)
+    assert torch.equal(dequantize_kernel_planes(planes), torch.from_numpy(want))
+    # float16 planes only where float16 holds them exactly.
+    assert planes.scale.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
+
+
+def test_gguf_py_quantized_blocks_decode_to_its_values():
+    w = torch.randn(16, 64).numpy()
+    for qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        t = gguf.GGMLQuantizationType[qtype]
+        raw = torch.from_numpy(gguf.quants.quantize(w, t))
+        assert torch.equal(
+            dequantize(raw, qtype), torch.from_numpy(gguf.quants.dequantize(raw.numpy(), t))
+        )
+
+
+def _close(got, want):
+    rtol, atol = {torch.float32: (1e-5, 1e-4), torch.float16: (2**-10, 2e-3)}[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_gguf_linear_matches_reference(device, qtype, dtype, m):
+    # N = 40: a ragged last tile; K = 96 (or 512): not a whole number of 64-wide tiles.
+    k = 512 if qtype.endswith("_K") else 96
+    scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
+    planes = kernel_planes(decode(_raw(qtype, 40, k, scale=scale), qtype), qtype)
+    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
+    if planes.offset is not None:
+        planes.offset = planes.offset.to(device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    bias = torch.randn(40, generator=g).to(device=device, dtype=dtype)
+    _close(gguf_linear(x, planes, bias), gguf_linear_reference(x, planes, bias))
+    _close(gguf_linear(x, planes), gguf_linear_reference(x, planes))
+
+
+def test_gguf_linear_checks_its_arguments(device):
+    planes = kernel_planes(decode(_raw("Q4_0", 16, 64), "Q4_0"), "Q4_0")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="planes.codes must have shape"):
+        gguf_linear(torch.randn(2, 96), planes)
+    planes.bits = 6
+    with pytest.raises(ValueError, match="planes.bits must be 4 or 8"):
+        gguf_linear(x, planes)
+    planes.bits, planes.group_size = 4, 24
+    with pytest.raises(ValueError, match="group_size must be 16 or 32"):
+        gguf_linear(x, planes)
+    planes.group_size = 32
+    with pytest.raises(ValueError, match="bias must have shape"):
+        gguf_linear(x, planes, torch.randn(8))
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+
+def _on(planes, device):
+    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
+    if planes.offset is not None:
+        planes.offset = planes.offset.to(device)
+    return planes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gguf_linear_on_llama_8b_shapes(qtype, m):
+    dev = torch.device("cuda")
+    for n, k in [(6144, 4096), (4096, 14336)]:
+        scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
+        planes = _on(kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype), dev)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        got, want = gguf_linear(x, planes), gguf_linear_reference(x, planes)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gguf_linear_is_captured_in_a_cuda_graph():
+    dev = torch.device("cuda")
+    planes = _on(kernel_planes(decode(_raw("Q4_1", 4096, 4096), "Q4_1"), "Q4_1"), dev)
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    out = gguf_linear(x, planes)  # tunes eagerly first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gguf_linear(x, planes, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(
+        out.float(), gguf_linear_reference(x, planes).float(), rtol=2**-7, atol=2e-2
+    )

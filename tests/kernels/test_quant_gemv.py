@@ -1,0 +1,280 @@
+"""The one-row GEMVs (`int4_gemv` over the planar layout, `int8_gemv`, `fp8_gemv` with its
+in-kernel activation quantization) and the planar int4 GEMM and dequantization against the
+dequantize-then-matmul references: every group size path (groups of whole 128-input blocks,
+of planes, of single planes), split-K with ragged splits, ragged N and K, bias; the split-K
+reduction's bits independent of run and its counters back at zero; the planar layout's packing.
+On a GPU: Llama-3.1-8B shapes in bfloat16 at the tables' configurations, CUDA-graph replay,
+and each method's layer against its reference at 1, 16 and 300 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace, fp8_gemv, int4_gemv, int8_gemv
+from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
+from braid.kernels.quant_reference import (
+    FP8_DTYPE,
+    dequantize_int4,
+    fp8_linear_reference,
+    int4_linear_reference,
+    int8_linear_reference,
+    pack_int4,
+    pack_int4_meta,
+    pack_int4_planar,
+    per_token_quant_fp8_reference,
+    unpack_int4,
+    unpack_int4_meta,
+    unpack_int4_planar,
+)
+from tests.kernels.conftest import CPU_DTYPES, HAS_CUDA
+
+
+def _int4(n, k, group, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    scales = ((torch.rand(k // group, n, generator=g) + 0.5) / (4 * k**0.5)).half()
+    zeros = torch.randint(0, 17, (k // group, n), generator=g).to(torch.uint8)
+    planar = pack_int4_planar(qweight).to(device)
+    meta = pack_int4_meta(scales, zeros).to(device)
+    return (qweight.to(device), scales.to(device), zeros.to(device)), (planar, meta)
+
+
+def _x(m, k, dtype, device, seed=1, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _close(got, want):
+    """Float32 sums in another order, rounded once: a unit in the last place at most."""
+    rtol, atol = {
+        torch.float32: (1e-5, 1e-5),
+        torch.float16: (2**-10, 1e-3),
+        torch.bfloat16: (2**-7, 1e-2),
+    }[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+
+def test_planar_packing_puts_plane_p_of_word_w_at_input_16p_plus_w():
+    codes = torch.randint(0, 16, (3, 200), generator=torch.Generator().manual_seed(0))
+    words = pack_int4_planar(pack_int4(codes))
+    assert words.shape == (3, 32)  # K padded to 256
+    assert torch.equal(unpack_int4_planar(words, 200), codes.to(torch.uint8))
+    nibbles = unpack_int4(words).reshape(3, 2, 16, 8)  # [row, block, word, plane]
+    assert torch.equal(nibbles[:, 1, 5, 3], codes[:, 128 + 16 * 3 + 5].to(torch.uint8))
+    assert (unpack_int4_planar(words, 256)[:, 200:] == 0).all()  # the padding holds zeros
+
+
+def test_meta_holds_each_groups_zero_and_float16_scale():
+    scales = torch.rand(4, 24).half() + 0.01
+    zeros = torch.randint(0, 17, (4, 24)).to(torch.uint8)
+    got_scales, got_zeros = unpack_int4_meta(pack_int4_meta(scales, zeros))
+    assert torch.equal(got_scales, scales) and torch.equal(got_zeros, zeros)
+
+
+# ---- int4 ---------------------------------------------------------------------------------------
+
+INT4_CASES = [
+    # (n, k, group, config): groups of blocks, of planes, of one plane; splits even and ragged.
+    (40, 256, 128, GemvConfig(16, 128, 1)),
+    (64, 512, 256, GemvConfig(32, 256, 2)),
+    (48, 320, 64, GemvConfig(16, 256, 2)),
+    (24, 96, 48, GemvConfig(8, 128, 1)),
+    (20, 160, 32, GemvConfig(32, 128, 3)),
+    (16, 64, 16, GemvConfig(16, 128, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n,k,group,config", INT4_CASES)
+def test_int4_gemv_matches_the_dequantized_matmul(device, dtype, n, k, group, config):
+    (q, s, z), (planar, meta) = _int4(n, k, group, device)
+    x, bias = _x(1, k, dtype, device), _x(1, n, dtype, device, seed=2).reshape(n)
+    want = int4_linear_reference(x, q, s, z, group, bias)
+    _close(int4_gemv(x, planar, meta, group, bias, config=config), want)
+
+
+def test_int4_gemv_each_group_uses_its_own_zero_and_scale(device):
+    # Only the last group's inputs are nonzero: a kernel that applies one group's scale or
+    # zero to another's sums is off by orders of magnitude.
+    (q, s, z), _ = _int4(32, 512, 64, device)
+    s[:7] = 1000.0
+    z[:7] = 0
+    planar, meta = pack_int4_planar(q), pack_int4_meta(s, z)
+    x = torch.zeros(1, 512, device=device)
+    x[:, 448:] = 1.0
+    got = int4_gemv(x, planar, meta, 64, config=GemvConfig(16, 256, 2))
+    _close(got, int4_linear_reference(x, q, s, z, 64))
+    assert got.abs().max() < 100
+
+
+def test_split_k_gives_the_same_bits_every_run_and_leaves_its_counters_at_zero(device):
+    (_, _, _), (planar, meta) = _int4(64, 1024, 128, device)
+    x = _x(1, 1024, torch.float32, device)
+    ws = GemvWorkspace(device, 4 * 64, 4)
+    cfg = GemvConfig(16, 128, 4)
+    first = int4_gemv(x, planar, meta, 128, config=cfg, workspace=ws)
+    for _ in range(2):
+        assert torch.equal(int4_gemv(x, planar, meta, 128, config=cfg, workspace=ws), first)
+    assert (ws.counters == 0).all()
+    # One split alone sums in another order, not to another value.
+    _close(int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 128, 1)), first)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("m", [2, 37])
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (48, 320, 64), (24, 96, 48)])
+def test_int4_planar_gemm_and_dequantization_match_the_reference(device, dtype, m, n, k, group):
+    (q, s, z), (planar, meta) = _int4(n, k, group, device)
+    x, bias = _x(m, k, dtype, device), _x(1, n, dtype, device, seed=2).reshape(n)
+    want = int4_linear_reference(x, q, s, z, group, bias)
+    _close(int4_planar_linear(x, planar, meta, group, bias, config=(16, 16, 4, 1)), want)
+    w = dequantize_int4_planar(planar, meta, group, k, torch.float32)
+    assert torch.equal(w, dequantize_int4(q, s, z, group))
+
+
+def test_int4_launchers_refuse_bad_arguments_naming_them(device):
+    _, (planar, meta) = _int4(16, 256, 128, device)
+    x = _x(1, 256, torch.float32, device)
+    with pytest.raises(ValueError, match=r"x must have shape \(1, 256\)"):
+        int4_gemv(x.expand(2, 256), planar, meta, 128)
+    with pytest.raises(ValueError, match=r"qweight must have shape \(16, 64\), got \(16, 32\)"):
+        int4_gemv(_x(1, 512, torch.float32, device), planar, meta, 128)
+    with pytest.raises(ValueError, match=r"meta must have shape \(4, 16\)"):
+        int4_gemv(x, planar, meta, 64)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 128"):
+        int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 64))
+    with pytest.raises(ValueError, match="meta must be one of"):
+        int4_planar_linear(x, planar, meta.float(), 128)
+
+
+# ---- int8 and fp8 -------------------------------------------------------------------------------
+
+BYTE_CONFIGS = [GemvConfig(16, 64, 1), GemvConfig(8, 128, 2), GemvConfig(16, 32, 3)]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("config", BYTE_CONFIGS)
+@pytest.mark.parametrize("n,k", [(40, 200), (16, 512)])  # a ragged K; whole blocks
+def test_int8_gemv_matches_the_dequantized_matmul(device, dtype, config, n, k):
+    g = torch.Generator().manual_seed(n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+    scales = ((torch.rand(n, generator=g) + 0.5) / (64 * k**0.5)).to(device=device, dtype=dtype)
+    x, bias = _x(1, k, dtype, device), _x(1, n, dtype, device, seed=2).reshape(n)
+    got = int8_gemv(x, w, scales, bias, config=config)
+    _close(got, int8_linear_reference(x, w, scales, bias))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("config", BYTE_CONFIGS)
+@pytest.mark.parametrize("n,k", [(40, 200), (16, 512)])
+def test_fp8_gemv_is_w8a8_with_the_per_token_codes(device, dtype, config, n, k):
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(n, k, generator=g) * 0.3).to(FP8_DTYPE).to(device)
+    scales = (torch.rand(n, generator=g) + 0.5).to(device)
+    x, bias = _x(1, k, dtype, device, scale=5.0), _x(1, n, dtype, device, seed=2).reshape(n)
+    got = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config)
+    want = fp8_linear_reference(x, w, scales, bias, torch.float32)
+    # e4m3 products are exact in float32: only the order of the sum differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Not the unquantized product: the activation really went through e4m3.
+    exact = x.float() @ (w.float() * scales[:, None]).T + bias.float()
+    assert (got - exact).abs().max() > 1e-3
+
+
+def test_the_fp8_reference_scale_is_one_ieee_division_then_a_reciprocal():
+    # Rows whose max / 448 and max * (1 / 448) differ in float32: the reference must divide
+    # (it used to compute a different scale on CUDA than on the CPU).
+    amax = torch.rand(20000, dtype=torch.float64) * 100 + 1
+    divided = (amax / 448).float()
+    multiplied = amax.float() * torch.tensor(1 / 448, dtype=torch.float32)
+    rows = amax.float()[divided != multiplied][:64]
+    assert len(rows) > 0
+    x = torch.stack([rows, -rows / 3], dim=1)
+    codes, scales = per_token_quant_fp8_reference(x)
+    assert torch.equal(scales[:, 0], (rows.double() / 448).float())
+    inverse = (1 / scales.double()).float()
+    assert torch.equal(codes.float(), (x * inverse).clamp(-448, 448).to(FP8_DTYPE).float())
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(LLAMA_8B))
+def test_gpu_gemvs_at_llama_8b_shapes_in_bf16(shape):
+    n, k = LLAMA_8B[shape]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    (q, s, z), (planar, meta) = _int4(n, k, 128, dev)
+    x = _x(1, k, dt, dev)
+    _close(int4_gemv(x, planar, meta, 128), int4_linear_reference(x, q, s, z, 128))
+    for m in (16, 300):
+        xm = _x(m, k, dt, dev)
+        _close(int4_planar_linear(xm, planar, meta, 128), int4_linear_reference(xm, q, s, z, 128))
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev)
+    s8 = torch.rand(n, device=dev, dtype=dt) / (64 * k**0.5)
+    _close(int8_gemv(x, w8, s8), int8_linear_reference(x, w8, s8))
+    wf = (torch.randn(n, k, device=dev) * 0.3).to(FP8_DTYPE)
+    sf = torch.rand(n, device=dev) / 100
+    _close(fp8_gemv(x, wf, sf), fp8_linear_reference(x, wf, sf))
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_gemvs_replay_in_a_cuda_graph():
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    n, k = 4096, 4096
+    (q, s, z), (planar, meta) = _int4(n, k, 128, dev)
+    wf = (torch.randn(n, k, device=dev) * 0.3).to(FP8_DTYPE)
+    sf = torch.rand(n, device=dev) / 100
+    x = _x(1, k, dt, dev)
+    ws4 = GemvWorkspace(dev, 8 * n, n)
+    ws8 = GemvWorkspace(dev, 8 * n, n)
+    cfg4, cfg8 = GemvConfig(128, 256, 8, 4, 2), GemvConfig(32, 512, 4, 4, 2)
+    out4 = int4_gemv(x, planar, meta, 128, config=cfg4, workspace=ws4)
+    out8 = fp8_gemv(x, wf, sf, config=cfg8, workspace=ws8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        int4_gemv(x, planar, meta, 128, out=out4, config=cfg4, workspace=ws4)
+        fp8_gemv(x, wf, sf, out=out8, config=cfg8, workspace=ws8)
+    for seed in (5, 6):
+        x.copy_(_x(1, k, dt, dev, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out4, int4_linear_reference(x, q, s, z, 128))
+        _close(out8, fp8_linear_reference(x, wf, sf))
+    assert (ws4.counters == 0).all() and (ws8.counters == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("method", ["awq", "w8a16", "fp8"])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_each_methods_layer_matches_its_reference(method, m):
+    from braid.runtime.quantization import select_quantization
+    from braid.runtime.quantization.base import LinearSpec
+
+    dev = torch.device("cuda")
+    spec = LinearSpec("layer", 4096, {None: (0, 6144)}, torch.bfloat16, dev)
+    layer = select_quantization(None, method, dummy=False).linear_method(spec, ("layer",))
+    (placeholder,) = layer.create_weights().values()
+    placeholder.weight_loader(placeholder, torch.randn(6144, 4096, device=dev) * 0.02, None)
+    layer.finish_loading()
+    x = _x(m, 4096, torch.bfloat16, dev)
+    bias = _x(1, 6144, torch.bfloat16, dev, seed=2).reshape(-1)
+    got, want = layer.apply(x, bias), layer.reference(x, bias)
+    from braid.kernels.quant_planar import DEQUANTIZE_MIN_ROWS
+
+    if method == "awq" and m >= DEQUANTIZE_MIN_ROWS:
+        # This path rounds each dequantized weight to bfloat16 once (as a bf16 model's weights
+        # are) and multiplies with cuBLAS: one rounding per weight more than the reference's
+        # float32 product, so a sum of 4096 products can move by a few bf16 units where it
+        # nearly cancels (seen on an H200: 0.011 at an output of 0.06; outputs are ~1.3).
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=3e-2)
+    else:
+        _close(got, want)

@@ -1,0 +1,288 @@
+"""GGUF files kept quantized: a tiny Llama written as a GGUF file (gguf-py's writer and
+quantizers; random valid blocks for the K-quants, which gguf-py cannot quantize), read into
+braid's blocks directory and loaded three ways: kept quantized (CPU int4 kernels), dequantized
+(`dequantize_gguf`, which must equal transformers' own GGUF loader tensor for tensor), and
+through another method (`w8a16`). Also: mixed types inside one fused layer, the fallback for a
+type braid does not keep (one log line), and the errors that name the layer and the value."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from braid import SamplingParams
+from braid.kernels.gguf_reference import random_blocks, row_bytes
+from braid.runtime.ipc.to_scheduler import GenerateReq
+from braid.runtime.layers.linear import Linear
+from braid.runtime.models.config import ModelConfig
+from braid.runtime.models.loader import build_model
+from braid.runtime.models.source import resolve_model
+from braid.runtime.quantization import select_quantization
+from braid.runtime.quantization.base import LinearSpec
+from braid.runtime.quantization.gguf import GGUF, GGUFLinearMethod
+from braid.runtime.quantization.gguf_file import write_llama_gguf
+from tests.conftest import local_scheduler, run_to_end
+
+CPU = torch.device("cpu")
+CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+# Every kept type, two types inside one fused layer (layer 0's qkv: Q4_K, Q4_K, Q6_K), the
+# quantized embedding and LM head braid keeps in floats, and Q5_0, which braid does not keep.
+TYPES = {
+    "model.embed_tokens.weight": "Q8_0",
+    "lm_head.weight": "Q6_K",
+    "model.layers.0.self_attn.q_proj.weight": "Q4_K",
+    "model.layers.0.self_attn.k_proj.weight": "Q4_K",
+    "model.layers.0.self_attn.v_proj.weight": "Q6_K",
+    "model.layers.0.self_attn.o_proj.weight": "Q8_0",
+    "model.layers.0.mlp.gate_proj.weight": "Q4_0",
+    "model.layers.0.mlp.up_proj.weight": "Q4_0",
+    "model.layers.0.mlp.down_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.q_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.k_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.v_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.o_proj.weight": "Q6_K",
+    "model.layers.1.mlp.gate_proj.weight": "Q8_0",
+    "model.layers.1.mlp.up_proj.weight": "Q8_0",
+    "model.layers.1.mlp.down_proj.weight": "Q5_0",
+}
+K_QUANTS = ("Q4_K", "Q6_K")
+PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 8, 200, 31, 64, 12]]
+
+
+def _write(path, types, *, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    state = LlamaForCausalLM(LlamaConfig(**CONFIG)).state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    raw = {}
+    for key, qtype in types.items():
+        if qtype in K_QUANTS:
+            rows, k = state[key].shape
+            # Sub-block scales reach 63: weights ~ 0.02 like the float ones.
+            raw[key] = random_blocks(qtype, rows, k, gen, scale=0.02 / 24)
+    write_llama_gguf(path, CONFIG, {k: v for k, v in state.items() if k not in raw}, types, raw)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    _write(path, TYPES)
+    return path
+
+
+@pytest.fixture(scope="module")
+def blocks_dir(gguf_file, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return resolve_model(gguf_file)
+
+
+def _build(path, **kw):
+    return build_model(
+        ModelConfig.from_dir(path),
+        path,
+        dtype=torch.float32,
+        device=CPU,
+        max_positions=256,
+        progress=False,
+        **kw,
+    )
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def test_blocks_dir_declares_every_tensor_and_holds_raw_blocks(blocks_dir):
+    qc = json.loads((blocks_dir / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gguf"
+    types = qc["tensor_types"]
+    assert {k: types[k] for k in TYPES} == TYPES
+    assert types["model.norm.weight"] == "F32"
+    with safe_open(str(blocks_dir / "model.safetensors"), framework="pt") as f:
+        t = f.get_tensor("model.layers.0.self_attn.v_proj.weight")
+        assert t.dtype == torch.uint8
+        assert tuple(t.shape) == (128, row_bytes("Q6_K", 256))
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+
+
+def test_dequantized_gguf_equals_transformers_gguf_loader(gguf_file, blocks_dir):
+    """The float path: names, Q/K row order and every dequantizer as transformers reads the
+    same file (the reference braid's float fidelity is measured against)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    ).state_dict()
+    model = _build(blocks_dir, dequantize_gguf=True)
+    assert all(m.method is None for m in _linears(model).values())
+    params = dict(model.named_parameters())
+    for key, want in hf.items():
+        parts = key.split(".")
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+        fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        if len(parts) > 4 and parts[4] in fused:
+            name, idx = fused[parts[4]]
+            w = params[".".join(parts[:4] + [name] + parts[5:])]
+            sizes = [256, 128, 128] if name == "qkv_proj" else [512, 512]
+            got = torch.split(w, sizes)[idx]
+        else:
+            got = params[key]
+        assert torch.equal(got, want), key
+
+
+def test_kept_layers_hold_the_files_weights(blocks_dir):
+    """Kept quantized: every layer's weight is the dequantized file's, but for the CPU
+    kernel's bfloat16 scales (and offsets); a wrong code, block order or row permutation would
+    be off by whole quantization steps."""
+    floats = {n: m.weight for n, m in _linears(_build(blocks_dir, dequantize_gguf=True)).items()}
+    model = _build(blocks_dir)
+    kinds = {}
+    for name, layer in _linears(model).items():
+        if layer.method is None:
+            kinds[name] = "float"
+            assert torch.equal(layer.weight, floats[name])
+            continue
+        kinds[name] = [type(s).__name__ for s in layer.method.segments]
+        want, got = floats[name], layer.method.dequantize()
+        step = (want.abs().amax(dim=1, keepdim=True) / 7).expand_as(want)
+        assert ((got - want).abs() <= step / 32 + want.abs() * 2**-7).all(), name
+    assert kinds["model.layers.0.self_attn.qkv_proj"] == ["_CpuSegment", "_CpuSegment"]
+    assert kinds["model.layers.1.mlp.down_proj"] == "float"  # Q5_0: not kept
+    assert kinds["model.layers.1.self_attn.o_proj"] == ["_CpuSegment"]
+    # The embedding and LM head stay floats: the file's values, dequantized.
+    floats = dict(_build(blocks_dir, dequantize_gguf=True).named_parameters())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(dict(model.named_parameters())[name], floats[name])
+
+
+def _greedy(sched, n=6, prompts=PROMPTS):
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.handle(GenerateReq(str(i), p, sp, i))
+    tokens = run_to_end(sched)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def test_kept_quantized_model_gives_its_references_greedy_tokens(blocks_dir, monkeypatch):
+    got = _greedy(local_scheduler(blocks_dir, kv_tokens=256))
+    assert all(len(t) == 6 for t in got)
+    with monkeypatch.context() as m:
+        m.setattr(Linear, "forward", Linear.reference)
+        assert got == _greedy(local_scheduler(blocks_dir, kv_tokens=256))
+
+
+def test_another_method_loads_the_gguf_as_floats_first(blocks_dir):
+    model = _build(blocks_dir, quantization="w8a16")
+    methods = {type(m.method).__name__ for m in _linears(model).values()}
+    assert methods == {"Int8LinearMethod"}
+
+
+def test_a_type_braid_does_not_keep_is_dequantized_with_one_log_line(caplog):
+    types = {"a.weight": "Q5_0", "b.weight": "Q5_0", "c.weight": "Q4_0"}
+    with caplog.at_level(logging.INFO, logger="braid"):
+        GGUF({"quant_method": "gguf", "tensor_types": types}, online=False)
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert len(lines) == 1 and "Q5_0 (2)" in lines[0]
+
+
+def test_bad_gguf_input_is_refused_naming_the_layer_and_value(blocks_dir, tmp_path):
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 96, {None: (0, 32)}, torch.float32, CPU)
+    with pytest.raises(ValueError, match=r"down_proj: Q4_K blocks of 256 .* input size 96"):
+        GGUFLinearMethod(spec, {None: "Q4_K"})
+    with pytest.raises(ValueError, match="pass the .gguf file"):
+        select_quantization(None, "gguf", dummy=False)
+    with pytest.raises(ValueError, match="random weights"):
+        select_quantization({"quant_method": "gguf", "tensor_types": {}}, None, dummy=True)
+    # A declared type the file's bytes do not match: the key, the type and the shapes.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in blocks_dir.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((blocks_dir / "config.json").read_text())
+    cfg["quantization_config"]["tensor_types"]["model.layers.0.mlp.gate_proj.weight"] = "Q4_1"
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"gate_proj.weight: .*Q4_1 blocks uint8 \(512, 160\)"):
+        _build(bad)
+    cfg["quantization_config"]["tensor_types"]["model.layers.0.mlp.gate_proj.weight"] = "Q9_9"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="gate_proj.weight: GGUF type Q9_9 cannot be read"):
+        _build(bad)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_cpu_int4_forms_keep_every_code_and_round_only_the_scales(qtype):
+    """torch's CPU int4 kernel holds each type's codes exactly (Q8_0 and Q6_K split in two
+    halves of a doubled K) with the scale and offset of each group rounded to bfloat16, and
+    multiplies by exactly the weight `dequantize` reports."""
+    from braid.kernels.gguf_reference import Planes, decode
+    from braid.runtime.quantization.gguf_cpu import to_cpu_int4
+
+    gen = torch.Generator().manual_seed(3)
+    planes = decode(random_blocks(qtype, 48, 512, gen), qtype)
+    form = to_cpu_int4(planes, qtype)
+    s = planes.scale.bfloat16().float()
+    if qtype in ("Q4_1", "Q4_K"):  # (u - 8) * s + (o + 8 s), both rounded
+        o = (planes.offset + 8 * planes.scale).bfloat16().float() - 8 * s
+    else:  # Q4_0: -8 s; Q8_0: 0; Q6_K: -32 s: exact given s
+        o = {"Q4_0": -8 * s, "Q8_0": torch.zeros_like(s), "Q6_K": -32 * s}[qtype]
+    want = Planes(planes.codes, s, o, planes.group_size).dequantize()
+    assert torch.equal(form.dequantize(), want)
+    x = torch.randn(5, 512, generator=gen)
+    got = form(x).float()
+    ref = (x.bfloat16().float() @ want.T).bfloat16().float()
+    torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3)
+
+
+def test_embedded_smollm2_kept_quantized_gives_its_references_greedy_tokens(monkeypatch):
+    """The real model (its Q4_1 file): the CPU int4 kernels against the torch reference of the
+    same kept weights, in the engine's scheduler."""
+    from braid.runtime.tokenizer.tokenizer import load_tokenizer
+
+    path = resolve_model(None)
+    assert ModelConfig.from_dir(path).quantization_config["quant_method"] == "gguf"
+    tok = load_tokenizer(path)
+    # Text, not random ids: on random ids the model's top two tokens can be a bfloat16
+    # rounding apart, and the kernel and its reference sum in different orders.
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    got = _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
+    with monkeypatch.context() as m:
+        m.setattr(Linear, "forward", Linear.reference)
+        assert got == _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_dir, monkeypatch):
+    """bfloat16 on CUDA: `gguf_linear` for every kept type (two of them inside layer 0's qkv)
+    under CUDA graphs, against the references run eagerly."""
+    gpu = dict(device="cuda", dtype="bfloat16", kv_tokens=256)
+    sched = local_scheduler(blocks_dir, **gpu)
+    segments = {
+        type(s).__name__
+        for m in _linears(sched.runner.model).values()
+        if m.method is not None
+        for s in m.method.segments
+    }
+    assert segments == {"_TritonSegment"}
+    got = _greedy(sched)
+    with monkeypatch.context() as m:
+        m.setattr(Linear, "forward", Linear.reference)
+        assert got == _greedy(local_scheduler(blocks_dir, disable_cuda_graph=True, **gpu))
