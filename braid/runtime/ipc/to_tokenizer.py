@@ -55,6 +55,9 @@ class SchedulerReady:
     device: str
     dtype: str
     load_time_s: float
+    # The scheduler's start-up phases in seconds, by name, in order (weights, KV sizing,
+    # graph capture, ...): shown in `braid serve`'s ready line. Empty: only `load_time_s`.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -9,11 +9,13 @@ doc as help and its default, plus SGLang's names for it as aliases (`--max-total
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import signal
 import sys
+import time
 import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -38,6 +40,8 @@ logger = logging.getLogger("braid.serve")
 # A server logs for operators and draws no progress bars: serve's one departure from the
 # library's defaults (`--show-progress` turns it back on).
 SERVE_DEFAULTS: dict[str, Any] = {"show_progress": False}
+# Allocations between the server process's young-generation collections (Python's default: 700).
+SERVER_GC_THRESHOLD = 50_000
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,35 @@ def _api_key(settings: ServerSettings | argparse.Namespace) -> str | None:
     return os.environ.get("BRAID_API_KEY") or None
 
 
+def _since_process_start() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def startup_summary(
+    phases: dict[str, float], scheduler: dict[str, float], total: float | None
+) -> str:
+    """The start-up phases for the ready line, the scheduler's inside the runtime's:
+    `in 5.10 s: imports 1.20 s, tokenizer 0.30 s, runtime 3.50 s (scheduler: load 2.90 s), ...`.
+    """
+    parts = []
+    for name, secs in phases.items():
+        parts.append(f"{name} {secs:.2f} s")
+        if name == "runtime" and scheduler:
+            inner = ", ".join(f"{k} {v:.2f} s" for k, v in scheduler.items())
+            parts[-1] += f" (scheduler: {inner})"
+    head = f"in {total:.2f} s: " if total is not None else "phases: "
+    return head + ", ".join(parts)
+
+
 def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    entered = time.perf_counter()
+    before_serve = _since_process_start()
     from braid.runtime.assets import ModelAssets
     from braid.runtime.ipc.sockets import freeze_startup_heap
     from braid.runtime.launch import spawn_runtime
@@ -280,6 +312,12 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from braid.runtime.tokenizer.manager import TokenizerManager
     from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
 
+    # Start-up phases for the ready line: the interpreter and braid's imports, the model's
+    # assets (config, tokenizer), the runtime (its processes' start, the scheduler's own load
+    # with its phases), the server.
+    phases: dict[str, float] = {}
+    if before_serve is not None:
+        phases["imports"] = before_serve + time.perf_counter() - entered
     level = args.log_level.upper()
     configure_logging(level)
     try:
@@ -301,6 +339,9 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if config.node_rank > 0:
         # Another machine of a multi-node tensor-parallel group: its ranks only, no server.
         from braid.runtime.executor.tp_worker import serve_followers
+        from braid.runtime.launch import use_braid_triton_cache
+
+        use_braid_triton_cache()
 
         try:
             path = ModelAssets.load(config.model).path
@@ -309,9 +350,11 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             return 2
         return serve_followers(config, path, level)
     try:
+        mark = time.perf_counter()
         assets = ModelAssets.load(config.model)
         api_key = _api_key(settings)
         media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
+        phases["tokenizer"] = time.perf_counter() - mark
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
@@ -373,9 +416,19 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     def on_ready() -> None:
         freeze_startup_heap()  # full collections then skip everything start-up made
+        # Streams allocate per step (an output per stream, its chunk, a wake-up) and with
+        # Python's default threshold (700) the collector ran every few hundred of them,
+        # scanning each live stream's objects: at 1024 streams, 3/4 of the time the event loop
+        # spent decoding the detokenizer's messages was the collector (profiled; docs/
+        # benchmarks.md, Streaming). That garbage is acyclic and freed by reference counts.
+        gc.set_threshold(SERVER_GC_THRESHOLD, *gc.get_threshold()[1:])
         r = tm.ready
+        phases["runtime"] = tm.start_time_s
+        phases["server"] = time.perf_counter() - serving_at - tm.start_time_s
+        scheduler = r.phases or {"load": r.load_time_s}
+        total = None if before_serve is None else before_serve + time.perf_counter() - entered
         logger.info(
-            "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens)",
+            "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens) %s",
             settings.host,
             settings.port,
             name,
@@ -383,9 +436,11 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             r.dtype,
             r.context_length,
             r.kv_capacity_tokens,
+            startup_summary(phases, scheduler, total),
         )
 
     app = create_app(state, on_ready=on_ready)
+    serving_at = time.perf_counter()
     try:
         run_server(
             app,

@@ -17,6 +17,7 @@ from braid.runtime.server.inputs import json_body, tokenize_prompts, validate_pr
 from braid.runtime.server.openapi import STREAMED, takes
 from braid.runtime.server.outputs import (
     GONE,
+    SSE_DONE,
     Choice,
     absorb,
     dumps,
@@ -150,7 +151,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 async for i, out in outs:
                     absorb(state, choices[i], out, time.perf_counter(), t0)
                     yield sse({"index": i, **native(i)})
-                yield "data: [DONE]\n\n"
+                yield SSE_DONE
 
             return event_stream(request, events())
 

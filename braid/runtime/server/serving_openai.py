@@ -21,14 +21,15 @@ from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.outputs import (
     GONE,
+    SSE_DONE,
     Choice,
+    ChunkEncoder,
     absorb,
     dumps,
     event_stream,
     finish_of,
     first_output,
     json_response,
-    sse,
     submit_all,
     unless_gone,
 )
@@ -161,17 +162,13 @@ class OpenAIResponse(abc.ABC):
         state, choices, req = self.state, self.choices, self.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choices_payload: list[dict[str, Any]], usage=None) -> str:
-            body = {
-                "id": self.rid,
-                "object": self.chunk_kind,
-                "created": self.created,
-                "model": state.served_model_name,
-                "choices": choices_payload,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return sse(body)
+        head = {
+            "id": self.rid,
+            "object": self.chunk_kind,
+            "created": self.created,
+            "model": state.served_model_name,
+        }
+        chunk = ChunkEncoder(head, include_usage).chunk
 
         outs = await unless_gone(request, first_output(streams))
         if outs is GONE:
@@ -221,7 +218,7 @@ class OpenAIResponse(abc.ABC):
                 yield chunk([item])
             if include_usage:
                 yield chunk([], _usage(choices, self.prompt_choice))
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return event_stream(request, events())
 

@@ -3,9 +3,15 @@
 It starts the scheduler and detokenizer processes with the `spawn` its creator hands it
 (`braid.runtime.launch.spawn_runtime`: the process entry points are known there, not here),
 sends tokenized requests to the scheduler over ZMQ, and routes the detokenizer's text deltas to
-one asyncio queue per request. The HTTP server and the offline `LLM` both sit on it. A child
+one collector per request. The HTTP server and the offline `LLM` both sit on it. A child
 process that dies fails every request in flight and calls `on_failure` (the server exits with
 the message).
+
+The detokenizer sends one message per scheduler step with every request's delta. Each
+collector wakes its reader at most once per message, and a reader that has not come back yet
+finds the deltas that arrived meanwhile merged into one (`merge_str_outs`): a busy front end
+then does its per-output work (an SSE chunk, a wake-up) once per reader turn, not once per
+token, so it cannot fall further behind the scheduler the more streams it serves.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import itertools
 import logging
 import random
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -56,10 +63,53 @@ class RuntimeDied(RuntimeError):
     """A runtime process died; the runtime cannot serve any more."""
 
 
+def merge_str_outs(a: StrOut, b: StrOut) -> StrOut:
+    """One output saying what `a` then `b` (two consecutive outputs of one sample) say: texts,
+    token ids and logprobs concatenated, counts and finish from `b`. `a` is changed in place
+    and returned."""
+    a.text += b.text
+    a.token_ids += b.token_ids
+    a.prompt_tokens, a.completion_tokens = b.prompt_tokens, b.completion_tokens
+    a.cached_tokens = b.cached_tokens
+    a.finish_reason, a.stop_reason, a.error = b.finish_reason, b.stop_reason, b.error
+    a.refused = b.refused
+    a.spec = b.spec if b.spec is not None else a.spec
+    if b.logprobs:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    if b.prompt_logprobs is not None:
+        a.prompt_logprobs = b.prompt_logprobs
+    if b.token_texts:
+        a.token_texts = {**(a.token_texts or {}), **b.token_texts}
+    return a
+
+
 @dataclass
 class _Pending:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """One sample's outputs not yet read: at most one (later ones merge into it; it is the
+    manager's own until `take` hands it over), and the reader's future while it waits."""
+
+    out: StrOut | None = None
+    waiter: asyncio.Future | None = None
     finished: bool = False
+
+    def put(self, out: StrOut) -> None:
+        if self.finished:  # nothing follows a sample's last output (a late failure notice)
+            return
+        self.out = out if self.out is None else merge_str_outs(self.out, out)
+        if out.finish_reason:
+            self.finished = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> StrOut:
+        while self.out is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        out, self.out = self.out, None
+        return out
 
 
 class TokenizerManager:
@@ -97,6 +147,7 @@ class TokenizerManager:
         # The scheduler's latest heartbeat and when it came (event-loop time).
         self.heartbeat: SchedulerHeartbeat | None = None
         self._beat_at = 0.0
+        self.start_time_s = 0.0  # how long `start` took: processes started, model loaded
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _start_processes(self) -> None:
@@ -106,6 +157,7 @@ class TokenizerManager:
 
     async def start(self, timeout: float = 600.0) -> SchedulerReady:
         """Start the processes and wait until the model is loaded."""
+        started = time.perf_counter()
         self._zctx = zmq.asyncio.Context()
         self._inbox = self._zctx.socket(zmq.PULL)
         self._inbox.bind(self.addrs.tokenizer)
@@ -130,6 +182,7 @@ class TokenizerManager:
             if loop.time() > deadline:
                 await self.shutdown()
                 raise RuntimeDied(f"the model did not load within {timeout:.0f} s")
+        self.start_time_s = time.perf_counter() - started
         self._tasks = [
             asyncio.create_task(self._recv_loop()),
             asyncio.create_task(self._watchdog()),
@@ -156,7 +209,7 @@ class TokenizerManager:
         self.failure = message
         logger.error("runtime failure: %s", message)
         for rid, p in list(self._pending.items()):
-            p.queue.put_nowait(StrOut(rid, "", [], 0, 0, 0, finish_reason="abort", error=message))
+            p.put(StrOut(rid, "", [], 0, 0, 0, finish_reason="abort", error=message))
         for fut in self._control.values():
             if not fut.done():
                 fut.set_exception(RuntimeDied(message))
@@ -204,12 +257,11 @@ class TokenizerManager:
                 logger.error("dropping a malformed message: %s", e)
                 continue
             if isinstance(msg, BatchStrOut):
+                pending = self._pending
                 for out in msg.outputs:
-                    p = self._pending.get(out.rid)
+                    p = pending.get(out.rid)
                     if p is not None:
-                        p.queue.put_nowait(out)
-                        if out.finish_reason:
-                            p.finished = True
+                        p.put(out)
             elif isinstance(msg, ControlOut):
                 fut = self._control.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
@@ -325,12 +377,14 @@ class TokenizerManager:
 
     async def stream(self, rid: str) -> AsyncIterator[StrOut]:
         """The outputs of one sample until it finishes (each `StrOut.rid` is its wire id).
-        Leaving early aborts it."""
+        Outputs that arrive while the reader is elsewhere come as one, merged
+        (`merge_str_outs`): the concatenated texts are the same either way. Leaving early
+        aborts it."""
         wire = self._wire[rid]
         p = self._pending[wire]
         try:
             while True:
-                out = await p.queue.get()
+                out = await p.take()
                 yield out
                 if out.finish_reason:
                     return

@@ -1,0 +1,142 @@
+"""The streamed path under load: a reader that lags gets the outputs that arrived meanwhile as
+one (texts, tokens and logprobs intact), many concurrent streams reassemble to the non-streamed
+answers, and start-up reports its phases and keeps Triton's kernels under braid's cache dir."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+
+import httpx
+import openai
+import pytest
+
+import braid
+from braid.runtime.server.launcher import start_server
+from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path, _ = build_tiny_constrained_model(tmp_path_factory.mktemp("tiny") / "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BRAID_CACHE_DIR", str(cache))
+        env.delenv("TRITON_CACHE_DIR", raising=False)
+        s = start_server(tmp_path_factory.mktemp("serve"), "--model", str(tiny_dir))
+    s.cache_dir = cache
+    yield s
+    s.stop()
+
+
+def _environ(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def test_lagging_reader_gets_the_outputs_since_its_last_read_as_one(tiny_dir):
+    with braid.LLM(str(tiny_dir), kv_tokens=4096, show_progress=False) as llm:
+        params = braid.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        expected = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0]
+
+        async def read_late() -> list:
+            tm = llm.tm
+            (rid,) = tm.submit("late", [5, 6, 7, 8], params)
+            pending = tm._pending[tm._wire[rid]]
+            for _ in range(1200):  # nothing is read until the sample has finished
+                if pending.finished:
+                    break
+                await asyncio.sleep(0.05)
+            return [out async for out in tm.stream(rid)]
+
+        outs = llm.run_coroutine(read_late()).result(60)
+    assert len(outs) == 1, [len(o.token_ids) for o in outs]
+    (out,) = outs
+    assert out.finish_reason == "length"
+    assert out.token_ids == list(expected.token_ids)
+    assert out.text == expected.text
+    assert out.completion_tokens == 24
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+
+
+def test_concurrent_streams_reassemble_to_the_whole_answers(tiny_server):
+    """64 streams at once on a model whose steps take about a millisecond: the front end lags,
+    so a chunk may carry several tokens; every stream still spells the non-streamed text, its
+    logprobs cover every token, and its usage counts them."""
+    url = f"{tiny_server.url}/v1"
+    n, max_tokens = 64, 48
+    prompts = [f"hello world {i} " * 3 for i in range(n)]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        common = dict(model="m", max_tokens=max_tokens, temperature=0, logprobs=1)
+        extra = {"ignore_eos": True}
+
+        async def streamed(p):
+            stream = await client.completions.create(
+                prompt=p,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+                **common,
+            )
+            text, tokens, chunks, usage, finish = "", [], 0, None, None
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    chunks += 1
+                    text += c.text
+                    if c.logprobs is not None:
+                        tokens += c.logprobs.tokens
+                    finish = c.finish_reason or finish
+            return text, tokens, chunks, usage, finish
+
+        results = await asyncio.gather(*(streamed(p) for p in prompts))
+        whole = await asyncio.gather(
+            *(client.completions.create(prompt=p, extra_body=extra, **common) for p in prompts)
+        )
+        await client.close()
+        return results, whole
+
+    results, whole = asyncio.run(run())
+    for (text, tokens, _, usage, finish), w in zip(results, whole):
+        assert text == w.choices[0].text
+        assert finish == "length"
+        assert usage.completion_tokens == max_tokens
+        assert "".join(tokens) == "".join(w.choices[0].logprobs.tokens)
+        assert len(tokens) == max_tokens
+
+
+def test_ready_line_reports_startup_phases(tiny_server):
+    line = next(x for x in tiny_server.log().splitlines() if "ready at http://" in x)
+    pattern = r"in ([\d.]+) s: imports ([\d.]+) s, tokenizer ([\d.]+) s, runtime ([\d.]+) s"
+    m = re.search(pattern, line)
+    assert m, line
+    total, *parts = map(float, m.groups())
+    assert 0 < sum(parts) <= total + 0.05
+    assert "(scheduler: load " in line
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_triton_cache_is_under_braids_cache_dir(tiny_server):
+    pids = httpx.get(f"{tiny_server.url}/get_server_info").json()["pids"]
+    want = f"TRITON_CACHE_DIR={tiny_server.cache_dir / 'triton'}".encode()
+    assert want in _environ(pids["scheduler"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_users_triton_cache_dir_is_kept(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    s = start_server(tmp_path, "--model", str(tiny_dir), kv_tokens=2048)
+    try:
+        pids = httpx.get(f"{s.url}/get_server_info").json()["pids"]
+        assert f"TRITON_CACHE_DIR={tmp_path / 'mine'}".encode() in _environ(pids["scheduler"])
+    finally:
+        s.stop()
