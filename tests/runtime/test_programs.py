@@ -72,6 +72,10 @@ def test_programs_are_named_by_id_or_session_root_and_learn_their_pauses():
     clock.now = 1000.0  # a 950 s pause: capped by max_ttl_s
     table.arrive(n2 := _req("c", session="prog-1"))
     assert table.pin_ttl(n2) == 100.0
+    n2.session_ttl_s = 7.5  # the client's own TTL wins over the adaptive one ...
+    assert table.pin_ttl(n2) == 7.5
+    n2.session_ttl_s = 500.0  # ... up to max_ttl_s
+    assert table.pin_ttl(n2) == 100.0
     assert table.stats()["programs_in_flight"] == 2.0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import openai
@@ -363,3 +364,48 @@ def test_strict_model_name_refuses_other_names():
     with pytest.raises(APIError, match="does not exist") as e:
         check_model(state, "gpt-5")
     assert e.value.status == 404
+
+
+def _metric(url: str, name: str, want: float) -> float:
+    """`name` in /metrics once it equals `want` (its gauges follow the scheduler's heartbeat),
+    else its value after 10 s."""
+    for _ in range(100):
+        text = httpx.get(f"{url}/metrics").text
+        (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+        if float(line.split()[1]) == want:
+            break
+        time.sleep(0.1)
+    return float(line.split()[1])
+
+
+def test_session_pin_ttl_over_http_shows_in_stats_and_metrics(server):
+    """A /generate with session_params {"id", "ttl"} pins its KV for that session: the pin and
+    the program show in /get_server_info and /metrics, and the pin expires after its TTL (a
+    session without a TTL stays pinned meanwhile)."""
+    url = server.url
+    wait_idle(url)
+    httpx.post(f"{url}/flush_cache").raise_for_status()
+    before = httpx.get(f"{url}/get_server_info").json()["stats"]
+    sp = {"max_new_tokens": 4, "temperature": 0}
+    short = {"text": "A short-lived session:", "sampling_params": sp}
+    r = httpx.post(f"{url}/generate", json={**short, "session_params": {"id": "ttl-1", "ttl": 1}})
+    assert r.status_code == 200, r.text
+    long = {"text": "A session that stays:", "sampling_params": sp, "session_id": "stays"}
+    assert httpx.post(f"{url}/generate", json=long).status_code == 200
+    stats = wait_idle(url)
+    assert stats["pinned_sessions"] == before["pinned_sessions"] + 2
+    assert stats["programs_known"] >= 2
+    assert stats["pinned_tokens"] > 0
+    for name in ("pinned_sessions", "pinned_tokens"):
+        assert _metric(url, f"braid_{name}", stats[name]) == stats[name]
+    for _ in range(100):
+        stats = httpx.get(f"{url}/get_server_info").json()["stats"]
+        if stats["pins_expired"] > before["pins_expired"]:
+            break
+        time.sleep(0.1)
+    assert stats["pins_expired"] == before["pins_expired"] + 1
+    assert stats["pinned_sessions"] == before["pinned_sessions"] + 1  # "stays" is still pinned
+    expired = stats["pins_expired"]
+    assert _metric(url, "braid_pins_expired_total", expired) == expired
+    close = httpx.post(f"{url}/close_session", json={"session_id": "stays"})
+    assert close.status_code == 200

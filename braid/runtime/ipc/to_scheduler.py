@@ -33,6 +33,8 @@ class GenerateReq:
     `ControlReq("close_session", session_id)`.
     `program_id`: the program run it belongs to (default: the root of `session_id`), for
     program-aware scheduling (`scheduler/programs.py`).
+    `session_ttl_s`: how long the session's pin lasts after this request (capped by the
+    `session_ttl_s` setting); None: as long as the program's pauses suggest (`pin_ttl`).
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
     `grammar_after`: the output constraint (if any) applies only once the output has ended
     with these tokens (a reasoning model's end of thinking); empty: from the first token.
@@ -50,6 +52,7 @@ class GenerateReq:
     grammar_after: list[int] = field(default_factory=list)
     grammar_open: int | None = None
     program_id: str | None = None
+    session_ttl_s: float | None = None
 
 
 @dataclass

@@ -137,6 +137,7 @@ class SchedulerLoop:
         in flight with that error; the scheduler keeps serving."""
         s = self.scheduler
         if not s.has_work:
+            s.expire()  # session pins reach their TTL while nothing runs too
             return []
         try:
             outs = s.step()

@@ -107,7 +107,10 @@ class ProgramTable:
     def pin_ttl(self, req: Req) -> float:
         """How long the KV of `req`'s program stays pinned after this call: PIN_TTL_FACTOR x
         its longest recent pause between calls (at least PIN_TTL_MIN_S), PIN_TTL_FIRST_S
-        before any pause is known; never more than `max_ttl_s`."""
+        before any pause is known; the request's own `session_ttl_s` where the client set
+        one; never more than `max_ttl_s`."""
+        if req.session_ttl_s is not None:
+            return min(req.session_ttl_s, self.max_ttl_s)
         p = self.get(req)
         if p is None or not p.pauses:
             return min(PIN_TTL_FIRST_S, self.max_ttl_s)

@@ -82,6 +82,7 @@ class Req:
     stop_token: int | None = None
     session_id: str | None = None  # the program session whose KV stays pinned after it
     program_id: str | None = None  # the program run it belongs to (see `programs.py`)
+    session_ttl_s: float | None = None  # the client's TTL for its session pin (else adaptive)
     waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
     # The prompt's images, in order, and where each one's tokens start in `input_ids`.
@@ -180,6 +181,7 @@ class Req:
             max_new_tokens=max_new,
             session_id=msg.session_id,
             program_id=msg.program_id,
+            session_ttl_s=msg.session_ttl_s,
             grammar_after=tuple(msg.grammar_after),
             grammar_open=msg.grammar_open if msg.grammar_after else None,
             images=images,

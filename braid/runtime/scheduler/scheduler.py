@@ -205,12 +205,16 @@ class Scheduler:
         return outs
 
     # ---- the step -------------------------------------------------------------------------
+    def expire(self) -> None:
+        """Release the session pins past their TTL and forget the programs idle too long."""
+        self.kv.sessions.expire()
+        self.programs.expire()
+
     def step(self) -> list[TokenOut]:
         """Run one step and return what each request in it gained (plus requests that failed
         while scheduling). With `overlap`, a decode step's tokens come out of the next call,
         which first queues the decode after it when nothing else should run next."""
-        self.kv.sessions.expire()
-        self.programs.expire()
+        self.expire()
         outs = self._poll_grammars()
         launched, self._launched = self._launched, None
         if launched is not None:

@@ -78,9 +78,20 @@ class ServerMetrics:
                 "spec_accept_length",
                 "Speculative decoding: mean tokens a request gains per decode step.",
             ),
+            ("braid_programs_in_flight", "programs_in_flight", "Programs with a request running."),
+            ("braid_programs_known", "programs_known", "Programs the scheduler keeps track of."),
+            ("braid_pinned_sessions", "pinned_sessions", "Program sessions holding a KV pin."),
+            ("braid_pinned_tokens", "pinned_tokens", "KV slots pinned for program sessions."),
         ]
         rows += [(name, "gauge", text, scheduler.get(stat, 0)) for name, stat, text in gauges]
-        spec = [  # (metric, scheduler stat, help): counters kept by the scheduler
+        counters = [  # (metric, scheduler stat, help): counters kept by the scheduler
+            ("braid_programs_ended_total", "programs_ended", "Programs ended or forgotten."),
+            ("braid_pins_expired_total", "pins_expired", "Session pins released by their TTL."),
+            (
+                "braid_pins_released_for_room_total",
+                "pins_released_for_room",
+                "Session pins released early to make room for running requests.",
+            ),
             (
                 "braid_spec_draft_tokens_total",
                 "spec_draft_tokens",
@@ -92,7 +103,7 @@ class ServerMetrics:
                 "Speculative decoding: draft tokens kept.",
             ),
         ]
-        rows += [(name, "counter", text, scheduler.get(stat, 0)) for name, stat, text in spec]
+        rows += [(name, "counter", text, scheduler.get(stat, 0)) for name, stat, text in counters]
         lines = []
         for name, kind, text, value in rows:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -33,6 +33,7 @@ def submit_all(
     session_id: str | None = None,
     images: list[list[ImageInput]] | None = None,
     grammar_waits: list[tuple[list[int], int | None]] | None = None,
+    session_ttl_s: float | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
     of prompt i and `grammar_waits[i]` what its constraint waits for (`GenerateReq`'s
@@ -47,6 +48,7 @@ def submit_all(
                 session_id=session_id,
                 images=images[i] if images else None,
                 grammar_wait=grammar_waits[i] if grammar_waits else None,
+                session_ttl_s=session_ttl_s,
             )
     except BaseException:
         for r in rids:

@@ -310,6 +310,20 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: bool = True
 
 
+# A session pin's time-to-live in seconds (the server caps it at its --session-ttl-s).
+SessionTTL = Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
+
+
+class SessionParams(_Body):
+    """SGLang's `session_params`, as far as braid keeps sessions: the session's id and its pin's
+    TTL. SGLang's other keys (rid, offset, replace, drop_previous_output) continue a session
+    from one of its requests, which braid does not do: they are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    ttl: SessionTTL | None = None
+
+
 class GenerateRequest(_Body):
     """SGLang's native /generate body."""
 
@@ -326,6 +340,11 @@ class GenerateRequest(_Body):
     rid: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    # How long the session keeps this request's KV after it (default: twice the longest pause
+    # between the program's calls so far, 30 s before any; at most --session-ttl-s).
+    session_ttl: SessionTTL | None = None
+    # The same as session_id and session_ttl, SGLang's way: {"id": ..., "ttl": ...}.
+    session_params: SessionParams | None = None
     # Images (URL, data URL or base64; a list per prompt for a batch), one per image
     # placeholder in the text (`image_placeholder` of /get_model_info), in order.
     image_data: Text | list[Text] | list[list[Text]] | None = Field(

@@ -34,10 +34,25 @@ from braid.runtime.server.protocol import GenerateRequest, native_sampling_param
 from braid.runtime.server.state import ServerState
 
 
+def session_of(req: GenerateRequest) -> tuple[str | None, float | None]:
+    """The request's session id and pin TTL, from session_id / session_ttl or SGLang's
+    session_params (not both)."""
+    if req.session_params is not None:
+        if req.session_id is not None or req.session_ttl is not None:
+            raise APIError(
+                400, "give session_params or session_id / session_ttl, not both", "session_params"
+            )
+        return req.session_params.id, req.session_params.ttl
+    if req.session_ttl is not None and req.session_id is None:
+        raise APIError(400, "session_ttl needs a session_id", "session_ttl")
+    return req.session_id, req.session_ttl
+
+
 def add_routes(app: FastAPI, state: ServerState) -> None:
     def prepare_generate(req: GenerateRequest):
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
+        session_of(req)
         single = isinstance(req.text, str) or (
             req.input_ids is not None and all(isinstance(t, int) for t in req.input_ids)
         )
@@ -88,12 +103,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+        session_id, session_ttl = session_of(req)
         streams = submit_all(
             state,
             [(rid, ids) for rid, (_, ids) in zip(rids, prompts)],
             params,
-            req.session_id,
+            session_id,
             images,
+            session_ttl_s=session_ttl,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
         sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]

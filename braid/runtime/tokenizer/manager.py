@@ -337,13 +337,20 @@ class TokenizerManager:
         session_id: str | None = None,
         images: list[ImageInput] | None = None,
         grammar_wait: tuple[list[int], int | None] | None = None,
+        session_ttl_s: float | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
-        With `session_id`, each finished sample's sequence is pinned for that program session.
+        With `session_id`, each finished sample's sequence is pinned for that program session,
+        for `session_ttl_s` seconds if given (else as long as the program's pauses suggest).
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`)."""
         self._check_alive()
+        if session_ttl_s is not None:
+            if session_id is None:
+                raise ValueError("session_ttl_s needs a session_id")
+            if not session_ttl_s > 0 or session_ttl_s == float("inf"):
+                raise ValueError(f"session_ttl_s must be a positive number, got {session_ttl_s!r}")
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
             if srid in self._wire:
@@ -363,6 +370,7 @@ class TokenizerManager:
                         images or [],
                         list(grammar_wait[0]) if grammar_wait else [],
                         grammar_wait[1] if grammar_wait else None,
+                        session_ttl_s=session_ttl_s,
                     )
                 )
                 for k, wire in enumerate(wires)
