@@ -20,7 +20,8 @@ def served(tmp_path_factory):
     """One `braid serve` (SmolLM2, 8192 KV tokens) for every module of tests/lang: starting one
     costs 10-15 s of the 2 CI cores. A test that uses it leaves it idle (nothing running or
     queued) and changes no setting, so what a module asserts does not depend on which modules
-    ran before it."""
-    s = start_server(tmp_path_factory.mktemp("lang-serve"))
+    ran before it. It serves the float model (`--dequantize-gguf`), as the session's engine
+    does, so that a program gives the same tokens on every backend."""
+    s = start_server(tmp_path_factory.mktemp("lang-serve"), "--dequantize-gguf")
     yield s
     s.stop()
