@@ -236,8 +236,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=64, help="client threads of the plain path")
     ap.add_argument("--session-kv-tokens", type=int, default=1024)
     ap.add_argument("--only-sessions", action="store_true", help="just the sessions A/B")
+    ap.add_argument(
+        "--agent-traffic",
+        action="store_true",
+        help="just the agent-traffic comparison of scheduling policies: benchmarks/agents.py, "
+        "which takes the arguments this parser does not know (--programs, --rates, ...)",
+    )
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if rest and not args.agent_traffic:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.agent_traffic:
+        import agents
+
+        sys.argv = [sys.argv[0], *rest] + (["--out", args.out] if args.out else [])
+        agents.main()
+        return
     if args.only_sessions:
         print("sessions", sessions_ab(args.agents, args.session_kv_tokens))
         return

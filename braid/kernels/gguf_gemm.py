@@ -35,6 +35,7 @@ from braid.kernels._checks import (
     dot_precision,
 )
 from braid.kernels.gguf_reference import KernelPlanes, gguf_linear_reference
+from braid.kernels.quant_gemm import _bench, _row_class
 
 __all__ = ["gguf_linear", "gguf_linear_reference"]
 
@@ -124,12 +125,6 @@ def _gguf_kernel(
     tl.store(out, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _row_class(m: int) -> int:
-    if m == 1:
-        return 1
-    return 16 if m <= 16 else 64 if m <= 64 else 128
-
-
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per row class; BLOCK_K is the group
 # size on the tl.dot path (the 0 here), a multiple of it on the one-row path.
 SHAPES = {
@@ -159,12 +154,6 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     for m, bn, bk, warps, stages in SHAPES[rows]:
         keep.append(_config(m, bn, bk if rows == 1 else group, warps, stages))
     return keep
-
-
-def _bench(kernel_call, quantiles):
-    from triton.testing import do_bench
-
-    return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
 if triton.knobs.runtime.interpret:

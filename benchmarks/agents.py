@@ -1,0 +1,195 @@
+"""Agent traffic (issue 23): ReAct-style braid programs arriving as a Poisson process, each
+step a `gen` then a simulated tool call, on a KV pool small enough that programs compete for
+it. Program completion time (arrival to end) p50/p99 and program throughput per scheduling
+setup, all in one run:
+
+- fcfs, lpm: SGLang's policies, no pins (SGLang keeps nothing for a program between calls);
+- program: least attained service per program, with aging (`--schedule-policy program`);
+- program+pins: the same, each program's KV pinned across its tool calls for a TTL that
+  follows how long its tool calls take (program sessions).
+
+First the unloaded latency (one program alone, lpm); then lpm at each `--rates` until its p99
+exceeds 4x that; the four setups are compared at that rate (the issue's load point).
+
+    python benchmarks/programs.py --agent-traffic            # via programs.py
+    python benchmarks/agents.py --programs 64 --rates 1,2,3   # directly
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+import braid as sgl  # noqa: E402
+from braid.lang.backends.engine import EngineBackend  # noqa: E402
+
+SYSTEM = (
+    "You are a research agent. You answer a question by thinking, then calling one tool, then "
+    "reading what it returns, until you know the answer. Tools: search[query] looks up a "
+    "short encyclopedia entry; lookup[term] finds a sentence in the last entry; finish[answer] "
+    "ends the task. Keep each thought to one short sentence. Here is an example. Question: "
+    "which river flows through the capital of Austria? Thought 1: I need the capital of "
+    "Austria. Action 1: search[Austria]. Observation 1: Austria is a country in Central "
+    "Europe; its capital is Vienna. Thought 2: Now the river of Vienna. Action 2: "
+    "search[Vienna]. Observation 2: Vienna lies on the Danube. Action 3: finish[the Danube].\n"
+)
+TOPICS = ["glaciers", "volcanoes", "coral reefs", "deserts", "rainforests", "tundra", "estuaries"]
+THOUGHT_TOKENS = 12
+
+
+@sgl.function
+def react(s, task, tools_ms):
+    s += SYSTEM + f"Question: {task}\n"
+    for k, ms in enumerate(tools_ms):
+        s += f"Thought {k + 1}:"
+        s += sgl.gen(f"thought{k}", max_tokens=THOUGHT_TOKENS, temperature=0, ignore_eos=True)
+        s += f"\nAction {k + 1}: search["
+        s[f"thought{k}"]  # the agent reads its thought to pick the tool call (waits for it)
+        time.sleep(ms / 1000)  # the tool call
+        s += f"{TOPICS[k % len(TOPICS)]}]\nObservation {k + 1}: "
+        s += f"An entry about {TOPICS[(k + len(task)) % len(TOPICS)]} and how they form. " * 2
+        s += "\n"
+
+
+def workload(n: int, rate: float, seed: int) -> list[tuple[float, dict]]:
+    """(arrival time, program arguments) of `n` programs at `rate` per second (Poisson), 3-8
+    steps each, tool calls of 50-500 ms."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        steps = rng.randint(3, 8)
+        task = f"what do {rng.choice(TOPICS)} have to do with {rng.choice(TOPICS)} (case {i})?"
+        out.append((t, {"task": task, "tools_ms": [rng.randint(50, 500) for _ in range(steps)]}))
+    return out
+
+
+def run_traffic(backend, programs: list[tuple[float, dict]], pins: bool) -> dict:
+    """Start each program at its arrival time (a thread each); completion times."""
+    react.sessions = pins
+    done: list[float] = [0.0] * len(programs)
+    errors: list[str] = []
+    t0 = time.perf_counter()
+
+    def one(i: int, at: float, kwargs: dict) -> None:
+        delay = at - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        start = time.perf_counter()
+        try:
+            react.run(backend=backend, **kwargs)
+        except Exception as e:  # report, never hide
+            errors.append(f"{type(e).__name__}: {e}")
+        done[i] = time.perf_counter() - start
+
+    threads = [
+        threading.Thread(target=one, args=(i, at, kw), daemon=True)
+        for i, (at, kw) in enumerate(programs)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    react.sessions = True
+    if errors:
+        raise RuntimeError(f"{len(errors)} programs failed, first: {errors[0]}")
+    ordered = sorted(done)
+    return {
+        "programs": len(programs),
+        "p50_s": round(statistics.median(ordered), 3),
+        "p99_s": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+        "mean_s": round(statistics.fmean(ordered), 3),
+        "wall_s": round(wall, 2),
+        "programs_per_s": round(len(programs) / wall, 3),
+    }
+
+
+SETUPS = {  # name -> (schedule_policy, program pins)
+    "fcfs": ("fcfs", False),
+    "lpm": ("lpm", False),
+    "program": ("program", False),
+    "program+pins": ("program", True),
+}
+
+
+def measure(model: str | None, kv_tokens: int, policy: str, programs, pins: bool) -> dict:
+    with sgl.LLM(model, kv_tokens=kv_tokens, schedule_policy=policy, show_progress=False) as llm:
+        backend = EngineBackend(llm)
+        react.run(backend=backend, task="warm up", tools_ms=[1])  # imports, first forwards
+        llm.flush_cache()
+        before = llm.stats()
+        row = run_traffic(backend, programs, pins)
+        after = llm.stats()
+        row["prefill_tokens_computed"] = int(
+            after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+        )
+        row["retractions"] = int(after["retractions"] - before["retractions"])
+        row["pins_expired"] = int(after.get("pins_expired", 0) - before.get("pins_expired", 0))
+        return row
+
+
+def agent_traffic(
+    model: str | None, n: int, rates: list[float], kv_tokens: int, seed: int = 0
+) -> dict:
+    alone = measure(model, kv_tokens, "lpm", workload(1, 1.0, seed), False)
+    unloaded = alone["p50_s"]
+    print(f"agents: unloaded program latency {unloaded:.2f} s", flush=True)
+    sweep, chosen = [], rates[-1]
+    for rate in rates:
+        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed), False)
+        row["rate"] = rate
+        sweep.append(row)
+        print(f"agents: lpm at {rate}/s: {row}", flush=True)
+        if row["p99_s"] > 4 * unloaded:
+            chosen = rate
+            break
+    programs = workload(n, chosen, seed)
+    setups = {}
+    for name, (policy, pins) in SETUPS.items():
+        if name == "lpm" and sweep[-1]["rate"] == chosen:
+            setups[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
+        else:
+            setups[name] = measure(model, kv_tokens, policy, programs, pins)
+        print(f"agents: {name} at {chosen}/s: {setups[name]}", flush=True)
+    lpm_p50 = setups["lpm"]["p50_s"]
+    for row in setups.values():
+        row["p50_vs_lpm"] = round(lpm_p50 / row["p50_s"], 2)
+    return {
+        "programs": n,
+        "kv_tokens": kv_tokens,
+        "unloaded_s": unloaded,
+        "lpm_sweep": sweep,
+        "rate": chosen,
+        "setups": setups,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--programs", type=int, default=64)
+    ap.add_argument("--rates", default="0.5,1,2,4", help="programs per second, tried in order")
+    ap.add_argument("--kv-tokens", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    res = agent_traffic(args.model, args.programs, rates, args.kv_tokens)
+    write_result("agents", "cpu", args.out, res)
+    for name, row in res["setups"].items():
+        print(
+            f"{name:>13}: p50 {row['p50_s']:.2f} s  p99 {row['p99_s']:.2f} s  "
+            f"{row['programs_per_s']:.2f} programs/s  p50 vs lpm {row['p50_vs_lpm']}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
