@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import random
@@ -209,6 +210,13 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=None, help="default: what the runs need")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each path (best kept)")
     ap.add_argument("--server-args", default="", help="extra `braid serve` flags")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="a config under benchmarks/configs (e.g. llama-3.1-8b) with --tokenizer's files",
+    )
+    ap.add_argument("--tokenizer", type=Path, default=None, help="default: the embedded model's")
+    ap.add_argument("--load-format", default=None, help="e.g. dummy: random weights")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -222,6 +230,13 @@ def main() -> None:
     if args.proxy:
         model = str(build_proxy(Path(tempfile.gettempdir()) / "braid-serving-proxy"))
         vocab = 500
+    elif args.config:
+        from benchmarks.structured_gpu import embedded_tokenizer_dir, model_dir
+
+        tok = args.tokenizer or embedded_tokenizer_dir()
+        out = Path(tempfile.mkdtemp()) / args.config
+        model = str(model_dir(args.config, tok, out))
+        vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     most = max(args.num_prompts or c for c in concurrencies)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(most)]
@@ -229,8 +244,34 @@ def main() -> None:
     engine_args = {"kv_tokens": kv}
     if args.proxy:
         engine_args["max_running_requests"] = max(concurrencies)
+    if args.load_format:
+        engine_args["load_format"] = args.load_format
 
     runs: list[dict] = []
+    # Offline first, then the server (its ready line, with its start-up phases, is printed).
+    if "offline" in modes:
+        with braid.LLM(model, **engine_args, show_progress=False) as llm:
+            sp = braid.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+            llm.generate(prompts[:4], braid.SamplingParams(max_tokens=4), use_tqdm=False)
+            for c in concurrencies:
+                batch = prompts[: args.num_prompts or c]
+                walls = []
+                for _ in range(args.repeats):
+                    llm.flush_cache()  # as for the served runs: no run hits an earlier one
+                    t0 = time.perf_counter()
+                    llm.generate(batch, sp, use_tqdm=False)
+                    walls.append(time.perf_counter() - t0)
+                wall = min(walls)
+                runs.append(
+                    {
+                        "concurrency": c,
+                        "mode": "offline",
+                        "num_prompts": len(batch),
+                        "wall_s": wall,
+                        "output_tok_s": len(batch) * args.output_len / wall,
+                    }
+                )
+                print_run(runs[-1])
     served_modes = [m for m in modes if m != "offline"]
     server = None
     url = args.url
@@ -239,9 +280,13 @@ def main() -> None:
             extra = ["--model", model] if model else []
             if "max_running_requests" in engine_args:
                 extra += ["--max-running-requests", str(engine_args["max_running_requests"])]
+            if args.load_format:
+                extra += ["--load-format", args.load_format]
             extra += args.server_args.split()
-            server = start_server(tempfile.mkdtemp(), *extra, kv_tokens=kv)
+            server = start_server(tempfile.mkdtemp(), *extra, kv_tokens=kv, timeout=600)
             url = server.url
+            ready = [x for x in server.log().splitlines() if "ready at http://" in x]
+            print(ready[-1] if ready else "no ready line", flush=True)
         info = httpx.get(f"{url}/get_server_info").json()
         device = info["device"].split(":")[0]
         procs = _server_procs(server.proc.pid) if server is not None else {}
@@ -266,29 +311,6 @@ def main() -> None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if "offline" in modes:
-        with braid.LLM(model, **engine_args, show_progress=False) as llm:
-            sp = braid.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-            llm.generate(prompts[:4], braid.SamplingParams(max_tokens=4), use_tqdm=False)
-            for c in concurrencies:
-                batch = prompts[: args.num_prompts or c]
-                walls = []
-                for _ in range(args.repeats):
-                    llm.flush_cache()  # as for the served runs: no run hits an earlier one
-                    t0 = time.perf_counter()
-                    llm.generate(batch, sp, use_tqdm=False)
-                    walls.append(time.perf_counter() - t0)
-                wall = min(walls)
-                runs.append(
-                    {
-                        "concurrency": c,
-                        "mode": "offline",
-                        "num_prompts": len(batch),
-                        "wall_s": wall,
-                        "output_tok_s": len(batch) * args.output_len / wall,
-                    }
-                )
-                print_run(runs[-1])
     offline = {r["concurrency"]: r["output_tok_s"] for r in runs if r["mode"] == "offline"}
     for r in runs:
         if r["mode"] != "offline" and r["concurrency"] in offline:
