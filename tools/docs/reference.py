@@ -9,8 +9,10 @@ the docs are built, so they cannot drift from the code.
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 METHODS = ("get", "head", "post", "put", "patch", "delete")
@@ -62,9 +64,9 @@ def _type(s: dict[str, Any]) -> str:
     if "allOf" in s and len(s["allOf"]) == 1:
         return _type(s["allOf"][0])
     if "const" in s:
-        return f"`{s['const']!r}`"
+        return f"`{json.dumps(s['const'])}`"
     if "enum" in s:
-        return " \\| ".join(f"`{v!r}`" for v in s["enum"])
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in s["enum"])
     t = s.get("type")
     if t == "array":
         return f"list[{_type(s.get('items', {}))}]"
@@ -89,7 +91,7 @@ def _schema_section(name: str, s: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for field, fs in props.items():
-        default = f"`{fs['default']!r}`" if "default" in fs else ""
+        default = f"`{json.dumps(fs['default'])}`" if "default" in fs else ""
         desc = _cell(_escape(fs.get("description", "")))
         req = "yes" if field in required else ""
         lines.append(f"| `{field}` | {_type(fs)} | {req} | {_cell(default)} | {desc} |")
@@ -217,6 +219,22 @@ def _signature(obj: Any) -> str | None:
     return str(sig.replace(parameters=params, return_annotation=bare(sig.return_annotation)))
 
 
+def _wrapped(name: str, sig: str) -> str:
+    """`name(sig)`, one parameter a line when it is long."""
+    if len(name) + len(sig) <= 96:
+        return name + sig
+    close = sig.rindex(")")
+    params, depth, start = [], 0, 1
+    for i, ch in enumerate(sig[:close]):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 1:
+            params.append(sig[start:i].strip())
+            start = i + 1
+    params.append(sig[start:close].strip())
+    return name + "(\n" + "".join(f"    {p},\n" for p in params) + ")" + sig[close + 1 :]
+
+
 def _doc(obj: Any) -> list[str]:
     doc = inspect.getdoc(obj)
     if not doc or (inspect.isclass(obj) and doc.startswith(obj.__name__ + "(")):
@@ -259,7 +277,7 @@ def render_python_api() -> str:
         ]
         sig = _signature(obj) if callable(obj) else None
         if sig is not None:
-            out += ["```python", f"{name}{sig}", "```", ""]
+            out += ["```python", _wrapped(name, sig), "```", ""]
         out += _doc(obj if callable(obj) and not inspect.isclass(type(obj)) else obj)
         if inspect.isclass(obj):
             out += _methods(obj)
@@ -289,6 +307,7 @@ def _first_line(obj: Any) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's braid
     which = sys.argv[1] if len(sys.argv) == 2 else ""
     if which == "server":
         print(render_server_api(server_openapi()))
