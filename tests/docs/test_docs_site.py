@@ -1,6 +1,7 @@
 """The docs site's sources: the nav covers every page, every plot is drawn from the committed
-results (and a missing input is skipped, not faked), the diagram spec reads, and the server
-reference is generated from the document a running server serves.
+results (and a missing input is skipped, not faked), the diagram spec reads, the server
+reference is generated from the document a running server serves, and the quickstarts'
+self-contained examples run.
 
 `make test` also builds the whole site with `mkdocs build --strict`; these tests hold the
 parts that build cannot see.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -162,3 +164,29 @@ def test_server_reference_is_the_document_a_running_server_serves(tmp_path, refe
             assert f"### {method.upper()} `{path}`" in page
     for name in served["components"]["schemas"]:
         assert f"### {name} {{#" in page
+
+
+def _runnable_quickstart_blocks() -> list[tuple[str, str]]:
+    """(page, code) of each Python block in a quickstart that runs on its own: it starts
+    braid's runtime on the embedded model (the others need a server or a vision model)."""
+    found = []
+    for page in sorted((DOCS / "quickstart").glob("*.md")):
+        for code in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            if re.search(r"braid\.(LLM|Engine)\(\)", code):
+                found.append((page.name, code))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page,code", _runnable_quickstart_blocks(), ids=lambda x: x if x.endswith(".md") else ""
+)
+def test_quickstart_example_runs_on_the_embedded_model(tmp_path, page, code):
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's braid
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, f"{page}: {run.stderr[-2000:]}"
+    assert run.stdout.strip(), f"{page}: printed nothing"
