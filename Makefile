@@ -8,7 +8,7 @@ STAMP := $(VENV)/.braid-setup
 # torch would pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: setup demo test lint bench clean-venv
+.PHONY: setup demo test lint bench docs docs-serve clean-venv
 
 setup: $(STAMP)
 
@@ -30,16 +30,27 @@ demo: setup
 	$(PY) examples/offline_batch.py
 
 test: setup
-	$(VENV)/bin/ruff check braid tests benchmarks examples
+	$(VENV)/bin/ruff check braid tests benchmarks examples tools
+	@# The docs site, built strictly into a temporary dir: a broken link or anchor, or a page
+	@# left out of the nav, fails here.
+	@d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $$d; \
+		rc=$$?; rm -rf $$d; exit $$rc
 	$(PY) -m pytest -q -m "not gpu" --durations=30 tests
 
 lint: setup
-	$(VENV)/bin/ruff check braid tests benchmarks examples
-	$(VENV)/bin/ruff format --check braid tests benchmarks examples
+	$(VENV)/bin/ruff check braid tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check braid tests benchmarks examples tools
 
 bench: setup
 	$(PY) benchmarks/load_time.py
 	$(PY) benchmarks/offline_throughput.py --batch-sizes 1,16 --input-len 128 --output-len 64
+
+# The docs site into site/ (open site/index.html); `docs-serve` rebuilds it on every edit.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 clean-venv:
 	rm -rf $(VENV)
