@@ -1,0 +1,51 @@
+"""The agent-traffic benchmark (benchmarks/agents.py) at toy size: every setup runs every
+program to its end and the comparison is written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_agent_traffic_runs_every_setup(tmp_path):
+    model, _ = build_tiny_constrained_model(tmp_path / "tiny")
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # a ReAct program's context outgrows 512
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "agents.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/programs.py",
+            "--agent-traffic",
+            "--model",
+            str(model),
+            "--programs",
+            "3",
+            "--rates",
+            "50",
+            "--kv-tokens",
+            "8192",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins"}
+    for name, row in res["setups"].items():
+        assert row["programs"] == 3, name
+        assert 0 < row["p50_s"] <= row["p99_s"], (name, row)
+        assert row["prefill_tokens_computed"] > 0, (name, row)
+    assert res["setups"]["lpm"]["p50_vs_lpm"] == 1.0
+    assert res["unloaded_s"] > 0 and res["lpm_sweep"][0]["rate"] == 50.0
