@@ -79,13 +79,23 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(state.allowed_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],  # the openai JS client sends its x-stainless-* headers
         )
     _add_error_handlers(app)
     for api in _APIS:
         api.add_routes(app, state)
     return app
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods the app's routes serve on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex, served = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and served and regex.match(request.url.path):
+            methods |= served
+    return sorted(methods)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -98,6 +108,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         response = error_response(exc.status_code, message)
         response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route on the path; a path served by
+            # several routes (GET and DELETE /v1/responses/{id}) allows all of theirs.
+            response.headers["Allow"] = ", ".join(_allowed(request))
         return response
 
     @app.exception_handler(RequestValidationError)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from braid.runtime.server.guard import APIError
+from braid.runtime.server.inputs import _validation_error
 from braid.runtime.server.protocol import (
     ChatCompletionRequest,
     Int,
@@ -271,6 +272,9 @@ def chat_request(
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"):
         fields[name] = getattr(body, name)
     fields["stop"], fields["regex"] = body.stop, body.regex
-    return ChatCompletionRequest.model_validate(
-        {k: v for k, v in fields.items() if v is not None}, strict=False
-    )
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in fields.items() if v is not None}, strict=False
+        )
+    except ValidationError as e:
+        raise _validation_error(e) from None

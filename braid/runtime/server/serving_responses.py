@@ -57,14 +57,19 @@ from braid.runtime.server.serving_chat import (
     build_chat,
 )
 from braid.runtime.server.state import ServerState
+from braid.runtime.tokenizer.manager import RuntimeDied
 
+_MISSING = {
+    "description": "no stored response has this id",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
 _FOUND = {
     200: {"description": "the stored response", "content": {"application/json": {}}},
-    404: {"description": "no stored response has this id"},
+    404: _MISSING,
 }
 _DELETED = {
     200: {"description": "deleted", "content": {"application/json": {}}},
-    404: {"description": "no stored response has this id"},
+    404: _MISSING,
 }
 
 
@@ -98,11 +103,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             chat = await build_chat(state, chat_request(body, history, messages))
         except APIError as e:
             raise _in_responses_terms(e) from None
-        run = ResponseRun(state, body, chat, history + messages, store() if body.store else None)
+        kept = await asyncio.to_thread(store) if body.store else None
+        run = ResponseRun(state, body, chat, history + messages, kept)
         return await run.respond(request)
 
     @app.get("/v1/responses/{response_id}", responses=_FOUND)
-    async def retrieve(response_id: str):
+    async def retrieve(response_id: str, stream: bool = False):
+        if stream:
+            raise APIError(
+                400, "stream: replaying a stored response's events is not supported", "stream"
+            )
         found = await asyncio.to_thread(store().get, response_id)
         if found is None:
             raise _not_found(response_id)
@@ -275,6 +285,8 @@ class ResponseRun:
         if await unless_gone(request, collect()) is GONE:
             return Response(status_code=499)
         chat, c = self.chat, self.choice
+        if c.error and self.state.tm.failure:
+            raise RuntimeDied(self.state.tm.failure)
         reasoning = chat.reasoning(chat.prompts[0][0]) if chat.reasoning is not None else None
         message, _ = _chat_message(c, chat.plan, reasoning)
         output: list[dict[str, Any]] = []
