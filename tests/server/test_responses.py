@@ -122,6 +122,7 @@ def test_stream_is_the_typed_event_sequence_of_the_whole_response(client):
     assert text == done.text == final.output_text == whole.output_text
     assert final.status == whole.status == "completed"
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored too
     assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
 
 
@@ -371,7 +372,17 @@ def test_stored_responses_get_and_delete(client, server, store_path):
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "word " * 9000}, "input"),
+        (
+            {"text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+            "input[0].output",
+        ),
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
         ({"conversation": "conv_1"}, "conversation"),
     ],
 )

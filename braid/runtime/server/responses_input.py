@@ -77,6 +77,8 @@ class ResponsesRequest(_Body):
 
     def refusals(self) -> None:
         """An `APIError` for the first field whose value braid cannot honour."""
+        if self.temperature is not None and self.temperature > 2:
+            _refuse("temperature", f"{self.temperature} is above 2 (OpenAI's range is 0 to 2)")
         if self.background:
             _refuse("background", "background responses are not supported; leave it false")
         if self.conversation is not None:

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from braid.runtime.function_call.base import ContentDelta, ToolCallDelta, ToolCallStream
 from braid.runtime.models.source import cache_root
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import check_model, json_body
+from braid.runtime.server.inputs import check_model, json_body, param_of
 from braid.runtime.server.openapi import STREAMED, takes
 from braid.runtime.server.outputs import (
     GONE,
@@ -80,6 +80,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         path = state.server_args.get("response_store") or cache_root() / "responses.sqlite3"
         return ResponseStore(path, state.server_args.get("response_store_size") or 10_000)
 
+    async def stored(method: str, response_id: str) -> Any:
+        """`store().<method>(response_id)`, on a worker thread (SQLite blocks)."""
+        return await asyncio.to_thread(lambda: getattr(store(), method)(response_id))
+
     @app.post("/v1/responses", openapi_extra=takes(ResponsesRequest), responses=STREAMED)
     async def create(
         request: Request, body: Annotated[ResponsesRequest, json_body(ResponsesRequest)]
@@ -91,7 +95,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         messages = input_messages(body)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            found = await asyncio.to_thread(store().messages, body.previous_response_id)
+            found = await stored("messages", body.previous_response_id)
             if found is None:
                 raise APIError(
                     400,
@@ -99,13 +103,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                     "previous_response_id",
                 )
             history = found
+        kept = await asyncio.to_thread(store) if body.store else None
         try:
             chat = await build_chat(state, chat_request(body, history, messages))
+            run = ResponseRun(state, body, chat, history + messages, kept)
+            return await run.respond(request)  # a refusal is raised before any response
         except APIError as e:
             raise _in_responses_terms(e) from None
-        kept = await asyncio.to_thread(store) if body.store else None
-        run = ResponseRun(state, body, chat, history + messages, kept)
-        return await run.respond(request)
+        except ValueError as e:
+            raise _in_responses_terms(APIError(400, str(e), param_of(str(e)))) from None
 
     @app.get("/v1/responses/{response_id}", responses=_FOUND)
     async def retrieve(response_id: str, stream: bool = False):
@@ -113,14 +119,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(
                 400, "stream: replaying a stored response's events is not supported", "stream"
             )
-        found = await asyncio.to_thread(store().get, response_id)
+        found = await stored("get", response_id)
         if found is None:
             raise _not_found(response_id)
         return json_response(json_bytes(found))
 
     @app.delete("/v1/responses/{response_id}", responses=_DELETED)
     async def delete(response_id: str):
-        if not await asyncio.to_thread(store().delete, response_id):
+        if not await stored("delete", response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -131,6 +137,8 @@ _RENAMED = (
     (re.compile(r"^tool_choice\.function\."), "tool_choice."),
     (re.compile(r"^(max_tokens|max_completion_tokens)\b"), "max_output_tokens"),
     (re.compile(r"^response_format\b"), "text.format"),
+    (re.compile(r"^messages\b"), "input"),
+    (re.compile(r"^json_schema\b"), "text.format.schema"),
 )
 
 
