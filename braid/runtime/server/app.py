@@ -3,7 +3,7 @@
 `create_app` builds the app: its lifespan (the runtime's start and shutdown), the middleware,
 the error handlers, and the routes of each API, one module each: `serving_admin` (health,
 info, tokenize, sessions, aborts, metrics), `serving_completions`, `serving_chat`,
-`serving_native` (/generate).
+`serving_native` (/generate), `serving_responses` (/v1/responses).
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status that names the problem; a failure inside the runtime is a 500 only when the runtime
@@ -21,7 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from braid.runtime.server import serving_admin, serving_chat, serving_completions, serving_native
+from braid.runtime.server import (
+    serving_admin,
+    serving_chat,
+    serving_completions,
+    serving_native,
+    serving_responses,
+)
 from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
 from braid.runtime.server.inputs import param_of
 from braid.runtime.server.openapi import ERRORS, openapi_schema
@@ -33,7 +39,7 @@ __all__ = ["APIError", "ServerState", "create_app"]
 logger = logging.getLogger(__name__)
 
 # Route modules in the order their routes are registered (the OpenAPI document's order).
-_APIS = (serving_admin, serving_completions, serving_chat, serving_native)
+_APIS = (serving_admin, serving_completions, serving_chat, serving_native, serving_responses)
 
 
 def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -73,13 +79,23 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(state.allowed_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],  # the openai JS client sends its x-stainless-* headers
         )
     _add_error_handlers(app)
     for api in _APIS:
         api.add_routes(app, state)
     return app
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods the app's routes serve on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex, served = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and served and regex.match(request.url.path):
+            methods |= served
+    return sorted(methods)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -92,6 +108,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         response = error_response(exc.status_code, message)
         response.headers.update(exc.headers or {})  # 405 keeps its Allow header
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route on the path; a path served by
+            # several routes (GET and DELETE /v1/responses/{id}) allows all of theirs.
+            response.headers["Allow"] = ", ".join(_allowed(request))
         return response
 
     @app.exception_handler(RequestValidationError)

@@ -115,6 +115,15 @@ class ServerSettings:
     heartbeat_timeout: float = setting(
         10.0, "/health fails when the scheduler sends no heartbeat this long"
     )
+    response_store: str | None = setting(
+        None,
+        "the SQLite file where /v1/responses keeps stored responses (store: true) for "
+        "previous_response_id and GET/DELETE /v1/responses/{id}; unset: responses.sqlite3 "
+        "under braid's cache dir",
+    )
+    response_store_size: int = setting(
+        10_000, "most responses the response store keeps; storing more deletes the oldest"
+    )
     log_level: str = setting(
         "info", "log level", choices=("debug", "info", "warning", "error", "critical")
     )
@@ -134,6 +143,8 @@ class ServerSettings:
         check_choices(self)
         if self.max_samples_per_request < 1:
             raise ValueError("max_samples_per_request must be at least 1")
+        if self.response_store_size < 1:
+            raise ValueError("response_store_size must be at least 1")
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size must be a positive integer, got {self.dp_size!r}")
 

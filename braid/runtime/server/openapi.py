@@ -53,6 +53,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"description": "the runtime is down or does not answer", **_ERROR},
     "default": {"description": "any other error", **_ERROR},
 }
+# Body models of routes declared with `takes` (besides _BODY_MODELS), by name.
+_TAKEN: dict[str, type[BaseModel]] = {}
 STREAMED = {
     200: {"description": "the result, or its SSE stream", "content": {"text/event-stream": {}}}
 }
@@ -60,7 +62,9 @@ EMPTY = {200: {"description": "done (no body)", "content": {}}}
 
 
 def takes(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI for a route whose body `json_body(model)` parses (FastAPI cannot see it)."""
+    """OpenAPI for a route whose body `json_body(model)` parses (FastAPI cannot see it); the
+    model's schema joins the document's components."""
+    _TAKEN[model.__name__] = model
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
@@ -70,7 +74,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (*_BODY_MODELS, ErrorResponse):
+        for model in (*_BODY_MODELS, *_TAKEN.values(), ErrorResponse):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[model.__name__] = js

@@ -29,31 +29,35 @@ from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.tokenizer import render_chat
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
-    def prepare_chat(req: ChatCompletionRequest, text: str | None):
-        plan = _tool_plan(state, req)
-        if text is None:
-            text = _render_messages(state, req, plan.template_tools if plan else None)
-        ids = encode_prompt(state, text, "messages", add_special_tokens=False)
-        sources = _template_messages(state, req, images_only=True)
-        state.media.check_count(len(sources), "messages")
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        if max_tokens == 0:
-            raise APIError(400, "max_tokens must be >= 1", "max_tokens")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
-        if plan is not None:
-            try:
-                params = plan.sampling_params(params)
-            except ValueError as e:
-                raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
-        if not sources:
-            state.media.check_no_placeholders(ids, "messages")
-            validate_prompts(state, [(text, ids)], params, "messages")
-        return text, ids, sources, params, plan
+def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | None):
+    """The prompt text, its ids, its image sources, the sampling params and the tool plan of
+    a chat request (blocking: run it on a worker thread); `text` is the prompt when a
+    request's own template rendered it already."""
+    plan = _tool_plan(state, req)
+    if text is None:
+        text = _render_messages(state, req, plan.template_tools if plan else None)
+    ids = encode_prompt(state, text, "messages", add_special_tokens=False)
+    sources = _template_messages(state, req, images_only=True)
+    state.media.check_count(len(sources), "messages")
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    if max_tokens == 0:
+        raise APIError(400, "max_tokens must be >= 1", "max_tokens")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
+    if plan is not None:
+        try:
+            params = plan.sampling_params(params)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+    if not sources:
+        state.media.check_no_placeholders(ids, "messages")
+        validate_prompts(state, [(text, ids)], params, "messages")
+    return text, ids, sources, params, plan
 
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(
         "/v1/chat/completions", openapi_extra=takes(ChatCompletionRequest), responses=STREAMED
     )
@@ -68,14 +72,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
-        text, ids, sources, params, plan = await asyncio.to_thread(prepare_chat, req, text)
-        images = []
-        if sources:
-            # Images load and process in the media workers; their placeholders then expand.
-            ids, images = await state.media.prepare(ids, sources, "messages")
-            validate_prompts(state, [(text, ids)], params, "messages")
-        reasoning = state.reasoning_parser if _separates_reasoning(req) else None
-        response = ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
+        response = await build_chat(state, req, text)
         return await response.respond(request)
 
     async def render_request_template(req: ChatCompletionRequest) -> str:
@@ -187,6 +184,24 @@ class ChatResponse(OpenAIResponse):
                 for i in range(len(self.choices))
             ]
         return parsers if parsers and parsers[0] else None  # type: ignore[return-value]
+
+
+async def build_chat(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    text: str | None = None,
+) -> ChatResponse:
+    """A chat request made ready to run: rendered (unless `text` is given), tokenized, its
+    images processed and every limit checked; an `APIError` names what is wrong. Other APIs
+    (`serving_responses`) run their requests through it too."""
+    text, ids, sources, params, plan = await asyncio.to_thread(prepare_chat, state, req, text)
+    images = []
+    if sources:
+        # Images load and process in the media workers; their placeholders then expand.
+        ids, images = await state.media.prepare(ids, sources, "messages")
+        validate_prompts(state, [(text, ids)], params, "messages")
+    reasoning = state.reasoning_parser if _separates_reasoning(req) else None
+    return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
 
 
 @dataclass(frozen=True)
