@@ -25,7 +25,7 @@ from tqdm import tqdm
 from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig, resolve_overrides
 from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
-from braid.runtime.ipc.to_scheduler import ImageInput
+from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.models.config import BASE_MODEL_ARCHS
@@ -319,7 +319,12 @@ class LLM:
         ]
 
     async def _embed_async(
-        self, rids: list[str], prompts: list[list[int]], params, spec, use_tqdm: bool
+        self,
+        rids: list[str],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        spec: EmbedSpec,
+        use_tqdm: bool,
     ) -> list[list[float]]:
         bar = tqdm(total=len(prompts), desc="Embedding", unit="req", disable=not use_tqdm)
 

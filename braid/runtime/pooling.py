@@ -6,7 +6,7 @@ method and normalization come from the model's sentence-transformers files when 
 normalized, as vLLM's embed task does); a request may ask for `normalize` and, from a
 Matryoshka model, fewer `dimensions`. The scheduler pools the hidden states of an embedding
 request's prefill (`Pooled`, one per request, fed chunk by chunk) and finishes the vector
-(`finish_vector`): truncate, then normalize.
+(`finish_vector`: truncate, then normalize; `to_wire`: float32 bytes).
 """
 
 from __future__ import annotations
@@ -159,10 +159,10 @@ class Pooled:
             part = hidden.float().sum(dim=0)
             self.value = part if self.value is None else self.value + part
         elif self.method == "cls":
-            if start == 0:
-                self.value = hidden[0].float()
+            if start == 0:  # a copy: a view would keep the whole batch's hidden states
+                self.value = hidden[0].to(torch.float32, copy=True)
         else:
-            self.value = hidden[-1].float()
+            self.value = hidden[-1].to(torch.float32, copy=True)
         self.rows = start + hidden.shape[0]
 
     def result(self) -> torch.Tensor:
@@ -170,15 +170,28 @@ class Pooled:
         return self.value / self.rows if self.method == "mean" else self.value
 
 
-def finish_vector(vec: torch.Tensor, spec: EmbedSpec) -> bytes:
-    """The wire form of a pooled vector: truncated to `spec.dimensions`, then scaled to unit
-    norm if `spec.normalize` (so a truncated Matryoshka vector is unit length too), as
-    little-endian float32 bytes."""
+def finish_vector(vec: torch.Tensor, spec: EmbedSpec) -> torch.Tensor:
+    """A pooled vector as the request asked for it: truncated to `spec.dimensions`, then
+    scaled to unit norm if `spec.normalize` (so a truncated Matryoshka vector is unit length
+    too); float32, on the vector's device."""
     if spec.dimensions is not None:
         vec = vec[: spec.dimensions]
     if spec.normalize:
         vec = torch.nn.functional.normalize(vec, p=2.0, dim=0)
-    return vec.to(device="cpu", dtype=torch.float32).numpy().astype("<f4").tobytes()
+    return vec.float()
+
+
+def to_wire(vectors: list[torch.Tensor]) -> list[bytes]:
+    """Each vector as little-endian float32 bytes, all copied to the host at once (one
+    device synchronisation per step, not one per request)."""
+    if not vectors:
+        return []
+    flat = torch.cat(vectors).to("cpu").numpy().astype("<f4")
+    out, at = [], 0
+    for v in vectors:
+        out.append(flat[at : at + v.numel()].tobytes())
+        at += v.numel()
+    return out
 
 
 def floats(data: bytes) -> list[float]:

@@ -214,3 +214,17 @@ def test_a_checkpoint_without_lm_head_embeds_and_refuses_generation(tmp_path, ar
         o = llm._call(last())
         assert o.refused and "no LM head" in o.error
         llm.check_invariants()
+
+
+def test_embedding_messages_round_trip_the_codec():
+    from braid.runtime.ipc import codec
+    from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
+    from braid.runtime.ipc.to_tokenizer import BatchStrOut, StrOut
+
+    vec = np.arange(5, dtype="<f4").tobytes()
+    for msg in (
+        embed_req("r", [1, 2], "mean", False, 3),
+        BatchTokenOut([TokenOut("r", [], 2, 0, "stop", embedding=vec)]),
+        BatchStrOut([StrOut("r", "", [], 2, 0, 0, "stop", embedding=vec)]),
+    ):
+        assert codec.decode(codec.encode(msg)) == msg

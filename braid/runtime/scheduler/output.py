@@ -12,7 +12,7 @@ from braid.runtime.executor.executor import Executor
 from braid.runtime.executor.sampler import SampleResult, SamplingInput
 from braid.runtime.forward_batch import ForwardMode
 from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS, DetokSpec, SpecUsage, TokenOut
-from braid.runtime.pooling import finish_vector
+from braid.runtime.pooling import finish_vector, to_wire
 from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
@@ -111,7 +111,7 @@ class OutputProcessor:
         does (whole pages to the prefix cache, evictable at once; the rest freed)."""
         hidden = plan.batch.hidden_states
         assert hidden is not None, "an extend with embedding requests must capture hidden states"
-        outs = []
+        outs, vectors = [], []
         for req, row, n in plan.pooling:
             if req.finished:
                 continue
@@ -119,14 +119,15 @@ class OutputProcessor:
             if req.kv_len < req.seq_len:
                 continue  # a chunk of a longer prompt
             req.finish_reason = "stop"
-            out = self.token_out(req, [])
-            out.embedding = finish_vector(req.pooled.result(), req.embed)
+            outs.append(self.token_out(req, []))
+            vectors.append(finish_vector(req.pooled.result(), req.embed))
             req.pooled = None
             self.kv.release(req)
             self.reqs.discard(req)
             self.stats.finished_requests += 1
             self.stats.embedding_requests += 1
-            outs.append(out)
+        for out, data in zip(outs, to_wire(vectors)):
+            out.embedding = data
         return outs
 
     def process_verify(
