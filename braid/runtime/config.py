@@ -267,6 +267,13 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = setting(
         4, "NGRAM: the longest suffix looked up (the longest one that matches wins)"
     )
+    pooling: str | None = setting(
+        None,
+        "embeddings: how a prompt's final hidden states become one vector (last token, mean "
+        "over the prompt, or first token); unset: the model's sentence-transformers pooling "
+        "(modules.json, 1_Pooling/config.json), else last",
+        choices=("last", "mean", "cls"),
+    )
     tp_size: int = setting(
         1,
         "tensor parallelism: split the model by heads and MLP columns over this many devices "

@@ -25,11 +25,20 @@ from tqdm import tqdm
 from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig, resolve_overrides
 from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
-from braid.runtime.ipc.to_scheduler import ImageInput
+from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.launch import spawn_runtime
+from braid.runtime.models.config import BASE_MODEL_ARCHS
 from braid.runtime.multimodal.frontend import MediaFrontend, flatten_content
-from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput, spec_meta_info
+from braid.runtime.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+    spec_meta_info,
+)
+from braid.runtime.pooling import PoolingConfig, floats
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.manager import TokenizerManager
 from braid.runtime.tokenizer.tokenizer import render_chat
@@ -165,6 +174,12 @@ class LLM:
             self._stop_loop()
             raise
         self.context_length = self.ready.context_length
+        self.pooling = PoolingConfig.from_model(
+            self.model_path,
+            self.model_config.hidden_size,
+            self.model_config.raw,
+            self.config.pooling,
+        )
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "braid ready: %s on %s (%s) in %.2f s",
@@ -269,6 +284,69 @@ class LLM:
             for sample in out.outputs:
                 sample.tool_calls = plan.parse(sample.text)[1]
         return outputs
+
+    def embed(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, token ids, or a dict with "prompt" or
+        "prompt_token_ids"), in input order: the prompt's final hidden states pooled as the
+        model's sentence-transformers config says, else by the `pooling` setting (last token
+        by default). `normalize` (default: the model's config, else True) scales each vector
+        to unit length; `dimensions` truncates it first (Matryoshka models only). The prompts
+        run through the scheduler like prefills, batched with whatever else runs; nothing is
+        sampled and no request holds KV after it. `ValueError` names a bad field."""
+        spec = self.pooling.spec(normalize, dimensions)
+        items = [self._tokenize(p, i) for i, p in enumerate(self._as_prompt_list(prompts))]
+        params = SamplingParams(max_tokens=0)
+        for i, (_, ids, sources) in enumerate(items):
+            if sources:
+                raise ValueError(f"prompt {i}: embeddings take text only")
+            self.media.check_no_placeholders(ids, f"prompt {i}")
+            self.tm.validate(ids, params, where=f"prompt {i}", embed=True)
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        ids = [ids for _, ids, _ in items]
+        rids = [f"emb-{next(self._ids)}" for _ in ids]
+        vectors = self._call(self._embed_async(rids, ids, params, spec, use_tqdm))
+        return [
+            EmbeddingRequestOutput(rid, p, EmbeddingOutput(v))
+            for rid, p, v in zip(rids, ids, vectors)
+        ]
+
+    async def _embed_async(
+        self,
+        rids: list[str],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        spec: EmbedSpec,
+        use_tqdm: bool,
+    ) -> list[list[float]]:
+        bar = tqdm(total=len(prompts), desc="Embedding", unit="req", disable=not use_tqdm)
+
+        async def one(rid: str, ids: list[int]) -> list[float]:
+            (sample,) = self.tm.submit(rid, ids, params, embed=spec)
+            last = None
+            async for out in self.tm.stream(sample):
+                last = out
+            if last is None or last.embedding is None:
+                error = (last.error if last else None) or f"{rid} ended without an embedding"
+                raise (ValueError if last is not None and last.refused else RuntimeError)(error)
+            bar.update(1)
+            return floats(last.embedding)
+
+        tasks = [asyncio.create_task(one(r, ids)) for r, ids in zip(rids, prompts)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # a failure (or interrupt) stops everything this call started
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bar.close()
 
     def stats(self) -> dict[str, float]:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
@@ -397,6 +475,11 @@ class LLM:
     ) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
+        if self.model_config.architecture in BASE_MODEL_ARCHS:
+            raise ValueError(
+                f"model: {self.model_config.architecture} has no LM head; it serves embeddings "
+                "only (LLM.embed)"
+            )
         for i, ((_, ids, sources), p) in enumerate(zip(items, params)):
             if sources:
                 self.media.check_count(len(sources), f"prompt {i}")  # ids are checked once expanded

@@ -58,7 +58,7 @@ class ForwardBatch:
     # by the model). A decode's `positions` already include each request's M-RoPE delta.
     images: list[ImageSlice] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None
-    # Speculative decoding reads the target's hidden states. With `capture_hidden` the model
+    # Speculative decoding and embeddings read the hidden states. With `capture_hidden` the model
     # leaves the final (normed) hidden state of every token in `hidden_states`, and the
     # output (residual stream) of each layer in `aux_layers` (EAGLE-3) in `aux_hidden_states`.
     capture_hidden: bool = False

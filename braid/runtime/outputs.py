@@ -1,4 +1,4 @@
-"""What `LLM.generate` and `LLM.chat` return (vLLM's shapes)."""
+"""What `LLM.generate`, `LLM.chat` and `LLM.embed` return (vLLM's shapes)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns for one prompt (vLLM's shape): `outputs.embedding` is the
+    vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 def finish_reason_info(

@@ -50,6 +50,8 @@ class TokenOut:
     `finish_reason` is None while it runs, then "stop" (an EOS or stop token: `stop_token` says
     which stop token, None for EOS), "length", or "abort" (`error` says why if it failed).
     `prompt_logprobs` comes once, with the first token, when asked for (None for position 0).
+    `embedding`: an embedding request's vector (little-endian float32 bytes), in its one
+    output.
     """
 
     rid: str
@@ -64,6 +66,7 @@ class TokenOut:
     detok: DetokSpec | None = None
     refused: bool = False  # `error` is the request's own fault (a grammar that cannot compile)
     spec: SpecUsage | None = None  # with speculative decoding, in the request's last TokenOut
+    embedding: bytes | None = None
 
 
 @dataclass

@@ -24,6 +24,19 @@ class ImageInput:
 
 
 @dataclass
+class EmbedSpec:
+    """An embedding request: pool the prompt's final hidden states (after the model's last
+    norm) into one vector instead of generating. `pooling`: "last" (the last token's),
+    "mean" (over every prompt position) or "cls" (the first token's); `dimensions`: keep the
+    vector's first this many values (Matryoshka truncation; None: all); `normalize`: then
+    scale it to unit L2 norm."""
+
+    pooling: str
+    normalize: bool
+    dimensions: int | None = None
+
+
+@dataclass
 class GenerateReq:
     """A tokenized request: generate one sample for `input_ids`.
 
@@ -36,6 +49,8 @@ class GenerateReq:
     `session_ttl_s`: how long the session's pin lasts after this request (capped by the
     `session_ttl_s` setting); None: as long as the program's pauses suggest (`pin_ttl`).
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
+    `embed`: pool the prompt into an embedding (no token is sampled; `params` is ignored but
+    for its defaults), returned in the request's one `TokenOut.embedding`.
     `grammar_after`: the output constraint (if any) applies only once the output has ended
     with these tokens (a reasoning model's end of thinking); empty: from the first token.
     `grammar_open`: with `grammar_after`, the token that opens the thinking when the model may
@@ -53,6 +68,7 @@ class GenerateReq:
     grammar_open: int | None = None
     program_id: str | None = None
     session_ttl_s: float | None = None
+    embed: EmbedSpec | None = None
 
 
 @dataclass

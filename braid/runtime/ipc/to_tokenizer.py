@@ -12,7 +12,8 @@ class StrOut:
     """What one request gained: `text` is the new text safe to show (a tail that could start a
     stop string is held back until it cannot), `token_ids` the new tokens. When
     `finish_reason` is set this is the request's last message. `token_texts` decodes every
-    token id that appears in `logprobs` / `prompt_logprobs`."""
+    token id that appears in `logprobs` / `prompt_logprobs`. `embedding`: an embedding
+    request's vector (little-endian float32 bytes), with its one output."""
 
     rid: str
     text: str
@@ -28,6 +29,7 @@ class StrOut:
     token_texts: dict[int, str] | None = None
     refused: bool = False  # the error is the request's own: it was refused before it ran
     spec: SpecUsage | None = None  # speculative decoding's counts, with the last output
+    embedding: bytes | None = None
 
 
 @dataclass

@@ -21,6 +21,14 @@ QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN_VL_ARCHS = QWEN2_VL_ARCHS | {QWEN3_VL}
 LLAVA_ARCHS = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
 VLM_ARCHS = QWEN_VL_ARCHS | LLAVA_ARCHS
+# Decoder bodies saved without an LM head (embedding models), by the causal LM whose fields
+# they share (`models/llama_embedding.py` serves them).
+BASE_MODEL_ARCHS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,8 @@ class ModelConfig:
             raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
 
     @classmethod
-    def _parse(cls, arch: str, top: dict[str, Any]) -> ModelConfig:
+    def _parse(cls, served: str, top: dict[str, Any]) -> ModelConfig:
+        arch = BASE_MODEL_ARCHS.get(served, served)  # a body alone reads as its causal LM
         # A vision-language config nests its language model's fields in `text_config`
         # (transformers 5 always; older Qwen2-VL configs keep them at the top level).
         d = {**top, **(top.get("text_config") or {})}
@@ -142,7 +151,7 @@ class ModelConfig:
         elif d.get("use_sliding_window"):
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
         return cls(
-            architecture=arch,
+            architecture=served,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],

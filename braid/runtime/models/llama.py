@@ -180,6 +180,9 @@ def lm_head_for(
 class LlamaForCausalLM(nn.Module):
     """Serves every architecture `braid.runtime.models.MODELS` maps to this module."""
 
+    # Its forward leaves the final hidden states in the batch when asked (embeddings).
+    pools_hidden_states = True
+
     # checkpoint projection name -> (braid's fused parameter, shard)
     stacked_params = {
         "q_proj": ("qkv_proj", "q"),

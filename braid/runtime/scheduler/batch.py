@@ -3,7 +3,7 @@ tensors of a prefill (extend) or decode batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,9 @@ class StepPlan:
     `sampling[i].unverified` rows before it score its unverified jump-forward tokens (the row
     before each token predicts it). `prompt_rows` maps an index of `sampling` to the logits
     rows covering its whole prompt (prompt logprobs). `ends[i]`: how many tokens of `reqs[i]`
-    have KV once the forward has run (the host's copy of `batch.seq_lens`)."""
+    have KV once the forward has run (the host's copy of `batch.seq_lens`). `pooling`: the
+    embedding requests in an extend, each with the batch rows of its tokens (first, count); the
+    forward must capture its hidden states for them."""
 
     reqs: list[Req]
     sampling: list[Req]
@@ -28,6 +30,7 @@ class StepPlan:
     last_rows: list[int]
     prompt_rows: dict[int, tuple[int, int]]
     ends: list[int]
+    pooling: list[tuple[Req, int, int]] = field(default_factory=list, kw_only=True)
 
 
 def build_extend(
@@ -46,6 +49,7 @@ def build_extend(
     prompt_rows: dict[int, tuple[int, int]] = {}
     sampling: list[Req] = []
     images: list[ImageSlice] = []
+    pooling: list[tuple[Req, int, int]] = []
     for r, end in items:
         start = r.kv_len
         locs += assign_slots(r, end, allocator, table)
@@ -59,6 +63,9 @@ def build_extend(
                 images.append(ImageSlice(image, base + lo - start, lo - offset, hi - lo))
         prefix_lens.append(start)
         extend_lens.append(end - start)
+        if r.embed is not None:
+            pooling.append((r, base, end - start))  # pooled, never sampled: no logits
+            continue
         if end < r.seq_len:
             continue  # a chunk: no logits
         if r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
@@ -85,8 +92,9 @@ def build_extend(
         logits_indices=to_device(logits_rows, device),
         images=images,
         mrope_positions=_mrope_positions(items, device),
+        capture_hidden=bool(pooling),
     )
-    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows, ends)
+    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows, ends, pooling=pooling)
 
 
 def _mrope_positions(items: list[tuple[Req, int]], device: torch.device) -> torch.Tensor | None:

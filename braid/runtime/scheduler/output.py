@@ -12,6 +12,7 @@ from braid.runtime.executor.executor import Executor
 from braid.runtime.executor.sampler import SampleResult, SamplingInput
 from braid.runtime.forward_batch import ForwardMode
 from braid.runtime.ipc.to_detokenizer import CONTEXT_TOKENS, DetokSpec, SpecUsage, TokenOut
+from braid.runtime.pooling import finish_vector, to_wire
 from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.logprobs import prompt_logprobs, token_logprobs
@@ -56,9 +57,11 @@ class OutputProcessor:
         if prefilled:
             for req, end in zip(plan.reqs, plan.ends):
                 req.kv_len = end
+                if req.embed is not None:
+                    continue  # pooled below; it never runs
                 if end == req.seq_len and req.status in (ReqStatus.PREFILLING, ReqStatus.JUMPED):
                     self.reqs.move(req, ReqStatus.RUNNING)
-        outs = []
+        outs = self._pool(plan) if plan.pooling else []
         if result is not None:
             result = result.on_host()
             next_ids = result.next_ids.tolist()
@@ -100,6 +103,31 @@ class OutputProcessor:
             for req in plan.reqs:
                 if req.pool_row is not None:
                     self.kv.cache_unfinished(req)
+        return outs
+
+    def _pool(self, plan: StepPlan) -> list[TokenOut]:
+        """Feed each embedding request of an extend its rows' hidden states; one whose prompt
+        is now computed finishes with its vector, and its KV goes as any finished request's
+        does (whole pages to the prefix cache, evictable at once; the rest freed)."""
+        hidden = plan.batch.hidden_states
+        assert hidden is not None, "an extend with embedding requests must capture hidden states"
+        outs, vectors = [], []
+        for req, row, n in plan.pooling:
+            if req.finished:
+                continue
+            req.pooled.add(req.kv_len - n, hidden[row : row + n])
+            if req.kv_len < req.seq_len:
+                continue  # a chunk of a longer prompt
+            req.finish_reason = "stop"
+            outs.append(self.token_out(req, []))
+            vectors.append(finish_vector(req.pooled.result(), req.embed))
+            req.pooled = None
+            self.kv.release(req)
+            self.reqs.discard(req)
+            self.stats.finished_requests += 1
+            self.stats.embedding_requests += 1
+        for out, data in zip(outs, to_wire(vectors)):
+            out.embedding = data
         return outs
 
     def process_verify(

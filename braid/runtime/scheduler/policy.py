@@ -50,7 +50,10 @@ def match_limit(req: Req) -> int:
     """How many leading tokens may come from the cache: all but the last, which must be
     computed to give logits; with prompt logprobs, none before the first scored position's
     predecessor (whose logits score it); with unverified jump-forward tokens, none from the
-    predecessor of the first (whose logits verify it)."""
+    predecessor of the first (whose logits verify it); none for an embedding pooled over more
+    than its last token (the cache holds KV, not the hidden states pooling reads)."""
+    if req.embed is not None and req.embed.pooling != "last":
+        return 0
     if req.params.prompt_logprobs is not None and not req.admitted_once:
         return max(0, min(req.seq_len - 1, req.params.logprob_start_len - 1))
     return req.seq_len - 1 - req.unverified

@@ -14,7 +14,8 @@ from braid.runtime.cache.radix_cache import TreeNode
 from braid.runtime.constrained.grammar import GrammarMatcher
 from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.image_data import ImageData, from_wire
-from braid.runtime.ipc.to_scheduler import GenerateReq
+from braid.runtime.ipc.to_scheduler import EmbedSpec, GenerateReq
+from braid.runtime.pooling import Pooled
 from braid.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,10 +97,17 @@ class Req:
     spec_steps: int = 0
     spec_drafts: int = 0
     spec_accepted: int = 0
+    # An embedding request: its prefill's final hidden states are pooled (`pooled`, fed chunk
+    # by chunk) instead of sampling a token; it finishes when its prompt is computed.
+    embed: EmbedSpec | None = None
+    pooled: Pooled | None = None
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
         assert self.max_new_tokens >= 0  # 0: prefill only
+        if self.embed is not None:
+            assert self.max_new_tokens == 0, "an embedding request generates nothing"
+            self.pooled = Pooled(self.embed.pooling)
         assert len(self.images) == len(self.image_offsets)
         # The prefix cache's view of the prompt: an image's tokens carry a value derived from
         # its content hash (negative, so never a vocabulary id), so the same image shares KV
@@ -138,7 +146,17 @@ class Req:
         n = len(msg.input_ids)
         if n == 0:
             raise ValueError("prompt: must contain at least one token")
-        if n >= context_length:
+        if msg.embed is not None:
+            if msg.images:
+                raise ValueError("images: embeddings take text only")
+            dims = msg.embed.dimensions
+            if dims is not None and dims < 1:
+                raise ValueError(f"dimensions: must be a positive integer, got {dims}")
+            if n > context_length:
+                raise ValueError(
+                    f"input: {n} tokens is longer than the context length ({context_length})"
+                )
+        elif n >= context_length:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within the context length "
                 f"({context_length})"
@@ -170,7 +188,9 @@ class Req:
             except (TypeError, IndexError, RuntimeError) as e:
                 raise ValueError(f"images: no M-RoPE positions for them: {e}") from None
         max_new = context_length - n
-        if msg.params.max_tokens is not None:
+        if msg.embed is not None:
+            max_new = 0
+        elif msg.params.max_tokens is not None:
             max_new = min(max_new, msg.params.max_tokens)
         return cls(
             rid=msg.rid,
@@ -188,6 +208,7 @@ class Req:
             image_offsets=offsets,
             rope_positions=rope_positions,
             rope_delta=rope_delta,
+            embed=msg.embed,
         )
 
     @property

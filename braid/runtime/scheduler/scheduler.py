@@ -68,6 +68,21 @@ class Scheduler:
         rope = getattr(type(runner.model), "mrope_positions", None)
         self.image_rope = functools.partial(rope, runner.model_config) if rope else None
         self.check_image = getattr(runner.model, "check_image", None)
+        # Embeddings pool the final hidden states, which only some model classes leave behind;
+        # tensor parallelism's plan does not carry the capture yet.
+        self.embed_refusal = None
+        if not getattr(type(runner.model), "pools_hidden_states", False):
+            arch = runner.model_config.architecture
+            self.embed_refusal = f"input: this model ({arch}) does not produce embeddings"
+        elif runner.tp is not None:
+            self.embed_refusal = "input: embeddings are not supported with tensor parallelism"
+        # A checkpoint without an LM head (`models/llama_embedding.py`) only embeds.
+        self.generate_refusal = None
+        if not getattr(type(runner.model), "generates", True):
+            self.generate_refusal = (
+                f"prompt: this model ({runner.model_config.architecture}) has no LM head; it "
+                "serves embeddings only"
+            )
         self.eos_token_ids = eos_token_ids
         # Speculative decoding: drafts verified with each decode step. Its steps are read back
         # before the next is planned (the next drafts depend on what this step keeps), so the
@@ -169,6 +184,10 @@ class Scheduler:
         raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
 
     def _add(self, msg: GenerateReq) -> None:
+        if msg.embed is not None and self.embed_refusal is not None:
+            raise ValueError(self.embed_refusal)
+        if msg.embed is None and self.generate_refusal is not None:
+            raise ValueError(self.generate_refusal)
         req = Req.from_message(
             msg,
             self.context_length,
@@ -253,7 +272,7 @@ class Scheduler:
         self._capture(plan)
         logits, result = self.executor.extend(plan.batch, plan.last_rows, inputs, masks)
         outs += self.output.process(plan, result, logits)
-        if plan.batch.capture_hidden:
+        if self.proposer is not None and plan.batch.capture_hidden:
             offsets = [0]
             for n in plan.batch.extend_lens[:-1]:
                 offsets.append(offsets[-1] + n)

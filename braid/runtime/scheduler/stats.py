@@ -10,6 +10,7 @@ class SchedulerStats:
     """Counters since the scheduler started."""
 
     finished_requests: int = 0
+    embedding_requests: int = 0  # of those, embeddings (pooled prefills, nothing sampled)
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
     cached_prompt_tokens: int = 0  # of those, supplied by the prefix cache
     prefill_tokens_computed: int = 0  # tokens actually run through prefill (incl. resumes)

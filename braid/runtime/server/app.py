@@ -3,7 +3,8 @@
 `create_app` builds the app: its lifespan (the runtime's start and shutdown), the middleware,
 the error handlers, and the routes of each API, one module each: `serving_admin` (health,
 info, tokenize, sessions, aborts, metrics), `serving_completions`, `serving_chat`,
-`serving_native` (/generate), `serving_responses` (/v1/responses).
+`serving_native` (/generate), `serving_responses` (/v1/responses), `serving_embeddings`
+(/v1/embeddings).
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status that names the problem; a failure inside the runtime is a 500 only when the runtime
@@ -25,6 +26,7 @@ from braid.runtime.server import (
     serving_admin,
     serving_chat,
     serving_completions,
+    serving_embeddings,
     serving_native,
     serving_responses,
 )
@@ -39,7 +41,14 @@ __all__ = ["APIError", "ServerState", "create_app"]
 logger = logging.getLogger(__name__)
 
 # Route modules in the order their routes are registered (the OpenAPI document's order).
-_APIS = (serving_admin, serving_completions, serving_chat, serving_native, serving_responses)
+_APIS = (
+    serving_admin,
+    serving_completions,
+    serving_chat,
+    serving_native,
+    serving_responses,
+    serving_embeddings,
+)
 
 
 def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -> FastAPI:

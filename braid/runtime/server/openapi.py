@@ -15,6 +15,7 @@ from braid.runtime.server.protocol import (
     ChatCompletionRequest,
     CloseSessionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     GenerateRequest,
     TokenizeRequest,
 )
@@ -36,6 +37,7 @@ class ErrorResponse(BaseModel):
 _BODY_MODELS = (
     CompletionRequest,
     ChatCompletionRequest,
+    EmbeddingRequest,
     GenerateRequest,
     TokenizeRequest,
     AbortRequest,

@@ -360,6 +360,18 @@ class CloseSessionRequest(_Body):
     session_id: Annotated[Text, Field(min_length=1)]
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body, with vLLM's `normalize`. `input`: a text, a list of texts,
+    token ids, or a list of token-id lists (one embedding each)."""
+
+    input: list[Int] | list[list[Int]] | Text | list[Text] = Field(union_mode="left_to_right")
+    model: Text | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None
+    user: Text | None = None
+    normalize: bool | None = None
+
+
 class TokenizeRequest(_Body):
     prompt: Annotated[Text, _doc(minLength=1)]
 

@@ -100,6 +100,7 @@ class DetokenizerManager:
             prompt_logprobs=out.prompt_logprobs,
             token_texts=texts,
             spec=out.spec,
+            embedding=out.embedding,
         )
 
 

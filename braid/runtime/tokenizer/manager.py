@@ -38,6 +38,7 @@ from braid.runtime.ipc.sockets import Addresses
 from braid.runtime.ipc.to_scheduler import (
     AbortReq,
     ControlReq,
+    EmbedSpec,
     GenerateReq,
     ImageInput,
     ShutdownReq,
@@ -74,6 +75,7 @@ def merge_str_outs(a: StrOut, b: StrOut) -> StrOut:
     a.finish_reason, a.stop_reason, a.error = b.finish_reason, b.stop_reason, b.error
     a.refused = b.refused
     a.spec = b.spec if b.spec is not None else a.spec
+    a.embedding = b.embedding if b.embedding is not None else a.embedding
     if b.logprobs:
         a.logprobs = (a.logprobs or []) + b.logprobs
     if b.prompt_logprobs is not None:
@@ -304,12 +306,25 @@ class TokenizerManager:
         if self.ready is None:
             raise RuntimeError("the runtime is not started")
 
-    def validate(self, input_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        """Raise `ValueError` naming the problem if the scheduler would refuse this request."""
+    def validate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        where: str = "prompt",
+        *,
+        embed: bool = False,
+    ) -> None:
+        """Raise `ValueError` naming the problem if the scheduler would refuse this request
+        (`embed`: an embedding request, which may fill the whole context)."""
         r = self.ready
         if not input_ids:
             raise ValueError(f"{where}: the prompt is empty")
-        if len(input_ids) >= r.context_length:
+        if embed and len(input_ids) > r.context_length:
+            raise ValueError(
+                f"{where}: {len(input_ids)} tokens is longer than the context length "
+                f"({r.context_length})"
+            )
+        if not embed and len(input_ids) >= r.context_length:
             raise ValueError(
                 f"{where}: {len(input_ids)} tokens is longer than the context length allows "
                 f"({r.context_length} tokens in all, at least one of them generated)"
@@ -338,13 +353,15 @@ class TokenizerManager:
         images: list[ImageInput] | None = None,
         grammar_wait: tuple[list[int], int | None] | None = None,
         session_ttl_s: float | None = None,
+        embed: EmbedSpec | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
         for `session_ttl_s` seconds if given (else as long as the program's pauses suggest).
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
-        constraint waits for (see `GenerateReq`)."""
+        constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
+        instead (its one output carries `StrOut.embedding`)."""
         self._check_alive()
         if session_ttl_s is not None:
             if session_id is None:
@@ -371,6 +388,7 @@ class TokenizerManager:
                         list(grammar_wait[0]) if grammar_wait else [],
                         grammar_wait[1] if grammar_wait else None,
                         session_ttl_s=session_ttl_s,
+                        embed=embed,
                     )
                 )
                 for k, wire in enumerate(wires)
