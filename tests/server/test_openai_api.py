@@ -379,33 +379,37 @@ def _metric(url: str, name: str, want: float) -> float:
 
 
 def test_session_pin_ttl_over_http_shows_in_stats_and_metrics(server):
-    """A /generate with session_params {"id", "ttl"} pins its KV for that session: the pin and
-    the program show in /get_server_info and /metrics, and the pin expires after its TTL (a
-    session without a TTL stays pinned meanwhile)."""
+    """A /generate with session_params {"id", "ttl"} pins its KV for that session: the pins
+    show in /get_server_info and /metrics; a pin with a 1 s TTL expires (counted) while a
+    session with a long TTL and one with none stay pinned."""
     url = server.url
     wait_idle(url)
     httpx.post(f"{url}/flush_cache").raise_for_status()
     before = httpx.get(f"{url}/get_server_info").json()["stats"]
     sp = {"max_new_tokens": 4, "temperature": 0}
-    short = {"text": "A short-lived session:", "sampling_params": sp}
-    r = httpx.post(f"{url}/generate", json={**short, "session_params": {"id": "ttl-1", "ttl": 1}})
-    assert r.status_code == 200, r.text
-    long = {"text": "A session that stays:", "sampling_params": sp, "session_id": "stays"}
-    assert httpx.post(f"{url}/generate", json=long).status_code == 200
+
+    def generate(text: str, **session) -> None:
+        r = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": sp, **session})
+        assert r.status_code == 200, r.text
+
+    generate("A session that stays:", session_id="stays")
+    generate("A session with a long TTL:", session_params={"id": "long", "ttl": 600})
     stats = wait_idle(url)
     assert stats["pinned_sessions"] == before["pinned_sessions"] + 2
     assert stats["programs_known"] >= 2
     assert stats["pinned_tokens"] > 0
     for name in ("pinned_sessions", "pinned_tokens"):
         assert _metric(url, f"braid_{name}", stats[name]) == stats[name]
-    for _ in range(100):
+    generate("A short-lived session:", session_params={"id": "short", "ttl": 1})
+    for _ in range(200):
         stats = httpx.get(f"{url}/get_server_info").json()["stats"]
         if stats["pins_expired"] > before["pins_expired"]:
             break
         time.sleep(0.1)
     assert stats["pins_expired"] == before["pins_expired"] + 1
-    assert stats["pinned_sessions"] == before["pinned_sessions"] + 1  # "stays" is still pinned
+    assert stats["pinned_sessions"] == before["pinned_sessions"] + 2  # "stays" and "long"
     expired = stats["pins_expired"]
     assert _metric(url, "braid_pins_expired_total", expired) == expired
-    close = httpx.post(f"{url}/close_session", json={"session_id": "stays"})
-    assert close.status_code == 200
+    for session in ("stays", "long"):
+        close = httpx.post(f"{url}/close_session", json={"session_id": session})
+        assert close.status_code == 200
