@@ -3,7 +3,7 @@
 `create_app` builds the app: its lifespan (the runtime's start and shutdown), the middleware,
 the error handlers, and the routes of each API, one module each: `serving_admin` (health,
 info, tokenize, sessions, aborts, metrics), `serving_completions`, `serving_chat`,
-`serving_native` (/generate).
+`serving_native` (/generate), `serving_playground` (the chat page at `/`).
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status that names the problem; a failure inside the runtime is a 500 only when the runtime
@@ -21,7 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from braid.runtime.server import serving_admin, serving_chat, serving_completions, serving_native
+from braid.runtime.server import (
+    serving_admin,
+    serving_chat,
+    serving_completions,
+    serving_native,
+    serving_playground,
+)
 from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
 from braid.runtime.server.inputs import param_of
 from braid.runtime.server.openapi import ERRORS, openapi_schema
@@ -33,7 +39,7 @@ __all__ = ["APIError", "ServerState", "create_app"]
 logger = logging.getLogger(__name__)
 
 # Route modules in the order their routes are registered (the OpenAPI document's order).
-_APIS = (serving_admin, serving_completions, serving_chat, serving_native)
+_APIS = (serving_admin, serving_completions, serving_chat, serving_native, serving_playground)
 
 
 def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -65,6 +71,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         bind_host=state.bind_host,
         allowed_origins=state.allowed_origins,
         allowed_hosts=state.allowed_hosts,
+        public_paths=frozenset({"/health", *serving_playground.PUBLIC_PATHS}),
     )
     app.add_middleware(Guard, cfg=guard)
     if state.allowed_origins:
