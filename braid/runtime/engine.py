@@ -132,9 +132,12 @@ def logprob_dict(lp: TokenLogprob, texts: dict[int, str] | None) -> dict[int, Lo
 class LLM:
     """An offline engine over braid's runtime.
 
-    `model`: None or "smollm2-135m" for the embedded model, a Hugging Face directory, or a
-    .gguf file. Every other keyword is an `EngineConfig` field by name (or SGLang's name for
-    it: `max_total_tokens` is `kv_tokens`); an unknown one is a `ValueError` naming it and the
+    `model`: None or "smollm2-135m" for the embedded model, a Hugging Face directory, a
+    .gguf file, or a hub model id (`"Qwen/Qwen2.5-0.5B-Instruct"`, `"org/name@revision"`,
+    `"org/name:Q4_K_M"`) fetched through the Hugging Face cache (`revision=`, `gguf_file=`;
+    a model the cache lacks while the hub is out of reach is a `ValueError` saying how to get
+    it). Every other keyword is an `EngineConfig` field by name (or SGLang's name for it:
+    `max_total_tokens` is `kv_tokens`); an unknown one is a `ValueError` naming it and the
     close matches, raised before any process starts. Use as a context manager or call
     `shutdown()`.
     """
@@ -143,7 +146,12 @@ class LLM:
         t0 = time.perf_counter()
         given = overrides if model is None else {"model": str(model), **overrides}
         self.config = EngineConfig(**resolve_overrides(given))
-        self.assets = ModelAssets.load(self.config.model, with_tokenizer=False)
+        self.assets = ModelAssets.load(
+            self.config.model,
+            with_tokenizer=False,
+            revision=self.config.revision,
+            gguf_file=self.config.gguf_file,
+        )
         self.model_path = self.assets.path
         self.model_config = self.assets.config
         self.eos_token_ids = self.assets.eos_token_ids
@@ -183,7 +191,7 @@ class LLM:
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "braid ready: %s on %s (%s) in %.2f s",
-            self.model_path.name,
+            self.config.model or self.model_path.name,
             self.ready.device,
             self.ready.dtype,
             self.load_time_s,

@@ -103,7 +103,9 @@ def test_an_unknown_keyword_is_a_value_error_naming_it_and_the_close_matches():
     with pytest.raises(ValueError, match="'schedule_policy'"):
         resolve_overrides({"schedule_polcy": "lpm"})
     # Nothing close: the message lists the settings instead.
-    with pytest.raises(ValueError, match="zzz.*the settings are model, dtype, device"):
+    with pytest.raises(
+        ValueError, match="zzz.*the settings are model, revision, gguf_file, dtype, device"
+    ):
         resolve_overrides({"zzz": 1})
 
 

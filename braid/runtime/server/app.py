@@ -4,7 +4,7 @@
 the error handlers, and the routes of each API, one module each: `serving_admin` (health,
 info, tokenize, sessions, aborts, metrics), `serving_completions`, `serving_chat`,
 `serving_native` (/generate), `serving_responses` (/v1/responses), `serving_embeddings`
-(/v1/embeddings).
+(/v1/embeddings), `serving_playground` (the chat page at `/`).
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
 4xx status that names the problem; a failure inside the runtime is a 500 only when the runtime
@@ -28,6 +28,7 @@ from braid.runtime.server import (
     serving_completions,
     serving_embeddings,
     serving_native,
+    serving_playground,
     serving_responses,
 )
 from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
@@ -48,6 +49,7 @@ _APIS = (
     serving_native,
     serving_responses,
     serving_embeddings,
+    serving_playground,
 )
 
 
@@ -80,6 +82,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         bind_host=state.bind_host,
         allowed_origins=state.allowed_origins,
         allowed_hosts=state.allowed_hosts,
+        public_paths=frozenset({"/health", *serving_playground.PUBLIC_PATHS}),
     )
     app.add_middleware(Guard, cfg=guard)
     if state.allowed_origins:

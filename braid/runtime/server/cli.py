@@ -355,14 +355,18 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         use_braid_triton_cache()
 
         try:
-            path = ModelAssets.load(config.model).path
+            path = ModelAssets.load(
+                config.model, revision=config.revision, gguf_file=config.gguf_file
+            ).path
         except ValueError as e:
             logger.error("braid serve: %s", e)
             return 2
         return serve_followers(config, path, level)
     try:
         mark = time.perf_counter()
-        assets = ModelAssets.load(config.model)
+        assets = ModelAssets.load(
+            config.model, revision=config.revision, gguf_file=config.gguf_file
+        )
         api_key = _api_key(settings)
         media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
         phases["tokenizer"] = time.perf_counter() - mark

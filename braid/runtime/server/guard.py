@@ -6,7 +6,8 @@ and must not buffer streamed responses). In order, it refuses:
 - a cross-origin browser request (an `Origin` that is not the server's own and not in
   `--allowed-origins`), and, on a loopback server, a `Host` that is not loopback (DNS
   rebinding): a server on 127.0.0.1 is reachable from every web page its user opens;
-- a request without the API key, when one is set (`/health` is open);
+- a request without the API key, when one is set (`public_paths` are open: `/health`, the
+  playground page and its assets);
 - a body larger than `--max-request-bytes`, counted as it arrives, so a chunked body with no
   Content-Length stops at the limit too (413).
 It then hands the route the buffered body, and turns any exception that escapes a route into
@@ -84,6 +85,7 @@ class GuardConfig:
     bind_host: str = "127.0.0.1"
     allowed_origins: tuple[str, ...] = ()  # "*" allows any
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones ("*": any)
+    public_paths: frozenset[str] = frozenset({"/health"})  # served without the API key
 
 
 def _host_name(netloc: str) -> str:
@@ -154,7 +156,7 @@ class Guard:
         if problem:
             await send_error(send, 403, problem)
             return
-        if cfg.api_key is not None and scope["path"] != "/health":
+        if cfg.api_key is not None and scope["path"] not in cfg.public_paths:
             auth = headers.get("authorization", "")
             if auth != f"Bearer {cfg.api_key}":
                 msg = "missing API key" if not auth else "invalid API key"
