@@ -385,24 +385,28 @@ class EngineConfig:
     def _check_attention_backends(self) -> None:
         # Refused here, before any process starts, rather than when the model runner builds
         # the backend: a missing optional package and a feature the backend cannot serve.
-        chosen = {
-            "attention_backend": self.effective_attention_backend,
-            "prefill_attention_backend": self.effective_prefill_attention_backend,
-            "decode_attention_backend": self.effective_decode_attention_backend,
-        }
-        for name, backend in chosen.items():
-            if backend != "flashinfer":
+        # (The defaults are never 'flashinfer', so the fields as given are what to check.)
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            if getattr(self, name) != "flashinfer":
                 continue
+            # The decode backend verifies draft trees; the EAGLE drafter runs attention_backend.
+            # An explicit other decode backend takes the trees off attention_backend's.
+            decodes = name == "decode_attention_backend" or (
+                name == "attention_backend" and self.decode_attention_backend is None
+            )
+            drafts = name == "attention_backend" and self.speculative_algorithm in (
+                "EAGLE",
+                "EAGLE3",
+            )
+            if (decodes or drafts) and self.speculative_tree_nodes:
+                raise ValueError(
+                    f"{name} 'flashinfer' does not read draft-tree tails: speculative trees "
+                    "(speculative_eagle_topk > 1) need 'triton' or 'torch_native'"
+                )
             if importlib.util.find_spec("flashinfer") is None:
                 raise ValueError(
                     f"{name} 'flashinfer' needs the flashinfer-python package, which is not "
                     "installed (pip install flashinfer-python, or braid[flashinfer])"
-                )
-            # The decode backend verifies draft trees; the EAGLE drafter runs attention_backend.
-            if name != "prefill_attention_backend" and self.speculative_tree_nodes:
-                raise ValueError(
-                    f"{name} 'flashinfer' does not read draft-tree tails: speculative trees "
-                    "(speculative_eagle_topk > 1) need 'triton' or 'torch_native'"
                 )
 
     @property

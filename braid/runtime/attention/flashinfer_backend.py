@@ -291,6 +291,7 @@ class FlashInferBackend(AttentionBackend):
             for k, v in zip(kv_pool.k, kv_pool.v)
         ]
         self._graph: _GraphState | None = None
+        self._planned: dict[int, torch.cuda.Event] = {}  # wrapper id -> after its last plan
 
     @property
     def device(self) -> torch.device:
@@ -308,7 +309,23 @@ class FlashInferBackend(AttentionBackend):
             self.enable_tree_tails(0)  # raises: a tree batch cannot be read here
         return [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
 
+    def _planning(self, wrapper: Any) -> None:
+        """Before re-planning `wrapper`: wait until the device has taken its last plan.
+        FlashInfer's `plan` writes a pinned host buffer and queues its copy to the device
+        without waiting; with the overlap schedule the next plan can come before that copy has
+        run, and would overwrite what it reads. The wait ends once the stream reaches the
+        copy, which follows the step the host has already read back: in practice at once."""
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+
+    def _planned_now(self, wrapper: Any) -> None:
+        done = torch.cuda.Event()
+        done.record()
+        self._planned[id(wrapper)] = done
+
     def _plan_decode(self, wrapper: Any, plan: PagedKVPlan) -> None:
+        self._planning(wrapper)
         wrapper.plan(
             plan.indptr,
             plan.indices,
@@ -322,6 +339,7 @@ class FlashInferBackend(AttentionBackend):
             kv_data_type=self.dtype,
             sm_scale=self.scale,
         )
+        self._planned_now(wrapper)
 
     # ---- eager ----------------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -335,6 +353,7 @@ class FlashInferBackend(AttentionBackend):
         qo_indptr = [0]
         for n in batch.extend_lens:
             qo_indptr.append(qo_indptr[-1] + n)
+        self._planning(self._prefill)
         self._prefill.plan(
             _host_int32(qo_indptr, self.device.type == "cuda"),
             plan.indptr,
@@ -350,6 +369,7 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._planned_now(self._prefill)
         batch.attn_metadata = _Meta(self._prefill, plan)
 
     def forward(
