@@ -392,8 +392,9 @@ class FlashInferBackend(AttentionBackend):
             if rotary is not None:
                 q, k = apply_rotary(q, k, *rotary)
             self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+        # q may be a strided view of the fused QKV output: FlashInfer reads its strides.
         o = batch.attn_metadata.wrapper.run(q, self._pages[layer_id])
-        return o.view(q.shape[0], -1)
+        return o.reshape(q.shape[0], -1)
 
     # ---- CUDA-graph decode ----------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
