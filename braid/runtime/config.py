@@ -9,6 +9,7 @@ against these fields (`resolve_overrides`), `braid serve` generates its flags fr
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
@@ -179,6 +180,17 @@ class EngineConfig:
         "attention implementation; unset: triton on CUDA, torch_native elsewhere",
         choices=_attention_backends,
     )
+    prefill_attention_backend: str | None = setting(
+        None,
+        "attention implementation for prefill (extend) forwards; unset: attention_backend's",
+        choices=_attention_backends,
+    )
+    decode_attention_backend: str | None = setting(
+        None,
+        "attention implementation for decode forwards (the one CUDA graphs capture); unset: "
+        "attention_backend's",
+        choices=_attention_backends,
+    )
     load_format: str = setting(
         "auto",
         "auto: the checkpoint's weights; dummy: random weights from config.json, for benchmarks",
@@ -206,8 +218,8 @@ class EngineConfig:
         256,
         "decode batches of up to this many rows (requests, or with speculative decoding the "
         "tokens they verify; at most what max_running_requests can hold) replay CUDA graphs, "
-        "padded to the next captured size; larger ones run eagerly. Graphs are used only with "
-        "the triton backend on CUDA",
+        "padded to the next captured size; larger ones run eagerly. Graphs are used on CUDA "
+        "with a decode attention backend that has them (triton, flashinfer)",
     )
     disable_cuda_graph: bool = setting(False, "run every decode step eagerly")
     overlap_schedule: bool | None = setting(
@@ -346,6 +358,7 @@ class EngineConfig:
             )
         self._check_speculative()
         self._check_parallel()
+        self._check_attention_backends()
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(
                 f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
@@ -384,6 +397,33 @@ class EngineConfig:
                 "overlap_schedule with tp_size > 1 is not supported yet (rank 0 sends each "
                 "step's plan before queuing it)"
             )
+
+    def _check_attention_backends(self) -> None:
+        # Refused here, before any process starts, rather than when the model runner builds
+        # the backend: a missing optional package and a feature the backend cannot serve.
+        # (The defaults are never 'flashinfer', so the fields as given are what to check.)
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            if getattr(self, name) != "flashinfer":
+                continue
+            # The decode backend verifies draft trees; the EAGLE drafter runs attention_backend.
+            # An explicit other decode backend takes the trees off attention_backend's.
+            decodes = name == "decode_attention_backend" or (
+                name == "attention_backend" and self.decode_attention_backend is None
+            )
+            drafts = name == "attention_backend" and self.speculative_algorithm in (
+                "EAGLE",
+                "EAGLE3",
+            )
+            if (decodes or drafts) and self.speculative_tree_nodes:
+                raise ValueError(
+                    f"{name} 'flashinfer' does not read draft-tree tails: speculative trees "
+                    "(speculative_eagle_topk > 1) need 'triton' or 'torch_native'"
+                )
+            if importlib.util.find_spec("flashinfer") is None:
+                raise ValueError(
+                    f"{name} 'flashinfer' needs the flashinfer-python package, which is not "
+                    "installed (pip install flashinfer-python, or braid[flashinfer])"
+                )
 
     @property
     def ranks_per_node(self) -> int:
@@ -451,14 +491,24 @@ class EngineConfig:
         return "triton" if self.torch_device.type == "cuda" else "torch_native"
 
     @property
+    def effective_prefill_attention_backend(self) -> str:
+        """`prefill_attention_backend`, or when None: `effective_attention_backend`."""
+        return self.prefill_attention_backend or self.effective_attention_backend
+
+    @property
+    def effective_decode_attention_backend(self) -> str:
+        """`decode_attention_backend`, or when None: `effective_attention_backend`."""
+        return self.decode_attention_backend or self.effective_attention_backend
+
+    @property
     def use_cuda_graph(self) -> bool:
-        """Whether decode batches replay CUDA graphs: the "triton" backend on CUDA, not
-        disabled."""
-        return (
-            not self.disable_cuda_graph
-            and self.torch_device.type == "cuda"
-            and self.effective_attention_backend == "triton"
-        )
+        """Whether decode batches replay CUDA graphs: on CUDA, not disabled, with a decode
+        backend that supports them ("triton", "flashinfer")."""
+        if self.disable_cuda_graph or self.torch_device.type != "cuda":
+            return False
+        from braid.runtime.attention import BACKENDS
+
+        return BACKENDS.get(self.effective_decode_attention_backend).supports_cuda_graph
 
     @property
     def use_overlap_schedule(self) -> bool:

@@ -68,7 +68,7 @@ def test_listing_names_imports_no_factory_module():
         from braid.runtime.function_call import PARSER_NAMES
         from braid.runtime.models import supported_architectures
 
-        assert backend_names() == ["torch_native", "triton"]
+        assert backend_names() == ["flashinfer", "torch_native", "triton"]
         assert grammar_backend_names() == ["llguidance", "outlines", "xgrammar"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
         assert supported_architectures() == [
@@ -79,6 +79,7 @@ def test_listing_names_imports_no_factory_module():
         ]
         lazy = [
             "braid.runtime.attention.torch_native", "braid.runtime.attention.triton_backend",
+            "braid.runtime.attention.flashinfer_backend", "flashinfer",
             "braid.runtime.constrained.grammar", "braid.runtime.constrained.outlines_backend",
             "braid.runtime.constrained.xgrammar_backend", "xgrammar", "llguidance",
             "braid.runtime.function_call.hermes",

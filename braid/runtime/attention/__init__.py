@@ -15,6 +15,7 @@ BACKENDS: Registry[type[AttentionBackend]] = Registry(
     {
         "torch_native": "braid.runtime.attention.torch_native",
         "triton": "braid.runtime.attention.triton_backend",
+        "flashinfer": "braid.runtime.attention.flashinfer_backend",
     },
 )
 

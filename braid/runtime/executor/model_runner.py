@@ -1,8 +1,10 @@
 """`ModelRunner`: owns the model, the KV memory and the attention backend, and runs forwards.
 
 Construction picks the device, dtype and backend once, loads the weights, sizes the KV pool
-(from `kv_tokens` or a memory fraction) and logs one line with the sizes it chose; with the
-`triton` backend on CUDA it then captures the decode forward in CUDA graphs (`cuda_graph.py`).
+(from `kv_tokens` or a memory fraction) and logs one line with the sizes it chose; on CUDA, with a
+decode backend that supports them, it then captures the decode forward in CUDA graphs
+(`cuda_graph.py`). Prefill and decode may run different attention backends
+(`prefill_attention_backend`, `decode_attention_backend`) over the one KV pool.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, sharding
 from braid.runtime.distributed.plan import PlanSender
 from braid.runtime.executor.cuda_graph import CudaGraphRunner
-from braid.runtime.forward_batch import ForwardBatch
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.layers.parallel import head_shard
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
@@ -131,15 +133,28 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(
             self.max_running_requests + 1, self.context_length, self.device
         )
-        backend = config.effective_attention_backend
-        self.attn_backend = create_backend(
-            backend,
+        # One backend per phase, both over the same KV pool and table; the same object when
+        # the phases name the same backend. The decode one is what CUDA graphs capture.
+        prefill_name = config.effective_prefill_attention_backend
+        decode_name = config.effective_decode_attention_backend
+        backend_args = dict(
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token,
             num_heads=self.heads.num_heads,
             num_kv_heads=self.heads.num_kv_heads,
             head_dim=model_config.head_dim,
             sliding_window=model_config.sliding_window,
+        )
+        self.attn_backend = create_backend(decode_name, **backend_args)
+        self.prefill_backend = (
+            self.attn_backend
+            if prefill_name == decode_name
+            else create_backend(prefill_name, **backend_args)
+        )
+        backend = (
+            decode_name
+            if prefill_name == decode_name
+            else f"{prefill_name} (prefill) / {decode_name} (decode)"
         )
         # A speculative verify step is a decode batch of one row per verified token.
         rows = self.max_running_requests
@@ -216,12 +231,13 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(batch):
             return graphs.run(batch)
-        self.attn_backend.init_forward_metadata(batch)
+        backend = self.attn_backend if batch.mode is ForwardMode.DECODE else self.prefill_backend
+        backend.init_forward_metadata(batch)
         if batch.images:
             embeds, deepstack = embed_with_images(self.model, batch, self.encoder_cache)
             extra = {} if deepstack is None else {"deepstack": deepstack}
-            return self.model(batch, self.attn_backend, input_embeds=embeds, **extra)
-        return self.model(batch, self.attn_backend)
+            return self.model(batch, backend, input_embeds=embeds, **extra)
+        return self.model(batch, backend)
 
 
 def embed_with_images(
