@@ -29,6 +29,7 @@ def tiny_server(tiny_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("BRAID_CACHE_DIR", str(cache))
         env.delenv("TRITON_CACHE_DIR", raising=False)
+        env.setenv("BRAID_OVERLAP_STARTUP", "1")  # the runtime starts before the tokenizer loads
         s = start_server(tmp_path_factory.mktemp("serve"), "--model", str(tiny_dir))
     s.cache_dir = cache
     yield s
@@ -114,14 +115,22 @@ def test_concurrent_streams_reassemble_to_the_whole_answers(tiny_server):
         assert len(tokens) == max_tokens
 
 
+def _ready_line(server) -> str:
+    return next(x for x in server.log().splitlines() if "ready at http://" in x)
+
+
 def test_ready_line_reports_startup_phases(tiny_server):
-    line = next(x for x in tiny_server.log().splitlines() if "ready at http://" in x)
-    pattern = r"in ([\d.]+) s: imports ([\d.]+) s, tokenizer ([\d.]+) s, runtime ([\d.]+) s"
+    line = _ready_line(tiny_server)
+    pattern = (
+        r"in ([\d.]+) s: imports ([\d.]+) s, runtime ([\d.]+) s \(scheduler: load ([\d.]+) s; "
+        r"alongside: tokenizer ([\d.]+) s\), server ([\d.]+) s"
+    )
     m = re.search(pattern, line)
     assert m, line
-    total, *parts = map(float, m.groups())
-    assert 0 < sum(parts) <= total + 0.05
-    assert "(scheduler: load " in line
+    total, imports, runtime, load, tokenizer, server = map(float, m.groups())
+    # One after the other: imports, the runtime (the tokenizer loads meanwhile), the server.
+    assert 0 < imports + runtime + server <= total + 0.05
+    assert load <= runtime and 0 < tokenizer < runtime
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -132,11 +141,61 @@ def test_triton_cache_is_under_braids_cache_dir(tiny_server):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_users_triton_cache_dir_is_kept(tiny_dir, tmp_path, monkeypatch):
+def test_a_users_triton_cache_dir_is_kept_and_phases_run_in_turn(tiny_dir, tmp_path, monkeypatch):
+    """A user's TRITON_CACHE_DIR is what the runtime sees; with the start-up overlap off
+    (as on a 2-core machine) the tokenizer is a phase of its own, before the runtime's."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("BRAID_OVERLAP_STARTUP", "0")
     s = start_server(tmp_path, "--model", str(tiny_dir), kv_tokens=2048)
     try:
         pids = httpx.get(f"{s.url}/get_server_info").json()["pids"]
         assert f"TRITON_CACHE_DIR={tmp_path / 'mine'}".encode() in _environ(pids["scheduler"])
+        line = _ready_line(s)
     finally:
         s.stop()
+    pattern = (
+        r"in ([\d.]+) s: imports ([\d.]+) s, tokenizer ([\d.]+) s, runtime ([\d.]+) s "
+        r"\(scheduler: load ([\d.]+) s\), server ([\d.]+) s"
+    )
+    m = re.search(pattern, line)
+    assert m, line
+    total, imports, tokenizer, runtime, load, server = map(float, m.groups())
+    assert 0 < imports + tokenizer + runtime + server <= total + 0.05
+    assert load <= runtime and "alongside" not in line
+
+
+def test_a_port_in_use_ends_serve_with_a_message_and_no_runtime_left(tiny_dir, tmp_path):
+    """The runtime starts before the server binds its port (the model loads while the
+    tokenizer does): when the port turns out to be taken, serve says so, exits 1 and leaves
+    none of the runtime's processes behind."""
+    import os
+    import socket
+    import subprocess
+    import uuid
+
+    import psutil
+
+    mark = f"BRAID_TEST_MARK={uuid.uuid4().hex}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "BRAID_TEST_MARK": mark.split("=", 1)[1], "BRAID_OVERLAP_STARTUP": "1"}
+        run = subprocess.run(
+            [sys.executable, "-m", "braid", "serve", "--model", str(tiny_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+            cwd=tmp_path,
+        )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "braid serve:" in run.stderr and str(port) in run.stderr, run.stderr[-3000:]
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if mark.encode() in b"\0".join(_environ(p.pid)):
+                left.append(p)
+        except (OSError, psutil.Error):
+            continue
+    assert not left, [p.cmdline() for p in left]

@@ -9,6 +9,7 @@ doc as help and its default, plus SGLang's names for it as aliases (`--max-total
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import logging
@@ -42,6 +43,19 @@ logger = logging.getLogger("braid.serve")
 SERVE_DEFAULTS: dict[str, Any] = {"show_progress": False}
 # Allocations between the server process's young-generation collections (Python's default: 700).
 SERVER_GC_THRESHOLD = 50_000
+# The runtime's processes start before the tokenizer loads (so the model loads meanwhile) on
+# machines with at least this many CPUs. On 2 cores the three start-ups competed and made the
+# whole slower (SmolLM2: ready in 11.6 s against 7.0 s one after the other, best of 3, docs/
+# benchmarks.md). BRAID_OVERLAP_STARTUP=1 / 0 forces it on / off.
+OVERLAP_STARTUP_MIN_CPUS = 4
+
+
+def overlap_startup() -> bool:
+    """Whether `braid serve` starts the runtime before it loads the tokenizer."""
+    forced = os.environ.get("BRAID_OVERLAP_STARTUP")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return (os.cpu_count() or 1) >= OVERLAP_STARTUP_MIN_CPUS
 
 
 @dataclass(frozen=True)
@@ -296,17 +310,30 @@ def _since_process_start() -> float | None:
 
 
 def startup_summary(
-    phases: dict[str, float], scheduler: dict[str, float], total: float | None
+    phases: dict[str, float],
+    scheduler: dict[str, float],
+    alongside: dict[str, float],
+    total: float | None,
 ) -> str:
-    """The start-up phases for the ready line, the scheduler's inside the runtime's:
-    `in 5.10 s: imports 1.20 s, tokenizer 0.30 s, runtime 3.50 s (scheduler: load 2.90 s), ...`.
-    """
+    """The start-up phases for the ready line, one after the other, with the scheduler's own
+    phases and the front end's work done meanwhile (`alongside`) inside the runtime's:
+    `in 5.10 s: imports 1.20 s, runtime 3.50 s (scheduler: load 2.90 s; alongside: tokenizer
+    0.30 s), server 0.10 s`."""
     parts = []
     for name, secs in phases.items():
         parts.append(f"{name} {secs:.2f} s")
-        if name == "runtime" and scheduler:
-            inner = ", ".join(f"{k} {v:.2f} s" for k, v in scheduler.items())
-            parts[-1] += f" (scheduler: {inner})"
+        if name == "runtime":
+            inner = []
+            if scheduler:
+                inner.append(
+                    "scheduler: " + ", ".join(f"{k} {v:.2f} s" for k, v in scheduler.items())
+                )
+            if alongside:
+                inner.append(
+                    "alongside: " + ", ".join(f"{k} {v:.2f} s" for k, v in alongside.items())
+                )
+            if inner:
+                parts[-1] += f" ({'; '.join(inner)})"
     head = f"in {total:.2f} s: " if total is not None else "phases: "
     return head + ", ".join(parts)
 
@@ -323,9 +350,9 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from braid.runtime.tokenizer.manager import TokenizerManager
     from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
 
-    # Start-up phases for the ready line: the interpreter and braid's imports, the model's
-    # assets (config, tokenizer), the runtime (its processes' start, the scheduler's own load
-    # with its phases), the server.
+    # Start-up phases for the ready line: the interpreter and braid's imports, the runtime (its
+    # processes' start to the model loaded, with the scheduler's own phases; the tokenizer
+    # loads alongside), the server.
     phases: dict[str, float] = {}
     if before_serve is not None:
         phases["imports"] = before_serve + time.perf_counter() - entered
@@ -363,15 +390,43 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             return 2
         return serve_followers(config, path, level)
     try:
-        mark = time.perf_counter()
-        assets = ModelAssets.load(
-            config.model, revision=config.revision, gguf_file=config.gguf_file
+        assets = ModelAssets.load(  # small JSON files; the tokenizer loads below
+            config.model,
+            with_tokenizer=False,
+            revision=config.revision,
+            gguf_file=config.gguf_file,
         )
         api_key = _api_key(settings)
-        media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
-        phases["tokenizer"] = time.perf_counter() - mark
     except ValueError as e:
         logger.error("braid serve: %s", e)
+        return 2
+
+    def on_failure(message: str) -> None:
+        logger.error("braid serve: shutting down: %s", message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tm = TokenizerManager(
+        config,
+        assets.path,
+        assets.eos_token_ids,
+        spawn=spawn_runtime,
+        log_level=level,
+        on_failure=on_failure,
+    )
+    # The runtime's processes start now and load the model while this process loads the
+    # tokenizer (transformers' import and the tokenizer files: seconds) and the media front end.
+    overlap = overlap_startup()
+    if overlap:
+        tm.spawn_early()
+    alongside: dict[str, float] = {}
+    try:
+        mark = time.perf_counter()
+        assets.load_tokenizer()
+        media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
+        (alongside if overlap else phases)["tokenizer"] = time.perf_counter() - mark
+    except ValueError as e:
+        logger.error("braid serve: %s", e)
+        asyncio.run(tm.shutdown())
         return 2
     model_path, tokenizer = assets.path, assets.tokenizer
     if settings.chat_template and tokenizer is not None:
@@ -390,18 +445,6 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if reasoning_parser is not None:
         logger.info("braid serve: reasoning parser: %s", settings.reasoning_parser)
 
-    def on_failure(message: str) -> None:
-        logger.error("braid serve: shutting down: %s", message)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    tm = TokenizerManager(
-        config,
-        model_path,
-        assets.eos_token_ids,
-        spawn=spawn_runtime,
-        log_level=level,
-        on_failure=on_failure,
-    )
     name = settings.served_model_name or (config.model or "smollm2-135m")
     shown = {k: v for k, v in asdict(settings).items() if not k.startswith("api_key")}
     state = ServerState(
@@ -431,15 +474,14 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     def on_ready() -> None:
         freeze_startup_heap()  # full collections then skip everything start-up made
-        # Streams allocate per step (an output per stream, its chunk, a wake-up) and with
-        # Python's default threshold (700) the collector ran every few hundred of them,
-        # scanning each live stream's objects: at 1024 streams, 3/4 of the time the event loop
-        # spent decoding the detokenizer's messages was the collector (profiled; docs/
-        # benchmarks.md, Streaming). That garbage is acyclic and freed by reference counts.
+        # Streams allocate per step (an output per stream, its chunk, a wake-up), and with
+        # Python's default threshold (700) the collector runs every few hundred of those
+        # allocations, scanning every live stream's objects each time. That garbage is acyclic
+        # and freed by reference counts, so the young generation is collected less often.
         gc.set_threshold(SERVER_GC_THRESHOLD, *gc.get_threshold()[1:])
         r = tm.ready
         phases["runtime"] = tm.start_time_s
-        phases["server"] = time.perf_counter() - serving_at - tm.start_time_s
+        phases["server"] = time.perf_counter() - serving_at - tm.start_wait_s
         scheduler = r.phases or {"load": r.load_time_s}
         total = None if before_serve is None else before_serve + time.perf_counter() - entered
         logger.info(
@@ -451,7 +493,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             r.dtype,
             r.context_length,
             r.kv_capacity_tokens,
-            startup_summary(phases, scheduler, total),
+            startup_summary(phases, scheduler, alongside, total),
         )
 
     app = create_app(state, on_ready=on_ready)
@@ -467,6 +509,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
         logger.error("braid serve: %s", e)
+        asyncio.run(tm.shutdown())  # the runtime started before the server (nothing if done)
         return 1
     if tm.failure:
         logger.error("braid serve: exited after a runtime failure: %s", tm.failure)

@@ -149,23 +149,38 @@ class TokenizerManager:
         # The scheduler's latest heartbeat and when it came (event-loop time).
         self.heartbeat: SchedulerHeartbeat | None = None
         self._beat_at = 0.0
-        self.start_time_s = 0.0  # how long `start` took: processes started, model loaded
+        # From the processes' start to the model loaded (`start`, or `spawn_early` to `start`'s
+        # end).
+        self.start_time_s = 0.0
+        self._spawned_at: float | None = None
+        self.start_wait_s = 0.0  # how long `start` itself took
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _start_processes(self) -> None:
+        self._spawned_at = time.perf_counter()
         self.procs = self.spawn(
             self.config, self.model_path, self.eos_token_ids, self.addrs, self.log_level
         )
 
+    def spawn_early(self) -> None:
+        """Start the runtime processes now, so that they load the model while the caller does
+        the rest of its start-up (`braid serve` loads the tokenizer meanwhile); `start` then
+        connects and waits for them. Their messages wait in ZMQ until `start` binds. A caller
+        that fails before `start` stops them with `shutdown`."""
+        if not self.procs:
+            self._start_processes()
+
     async def start(self, timeout: float = 600.0) -> SchedulerReady:
-        """Start the processes and wait until the model is loaded."""
-        started = time.perf_counter()
+        """Start the processes (unless `spawn_early` did) and wait until the model is
+        loaded."""
+        entered = time.perf_counter()
         self._zctx = zmq.asyncio.Context()
         self._inbox = self._zctx.socket(zmq.PULL)
         self._inbox.bind(self.addrs.tokenizer)
         self._to_sched = self._zctx.socket(zmq.PUSH)
         self._to_sched.connect(self.addrs.scheduler)
-        self._start_processes()
+        if not self.procs:
+            self._start_processes()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.ready is None:
@@ -184,7 +199,9 @@ class TokenizerManager:
             if loop.time() > deadline:
                 await self.shutdown()
                 raise RuntimeDied(f"the model did not load within {timeout:.0f} s")
-        self.start_time_s = time.perf_counter() - started
+        now = time.perf_counter()
+        self.start_time_s = now - (self._spawned_at or entered)
+        self.start_wait_s = now - entered
         self._tasks = [
             asyncio.create_task(self._recv_loop()),
             asyncio.create_task(self._watchdog()),

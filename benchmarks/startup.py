@@ -1,0 +1,87 @@
+"""Start to ready of `braid serve`, with the start-up overlap on and off in one run: the
+runtime's processes started before the tokenizer loads (`BRAID_OVERLAP_STARTUP=1`) or after
+it (`0`). Starts alternate between the two so that a machine's noise falls on both; each start
+reports the time since its process started and the phases of its ready line.
+
+    python benchmarks/startup.py                     # the embedded model, 3 starts of each
+    python benchmarks/startup.py --model DIR --repeats 5 --server-args "--load-format dummy"
+
+Writes benchmarks/results/startup_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import write_result  # noqa: E402
+from braid.runtime.ipc.sockets import free_port  # noqa: E402
+
+READY = re.compile(r"ready at http://\S+ \((.*)\) in ([\d.]+) s: (.*)$")
+
+
+def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
+    """One `braid serve` start until its ready line, then SIGTERM; its total and phases."""
+    port = free_port()
+    env = {**os.environ, "BRAID_OVERLAP_STARTUP": "1" if overlap else "0"}
+    with tempfile.TemporaryFile("w+") as log:
+        cmd = [sys.executable, "-m", "braid", "serve", "--port", str(port), *extra]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        line = None
+        try:
+            while line is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"braid serve did not become ready:\n{log.read()[-3000:]}")
+                time.sleep(0.1)
+                log.seek(0)
+                line = next((x for x in log.read().splitlines() if READY.search(x)), None)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    m = READY.search(line)
+    return {"total_s": float(m.group(2)), "phases": m.group(3), "model": m.group(1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--repeats", type=int, default=3, help="starts of each setting")
+    ap.add_argument("--server-args", default="", help="extra `braid serve` flags")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    extra = (["--model", args.model] if args.model else []) + args.server_args.split()
+    runs: dict[str, list[dict]] = {"overlap": [], "in_turn": []}
+    for _ in range(args.repeats):
+        for name in runs:
+            r = start_once(name == "overlap", extra, args.timeout)
+            runs[name].append(r)
+            print(f"{name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
+    summary = {
+        name: {
+            "best_s": min(r["total_s"] for r in rs),
+            "median_s": statistics.median(r["total_s"] for r in rs),
+        }
+        for name, rs in runs.items()
+    }
+    print(summary)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fields = {"model": args.model or "smollm2-135m", "cpus": os.cpu_count(), "summary": summary}
+    write_result("startup", device, args.out, {**fields, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
