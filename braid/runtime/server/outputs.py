@@ -213,7 +213,8 @@ def text_of(state: ServerState, tid: int, texts: dict[int, str]) -> str:
 # ---- encoding -------------------------------------------------------------------------------
 # orjson: a completion chunk encodes in ~0.6 us against ~12 us with `json` (timeit on the
 # 2-core CPU machine, docs/benchmarks.md, Serving at 1024 streams), and at 1024 streams the
-# server encodes one per stream per step. Non-ASCII stays UTF-8 (as `ensure_ascii=False` did); NaN becomes null.
+# server encodes one per stream per step. Non-ASCII stays UTF-8 (as `ensure_ascii=False`
+# did); NaN becomes null.
 _JSON_OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
