@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 # The playground's browser test (pytest -m browser) drives Debian's headless Chromium. Installed
-# with apt-get where that works (as root, or with password-less sudo); never fatal: without it,
-# that test is skipped and says why.
+# with apt-get where that works (as root, or with password-less sudo; bounded in time where no
+# package source answers); never fatal: without it, that test is skipped and says why.
 APT_BROWSER := chromium chromium-driver
 browser-tools:
 	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
@@ -37,8 +37,9 @@ browser-tools:
 		echo "setup: no apt-get here: install chromium and chromedriver to run the browser test (skipped until then)"; \
 	else \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
-		if $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1 \
-			|| { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1; }; then \
+		if timeout 300 $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1 \
+			|| { timeout 120 $$SUDO apt-get update -q >/dev/null 2>&1 \
+				&& timeout 300 $$SUDO apt-get install -y -q $(APT_BROWSER) >/dev/null 2>&1; }; then \
 			echo "setup: installed $(APT_BROWSER) (for the browser test)"; \
 		else \
 			echo "setup: could not install $(APT_BROWSER) with apt-get: the browser test will be skipped"; \
