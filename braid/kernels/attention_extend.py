@@ -247,7 +247,7 @@ def extend_attention(
     device = q.device
     kv_heads, head_dim = check_paged_kv(q, k_cache, v_cache, req_to_token, num_heads)
     fp8 = k_cache.dtype == KV_FP8_DTYPE
-    k_inv, v_inv = kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)
+    k_inv, v_inv = (kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)) if fp8 else (1.0, 1.0)
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtypes=(q.dtype,), device=device)
         check_shape(name, t, (tokens, kv_heads, head_dim))

@@ -135,7 +135,7 @@ def store_kv(
     """
     n = check_store_kv_args(k_cache, v_cache, k, v, loc)
     fp8 = k_cache.dtype == KV_FP8_DTYPE
-    k_inv, v_inv = kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)
+    k_inv, v_inv = (kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)) if fp8 else (1.0, 1.0)
     kv_heads, head_dim = k_cache.shape[1:]
     if n == 0:
         return

@@ -8,6 +8,8 @@ them without importing Triton. This module imports torch alone.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -37,12 +39,13 @@ KV_FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 
 
+@functools.lru_cache(maxsize=1024)
 def kv_inverse_scale(scale: float) -> float:
     """1 / `scale`, each rounded to float32 once: what a quantized K/V value is multiplied by
     before its cast, in torch and in every kernel alike (a float32 multiplication is one IEEE
     rounding on every device; a division by a Python number on CUDA is not, torch multiplying
     by its own reciprocal). Equal to dividing by `scale` when `scale` is a power of two (1.0,
-    the default, included)."""
+    the default, included). Cached: the launchers ask for it every layer of every forward."""
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"a KV cache scale must be a positive finite number, got {scale!r}")
     one = torch.tensor(1.0, dtype=torch.float32)

@@ -184,7 +184,9 @@ def rotary(
     else:
         v = k_cache = v_cache = loc = k
         fp8 = False
-    k_inv, v_inv = kv_inverse_scale(kv_scales[0]), kv_inverse_scale(kv_scales[1])
+    k_inv, v_inv = (1.0, 1.0)
+    if fp8:
+        k_inv, v_inv = kv_inverse_scale(kv_scales[0]), kv_inverse_scale(kv_scales[1])
     if tokens == 0:
         return q, k
     half = rot_dim // 2

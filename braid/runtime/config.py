@@ -130,7 +130,8 @@ class EngineConfig:
         "auto",
         "how the KV cache stores keys and values; auto: the model's dtype; fp8 or fp8_e4m3: "
         "float8 e4m3, one byte a value (twice the tokens of a 16-bit cache in the same "
-        "memory), with a K and a V scale per layer (1.0)",
+        "memory), with a K and a V scale per layer (the checkpoint's self_attn.k_scale / "
+        "v_scale, else 1.0)",
         choices=KV_CACHE_DTYPES,
     )
     kv_tokens: int | None = setting(

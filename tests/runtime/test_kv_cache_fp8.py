@@ -5,6 +5,7 @@ quantize-dequantize (transformers' model with an attention function written here
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,18 +25,22 @@ from tests.conftest import hf_greedy, local_scheduler, run_to_end
 FP8 = "braid_fp8_kv"
 
 
+# The reference's per-layer (k_scale, v_scale); layers not named use 1.0, the scales a
+# checkpoint without KV scales gets.
+REF_SCALES: dict[int, tuple[float, float]] = {}
+
+
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA over keys and values rounded through the cache: clamp(x / 1.0, +-448) -> e4m3 ->
-    float32 (the scales a checkpoint without KV scales gets: 1.0). Written from the cache's
-    definition, not from braid's code path."""
+    """SDPA over keys and values rounded through the cache: clamp(x / scale, +-448) -> e4m3 ->
+    float32 -> times scale. Written from the cache's definition, not from braid's code path."""
+    k_scale, v_scale = REF_SCALES.get(module.layer_idx, (1.0, 1.0))
 
-    def through_cache(x: torch.Tensor) -> torch.Tensor:
-        q8 = x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return q8.float().to(x.dtype)
+    def through_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+        q8 = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (q8.float() * scale).to(x.dtype)
 
-    return sdpa_attention_forward(
-        module, query, through_cache(key), through_cache(value), attention_mask, **kwargs
-    )
+    key, value = through_cache(key, k_scale), through_cache(value, v_scale)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(FP8, _fp8_kv_attention)
@@ -122,6 +127,67 @@ def test_llm_with_fp8_kv_generates_and_keeps_its_accounting(tiny_model_dirs):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+def test_tensor_parallel_ranks_hold_their_heads_in_fp8(tiny_model_dirs):
+    """tp_size=2: each rank's pool holds its KV heads in fp8 (the quantization is per value,
+    so the split changes nothing): the reference's tokens, with chunks and accounting kept."""
+    path = tiny_model_dirs["llama"]
+    prompts = _prompts(512, seed=11)
+    expected = [hf_greedy(_reference(path), p, 10, eos=False) for p in prompts]
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    cfg = dict(kv_tokens=256, chunked_prefill_size=16, tp_size=2, kv_cache_dtype="fp8")
+    with braid.LLM(path, show_progress=False, **cfg) as llm:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        llm.check_invariants()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def _with_kv_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """A copy of checkpoint `src` whose safetensors also hold `scales` (vLLM's key names)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (weights,) = dst.glob("*.safetensors")
+    save_file(load_file(weights) | scales, weights, metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_kv_scales_are_read_and_used(tiny_model_dirs, tmp_path):
+    """vLLM's `self_attn.k_scale` / `v_scale` (and AutoFP8's `kv_scale`, both at once) become
+    the pool's per-layer scales; the reference with the same scales gives the same tokens. A
+    float cache loads the same checkpoint and leaves them unused; a scale per head is refused."""
+    src = tiny_model_dirs["llama"]
+    path = _with_kv_scales(
+        src,
+        tmp_path / "scaled",
+        {
+            "model.layers.0.self_attn.k_scale": torch.tensor(0.25),
+            "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
+            "model.layers.1.self_attn.kv_scale": torch.tensor(0.5),
+        },
+    )
+    sched = local_scheduler(path, kv_tokens=256, kv_cache_dtype="fp8_e4m3")
+    pool = sched.runner.kv_pool
+    assert [pool.scales(i) for i in range(2)] == [(0.25, 2.0), (0.5, 0.5)]
+    prompts = _prompts(512, seed=21)
+    REF_SCALES.update({0: (0.25, 2.0), 1: (0.5, 0.5)})
+    try:
+        expected = [hf_greedy(_reference(src), p, 10, eos=False) for p in prompts]
+    finally:
+        REF_SCALES.clear()
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.handle(GenerateReq(f"r{i}", p, sp, 0))
+    got = run_to_end(sched)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    floats = local_scheduler(path, kv_tokens=256)
+    assert not floats.runner.kv_pool.quantized and floats.runner.kv_pool.scales(0) == (1.0, 1.0)
+    per_head = _with_kv_scales(
+        src, tmp_path / "per_head", {"model.layers.0.self_attn.k_scale": torch.ones(2)}
+    )
+    with pytest.raises(ValueError, match="k_scale: a KV cache scale per head"):
+        local_scheduler(per_head, kv_tokens=256, kv_cache_dtype="fp8")
+
+
 @pytest.mark.slow  # transformers' generate on this CPU: about 15 s
 def test_smollm2_with_fp8_kv_matches_the_quantized_kv_reference(smollm2_dir):
     """SmolLM2's real weights through the fp8 cache: the reference's greedy tokens."""
@@ -150,6 +216,40 @@ def test_fp8_kv_and_float_kv_agree_on_the_first_token_of_smollm2(smollm2_dir):
         sched.handle(GenerateReq("r", ids, sp, 0))
         tokens[kv] = run_to_end(sched)["r"]
     assert tokens["auto"] == tokens["fp8"]
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "DRAFT"])
+def test_speculative_decoding_over_an_fp8_cache_changes_no_token(tiny_model_dirs, tmp_path, algo):
+    """Verify rows, draft trees (tails, KV moved into place as bytes), EAGLE's own fp8 draft
+    pool and a draft model's fp8 runner: greedy tokens are those of plain fp8 decoding."""
+    from tests.runtime import spec_heads
+
+    path = tiny_model_dirs["llama"]
+    cfg = dict(kv_tokens=2048, page_size=4, kv_cache_dtype="fp8_e4m3")
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(512, seed=9)
+
+    def tokens(sched) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            sched.handle(GenerateReq(f"r{i}", p, sp, 0))
+        return run_to_end(sched)
+
+    want = tokens(local_scheduler(path, **cfg))
+    if algo == "EAGLE":  # a tree of 10 nodes, 3 branches a position
+        spec = dict(
+            speculative_draft_model_path=str(spec_heads.write_eagle(tmp_path / "eagle")),
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=10,
+        )
+    else:  # the target as its own draft: every draft right, the draft's KV in fp8 too
+        spec = dict(speculative_draft_model_path=str(path))
+    sched = local_scheduler(path, speculative_algorithm=algo, **cfg, **spec)
+    draft_pool = sched.proposer.pool if algo == "EAGLE" else sched.proposer.runner.kv_pool
+    assert draft_pool.k[0].dtype == torch.float8_e4m3fn
+    assert tokens(sched) == want
+    assert sched.stats.spec_draft_tokens > 0
+    if algo == "DRAFT":
+        assert sched.stats.spec_accepted_tokens == sched.stats.spec_draft_tokens
 
 
 @pytest.mark.gpu

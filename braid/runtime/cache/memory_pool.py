@@ -72,11 +72,12 @@ class KVPool:
     """Per-layer K and V buffers of shape [num_pages * page_size, kv_heads, head_dim].
 
     `dtype` is the buffers' dtype: the model's, or `torch.float8_e4m3fn` for an fp8 KV cache
-    (one byte a value). Then each layer has a K and a V scale (`k_scales`, `v_scales`; 1.0
-    each when not given): a row is stored as clamp(x * (1 / scale), +-448) cast to e4m3
-    (`quantize_kv_reference`) and read back as its float32 value times the scale
-    (`dequantize_kv_reference`). Every write and read of the pool goes through these: `store`,
-    `read`, `copy_slots` (which copies bytes), and the Triton kernels given `scales(layer)`."""
+    (one byte a value). Then each layer has a K and a V scale (`k_scales`, `v_scales`: a
+    checkpoint's, through `ModelRunner`; 1.0 each when not given): a row is stored as
+    clamp(x * (1 / scale), +-448) cast to e4m3 (`quantize_kv_reference`) and read back as its
+    float32 value times the scale (`dequantize_kv_reference`). Every write and read of the pool
+    goes through these: `store`, `read`, `copy_slots` (which copies bytes), and the Triton
+    kernels given `scales(layer)`."""
 
     def __init__(
         self,

@@ -120,6 +120,7 @@ class ModelRunner:
             model_config.head_dim,
             self.kv_dtype,
             self.device,
+            **self._kv_scales(model_config.num_layers),
         )
         capacity = self.kv_pool.allocator.capacity_tokens
         # A sequence longer than the whole pool could never run.
@@ -183,6 +184,21 @@ class ModelRunner:
         if tp is not None and tp.is_leader:
             self.plans = PlanSender(tp, self.req_to_token.table)
             self.kv_pool.journal = self.req_to_token.journal = self.plans.journal
+
+    def _kv_scales(self, num_layers: int) -> dict[str, list[float]]:
+        """An fp8 pool's `k_scales` / `v_scales` from the checkpoint (1.0 for a layer it gives
+        none, as vLLM); nothing for a float pool, which has no use for them."""
+        found = getattr(self.model, "kv_cache_scales", {})
+        if self.kv_dtype != torch.float8_e4m3fn:
+            if found:
+                logger.info("the checkpoint's KV cache scales are unused: kv_cache_dtype is auto")
+            return {}
+        if found:
+            logger.info("fp8 KV cache scales from the checkpoint for %d layers", len(found))
+        return {
+            f"{kind}_scales": [found.get(i, {}).get(kind, 1.0) for i in range(num_layers)]
+            for kind in ("k", "v")
+        }
 
     @property
     def kv_bytes_per_token(self) -> int:
