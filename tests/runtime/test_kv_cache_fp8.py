@@ -153,27 +153,31 @@ def _with_kv_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor]) -> Pa
 
 def test_checkpoint_kv_scales_are_read_and_used(tiny_model_dirs, tmp_path):
     """vLLM's `self_attn.k_scale` / `v_scale` (and AutoFP8's `kv_scale`, both at once) become
-    the pool's per-layer scales; the reference with the same scales gives the same tokens. A
-    float cache loads the same checkpoint and leaves them unused; a scale per head is refused."""
+    the pool's per-layer scales; the reference with the same scales gives the same tokens, and
+    those scales (extreme on purpose: K clamped at 448 / 256, V and layer 1 pushed into e4m3's
+    subnormals) change tokens, so scales that were read but not applied would fail. A float
+    cache loads the same checkpoint and leaves them unused; a scale per head is refused."""
     src = tiny_model_dirs["llama"]
     path = _with_kv_scales(
         src,
         tmp_path / "scaled",
         {
-            "model.layers.0.self_attn.k_scale": torch.tensor(0.25),
-            "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
-            "model.layers.1.self_attn.kv_scale": torch.tensor(0.5),
+            "model.layers.0.self_attn.k_scale": torch.tensor(2.0**-8),
+            "model.layers.0.self_attn.v_scale": torch.tensor([64.0]),
+            "model.layers.1.self_attn.kv_scale": torch.tensor(32.0),
         },
     )
     sched = local_scheduler(path, kv_tokens=256, kv_cache_dtype="fp8_e4m3")
     pool = sched.runner.kv_pool
-    assert [pool.scales(i) for i in range(2)] == [(0.25, 2.0), (0.5, 0.5)]
+    assert [pool.scales(i) for i in range(2)] == [(2.0**-8, 64.0), (32.0, 32.0)]
     prompts = _prompts(512, seed=21)
-    REF_SCALES.update({0: (0.25, 2.0), 1: (0.5, 0.5)})
+    unscaled = [hf_greedy(_reference(src), p, 10, eos=False) for p in prompts]
+    REF_SCALES.update({0: (2.0**-8, 64.0), 1: (32.0, 32.0)})
     try:
         expected = [hf_greedy(_reference(src), p, 10, eos=False) for p in prompts]
     finally:
         REF_SCALES.clear()
+    assert expected != unscaled
     sp = braid.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.handle(GenerateReq(f"r{i}", p, sp, 0))
@@ -275,6 +279,8 @@ def test_fp8_kv_decode_through_cuda_graphs_equals_eager_gpu(tiny_model_dirs):
         for i, p in enumerate(prompts):
             sched.handle(GenerateReq(f"r{i}", p, sp, 0))
         outs[graphs] = run_to_end(sched)
+        if graphs:
+            assert sum(sched.runner.graph_runner.replays.values()) > 0, "decode ran in graphs"
     assert outs[True] == outs[False]
 
 
