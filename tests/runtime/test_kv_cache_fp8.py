@@ -4,6 +4,7 @@ quantize-dequantize (transformers' model with an attention function written here
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -190,6 +191,35 @@ def test_checkpoint_kv_scales_are_read_and_used(tiny_model_dirs, tmp_path):
     )
     with pytest.raises(ValueError, match="k_scale: a KV cache scale per head"):
         local_scheduler(per_head, kv_tokens=256, kv_cache_dtype="fp8")
+
+
+def test_a_compressed_tensors_kv_cache_scheme_brings_its_scales(tiny_model_dirs, tmp_path):
+    """An llm-compressor FP8 checkpoint with a static per-tensor fp8 `kv_cache_scheme` loads,
+    and its `k_scale` / `v_scale` tensors become the fp8 cache's scales; any other KV scheme is
+    refused naming the field."""
+    from tests.runtime.test_quantization_checkpoints import write_quantized
+
+    ct = tmp_path / "ct"
+    write_quantized(tiny_model_dirs["qwen2"], ct, "fp8_channel")
+    config = json.loads((ct / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (ct / "config.json").write_text(json.dumps(config))
+    scales = {
+        f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(s)
+        for i, (k, v) in enumerate([(0.5, 0.25), (2.0, 1.0)])
+        for kind, s in (("k", k), ("v", v))
+    }
+    path = _with_kv_scales(ct, tmp_path / "ct_kv", scales)
+    sched = local_scheduler(path, kv_tokens=256, kv_cache_dtype="fp8")
+    assert [sched.runner.kv_pool.scales(i) for i in range(2)] == [(0.5, 0.25), (2.0, 1.0)]
+    sp = braid.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sched.handle(GenerateReq("r", _prompts(512, seed=2)[1], sp, 0))
+    assert len(run_to_end(sched)["r"]) == 6
+    config["quantization_config"]["kv_cache_scheme"] = dict(scheme, strategy="attn_head")
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="kv_cache_scheme: only static per-tensor fp8"):
+        local_scheduler(path, kv_tokens=256, kv_cache_dtype="fp8")
 
 
 @pytest.mark.slow  # transformers' generate on this CPU: about 15 s
