@@ -10,10 +10,12 @@ that applies to it, through braid.LLM's prompt log-probabilities:
 Methods: `float32` (the GGUF file dequantized: the model's float weights), `gguf` (the Q4_1
 blocks kept quantized: on this CPU, torch's int4 kernel with bfloat16 activations), `int8`
 (`w8a16` from the float32 weights), `int4` (`awq`'s round-to-nearest, group 64, from the
-float32 weights). The float32 weights are themselves the Q4_1 file's, so `gguf` is the same
-model as `float32` (its delta is the kernels' rounding), while `int8` and `int4` quantize it
-once more. Perplexity = exp(mean negative log-likelihood of tokens 2..n given those before),
-the text as one sequence. Writes benchmarks/results/perplexity_cpu.json.
+float32 weights), `fp8_kv` (the float32 model with `kv_cache_dtype="fp8_e4m3"`: every key and
+value attended to is rounded through e4m3, scales 1.0). The float32 weights are themselves the
+Q4_1 file's, so `gguf` is the same model as `float32` (its delta is the kernels' rounding),
+while `int8` and `int4` quantize it once more. Perplexity = exp(mean negative log-likelihood
+of tokens 2..n given those before), the text as one sequence. Writes
+benchmarks/results/perplexity_cpu.json.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from benchmarks.common import write_result  # noqa: E402
 from braid.runtime.models.source import resolve_model  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "tests/data/text/declaration_of_independence.txt"
-# method -> (float directory?, quantization)
+# method -> (float directory?, engine settings)
 METHODS = {
-    "float32": (True, None),
-    "gguf": (False, None),
-    "int8": (True, "w8a16"),
-    "int4": (True, "awq"),
+    "float32": (True, {}),
+    "gguf": (False, {}),
+    "int8": (True, {"quantization": "w8a16"}),
+    "int4": (True, {"quantization": "awq"}),
+    "fp8_kv": (True, {"kv_cache_dtype": "fp8_e4m3"}),
 }
 
 
@@ -53,10 +56,9 @@ def perplexity(llm: braid.LLM, ids: list[int]) -> float:
 
 
 def method_engine(method: str, **overrides) -> braid.LLM:
-    floats, quantization = METHODS[method]
+    floats, settings = METHODS[method]
     path = resolve_model(None, dequantize_gguf=floats)
-    kw = {"quantization": quantization} if quantization else {}
-    return braid.LLM(path, kv_tokens=4096, show_progress=False, **kw, **overrides)
+    return braid.LLM(path, kv_tokens=4096, show_progress=False, **settings, **overrides)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -73,13 +73,17 @@ def check_paged_kv(
     req_to_token: torch.Tensor,
     num_heads: int,
 ) -> tuple[int, int]:
-    """Shared by decode and extend: returns (kv_heads, head_dim)."""
+    """Shared by decode and extend: returns (kv_heads, head_dim). The caches are of q's dtype,
+    or both float8_e4m3fn (an fp8 KV cache, read with its scales)."""
     device = q.device
     check_tensor("k_cache", k_cache, ndim=3, device=device)
     check_tensor("v_cache", v_cache, ndim=3, device=device)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    check_same_dtype("k_cache", k_cache, "q", q)
-    check_same_dtype("v_cache", v_cache, "q", q)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        check_same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    else:
+        check_same_dtype("k_cache", k_cache, "q", q)
+        check_same_dtype("v_cache", v_cache, "q", q)
     _, kv_heads, head_dim = k_cache.shape
     if q.shape[-1] != head_dim:
         raise ValueError(f"q head_dim {q.shape[-1]} != k_cache head_dim {head_dim}")

@@ -32,6 +32,7 @@ from braid.kernels._checks import (
     dot_precision,
     next_pow2,
 )
+from braid.kernels.reference import KV_FP8_DTYPE, dequantize_kv_reference
 
 # Online-softmax running max starts finite: a block whose keys are all masked for a row then
 # gives exp2(-inf - m) = 0, not exp2(-inf + inf) = NaN.
@@ -51,6 +52,7 @@ def _decode_stage1(
     MidO,
     MidLse,
     scale_log2,
+    v_scale,
     window,
     stride_qb,
     stride_qh,
@@ -75,6 +77,7 @@ def _decode_stage1(
     USE_WINDOW: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -123,6 +126,8 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -134,11 +139,15 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os
     tl.store(o_ptr + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
@@ -214,6 +223,8 @@ def decode_attention(
     stage1_config: tuple[int, int, int] | None = None,
     tree_prefix: torch.Tensor | None = None,
     tree_tail: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens[b]` tokens.
 
@@ -237,11 +248,16 @@ def decode_attention(
     column stride) go together: row b reads its first `tree_prefix[b]` slots from its table
     row and the next `seq_lens[b] - tree_prefix[b]` (at most depth) from `tree_tail[b]`. Not
     with `window`.
+
+    `k_cache` and `v_cache` may instead be float8_e4m3fn (an fp8 KV cache, any q dtype): a
+    stored value x stands for x * `k_scale` (keys) or x * `v_scale` (values); the scales are
+    ignored for a float cache.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, num_heads, _ = q.shape
     device = q.device
     kv_heads, head_dim = check_paged_kv(q, k_cache, v_cache, req_to_token, num_heads)
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
     check_index("req_pool_indices", req_pool_indices, batch, device)
     check_index("seq_lens", seq_lens, batch, device)
     if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
@@ -296,7 +312,8 @@ def decode_attention(
         tree_tail if has_tail else req_pool_indices,
         mid_o,
         mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * (k_scale if fp8 else 1.0),
+        v_scale,
         win,
         q.stride(0),
         q.stride(1),
@@ -321,6 +338,7 @@ def decode_attention(
         USE_WINDOW=win > 0,
         HAS_TAIL=has_tail,
         DOT_PREC=dot_precision(q.dtype),
+        KV_FP8=fp8,
         num_warps=warps,
         num_stages=stages,
     )
@@ -356,8 +374,11 @@ def decode_attention_reference(
     window: int | None = None,
     tree_prefix: torch.Tensor | None = None,
     tree_tail: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """What `decode_attention` computes, request by request in float32; output in q's dtype."""
+    """What `decode_attention` computes, request by request in float32 (an fp8 cache's keys
+    and values dequantized with their scales); output in q's dtype."""
     batch, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[1]
     out = torch.empty_like(q)
@@ -369,8 +390,10 @@ def decode_attention_reference(
             p = int(tree_prefix[b])
             table = req_to_token[int(req_pool_indices[b]), :p].long()
             slots = torch.cat([table, tree_tail[b, : n - p].long().to(table.device)])
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, heads, d]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = dequantize_kv_reference(k_cache[slots], k_scale, torch.float32)
+        v = dequantize_kv_reference(v_cache[slots], v_scale, torch.float32)
+        k = k.repeat_interleave(group, dim=1)  # [n, heads, d]
+        v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out

@@ -7,6 +7,14 @@ new tokens up to itself (optionally only the last `window` positions). One progr
 one block of `BLOCK_M` new tokens of one request for one query head, with an online softmax:
 first over the prefix, read from the pool, then over the new keys, read from `k` and `v`
 directly, so the new tokens need not be in the pool yet.
+
+With an fp8 pool (`float8_e4m3fn`, a K and a V scale) the prefix is read as `decode_attention`
+reads it (each value converted to q's dtype, the K scale folded into the scores' scale, the V
+scale applied to the output), and the new tokens' keys and values are rounded through e4m3
+exactly as `store_kv` stores them before they are used: every token attends to the same
+quantized K/V whether its prefix came from the cache or from this extend, so chunked prefill
+and prefix-cache hits do not change the result. (vLLM attends to the new tokens unquantized;
+braid does not, for that reason.)
 """
 
 from __future__ import annotations
@@ -26,6 +34,13 @@ from braid.kernels._checks import (
     check_window,
     dot_precision,
     next_pow2,
+)
+from braid.kernels.kv_store import quantize_e4m3
+from braid.kernels.reference import (
+    KV_FP8_DTYPE,
+    dequantize_kv_reference,
+    kv_inverse_scale,
+    quantize_kv_reference,
 )
 
 _M_INIT = tl.constexpr(-1.0e30)
@@ -57,6 +72,9 @@ def _extend_kernel(
     ExtendLens,
     ExtendStart,
     scale_log2,
+    k_inv,
+    v_inv,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -78,6 +96,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,6 +143,9 @@ def _extend_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         visible = mask_n[None, :]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
@@ -149,12 +171,17 @@ def _extend_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:  # as the pool holds them (unscaled: the scales apply as for the prefix)
+            k = quantize_e4m3(k.to(tl.float32), k_inv).to(q.dtype)
+            v = quantize_e4m3(v.to(tl.float32), v_inv).to(q.dtype)
         visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
         if USE_WINDOW:
             visible = visible & (offs_m[:, None] - offs_n[None, :] < window)
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(
         O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out,
@@ -192,6 +219,8 @@ def extend_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     max_extend_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and themselves.
 
@@ -208,11 +237,17 @@ def extend_attention(
     `max_extend_len` (a host int >= every extend_lens[b]) sizes the grid; when None it is read
     from `extend_lens` (one host synchronisation). Rows of `out` ([tokens, heads, head_dim],
     q's dtype) that belong to no request are left untouched. Returns the output.
+
+    `k_cache` and `v_cache` may instead be float8_e4m3fn (an fp8 KV cache, with `k_scale`
+    and `v_scale`; ignored for a float cache): the prefix is dequantized, and the new tokens
+    are used as the cache would store them (see the module's docstring).
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     tokens, num_heads, _ = q.shape
     device = q.device
     kv_heads, head_dim = check_paged_kv(q, k_cache, v_cache, req_to_token, num_heads)
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    k_inv, v_inv = (kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)) if fp8 else (1.0, 1.0)
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtypes=(q.dtype,), device=device)
         check_shape(name, t, (tokens, kv_heads, head_dim))
@@ -248,7 +283,10 @@ def extend_attention(
         prefix_lens,
         extend_lens,
         extend_start_loc,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * (k_scale if fp8 else 1.0),
+        k_inv,
+        v_inv,
+        v_scale,
         win,
         q.stride(0),
         q.stride(1),
@@ -270,6 +308,7 @@ def extend_attention(
         BLOCK_N=block_n,
         USE_WINDOW=win > 0,
         DOT_PREC=dot_precision(q.dtype),
+        KV_FP8=fp8,
         num_warps=warps,
         num_stages=1,
     )
@@ -290,11 +329,19 @@ def extend_attention_reference(
     sm_scale: float,
     *,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """What `extend_attention` computes, request by request in float32; output in q's dtype
-    (rows of no request are zero)."""
+    (rows of no request are zero). With an fp8 cache, every key and value (the prefix's and
+    the new tokens', quantized as the cache stores them) is dequantized with its scale."""
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
+    if k_cache.dtype == KV_FP8_DTYPE:
+        k_cache = dequantize_kv_reference(k_cache, k_scale, torch.float32)
+        v_cache = dequantize_kv_reference(v_cache, v_scale, torch.float32)
+        k = dequantize_kv_reference(quantize_kv_reference(k, k_scale), k_scale, torch.float32)
+        v = dequantize_kv_reference(quantize_kv_reference(v, v_scale), v_scale, torch.float32)
     for b in range(extend_lens.shape[0]):
         prefix, n, s0 = int(prefix_lens[b]), int(extend_lens[b]), int(extend_start_loc[b])
         slots = req_to_token[int(req_pool_indices[b]), :prefix].long()

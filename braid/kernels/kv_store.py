@@ -3,6 +3,13 @@
 The pool layout is `KVPool`'s: one [slots, kv_heads, head_dim] buffer per layer for K and one
 for V. A token's row (kv_heads * head_dim values) is contiguous in the pool, so one program
 copies one token's row (in chunks of `BLOCK`) for K and V together.
+
+An fp8 pool (`float8_e4m3fn`) stores each value as clamp(x * (1 / scale), +-448) rounded to
+e4m3, bit for bit what torch's clamp and cast give (`quantize_kv_reference`). The rounding is
+done on float32 bits (`quantize_e4m3`, with `fp8_quant`'s rounding), not by Triton's cast alone:
+the CPU interpreter's cast does not round as a GPU does (it flushes e4m3 subnormals to zero),
+and the same bits on every device are worth a few integer operations in a kernel bound by
+memory.
 """
 
 from __future__ import annotations
@@ -19,6 +26,17 @@ from braid.kernels._checks import (
     check_tensor,
     next_pow2,
 )
+from braid.kernels.fp8_quant import _round_to_e4m3
+from braid.kernels.reference import KV_FP8_DTYPE, kv_inverse_scale, quantize_kv_reference
+
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, KV_FP8_DTYPE)
+
+
+@triton.jit
+def quantize_e4m3(x, inverse_scale):
+    """float32 `x` -> clamp(x * inverse_scale, +-448) rounded to the nearest e4m3 value (ties
+    to even), as float32: the cast to fp8 that follows is exact."""
+    return _round_to_e4m3(tl.minimum(tl.maximum(x * inverse_scale, -448.0), 448.0))
 
 
 @triton.jit
@@ -30,8 +48,11 @@ def _store_kv_kernel(
     Loc,
     stride_kt,
     stride_vt,
+    k_inv,
+    v_inv,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -40,6 +61,9 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(K + t.to(tl.int64) * stride_kt + offs, mask=mask)
     v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    if FP8:
+        k = quantize_e4m3(k.to(tl.float32), k_inv).to(KCache.dtype.element_ty)
+        v = quantize_e4m3(v.to(tl.float32), v_inv).to(VCache.dtype.element_ty)
     tl.store(KCache + slot * ROW + offs, k, mask=mask)
     tl.store(VCache + slot * ROW + offs, v, mask=mask)
 
@@ -64,7 +88,7 @@ def check_store_kv_args(
     loc: torch.Tensor,
 ) -> int:
     """Check `store_kv`'s arguments (ValueError naming the bad one); returns the row count."""
-    check_tensor("k_cache", k_cache, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=3, dtypes=KV_CACHE_DTYPES)
     device = k_cache.device
     check_tensor("v_cache", v_cache, ndim=3, device=device)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
@@ -75,7 +99,10 @@ def check_store_kv_args(
     _check_rows("k", k, kv_heads, head_dim)
     _check_rows("v", v, kv_heads, head_dim)
     for name, t in (("k", k), ("v", v)):
-        check_same_dtype(name, t, "k_cache", k_cache)
+        if k_cache.dtype == KV_FP8_DTYPE:  # rows of any float dtype are quantized
+            check_same_dtype(name, t, "k", k)
+        else:
+            check_same_dtype(name, t, "k_cache", k_cache)
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device}")
     n = k.shape[0]
@@ -92,15 +119,23 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     loc: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """`k_cache[loc[i]] = k[i]` and `v_cache[loc[i]] = v[i]` for every i, in place.
 
     `k_cache`, `v_cache`: contiguous [slots, kv_heads, head_dim] (one layer of `KVPool`);
-    `k`, `v`: [n, kv_heads, head_dim] of the cache's dtype, contiguous within each token;
-    `loc`: int64 [n] slot indices on the same device, each in [0, slots). Slots in `loc`
-    should be distinct (a repeated slot gets one of the writes). No host synchronisation.
+    `k`, `v`: [n, kv_heads, head_dim] of the cache's dtype (any float dtype for an fp8 cache),
+    contiguous within each token; `loc`: int64 [n] slot indices on the same device, each in
+    [0, slots). Slots in `loc` should be distinct (a repeated slot gets one of the writes). No
+    host synchronisation. An fp8 cache (`float8_e4m3fn`) gets `quantize_kv_reference(k,
+    k_scale)` and `quantize_kv_reference(v, v_scale)`, bit for bit; the scales are ignored
+    for a float cache.
     """
     n = check_store_kv_args(k_cache, v_cache, k, v, loc)
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
+    k_inv, v_inv = (kv_inverse_scale(k_scale), kv_inverse_scale(v_scale)) if fp8 else (1.0, 1.0)
     kv_heads, head_dim = k_cache.shape[1:]
     if n == 0:
         return
@@ -115,8 +150,11 @@ def store_kv(
         loc,
         k.stride(0),
         v.stride(0),
+        k_inv,
+        v_inv,
         ROW=row,
         BLOCK=block,
+        FP8=fp8,
         num_warps=4,
     )
 
@@ -127,7 +165,12 @@ def store_kv_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     loc: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """What `store_kv` does, in plain torch (`KVPool.store`)."""
+    if k_cache.dtype == KV_FP8_DTYPE:
+        k, v = quantize_kv_reference(k, k_scale), quantize_kv_reference(v, v_scale)
     k_cache[loc] = k
     v_cache[loc] = v

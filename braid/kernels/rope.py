@@ -9,7 +9,7 @@ With `store=(v, k_cache, v_cache, loc)` the same program also writes the token's
 its V into the KV pool at slot `loc[t]` (what `store_kv` does), so a layer's attention needs no
 separate store kernel: at batch-1 decode of an 8B model each of those is a launch whose cost is
 its latency, not its work, 32 per step (measured: docs/benchmarks.md, Figures behind design
-choices).
+choices). An fp8 pool gets the rotated K and the V quantized as `store_kv` quantizes them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from braid.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, next_pow2
-from braid.kernels.kv_store import check_store_kv_args
+from braid.kernels.kv_store import check_store_kv_args, quantize_e4m3
+from braid.kernels.reference import KV_FP8_DTYPE, kv_inverse_scale
 
 
 @triton.jit
@@ -41,6 +42,8 @@ def _rotary_kernel(
     stride_sin,
     stride_vt,
     stride_vh,
+    k_inv,
+    v_inv,
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -52,6 +55,7 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
@@ -88,18 +92,29 @@ def _rotary_kernel(
         slot = tl.load(Loc + t).to(tl.int64)
         row = hk[:, None] * HEAD_DIM
         pck = KCache + slot * (NUM_K * HEAD_DIM) + row
-        tl.store(pck + o1[None, :], r1, mask=mk)
-        tl.store(pck + o2[None, :], r2, mask=mk)
+        if FP8:
+            fp8 = KCache.dtype.element_ty
+            tl.store(pck + o1[None, :], quantize_e4m3(r1.to(tl.float32), k_inv).to(fp8), mask=mk)
+            tl.store(pck + o2[None, :], quantize_e4m3(r2.to(tl.float32), k_inv).to(fp8), mask=mk)
+        else:
+            tl.store(pck + o1[None, :], r1, mask=mk)
+            tl.store(pck + o2[None, :], r2, mask=mk)
         if BLOCK_REST > 0:
             # Dimensions past the rotary dims pass through unrotated.
             rest = 2 * HALF + tl.arange(0, BLOCK_REST)
             mr = (hk < NUM_K)[:, None] & (rest < HEAD_DIM)[None, :]
-            tl.store(pck + rest[None, :], tl.load(pk + rest[None, :], mask=mr), mask=mr)
+            kr = tl.load(pk + rest[None, :], mask=mr)
+            if FP8:
+                kr = quantize_e4m3(kr.to(tl.float32), k_inv).to(KCache.dtype.element_ty)
+            tl.store(pck + rest[None, :], kr, mask=mr)
         offs_d = tl.arange(0, BLOCK_D)
         mv = (hk < NUM_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
         pv = V + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :]
         pcv = VCache + slot * (NUM_K * HEAD_DIM) + row + offs_d[None, :]
-        tl.store(pcv, tl.load(pv, mask=mv), mask=mv)
+        vr = tl.load(pv, mask=mv)
+        if FP8:
+            vr = quantize_e4m3(vr.to(tl.float32), v_inv).to(VCache.dtype.element_ty)
+        tl.store(pcv, vr, mask=mv)
 
 
 def _cos_sin(
@@ -128,6 +143,7 @@ def rotary(
     is_neox: bool = True,
     *,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `q` [tokens, heads, head_dim] and `k` [tokens, kv_heads, head_dim] in place by
     `positions` (int32/int64 [tokens]); returns `(q, k)`.
@@ -141,8 +157,8 @@ def rotary(
     token and head strides may be anything (slices of a fused QKV output work).
 
     `store=(v, k_cache, v_cache, loc)` also writes each token's rotated k and its v into the
-    pool, as `store_kv(k_cache, v_cache, k, v, loc)` would after rotating (same arguments,
-    same checks).
+    pool, as `store_kv(k_cache, v_cache, k, v, loc, k_scale=, v_scale=)` would after
+    rotating (same arguments, same checks); `kv_scales` = (k_scale, v_scale) of an fp8 pool.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
@@ -164,8 +180,13 @@ def rotary(
             raise ValueError("store must be (v, k_cache, v_cache, loc)")
         v, k_cache, v_cache, loc = store
         check_store_kv_args(k_cache, v_cache, k, v, loc)
+        fp8 = k_cache.dtype == KV_FP8_DTYPE
     else:
         v = k_cache = v_cache = loc = k
+        fp8 = False
+    k_inv, v_inv = (1.0, 1.0)
+    if fp8:
+        k_inv, v_inv = kv_inverse_scale(kv_scales[0]), kv_inverse_scale(kv_scales[1])
     if tokens == 0:
         return q, k
     half = rot_dim // 2
@@ -187,6 +208,8 @@ def rotary(
         sin.stride(0),
         v.stride(0),
         v.stride(1),
+        k_inv,
+        v_inv,
         NUM_Q=num_q,
         NUM_K=k.shape[1],
         BLOCK_HQ=next_pow2(num_q),
@@ -198,6 +221,7 @@ def rotary(
         HEAD_DIM=head_dim,
         BLOCK_REST=0 if rot_dim == head_dim else next_pow2(head_dim - rot_dim),
         BLOCK_D=next_pow2(head_dim),
+        FP8=fp8,
         num_warps=4,
     )
     return q, k

@@ -23,6 +23,8 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+# `kv_cache_dtype` values (vLLM's names; "fp8" is e4m3, as vLLM's default on CUDA).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # The grammar backend when `grammar_backend` is unset: the fastest on this project's machines
 # (compile and per-token mask times: docs/benchmarks.md).
 DEFAULT_GRAMMAR_BACKEND = "llguidance"
@@ -134,6 +136,14 @@ class EngineConfig:
         choices=("auto", *_DTYPES),
     )
     device: str | None = setting(None, "cpu, cuda or cuda:N; unset: cuda when there is one")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "how the KV cache stores keys and values; auto: the model's dtype; fp8 or fp8_e4m3: "
+        "float8 e4m3, one byte a value (twice the tokens of a 16-bit cache in the same "
+        "memory), with a K and a V scale per layer (the checkpoint's self_attn.k_scale / "
+        "v_scale, else 1.0)",
+        choices=KV_CACHE_DTYPES,
+    )
     kv_tokens: int | None = setting(
         None,
         "KV pool capacity in tokens; unset: mem_fraction_static of memory",
@@ -316,6 +326,11 @@ class EngineConfig:
         if isinstance(algo, str):  # SGLang's upper case, or vLLM's method names
             object.__setattr__(
                 self, "speculative_algorithm", SPECULATIVE_METHODS.get(algo.lower(), algo.upper())
+            )
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError(
+                "kv_cache_dtype 'fp8_e5m2' is not supported: use 'fp8_e4m3' (or 'fp8'), "
+                "which keeps more mantissa in the same byte, or 'auto'"
             )
         check_choices(self)
         for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
@@ -531,6 +546,13 @@ class EngineConfig:
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return _DEFAULT_MAX_PREFILL_TOKENS.get(self.torch_device.type, 8192)
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model computing in `model_dtype`: that dtype for "auto",
+        float8_e4m3fn for "fp8" and "fp8_e4m3"."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return torch.float8_e4m3fn
 
     def torch_dtype(self, model_dtype: str | None) -> torch.dtype:
         """float32 on CPU for "auto" (CPU half-precision matmuls are slow and less exact);

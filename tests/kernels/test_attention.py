@@ -9,6 +9,7 @@ from braid.kernels import decode_attention, extend_attention, store_kv
 from braid.kernels.attention_decode import decode_attention_reference, workspace_numel
 from braid.kernels.attention_extend import extend_attention_reference
 from braid.kernels.kv_store import store_kv_reference
+from braid.kernels.reference import dequantize_kv_reference, quantize_kv_reference
 from tests.kernels.conftest import CPU_DTYPES
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -328,3 +329,173 @@ def test_decode_with_a_tree_tail_reads_the_tail_after_the_table_prefix(device):
     _close(got, want, torch.float32)
     with pytest.raises(ValueError, match="go together"):
         decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2, tree_prefix=prefix)
+
+
+# ---- fp8 KV cache -------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+# (k_scale, v_scale): the default, and scales that are not powers of two.
+FP8_SCALES = [(1.0, 1.0), (0.37, 2.5)]
+
+
+def _awkward_rows(n: int, kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """Rows spanning e4m3's range and past it: subnormals, halfway cases, values over 448."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, kv_heads, head_dim, generator=g) * torch.logspace(-4, 3, head_dim)
+    flat = x.view(-1)
+    flat[:8] = torch.tensor([0.0, -0.0, 1e-9, 448.0, 449.0, -1e4, 0.0029296875, 2.0**-10])
+    return x.to(dtype).to(device)
+
+
+def _fp8_paged(rows, max_ctx, slots, kv_heads, head_dim, device, k_scale, v_scale):
+    k_cache, v_cache, table = _paged(
+        rows, max_ctx, slots, kv_heads, head_dim, torch.float32, device
+    )
+    return (
+        quantize_kv_reference(k_cache * k_scale, k_scale),
+        quantize_kv_reference(v_cache * v_scale, v_scale),
+        table,
+    )
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+def test_store_kv_into_fp8_quantizes_bit_for_bit_as_torch_clamp_and_cast(
+    device, dtype, k_scale, v_scale
+):
+    slots, kvh, d = 40, 2, 64
+    k = _awkward_rows(6, kvh, d, dtype, device)
+    v = -_awkward_rows(6, kvh, d, dtype, device).flip(0)
+    loc = torch.tensor([7, 3, 39, 0, 12, 25], device=device)
+    k_cache = torch.zeros(slots, kvh, d, dtype=FP8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    store_kv(k_cache, v_cache, k, v, loc, k_scale=k_scale, v_scale=v_scale)
+    want_k = quantize_kv_reference(k, k_scale).view(torch.uint8)
+    want_v = quantize_kv_reference(v, v_scale).view(torch.uint8)
+    assert torch.equal(k_cache[loc].view(torch.uint8), want_k)
+    assert torch.equal(v_cache[loc].view(torch.uint8), want_v)
+    # The clamp: nothing stored is NaN, and 449 * (1 / k_scale) past 448 is stored as 448.
+    assert not k_cache.float().isnan().any() and not v_cache.float().isnan().any()
+    assert k_cache.float().abs().max() == 448.0
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    store_kv_reference(ref_k, ref_v, k, v, loc, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(ref_k.view(torch.uint8), k_cache.view(torch.uint8))
+    assert torch.equal(ref_v.view(torch.uint8), v_cache.view(torch.uint8))
+    untouched = [i for i in range(slots) if i not in loc.tolist()]
+    assert k_cache[untouched].view(torch.uint8).sum() == 0
+
+
+def test_fp8_cache_refuses_bad_scales_and_mixed_caches(device):
+    kc = torch.zeros(8, 2, 16, dtype=FP8, device=device)
+    k = torch.zeros(3, 2, 16, device=device)
+    loc = torch.tensor([1, 2, 3], device=device)
+    with pytest.raises(ValueError, match="scale"):
+        store_kv(kc, kc.clone(), k, k, loc, k_scale=0.0)
+    with pytest.raises(ValueError, match="v_cache dtype"):
+        store_kv(kc, torch.zeros(8, 2, 16, device=device), k, k, loc)
+    q = torch.zeros(2, 4, 16, device=device)
+    table = torch.zeros(2, 4, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="v_cache dtype"):
+        decode_attention(q, kc, kc.float(), table, loc[:2], loc[:2], 0.25)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+def test_decode_over_fp8_cache_matches_reference_over_dequantized_kv(
+    device, dtype, k_scale, v_scale
+):
+    heads, kv_heads, d = 8, 2, 32
+    k_cache, v_cache, table = _fp8_paged(5, 60, 128, kv_heads, d, device, k_scale, v_scale)
+    rows = torch.tensor([4, 0, 2], device=device)
+    seq_lens = torch.tensor([1, 17, 60], device=device)
+    q = torch.randn(3, heads, d, device=device).to(dtype)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    got = decode_attention(
+        q, k_cache, v_cache, table, rows, seq_lens, 0.2, num_kv_splits=3, **scales
+    )
+    want = decode_attention_reference(q, k_cache, v_cache, table, rows, seq_lens, 0.2, **scales)
+    _close(got, want, dtype)
+    # The same attention over float caches holding the dequantized values.
+    kf = dequantize_kv_reference(k_cache, k_scale, dtype)
+    vf = dequantize_kv_reference(v_cache, v_scale, dtype)
+    _close(got, decode_attention(q, kf, vf, table, rows, seq_lens, 0.2, num_kv_splits=3), dtype)
+    # And the scales matter: read as 1.0 the answer moves.
+    if (k_scale, v_scale) != (1.0, 1.0):
+        unscaled = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2)
+        assert not torch.allclose(unscaled.float(), want.float(), atol=1e-2)
+
+
+def test_decode_over_fp8_cache_with_a_tree_tail(device):
+    k_cache, v_cache, table = _fp8_paged(4, 40, 160, 2, 32, device, 0.5, 1.5)
+    rows = torch.tensor([1, 1, 3], device=device)
+    prefix = torch.tensor([20, 20, 35], device=device)
+    tail = torch.tensor([[140, 0], [141, 142], [150, 151]], device=device)
+    seq_lens = prefix + torch.tensor([1, 2, 2], device=device)
+    q = torch.randn(3, 4, 32, device=device)
+    kw = dict(tree_prefix=prefix, tree_tail=tail, k_scale=0.5, v_scale=1.5)
+    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2, num_kv_splits=2, **kw)
+    want = decode_attention_reference(q, k_cache, v_cache, table, rows, seq_lens, 0.2, **kw)
+    _close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+def test_extend_over_fp8_cache_reads_new_tokens_as_the_cache_stores_them(
+    device, dtype, k_scale, v_scale
+):
+    q, k, v, k_cache, v_cache, *rest = _extend_case(
+        [0, 13, 70], [5, 1, 9], 4, 2, 16, torch.float32, device
+    )
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kq = quantize_kv_reference(k_cache * k_scale, k_scale)
+    vq = quantize_kv_reference(v_cache * v_scale, v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    got = extend_attention(q, k, v, kq, vq, *rest, 0.25, window=6, **scales)
+    want = extend_attention_reference(q, k, v, kq, vq, *rest, 0.25, window=6, **scales)
+    _close(got, want, dtype)
+
+    # Equal to the extend over float caches and new K/V that went through the fp8 round trip:
+    # a token sees the same keys whether they came from the cache or from this extend.
+    def rt(x, s):
+        return dequantize_kv_reference(quantize_kv_reference(x, s), s, dtype)
+
+    plain = extend_attention(
+        q,
+        rt(k, k_scale),
+        rt(v, v_scale),
+        dequantize_kv_reference(kq, k_scale, dtype),
+        dequantize_kv_reference(vq, v_scale, dtype),
+        *rest,
+        0.25,
+        window=6,
+    )
+    _close(got, plain, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_fp8_cache_kernels_real_sizes_gpu(dtype):
+    dev = torch.device("cuda")
+    batch, heads, kv_heads, head_dim, max_len = 32, 32, 8, 128, 2048
+    slots = batch * max_len + 1
+    k = torch.randn(slots, kv_heads, head_dim, device=dev, dtype=dtype) * 3
+    v = torch.randn_like(k)
+    k_cache = torch.zeros(slots, kv_heads, head_dim, device=dev, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.arange(slots, device=dev)
+    store_kv(k_cache, v_cache, k, v, loc, k_scale=0.05, v_scale=0.02)
+    assert torch.equal(k_cache.view(torch.uint8), quantize_kv_reference(k, 0.05).view(torch.uint8))
+    table = (torch.randperm(slots - 1, device=dev) + 1).view(batch, max_len)
+    seq_lens = torch.randint(1, max_len + 1, (batch,), device=dev)
+    rows = torch.randperm(batch, device=dev)
+    q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
+    kw = dict(k_scale=0.05, v_scale=0.02)
+    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, head_dim**-0.5, **kw)
+    want = decode_attention_reference(
+        q, k_cache, v_cache, table, rows, seq_lens, head_dim**-0.5, **kw
+    )
+    _close(got, want, dtype)
+    q, k, v, kc, vc, *rest = _extend_case([0, 1000, 17], [1024, 333, 2048], 32, 8, 128, dtype, dev)
+    kc, vc = quantize_kv_reference(kc, 0.05), quantize_kv_reference(vc, 0.02)
+    got = extend_attention(q, k, v, kc, vc, *rest, 128**-0.5, **kw)
+    _close(got, extend_attention_reference(q, k, v, kc, vc, *rest, 128**-0.5, **kw), dtype)

@@ -156,6 +156,32 @@ def test_rotary_with_store_writes_the_rotated_k_and_v_into_the_pool(
     assert torch.equal(v_cache, want_v_cache)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("rot_dim", [32, 16])
+def test_rotary_with_store_into_fp8_pool_quantizes_as_store_kv(device, dtype, rot_dim):
+    """The fused kernel writes an fp8 pool bit for bit as `store_kv` (and torch's clamp and
+    cast) would after rotating, with the layer's scales."""
+    heads, kv_heads, d, slots = 4, 2, 32, 20
+    rope = RotaryEmbedding(rot_dim, 64, 10000.0, None, dtype).to(device)
+    cache = (rope.cos, rope.sin)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * d, device=device) * 50
+    qkv = qkv.to(dtype)  # some values past 448 / scale: the clamp matters
+    q = qkv[:, : heads * d].view(5, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(5, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(5, kv_heads, d)
+    positions = torch.tensor([3, 0, 63, 9, 9], device=device)
+    loc = torch.tensor([7, 19, 1, 12, 4], device=device)
+    fp8 = torch.float8_e4m3fn
+    k_cache = torch.zeros(slots, kv_heads, d, device=device, dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    rotary(q, k, positions, cache, store=(v, k_cache, v_cache, loc), kv_scales=(0.3, 0.125))
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    store_kv_reference(want_k, want_v, k, v, loc, k_scale=0.3, v_scale=0.125)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert k_cache.float().abs().max() == 448.0
+
+
 def test_rotary_store_rejects_bad_pool_arguments(device):
     rope = RotaryEmbedding(16, 8, 10000.0, None, torch.float32).to(device)
     q, k = torch.randn(2, 2, 16, device=device), torch.randn(2, 1, 16, device=device)

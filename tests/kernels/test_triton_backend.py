@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import braid
+from braid.kernels.reference import quantize_kv_reference
 from braid.runtime.attention import create_backend
 from braid.runtime.attention.torch_native import TorchNativeBackend
 from braid.runtime.attention.triton_backend import TritonBackend
@@ -23,9 +24,11 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 class _Setup:
     """A one-layer pool with three requests' pages, their prefixes' KV already written."""
 
-    def __init__(self, device, dtype, page_size, window, prefix, extend):
+    def __init__(self, device, dtype, page_size, window, prefix, extend, kv_dtype=None, **scales):
         self.device, self.dtype = device, dtype
-        self.pool = KVPool(1, 160 // page_size, page_size, KV_HEADS, HEAD_DIM, dtype, device)
+        self.pool = KVPool(
+            1, 160 // page_size, page_size, KV_HEADS, HEAD_DIM, kv_dtype or dtype, device, **scales
+        )
         self.table = ReqToTokenPool(8, 64, device)
         for buf in self.pool.k + self.pool.v:
             buf.zero_()  # the pool starts as torch.empty; zeros make whole-pool compares exact
@@ -45,8 +48,8 @@ class _Setup:
             self.table.table[row, : len(slots)] = slots
             self.rows.append(row)
             self.slots.append(slots)
-            self.pool.k[0][slots[:p]] = torch.randn(p, KV_HEADS, HEAD_DIM, device=device).to(dtype)
-            self.pool.v[0][slots[:p]] = torch.randn(p, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+            k = torch.randn(p, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+            self.pool.store(0, slots[:p], k, torch.randn(p, KV_HEADS, HEAD_DIM).to(k))
 
     def batch(self, mode: ForwardMode) -> ForwardBatch:
         dev = self.device
@@ -108,6 +111,37 @@ def test_extend_then_decode_match_torch_native(device, dtype, page_size, window)
         # Both backends wrote the same K/V rows at out_cache_loc.
         assert torch.equal(s.pool.k[0], k_after) and torch.equal(s.pool.v[0], v_after)
         assert torch.equal(s.pool.k[0][batch.out_cache_loc], k)
+
+
+@pytest.mark.parametrize(
+    "dtype,page_size,window", [(torch.float32, 1, None), (torch.float16, 4, 6)]
+)
+def test_fp8_pool_extend_then_decode_match_torch_native(device, dtype, page_size, window):
+    """On an fp8 pool the two backends store the same bytes and attend alike (torch_native
+    reads everything back from the pool, triton's extend rounds the new tokens in-kernel)."""
+    # float16: torch_native rounds each dequantized value (x * scale) to float16, triton folds
+    # the scales into float32 sums: one more float16 rounding apart.
+    tol = 2e-5 if dtype == torch.float32 else 5e-3
+    scales = dict(k_scales=[0.4], v_scales=[1.7])
+    s = _Setup(
+        device, dtype, page_size, window, [0, 5, 12], [7, 1, 20], torch.float8_e4m3fn, **scales
+    )
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        batch = s.batch(mode)
+        q, k, v = s.qkv(batch.num_tokens)
+        k, v = k * 3, v * 3
+        want = _run(s.native, batch, q, k, v)
+        k_after, v_after = s.pool.k[0].clone(), s.pool.v[0].clone()
+        got = _run(s.triton, batch, q, k, v)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert torch.equal(s.pool.k[0].view(torch.uint8), k_after.view(torch.uint8))
+        assert torch.equal(s.pool.v[0].view(torch.uint8), v_after.view(torch.uint8))
+        stored = s.pool.k[0][batch.out_cache_loc]
+        assert torch.equal(
+            stored.view(torch.uint8), quantize_kv_reference(k, 0.4).view(torch.uint8)
+        )
+        # Not the float answer: the pool really is one byte a value.
+        assert not torch.equal(stored.float() * 0.4, k.float())
 
 
 def test_cuda_graph_metadata_pads_rows_and_matches_eager_decode(device):
@@ -208,3 +242,34 @@ def test_llm_with_triton_backend_gives_transformers_greedy_tokens(tiny_model_dir
         llm.check_invariants()
     assert alone == expected[0]
     assert batched == expected
+
+
+def test_fp8_kv_engine_tokens_are_the_same_on_triton_and_torch_native(tiny_model_dirs):
+    """An fp8 cache end to end in one process (the Triton kernels interpreted on CPU): chunked
+    prefills over an fp8 prefix, a prefix-cache hit, decode; both backends give the same
+    greedy tokens and keep their accounting."""
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from tests.conftest import local_scheduler, run_to_end
+
+    path = tiny_model_dirs["llama"]
+    g = torch.Generator().manual_seed(7)
+    first = torch.randint(0, 512, (30,), generator=g).tolist()
+    second = first[:20] + torch.randint(0, 512, (6,), generator=g).tolist()
+    sp = braid.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = {}
+    for backend in ("triton", "torch_native"):
+        sched = local_scheduler(
+            path,
+            kv_tokens=256,
+            page_size=2,
+            chunked_prefill_size=8,
+            attention_backend=backend,
+            kv_cache_dtype="fp8_e4m3",
+        )
+        sched.handle(GenerateReq("a", first, sp, 0))
+        tokens = run_to_end(sched)
+        sched.handle(GenerateReq("b", second, sp, 0))
+        tokens |= run_to_end(sched)
+        assert sched.stats.cached_prompt_tokens >= 20
+        got[backend] = tokens
+    assert got["triton"] == got["torch_native"]

@@ -35,7 +35,11 @@ class _DecodeMeta:
 
 @BACKENDS.register
 class TorchNativeBackend(AttentionBackend):
-    """Attention in plain torch; no CUDA-graph support (`supports_cuda_graph` is False)."""
+    """Attention in plain torch; no CUDA-graph support (`supports_cuda_graph` is False).
+
+    Every key and value attended to is read back from the pool after the new tokens are
+    stored, so with an fp8 pool the new tokens of an extend are seen quantized too, as the
+    Triton backend sees them."""
 
     def __init__(
         self,
@@ -108,18 +112,18 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary)
-        self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_buf = self.kv_pool.k[layer_id]
-        v_buf = self.kv_pool.v[layer_id]
+        pool = self.kv_pool
+        pool.store(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
-        # index_select, not advanced indexing: several times faster on CPU (measured:
-        # docs/benchmarks.md, Figures behind design choices). SDPA's own GQA (enable_gqa)
-        # avoids copying each KV head out once per query head.
+        # `pool.read`: index_select, not advanced indexing: several times faster on CPU
+        # (measured: docs/benchmarks.md, Figures behind design choices); an fp8 pool's rows
+        # come back dequantized. SDPA's own GQA (enable_gqa) avoids copying each KV head out
+        # once per query head.
         if batch.mode is ForwardMode.DECODE:
             b, max_len = meta.slots.shape
-            flat = meta.slots.reshape(-1)
-            kk = k_buf.index_select(0, flat).view(b, max_len, self.num_kv_heads, -1)
-            vv = v_buf.index_select(0, flat).view(b, max_len, self.num_kv_heads, -1)
+            kk, vv = pool.read(layer_id, meta.slots.reshape(-1), q.dtype)
+            kk = kk.view(b, max_len, self.num_kv_heads, -1)
+            vv = vv.view(b, max_len, self.num_kv_heads, -1)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2),
                 kk.transpose(1, 2),
@@ -132,8 +136,9 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         for start, end, slots, mask in meta.items:
             qi = q[start:end].transpose(0, 1).unsqueeze(0)
-            ki = k_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            vi = v_buf.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            ki, vi = pool.read(layer_id, slots, q.dtype)
+            ki = ki.transpose(0, 1).unsqueeze(0)
+            vi = vi.transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
                 qi,
                 ki,

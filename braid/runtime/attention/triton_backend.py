@@ -6,6 +6,7 @@ table, and causally among themselves) or `decode_attention` (split-K over the ta
 per-forward metadata is built once per forward and shared by every layer; for decode it is
 only device tensors and ints, so a decode step can be captured in a CUDA graph (see
 `TritonBackend`). Runs on CUDA, and on CPU under TRITON_INTERPRET=1 (slowly: for tests).
+With an fp8 pool every kernel reads and writes it with the pool's per-layer scales.
 """
 
 from __future__ import annotations
@@ -203,14 +204,17 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_buf = self.kv_pool.k[layer_id]
         v_buf = self.kv_pool.v[layer_id]
+        # An fp8 pool's scales: plain floats, so a captured graph holds them as constants.
+        k_scale, v_scale = self.kv_pool.scales(layer_id)
         if rotary is not None and isinstance(rotary[1], FusedRotaryTables):
             # One kernel rotates q and k and writes K and V (saves a launch per layer).
             positions, tables = rotary
-            tables.rotate(q, k, positions, store=(v, k_buf, v_buf, batch.out_cache_loc))
+            store = (v, k_buf, v_buf, batch.out_cache_loc)
+            tables.rotate(q, k, positions, store=store, kv_scales=(k_scale, v_scale))
         else:
             if rotary is not None:
                 q, k = apply_rotary(q, k, *rotary)
-            store_kv(k_buf, v_buf, k, v, batch.out_cache_loc)
+            store_kv(k_buf, v_buf, k, v, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
         meta = batch.attn_metadata
         table = self.req_to_token.table
         if isinstance(meta, _DecodeMeta):
@@ -227,6 +231,8 @@ class TritonBackend(AttentionBackend):
                 workspace=meta.workspace,
                 tree_prefix=meta.tree_prefix,
                 tree_tail=meta.tree_tail,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         else:
             o = extend_attention(
@@ -243,6 +249,8 @@ class TritonBackend(AttentionBackend):
                 self.scale,
                 window=self.sliding_window,
                 max_extend_len=meta.max_extend_len,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return o.view(q.shape[0], -1)
 

@@ -14,6 +14,12 @@ from typing import Protocol
 
 import torch
 
+from braid.kernels.reference import (
+    KV_FP8_DTYPE,
+    dequantize_kv_reference,
+    kv_inverse_scale,
+    quantize_kv_reference,
+)
 from braid.runtime.forward_batch import to_device
 
 
@@ -63,7 +69,15 @@ class PageAllocator:
 
 
 class KVPool:
-    """Per-layer K and V buffers of shape [num_pages * page_size, kv_heads, head_dim]."""
+    """Per-layer K and V buffers of shape [num_pages * page_size, kv_heads, head_dim].
+
+    `dtype` is the buffers' dtype: the model's, or `torch.float8_e4m3fn` for an fp8 KV cache
+    (one byte a value). Then each layer has a K and a V scale (`k_scales`, `v_scales`: a
+    checkpoint's, through `ModelRunner`; 1.0 each when not given): a row is stored as
+    clamp(x * (1 / scale), +-448) cast to e4m3 (`quantize_kv_reference`) and read back as its
+    float32 value times the scale (`dequantize_kv_reference`). Every write and read of the pool
+    goes through these: `store`, `read`, `copy_slots` (which copies bytes), and the Triton
+    kernels given `scales(layer)`."""
 
     def __init__(
         self,
@@ -74,12 +88,22 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
     ) -> None:
         self.allocator = PageAllocator(num_pages, page_size)
+        self.dtype = dtype
+        self.quantized = dtype == KV_FP8_DTYPE
+        if not self.quantized and (k_scales is not None or v_scales is not None):
+            raise ValueError(f"KV scales are for an fp8 KV cache, not {dtype}")
+        self.k_scales = self._scales("k_scales", k_scales, num_layers)
+        self.v_scales = self._scales("v_scales", v_scales, num_layers)
         slots = num_pages * page_size
         # torch.empty: zero-filling would touch every byte of a pool that may be many GB. Slots
         # are written before they are read, except the padding page, which must hold finite
-        # values (a masked-out key still enters the matmul), so it alone is zeroed.
+        # values (a masked-out key still enters the matmul), so it alone is zeroed (0 is a
+        # finite e4m3 value too).
         self.k = [
             torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)
@@ -94,14 +118,33 @@ class KVPool:
         # (`distributed.plan`); None: not recorded.
         self.journal: list[tuple] | None = None
 
+    @staticmethod
+    def _scales(name: str, given: Sequence[float] | None, num_layers: int) -> list[float]:
+        if given is None:
+            return [1.0] * num_layers
+        scales = [float(s) for s in given]
+        if len(scales) != num_layers:
+            raise ValueError(f"{name} has {len(scales)} entries, expected {num_layers} (a layer)")
+        for s in scales:
+            kv_inverse_scale(s)  # ValueError for a scale that is not positive and finite
+        return scales
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer`: what the kernels multiply stored values by (1.0, 1.0
+        for a float cache)."""
+        return self.k_scales[layer], self.v_scales[layer]
+
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """K[dst] = K[src] and V[dst] = V[src] in every layer (`dst` distinct from `src`)."""
+        """K[dst] = K[src] and V[dst] = V[src] in every layer (`dst` distinct from `src`); the
+        stored bytes are copied, so fp8 values are not requantized."""
         if self.journal is not None:
             self.journal.append(("copy", list(src), list(dst)))
         device = self.k[0].device
         index = torch.tensor([src, dst], dtype=torch.int64).to(device, non_blocking=True)
         for buf in self.k + self.v:
-            buf.index_copy_(0, index[1], buf.index_select(0, index[0]))
+            # index_copy_ has no float8 kernel on CPU: fp8 buffers are copied as bytes.
+            raw = buf.view(torch.uint8) if self.quantized else buf
+            raw.index_copy_(0, index[1], raw.index_select(0, index[0]))
 
     @property
     def page_size(self) -> int:
@@ -112,8 +155,28 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows `k`, `v` ([n, kv_heads, head_dim]) of `layer` at slots `loc`, quantized
+        for an fp8 cache."""
+        if self.quantized:
+            k = quantize_kv_reference(k, self.k_scales[layer])
+            v = quantize_kv_reference(v, self.v_scales[layer])
         self.k[layer][loc] = k
         self.v[layer][loc] = v
+
+    def read(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at `slots` (int64 [n]), in `dtype`: [n, kv_heads, head_dim] each,
+        dequantized for an fp8 cache (index_select: several times faster on CPU than advanced
+        indexing)."""
+        k = self.k[layer].index_select(0, slots)
+        v = self.v[layer].index_select(0, slots)
+        if not self.quantized:
+            return k, v
+        k_scale, v_scale = self.scales(layer)
+        return dequantize_kv_reference(k, k_scale, dtype), dequantize_kv_reference(
+            v, v_scale, dtype
+        )
 
 
 class ReqToTokenPool:

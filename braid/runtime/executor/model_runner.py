@@ -78,6 +78,7 @@ class ModelRunner:
         self.model_dir = model_dir  # None: random weights
         self.device = config.torch_device
         self.dtype = config.torch_dtype(model_config.dtype)
+        self.kv_dtype = config.kv_torch_dtype(self.dtype)
         ctx = config.context_length or model_config.max_position_embeddings
         if config.context_length and config.context_length > model_config.max_position_embeddings:
             raise ValueError(
@@ -119,8 +120,9 @@ class ModelRunner:
             page,
             self.heads.num_kv_heads,
             model_config.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
+            **self._kv_scales(model_config.num_layers),
         )
         capacity = self.kv_pool.allocator.capacity_tokens
         # A sequence longer than the whole pool could never run.
@@ -162,10 +164,12 @@ class ModelRunner:
             rows *= 1 + max(config.speculative_steps, config.speculative_tree_nodes)
         graph_bs = min(config.cuda_graph_max_bs, rows)
         logger.info(
-            "%sKV cache: %d tokens (%.2f GB, page size %d) on %s, sized by %s; weights %.2f GB; "
+            "%sKV cache: %d tokens of %s (%.2f GB, page size %d) on %s, sized by %s; "
+            "weights %.2f GB; "
             "context length %d; max running requests %d; attention backend %s; CUDA graphs %s",
             f"tensor-parallel rank {rank} of {size}: " if tp is not None else "",
             capacity,
+            str(self.kv_dtype).removeprefix("torch."),
             self.kv_pool.nbytes / 1e9,
             page,
             self.device,
@@ -196,6 +200,29 @@ class ModelRunner:
             self.plans = PlanSender(tp, self.req_to_token.table)
             self.kv_pool.journal = self.req_to_token.journal = self.plans.journal
 
+    def _kv_scales(self, num_layers: int) -> dict[str, list[float]]:
+        """An fp8 pool's `k_scales` / `v_scales` from the checkpoint (1.0 for a layer it gives
+        none, as vLLM); nothing for a float pool, which has no use for them."""
+        found = getattr(self.model, "kv_cache_scales", {})
+        if self.kv_dtype != torch.float8_e4m3fn:
+            if found:
+                logger.info("the checkpoint's KV cache scales are unused: kv_cache_dtype is auto")
+            return {}
+        if found:
+            logger.info("fp8 KV cache scales from the checkpoint for %d layers", len(found))
+        return {
+            f"{kind}_scales": [found.get(i, {}).get(kind, 1.0) for i in range(num_layers)]
+            for kind in ("k", "v")
+        }
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of this rank's KV pool per token: K and V of every layer, for this rank's KV
+        heads, at the pool's element size (an fp8 cache: one byte, so twice the tokens of a
+        16-bit cache and four times a float32 one's in the same memory)."""
+        whole = self.model_config.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8)
+        return whole * self.heads.num_kv_heads // self.model_config.num_kv_heads
+
     def _kv_tokens_from_memory(self) -> tuple[int, str]:
         """KV tokens that fit the memory budget, and how the budget was set (for the log)."""
         frac = self.config.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
@@ -211,9 +238,7 @@ class ModelRunner:
         else:
             budget = free * frac
             how = f"mem_fraction_static {frac} of {free / 1e9:.1f} GB available"
-        whole = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
-        per_token = whole * self.heads.num_kv_heads // self.model_config.num_kv_heads  # this rank's
-        tokens = int(budget // per_token)
+        tokens = int(budget // self.kv_bytes_per_token)
         if tokens < 16 * self.config.page_size:
             raise ValueError(
                 f"not enough memory for a KV cache ({budget / 1e6:.0f} MB available); "

@@ -97,10 +97,12 @@ class FusedRotaryTables:
         k: torch.Tensor,
         positions: torch.Tensor,
         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place; with `store=(v, k_cache, v_cache, loc)` also write the
-        rotated k and v into the pool (`braid.kernels.rotary`)."""
-        return self.kernel(q, k, positions, (self.cos, self.sin), store=store)
+        rotated k and v into the pool (`braid.kernels.rotary`), quantized with `kv_scales`
+        for an fp8 pool."""
+        return self.kernel(q, k, positions, (self.cos, self.sin), store=store, kv_scales=kv_scales)
 
 
 class RotaryEmbedding(nn.Module):

@@ -15,6 +15,7 @@ for types braid does not keep, and for all of them with `dequantize_gguf` or ano
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -73,6 +74,26 @@ def gguf_float(key: str, raw: torch.Tensor, qtype: str) -> torch.Tensor:
     return w.reshape(*raw.shape[:-1], w.shape[-1])
 
 
+# vLLM's names for a layer's per-tensor fp8 KV-cache scales (what stored values are multiplied
+# by when read): `self_attn.k_scale` and `v_scale`, or one `kv_scale` for both (AutoFP8).
+_KV_SCALE_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)")
+
+
+def _read_kv_scale(scales: dict[int, dict[str, float]], key: str, tensor: torch.Tensor) -> None:
+    m = _KV_SCALE_KEY.fullmatch(key)
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint key {key}: a KV cache scale per head ({tuple(tensor.shape)}) is not "
+            "supported, only one per layer"
+        )
+    value = float(tensor.float().reshape(()))
+    if not 0 < value < float("inf"):
+        raise ValueError(f"checkpoint key {key}: a KV cache scale must be positive, got {value}")
+    layer = scales.setdefault(int(m[1]), {})
+    for kind in ("k", "v") if m[2] == "kv_scale" else (m[2][0],):
+        layer[kind] = value
+
+
 def load_weights(
     model: nn.Module,
     model_dir: Path,
@@ -81,7 +102,10 @@ def load_weights(
     gguf_types: dict[str, str] | None = None,
 ) -> None:
     """Fill `model` from `model_dir`'s safetensors. `gguf_types`: a GGUF directory's tensor
-    types (raw blocks go to parameters that take them, the rest are dequantized)."""
+    types (raw blocks go to parameters that take them, the rest are dequantized). A layer's
+    fp8 KV-cache scales (`layers.N.self_attn.k_scale` / `v_scale` / `kv_scale`, one number
+    each) are not parameters: they are left in `model.kv_cache_scales` ({layer: {"k": scale,
+    "v": scale}}), for the KV pool."""
     gguf_types = gguf_types or {}
     params = dict(model.named_parameters())
     expected = {(name, s) for name, p in params.items() for s in p.shard_names}
@@ -92,6 +116,7 @@ def load_weights(
     # A model whose checkpoints name its weights in more than one layout (a VLM saved by
     # transformers 4 or 5) maps each key to its own name first (None: a key with no weights).
     rename = getattr(model, "checkpoint_key", None)
+    kv_scales: dict[int, dict[str, float]] = {}
     with tqdm(desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(str(path), framework="pt") as f:
@@ -102,6 +127,9 @@ def load_weights(
                         continue
                     if tied and key == "lm_head.weight":
                         # Some tied checkpoints store the head too; it is the embedding.
+                        continue
+                    if _KV_SCALE_KEY.fullmatch(key):
+                        _read_kv_scale(kv_scales, key, f.get_tensor(stored))
                         continue
                     name, shard = _target(model, key)
                     param = params.get(name)
@@ -125,6 +153,7 @@ def load_weights(
                     except ValueError as e:
                         raise ValueError(f"checkpoint key {key}: {e}") from None
                     filled.add((name, shard))
+    model.kv_cache_scales = kv_scales
     if unexpected:
         raise ValueError(
             f"checkpoint keys that no parameter consumes: {sorted(unexpected)[:10]}"

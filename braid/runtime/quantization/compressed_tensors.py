@@ -8,9 +8,12 @@ config's scheme picks one of braid's methods.
   (`weight_packed`) -> `w8a16`.
 
 Every group of `config_groups` must target `Linear` with the same scheme; `ignore` lists the
-modules left in floats (names, or `re:` regexes). Anything else (4-bit pack-quantized,
-sparsity, a KV-cache scheme, block or group strategies, asymmetric int8) is refused with the
-field that asks for it.
+modules left in floats (names, or `re:` regexes). A `kv_cache_scheme` of static per-tensor fp8
+(num_bits 8, type float, strategy tensor) is accepted: its scales are the checkpoint's
+`self_attn.k_scale` / `v_scale`, which the loader hands to an fp8 KV cache
+(`kv_cache_dtype="fp8"`; unused otherwise). Anything else (4-bit pack-quantized, sparsity,
+another KV-cache scheme, block or group strategies, asymmetric int8) is refused with the field
+that asks for it.
 """
 
 from __future__ import annotations
@@ -68,9 +71,20 @@ def compressed_tensors(config: dict | None, *, online: bool) -> QuantizationMeth
             "compressed-tensors reads checkpoints made by llm-compressor; to quantize a float "
             "checkpoint as it loads, use quantization 'fp8' or 'w8a16'"
         )
-    for key in ("kv_cache_scheme", "sparsity_config"):
-        if config.get(key):
-            raise ValueError(f"quantization_config {key}: not supported")
+    if config.get("sparsity_config"):
+        raise ValueError("quantization_config sparsity_config: not supported")
+    kv = config.get("kv_cache_scheme")
+    if kv and not (
+        kv.get("num_bits") == 8
+        and kv.get("type") == "float"
+        and kv.get("strategy") == "tensor"
+        and not kv.get("dynamic")
+        and kv.get("symmetric", True)
+    ):
+        raise ValueError(
+            "quantization_config kv_cache_scheme: only static per-tensor fp8 (num_bits 8, type "
+            f"float, strategy tensor) is supported, got {kv!r}"
+        )
     fmt = config.get("format")
     ignore = config.get("ignore") or []
     weights, acts = _scheme(config)

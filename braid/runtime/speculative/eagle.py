@@ -111,13 +111,15 @@ class EagleProposer(Proposer):
             raise ValueError(f"{WHERE}: EAGLE head: {e}") from None
         draft.eval()
         allocator = target.kv_pool.allocator
+        # The target's KV dtype: an fp8 target cache makes the draft's fp8 too (scales 1.0:
+        # EAGLE heads ship none).
         pool = KVPool(
             1,
             allocator.capacity_pages + 1,
             allocator.page_size,
             dcfg.num_kv_heads,
             dcfg.head_dim,
-            target.dtype,
+            target.kv_pool.dtype,
             target.device,
         )
         for buf in pool.k + pool.v:  # a slot read before it is written holds zeros
