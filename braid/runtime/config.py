@@ -434,6 +434,12 @@ class EngineConfig:
                     f"{name} 'flashinfer' does not read draft-tree tails: speculative trees "
                     "(speculative_eagle_topk > 1) need 'triton' or 'torch_native'"
                 )
+            if self.kv_cache_dtype != "auto":
+                raise ValueError(
+                    f"{name} 'flashinfer' with kv_cache_dtype {self.kv_cache_dtype!r} is not "
+                    "supported yet (braid's flashinfer backend reads a 16-bit cache): use "
+                    "'triton' or 'torch_native' with an fp8 KV cache"
+                )
             if importlib.util.find_spec("flashinfer") is None:
                 raise ValueError(
                     f"{name} 'flashinfer' needs the flashinfer-python package, which is not "

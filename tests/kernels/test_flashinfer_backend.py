@@ -270,6 +270,14 @@ def test_flashinfer_without_the_package_is_refused_naming_it(field):
         )
 
 
+@pytest.mark.parametrize(
+    "field", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"]
+)
+def test_flashinfer_with_an_fp8_kv_cache_is_refused_naming_both(field):
+    with pytest.raises(ValueError, match=rf"{field} 'flashinfer' with kv_cache_dtype 'fp8'"):
+        EngineConfig(device="cpu", kv_cache_dtype="fp8", **{field: "flashinfer"})
+
+
 @without_flashinfer
 def test_serve_with_flashinfer_absent_exits_with_the_package_name(caplog):
     args = build_parser().parse_args(["serve", "--attention-backend", "flashinfer"])
