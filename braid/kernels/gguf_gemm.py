@@ -29,13 +29,12 @@ import triton.language as tl
 from braid.kernels._checks import (
     FLOAT_DTYPES,
     check_contiguous,
-    check_same_dtype,
     check_shape,
     check_tensor,
     dot_precision,
 )
 from braid.kernels.gguf_reference import KernelPlanes, gguf_linear_reference
-from braid.kernels.quant_gemm import _bench, _row_class
+from braid.kernels.quant_gemm import _bench, _check_common, _row_class
 
 __all__ = ["gguf_linear", "gguf_linear_reference"]
 
@@ -214,16 +213,7 @@ def gguf_linear(
         check_tensor(name, t, ndim=2, dtypes=plane_dtypes, device=x.device)
         check_shape(name, t, (k // g, n))
         check_contiguous(name, t)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, device=x.device)
-        check_same_dtype("bias", bias, "x", x)
-        check_shape("bias", bias, (n,))
-        check_contiguous("bias", bias)
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, ndim=2, dtypes=(x.dtype,), device=x.device)
-        check_shape("out", out, (m, n))
+    m, out = _check_common(x, n, bias, out)
     rows = _row_class(m)
     fixed = {}
     if triton.knobs.runtime.interpret:
