@@ -23,7 +23,8 @@ from typing import Any
 from tqdm import tqdm
 
 from braid.runtime.assets import ModelAssets
-from braid.runtime.config import EngineConfig, resolve_overrides
+from braid.runtime.config import EngineConfig
+from braid.runtime.config_keywords import resolve_overrides
 from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
 from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut

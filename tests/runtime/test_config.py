@@ -13,13 +13,8 @@ import pytest
 
 import braid
 from braid.runtime import engine
-from braid.runtime.config import (
-    EngineConfig,
-    choices_of,
-    keyword_names,
-    python_name,
-    resolve_overrides,
-)
+from braid.runtime.config import EngineConfig, choices_of, python_name
+from braid.runtime.config_keywords import keyword_names, resolve_overrides
 from braid.runtime.server.cli import (
     SERVE_DEFAULTS,
     ServerSettings,

@@ -72,10 +72,11 @@ def test_listing_names_imports_no_factory_module():
         assert grammar_backend_names() == ["llguidance", "outlines", "xgrammar"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
         assert supported_architectures() == [
-            "LlamaForCausalLM", "LlavaForConditionalGeneration",
-            "LlavaNextForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM",
-            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-            "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration",
+            "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
+            "LlavaNextForConditionalGeneration", "MistralForCausalLM", "MistralModel",
+            "Qwen2ForCausalLM", "Qwen2Model", "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3Model",
+            "Qwen3VLForConditionalGeneration",
         ]
         lazy = [
             "braid.runtime.attention.torch_native", "braid.runtime.attention.triton_backend",

@@ -23,13 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from braid._logging import configure_logging
-from braid.runtime.config import (
-    EngineConfig,
-    check_choices,
-    choices_of,
-    setting,
-    speculative_settings,
-)
+from braid.runtime.config import EngineConfig, check_choices, choices_of, setting
+from braid.runtime.config_keywords import speculative_settings
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
 from braid.runtime.reasoning import get_parser as get_reasoning_parser

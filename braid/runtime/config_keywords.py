@@ -1,0 +1,82 @@
+"""`LLM`'s keywords as engine settings: each `EngineConfig` field under its name and the Python
+spelling of its aliases (SGLang's and vLLM's names), and vLLM's `speculative_config` dict as
+the speculative settings it holds."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from braid.runtime.config import EngineConfig, python_name
+
+
+def keyword_names() -> dict[str, str]:
+    """Every keyword `LLM` accepts for an engine setting, to the field it sets: each field's
+    name and the Python spelling of each of its aliases."""
+    names: dict[str, str] = {}
+    for f in fields(EngineConfig):
+        names[f.name] = f.name
+        for alias in f.metadata["aliases"]:
+            names[python_name(alias)] = f.name
+    return names
+
+
+# vLLM's `speculative_config` keys -> the settings they give.
+_SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_algorithm",
+    "model": "speculative_draft_model_path",
+    "num_speculative_tokens": "speculative_num_steps",
+    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+}
+
+
+def speculative_settings(spec: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` dict (`method`, `model`, `num_speculative_tokens`,
+    `prompt_lookup_min`, `prompt_lookup_max`) as `EngineConfig` settings; `ValueError` naming
+    an unknown key. Without a `method`, a `model` means a draft model."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unknown key {unknown[0]!r} (have "
+            f"{sorted(_SPECULATIVE_CONFIG_KEYS)})"
+        )
+    out = {_SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items()}
+    if "speculative_algorithm" not in out and "speculative_draft_model_path" in out:
+        out["speculative_algorithm"] = "DRAFT"
+    return out
+
+
+def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`LLM`'s keywords to `EngineConfig` field names (values untouched). `ValueError` names
+    a keyword that is no setting, with the close matches, or a field given under two names.
+    vLLM's `speculative_config` dict stands for the speculative settings it holds."""
+    names = keyword_names()
+    resolved: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    items = [(k, k, v) for k, v in overrides.items() if k != "speculative_config"]
+    if "speculative_config" in overrides:
+        spec = speculative_settings(overrides["speculative_config"])
+        by_field = {v: k for k, v in _SPECULATIVE_CONFIG_KEYS.items()}
+        items += [
+            (f, f"speculative_config[{by_field.get(f, 'model')!r}]", v) for f, v in spec.items()
+        ]
+    for key, shown, value in items:
+        name = names.get(key)
+        if name is None:
+            close = difflib.get_close_matches(key, names, n=3)
+            hint = (
+                "did you mean " + " or ".join(repr(c) for c in close) + "?"
+                if close
+                else "the settings are " + ", ".join(f.name for f in fields(EngineConfig))
+            )
+            raise ValueError(f"unknown engine setting {key!r}: {hint}")
+        if name in given_as:
+            raise ValueError(f"{name} is given twice: as {given_as[name]} and {shown}")
+        given_as[name] = shown
+        resolved[name] = value
+    return resolved
