@@ -38,19 +38,14 @@ logger = logging.getLogger("braid.serve")
 SERVE_DEFAULTS: dict[str, Any] = {"show_progress": False}
 # Allocations between the server process's young-generation collections (Python's default: 700).
 SERVER_GC_THRESHOLD = 50_000
-# The runtime's processes start before the tokenizer loads (so the model loads meanwhile) on
-# machines with at least this many CPUs. On 2 cores the three start-ups competed and made the
-# whole slower (SmolLM2: ready in 11.6 s against 7.0 s one after the other, best of 3, docs/
-# benchmarks.md). BRAID_OVERLAP_STARTUP=1 / 0 forces it on / off.
-OVERLAP_STARTUP_MIN_CPUS = 4
 
 
 def overlap_startup() -> bool:
-    """Whether `braid serve` starts the runtime before it loads the tokenizer."""
-    forced = os.environ.get("BRAID_OVERLAP_STARTUP")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return (os.cpu_count() or 1) >= OVERLAP_STARTUP_MIN_CPUS
+    """Whether `braid serve` starts the runtime's processes before it loads the tokenizer, so
+    that the model loads meanwhile: yes, unless BRAID_OVERLAP_STARTUP=0 (for A/B runs:
+    benchmarks/startup.py; on a quiet 2-core machine SmolLM2 was ready in 3.35 s against
+    4.21 s one after the other, median of 5, docs/benchmarks.md)."""
+    return os.environ.get("BRAID_OVERLAP_STARTUP") != "0"
 
 
 @dataclass(frozen=True)
