@@ -143,7 +143,7 @@ def test_triton_cache_is_under_braids_cache_dir(tiny_server):
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_users_triton_cache_dir_is_kept_and_phases_run_in_turn(tiny_dir, tmp_path, monkeypatch):
     """A user's TRITON_CACHE_DIR is what the runtime sees; with the start-up overlap off
-    (as on a 2-core machine) the tokenizer is a phase of its own, before the runtime's."""
+    (BRAID_OVERLAP_STARTUP=0) the tokenizer is a phase of its own, before the runtime's."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("BRAID_OVERLAP_STARTUP", "0")
     s = start_server(tmp_path, "--model", str(tiny_dir), kv_tokens=2048)
