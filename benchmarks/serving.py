@@ -332,7 +332,9 @@ def main() -> None:
         device,
         args.out,
         {
-            "model": "proxy: tiny random Llama" if args.proxy else (model or "smollm2-135m"),
+            "model": "proxy: tiny random Llama"
+            if args.proxy
+            else (Path(model).name if model else "smollm2-135m"),
             "input_len": args.input_len,
             "output_len": args.output_len,
             "request_rate": str(args.request_rate),
