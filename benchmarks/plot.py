@@ -170,15 +170,11 @@ def draw_prefix_h200(r: Results, ax: Any) -> None:
 
 
 def serving_runs(d: dict[str, Any]) -> list[dict[str, Any]]:
-    """The runs of a serving result: `runs` as benchmarks/serving.py writes it now, or the
-    one served + offline pair of its first version."""
-    if "runs" in d:
-        return d["runs"]
-    c = d["concurrency"]
-    return [
-        {"concurrency": c, "mode": "stream", "output_tok_s": d["served"]["output_tok_s"]},
-        {"concurrency": c, "mode": "offline", "output_tok_s": d["offline"]["output_tok_s"]},
-    ]
+    """The runs of a serving result (benchmarks/serving.py's `runs`: concurrency, mode,
+    output tok/s); a result without them is refused by name."""
+    if "runs" not in d:
+        raise ValueError("serving result has no 'runs' (written by an older serving.py)")
+    return d["runs"]
 
 
 def draw_serving_cpu(r: Results, ax: Any) -> None:
