@@ -42,10 +42,8 @@ from braid.kernels._checks import (
     next_pow2,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
+from braid.kernels.quant_gemm import MAGIC_BITS, _int8_to_float
 from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE, PLANAR_BLOCK
-
-# 1.5 * 2**23: an integer c < 2**22 OR'ed into its bits reads as this float plus c.
-MAGIC_BITS = 0x4B400000
 
 __all__ = ["GemvConfig", "GemvWorkspace", "fp8_gemv", "int4_gemv", "int8_gemv"]
 
@@ -294,9 +292,7 @@ def _int8_gemv_kernel(
         kmask = ks < end
         w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
         x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
-        # int8 -> float32 through the bits of 1.5 * 2**23 (no int-to-float conversion).
-        wf = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        acc += wf * x[None, :]
+        acc += _int8_to_float(w) * x[None, :]
     _finish(
         tl.sum(acc, axis=1), rows, rmask, Out, Bias, Scales, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, True,
@@ -383,6 +379,16 @@ def _scratch(
         return x, x  # unused
     ws = workspace or GemvWorkspace.for_device(x.device)
     return ws.take(cfg.split_k * n, triton.cdiv(n, cfg.block_n))
+
+
+def _byte_split(
+    x: torch.Tensor, n: int, k: int, cfg: GemvConfig, workspace: GemvWorkspace | None
+) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """A one-byte weight's split of K (each split a whole number of BLOCK_K), its scratch and
+    the launch grid."""
+    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partials, counters = _scratch(x, n, cfg, workspace)
+    return split_len, partials, counters, (triton.cdiv(n, cfg.block_n), cfg.split_k)
 
 
 def _launch_meta(cfg: GemvConfig) -> dict:
@@ -472,9 +478,7 @@ def int8_gemv(
     n, k = _check_byte_weight(x, weight, scales, torch.int8)
     out = _check_out(x, n, bias, out, x.dtype)
     cfg = config or config_for("int8", n, k)
-    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partials, counters = _scratch(x, n, cfg, workspace)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
     _int8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
@@ -502,9 +506,7 @@ def fp8_gemv(
     n, k = _check_byte_weight(x, weight, scales, FP8_DTYPE)
     out = _check_out(x, n, bias, out, out_dtype)
     cfg = config or config_for("fp8", n, k)
-    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partials, counters = _scratch(x, n, cfg, workspace)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
     _fp8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -25,7 +25,8 @@ from braid.kernels._checks import (
     check_tensor,
     dot_precision,
 )
-from braid.kernels.quant_gemv import MAGIC_BITS, _plane
+from braid.kernels.quant_gemm import MAGIC_BITS
+from braid.kernels.quant_gemv import _plane
 from braid.kernels.quant_reference import PLANAR_BLOCK
 
 __all__ = ["dequantize_int4_planar", "int4_planar_linear"]

@@ -52,7 +52,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     def prepare_generate(req: GenerateRequest):
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
-        session_of(req)
+        session = session_of(req)
         single = isinstance(req.text, str) or (
             req.input_ids is not None and all(isinstance(t, int) for t in req.input_ids)
         )
@@ -75,13 +75,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
         if not any(images):
             validate_prompts(state, prompts, params, "text")
-        return prompts, params, single, images
+        return prompts, params, single, images, session
 
     @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
     async def generate(
         request: Request, req: Annotated[GenerateRequest, json_body(GenerateRequest)]
     ):
-        prompts, params, single, sources = await asyncio.to_thread(prepare_generate, req)
+        prompts, params, single, sources, session = await asyncio.to_thread(prepare_generate, req)
         images = None
         if any(sources):
             # Images load and process in the media workers; their placeholders then expand.
@@ -103,7 +103,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
-        session_id, session_ttl = session_of(req)
+        session_id, session_ttl = session
         streams = submit_all(
             state,
             [(rid, ids) for rid, (_, ids) in zip(rids, prompts)],
