@@ -123,3 +123,22 @@ def test_stop_regex_never_cuts_what_was_already_checked(tok):
     assert not d.stopped
     d.add_tokens(tok.encode("b", add_special_tokens=False))
     assert d.stopped and d.text == "xa"
+
+
+def test_a_character_cut_off_by_the_end_of_the_request_is_flushed_at_finish(tok):
+    ids = tok.encode("Party time 🎉", add_special_tokens=False)
+    cut = next(n for n in range(len(ids), 0, -1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    d = IncrementalDetokenizer(tok, [])
+    streamed = "".join(d.add_tokens([t]) for t in ids[:cut])
+    assert "\ufffd" not in streamed  # held back while the request runs
+    tail = d.finish()
+    assert tail.endswith("\ufffd") and d.text == streamed + tail == tok.decode(ids[:cut])
+    assert d.finish() == ""
+
+
+def test_finish_adds_nothing_after_a_stop_string(tok):
+    ids = tok.encode("Stop here 🎉", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop=("here",))
+    for t in ids[:-1]:
+        d.add_tokens([t])
+    assert d.stopped and d.finish() == "" and d.text == "Stop "

@@ -2,7 +2,9 @@
 on the text.
 
 Text is produced as tokens arrive, never emitting a half-decoded multi-byte character: a
-token whose bytes do not yet complete a character is held until they do. A few prompt tokens
+token whose bytes do not yet complete a character is held until they do, or until the request
+ends (`finish`), when what is held is decoded as it stands (a broken character becomes U+FFFD,
+as in SGLang's final output and `tokenizer.decode`). A few prompt tokens
 are kept as context so that the first generated token gets its leading space right.
 """
 
@@ -77,6 +79,19 @@ class IncrementalDetokenizer:
             if self.stop_regex and self._check_stop_regex():
                 break
         return self.text[before:]
+
+    def finish(self) -> str:
+        """The request ended without a stop string: add the text of any tokens still held
+        back (the start of a character whose remaining bytes never came), so that `text` is
+        the decode of every output token. Returns what it adds."""
+        if self.stopped or self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        added = full[len(prefix) :]
+        self.text += added
+        return added
 
     def _check_stop(self) -> bool:
         # A new match must end in text added since the last check.

@@ -69,6 +69,8 @@ class DetokenizerManager:
                     if finish is None:
                         aborts.append(out.rid)
                     finish, stop_reason = "stop", st.detok.stop_reason
+                elif finish is not None and finish != "abort":
+                    st.detok.finish()
                 end = len(st.detok.text) if finish else st.detok.stream_safe_len()
                 text = st.detok.text[st.sent : end]
                 st.sent = max(st.sent, end)
