@@ -57,6 +57,14 @@ WORKSPACE_BYTES = 128 * 2**20
 PAD_PAGE = 0
 # Decode groups at least this large run FlashInfer's tensor-core (prefill) kernel.
 TENSOR_CORE_MIN_GROUP = 4
+# FlashInfer's prefill implementation: "fa2" (its FlashAttention-2 kernels), not "auto", which
+# picks "fa3" on Hopper. fa2 is what was measured end to end on the H200 (flashinfer 0.5.3,
+# 2026-12-02: prefill 8k, batch-1 decode; see docs/benchmarks.md, "FlashInfer"), its JIT
+# build is a third of fa3's, and it is the module the tensor-core decode compiles anyway
+# (one module for both phases). fa3 passed the same correctness checks there and ran the offline
+# benchmark once (0.93x Triton's output rate), but neither kernel set has been compared with
+# the other at the same point: which is faster for prefill is still open.
+PREFILL_KERNELS = "fa2"
 
 
 def import_flashinfer() -> Any:
@@ -280,7 +288,9 @@ class FlashInferBackend(AttentionBackend):
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self._fi = flashinfer
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=PREFILL_KERNELS
+        )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
