@@ -172,3 +172,15 @@ def test_default_sampling_params_follow_generation_config(tiny_model_dirs, tmp_p
     with braid.LLM(path, kv_tokens=256, generation_config="braid", show_progress=False) as llm:
         d = llm.get_default_sampling_params()
         assert (d.temperature, d.top_p, d.top_k) == (1.0, 1.0, 0)
+
+
+def test_text_of_a_request_ending_inside_a_character_is_the_decode_of_its_tokens(smollm2):
+    """The last token carries the first bytes of an emoji whose rest never comes (max_tokens
+    ends the request): the text keeps them as U+FFFD, as `tokenizer.decode` and SGLang do,
+    instead of dropping them, so re-tokenizing the text counts every token."""
+    tok = smollm2.tokenizer
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1 and tok.decode(ids[:1]).endswith("\ufffd")
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=1, logit_bias={ids[0]: 100.0})
+    assert out.token_ids == ids[:1]
+    assert out.text == tok.decode(ids[:1]) and out.text.endswith("\ufffd")
