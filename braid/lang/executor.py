@@ -99,6 +99,10 @@ class Executor:
         self.sessions = sessions
         if session is not None and sessions is not None:
             sessions.add(session)
+        # The position of this state's next call (gen or select) in the program run: a fork
+        # goes on from its parent's (its branches run side by side), a join from the furthest
+        # branch (the parent's next call follows them all).
+        self.next_position = parent.next_position if parent else 0
         self.text = parent.text if parent else ""
         self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
         self.open_role = parent.open_role if parent else None
@@ -219,9 +223,17 @@ class Executor:
             self._cond.notify_all()
 
     def prompt(self) -> Prompt:
+        """Where the state stands, for its next call (which takes the next position)."""
         content = self.text[self.role_start :] if self.open_role else ""
+        position, self.next_position = self.next_position, self.next_position + 1
         return Prompt(
-            self.text, list(self.messages), self.open_role, content, list(self.images), self.session
+            self.text,
+            list(self.messages),
+            self.open_role,
+            content,
+            list(self.images),
+            self.session,
+            position,
         )
 
     def _run(self, node: Any) -> None:
@@ -377,6 +389,9 @@ class Executor:
     def _join(self, join: Join) -> None:
         for member in join.group.members:
             member._ex.sync()
+        self.next_position = max(
+            [self.next_position] + [m._ex.next_position for m in join.group.members]
+        )
         start = join.group.fork_text_len
         if join.mode == "gather_variable":
             names = {

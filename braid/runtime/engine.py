@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +361,12 @@ class LLM:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
         prefill tokens computed, steps, retractions, evicted tokens, and KV usage now."""
         return self._call(self.tm.control("stats"))
+
+    def programs(self) -> list[dict[str, Any]]:
+        """The programs in flight or holding session pins, most pinned tokens first: each
+        one's id, requests in flight, calls received and served, last call position,
+        attained service (tokens computed) and pinned tokens and sessions (`ProgramInfo`)."""
+        return [asdict(p) for p in self._call(self.tm.stats_and_programs())[1]]
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only possible while nothing runs (returns False then)."""

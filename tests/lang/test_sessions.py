@@ -3,6 +3,7 @@ other traffic cannot evict it; it is released when the program ends or fails."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 import braid as sgl
@@ -78,3 +79,62 @@ def test_session_is_released_when_the_program_fails(small_llm):
         fails.run(backend=EngineBackend(small_llm))
     assert small_llm.stats()["pinned_sessions"] == 0
     assert_kv_all_free_or_cached(small_llm)
+
+
+# ---- what the runtime learns of a program's calls ------------------------------------------
+@sgl.function
+def staged(s, programs):
+    """Calls at positions 0 (gen), 1 (select), 2 (a fork's two branches), 3 (gen after the
+    join); `programs()` reads the runtime's program list after the first and the last. Its
+    text stays short enough (a quarter of small_llm's KV) for every state to be pinned."""
+    s += CONTEXT[: len(CONTEXT) // 3] + "\nQuestion: When does it open?\nAnswer:"
+    s += sgl.gen("a1", max_tokens=3, temperature=0)
+    s["a1"]
+    s.after_first = programs()
+    s += "\nIs that right?"
+    s += sgl.select("ok", choices=[" yes", " no"])
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f"\nIdea {i}:"
+        f += sgl.gen("idea", max_tokens=2, temperature=0)
+    forks.join()
+    s += "\nSo:"
+    s += sgl.gen("a2", max_tokens=2, temperature=0)
+    s["a2"]
+    s.before_end = programs()
+
+
+def check_staged(state, programs_after: list[dict]) -> None:
+    """The positions reached the scheduler: its program list showed the call count, the last
+    position and the pinned KV while the program ran, and dropped the program at its end."""
+    (first,) = state.after_first
+    assert first["id"].startswith("prog-")
+    assert (first["calls"], first["calls_served"], first["last_position"]) == (1, 1, 0)
+    assert first["in_flight"] == 0 and first["pinned_sessions"] == 1
+    assert first["pinned_tokens"] >= state.get_meta_info("a1")["prompt_tokens"] - 16
+    assert first["service"] > 0
+    (last,) = [p for p in state.before_end if p["id"] == first["id"]]
+    # gen, select, two branch gens, gen: five calls, the last at position 3.
+    assert (last["calls"], last["calls_served"], last["last_position"]) == (5, 5, 3)
+    assert last["pinned_tokens"] > first["pinned_tokens"]
+    assert last["service"] > first["service"]
+    assert first["id"] not in {p["id"] for p in programs_after}
+
+
+def test_engine_program_calls_carry_their_positions_to_the_scheduler(small_llm):
+    from braid.lang.backends.engine import EngineBackend
+
+    backend = EngineBackend(small_llm)
+    state = staged.run(programs=small_llm.programs, backend=backend)
+    check_staged(state, small_llm.programs())
+    assert backend.get_server_info()["programs"] == []
+    assert small_llm.stats()["pinned_programs"] == 0
+    assert_kv_all_free_or_cached(small_llm)
+
+
+def test_endpoint_program_calls_carry_their_positions_over_http(served):
+    def programs() -> list[dict]:
+        return httpx.get(f"{served.url}/get_server_info").json()["programs"]
+
+    state = staged.run(programs=programs, backend=sgl.RuntimeEndpoint(served.url))
+    check_staged(state, programs())

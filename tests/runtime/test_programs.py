@@ -1,7 +1,7 @@
-"""Programs in the runtime (issue 23): per-program accounting, the `program` policy (least
-attained service with aging, a program's requests together), pins whose TTL follows a
-program's tool calls and that give way before a running request is retracted, and the
-constant prefix of a `run_batch` computed once."""
+"""Programs in the runtime (issue 23): per-program accounting (service, calls and their
+positions, pinned KV), the `program` policy (least attained service with aging, a program's
+requests together), pins whose TTL follows a program's tool calls and that give way before a
+running request is retracted, and the constant prefix of a `run_batch` computed once."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from braid.runtime.scheduler import policy
 from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, ProgramTable
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
-from tests.conftest import local_scheduler
+from tests.conftest import local_scheduler, run_to_end
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -30,7 +30,13 @@ class Clock:
         return self.now
 
 
-def _req(rid: str, n: int = 4, session: str | None = None, program: str | None = None) -> Req:
+def _req(
+    rid: str,
+    n: int = 4,
+    session: str | None = None,
+    program: str | None = None,
+    position: int | None = None,
+) -> Req:
     return Req(
         rid=rid,
         input_ids=list(range(1, n + 1)),
@@ -40,6 +46,7 @@ def _req(rid: str, n: int = 4, session: str | None = None, program: str | None =
         max_new_tokens=4,
         session_id=session,
         program_id=program,
+        program_position=position,
     )
 
 
@@ -77,6 +84,104 @@ def test_programs_are_named_by_id_or_session_root_and_learn_their_pauses():
     n2.session_ttl_s = 500.0  # ... up to max_ttl_s
     assert table.pin_ttl(n2) == 100.0
     assert table.stats()["programs_in_flight"] == 2.0
+
+
+def test_a_programs_calls_are_counted_by_session_and_position():
+    table = ProgramTable()
+
+    def info():
+        return {i.id: i for i in table.infos({})}
+
+    gen = _req("g", session="p", position=0)
+    table.arrive(gen)
+    assert (info()["p"].calls, info()["p"].calls_served, info()["p"].last_position) == (1, 0, 0)
+    table.leave(gen)
+    assert "p" not in info()  # nothing in flight, nothing pinned: not listed
+    # A select: three requests of one call; the first may finish before the others arrive.
+    c0, c1, c2 = (_req(f"c{i}", session="p", position=1) for i in range(3))
+    table.arrive(c0)
+    table.leave(c0)
+    table.arrive(c1)
+    table.arrive(c2)
+    p = info()["p"]
+    assert (p.calls, p.calls_served, p.last_position, p.in_flight) == (2, 1, 1, 2)
+    table.leave(c1)
+    table.leave(c2)
+    # A fork's two branches: a call each, at the same position.
+    branches = [_req(f"b{i}", session=f"p.{i}", position=2) for i in range(2)]
+    for b in branches:
+        table.arrive(b)
+    p = info()["p"]
+    assert (p.calls, p.calls_served, p.last_position) == (4, 2, 2)
+    # Without a position, each request is a call of its own.
+    loose = [_req(f"x{i}", session="p") for i in range(2)]
+    for r in loose:
+        table.arrive(r)
+    for r in branches + loose:
+        table.leave(r)
+    p = table.infos({"p": (64, 1)})[0]
+    assert (p.calls, p.calls_served, p.last_position, p.in_flight) == (6, 6, 2, 0)
+    assert (p.pinned_tokens, p.pinned_sessions) == (64, 1)  # listed while it holds a pin
+
+
+def test_programs_are_listed_by_pinned_tokens_then_service():
+    table = ProgramTable()
+    for rid, program, service in (("a", "busy", 500), ("b", "idle-pinned", 10), ("c", "new", 0)):
+        r = _req(rid, program=program)
+        table.arrive(r)
+        table.serve(r, service)
+        if program == "idle-pinned":
+            table.leave(r)
+    pinned = {"idle-pinned": (32, 1), "gone": (16, 2)}  # a pin outliving its program's entry
+    infos = table.infos(pinned)
+    assert [i.id for i in infos] == ["idle-pinned", "gone", "busy", "new"]
+    assert [i.pinned_tokens for i in infos] == [32, 16, 0, 0]
+    assert infos[1].calls == 0 and infos[1].pinned_sessions == 2
+    assert infos[2].service == 500 and infos[2].in_flight == 1
+
+
+def test_pins_are_counted_per_program():
+    alloc = PageAllocator(129, 1)
+    cache = RadixCache(alloc)
+    pins = SessionPins(cache, max_pages=64)
+    for token, session, program, n in (
+        (1, "p", None, 8),
+        (2, "p.0", None, 4),
+        (3, "s", "agent", 6),
+    ):
+        tokens = [token] * n
+        cache.insert(tokens, alloc.alloc(n))
+        pins.pin(session, tokens, program=program)
+    assert pins.by_program() == {"p": (12, 2), "agent": (6, 1)}  # (pages, sessions)
+    pins.close("p.0")
+    assert pins.by_program() == {"p": (8, 1), "agent": (6, 1)}
+
+
+def test_a_schedulers_program_list_shows_positions_service_and_pins(tiny_model_dirs):
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
+    sp = braid.SamplingParams(max_tokens=3, **GREEDY)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 500) for _ in range(24)]
+    s.handle(GenerateReq("agent/0", prompt, sp, 0, session_id="agent", program_position=0))
+    (info,) = s.program_infos()
+    assert (info.id, info.in_flight, info.calls, info.last_position) == ("agent", 1, 1, 0)
+    run_to_end(s)
+    (info,) = s.program_infos()  # listed for its pin, with nothing in flight
+    assert (info.in_flight, info.calls_served, info.pinned_sessions) == (0, 1, 1)
+    assert info.pinned_tokens == s.control("stats")["pinned_tokens"] >= 24
+    assert info.service == 24 + 3 - 1  # the prompt, then a decode step per later token
+    # The next call sends two requests (a select's choices), both at position 1.
+    for k in range(2):
+        ids = prompt + [7, 8, k + 1]
+        s.handle(GenerateReq(f"agent/1/{k}", ids, sp, 0, session_id="agent", program_position=1))
+    run_to_end(s)
+    (info,) = s.program_infos()
+    assert (info.calls, info.calls_served, info.last_position) == (2, 2, 1)
+    with pytest.raises(ValueError, match="program_position"):
+        s.handle(GenerateReq("bad", prompt, sp, 0, session_id="agent", program_position=-1))
+    assert s.close_session("agent")  # the program's end
+    assert s.program_infos() == [] and s.control("stats")["pinned_programs"] == 0
+    s.check_invariants()
 
 
 def test_program_policy_orders_by_attained_service_keeps_programs_together_and_ages():

@@ -22,6 +22,7 @@ from braid.runtime.ipc.to_tokenizer import (
     BatchStrOut,
     ControlOut,
     ProcessFailed,
+    ProgramInfo,
     SchedulerHeartbeat,
     SchedulerReady,
     StrOut,
@@ -96,6 +97,16 @@ BAD = [
     (G, {"text": "x", "session_id": "s", "session_ttl": 0}, 400, "session_ttl"),
     (G, {"text": "x", "session_params": {"id": "s", "rid": "r"}}, 400, "session_params.rid"),
     (G, {"text": "x", "session_id": "s", "session_params": {"id": "s"}}, 400, "not both"),
+    (G, {"text": "x", "session_position": 0}, 400, "session_position needs a session_id"),
+    (G, {"text": "x", "session_id": "s", "session_position": -1}, 400, "session_position"),
+    (G, {"text": "x", "session_id": "s", "session_position": True}, 400, "session_position"),
+    (G, {"text": "x", "session_params": {"id": "s", "position": 1.5}}, 400, "position"),
+    (
+        G,
+        {"text": "x", "session_params": {"id": "s"}, "session_position": 1},
+        400,
+        "session_params or session_position",
+    ),
     ("/no/such/route", {}, 404, "no route"),
     (C, {"prompt": "x", "regex": "(a)\\1"}, 400, "regex"),
     (C, {"prompt": "x", "stream": True, "regex": "(a)\\1"}, 400, "regex"),
@@ -216,9 +227,12 @@ MESSAGES = [
     ),
     BatchStrOut([StrOut("r1", "hi", [5], 3, 1, 0, "stop", "x", None, [LP], None, {5: "hi"})]),
     ControlOut(7, True, {"a": 1.0}, None),
+    ControlOut(7, True, {}, None, [ProgramInfo("p", 1, 3, 2, 2, 40, 16, 1)]),
     SchedulerReady(100, 200, 8, 512, [2], "cpu", "float32", 1.5),
     ProcessFailed("scheduler", "boom"),
     SchedulerHeartbeat({"running_requests": 1.0}, 0.25),
+    SchedulerHeartbeat({}, 0.5, [ProgramInfo("q", 0, 1, 1, None, 8, 0, 0)]),
+    GenerateReq("r2", [1], SamplingParams(), 1, "s.0", program_position=4),
 ]
 
 

@@ -413,3 +413,62 @@ def test_session_pin_ttl_over_http_shows_in_stats_and_metrics(server):
     for session in ("stays", "long"):
         close = httpx.post(f"{url}/close_session", json={"session_id": session})
         assert close.status_code == 200
+
+
+def test_program_positions_over_generate_show_per_program_in_info_and_metrics(server):
+    """/generate takes a call's position next to its session (session_params.position, or
+    session_position beside session_id); /get_server_info lists the program with its calls,
+    last position, service and pinned tokens while it holds pins, /metrics shows its figures,
+    and both drop it once its sessions are closed."""
+    url = server.url
+    wait_idle(url)
+    sp = {"max_new_tokens": 3, "temperature": 0}
+    context = "An agent plans a trip to Lisbon, step by step."
+
+    def generate(**body) -> None:
+        r = httpx.post(f"{url}/generate", json={"sampling_params": sp, **body})
+        assert r.status_code == 200, r.text
+
+    # Long TTLs: the pins must outlast the test's pauses (the adaptive TTL follows them).
+    generate(text=context, session_params={"id": "trip", "ttl": 600, "position": 0})
+    # One call of two requests (a select's choices), then a fork branch's call, as SGLang's
+    # programs send them.
+    generate(
+        text=[context + " Train?", context + " Plane?"],
+        session_id="trip",
+        session_ttl=600,
+        session_position=1,
+    )
+    generate(text=context + " Book it:", session_params={"id": "trip.0", "ttl": 600, "position": 2})
+    wait_idle(url)
+    (trip,) = [
+        p for p in httpx.get(f"{url}/get_server_info").json()["programs"] if p["id"] == "trip"
+    ]
+    assert (trip["calls"], trip["calls_served"], trip["last_position"]) == (3, 3, 2)
+    assert trip["in_flight"] == 0 and trip["pinned_sessions"] == 2
+    assert trip["pinned_tokens"] >= 2 * len(context.split())
+    assert trip["service"] >= trip["pinned_tokens"] // 2
+    line = f'braid_program_pinned_tokens{{program="trip"}} {trip["pinned_tokens"]}'
+    for _ in range(100):  # /metrics follows the scheduler's heartbeat
+        metrics = httpx.get(f"{url}/metrics").text
+        if line in metrics.splitlines():
+            break
+        time.sleep(0.1)
+    assert line in metrics.splitlines()
+    assert 'braid_program_calls_served{program="trip"} 3' in metrics
+    assert f'braid_program_service_tokens{{program="trip"}} {trip["service"]}' in metrics
+    (hist,) = [
+        x
+        for x in metrics.splitlines()
+        if x.startswith('braid_programs_by_pinned_tokens{le="+Inf"}')
+    ]
+    assert int(hist.split()[1]) >= 1
+    for session in ("trip.0", "trip"):
+        httpx.post(f"{url}/close_session", json={"session_id": session}).raise_for_status()
+    programs = httpx.get(f"{url}/get_server_info").json()["programs"]
+    assert "trip" not in {p["id"] for p in programs}
+    for _ in range(100):
+        if 'program="trip"' not in httpx.get(f"{url}/metrics").text:
+            break
+        time.sleep(0.1)
+    assert 'program="trip"' not in httpx.get(f"{url}/metrics").text

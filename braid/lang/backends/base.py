@@ -28,7 +28,10 @@ class Prompt:
     outside any role). `images` are the prompt's images in order (as `image()` keeps them:
     `braid.lang.images`), each standing at one `Backend.image_placeholder` in `text` (and in
     the content of the message it is in). `session` names the program session (None: no
-    pinning)."""
+    pinning); `position` is this call's position in the program run (0 for its first gen or
+    select, then 1, ...; a fork's branches each go on from the parent's next position, and
+    after a join the parent goes on from the furthest branch), which backends send with the
+    session for the runtime's per-program accounting."""
 
     text: str
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -36,6 +39,7 @@ class Prompt:
     open_content: str = ""
     images: list[Any] = field(default_factory=list)
     session: str | None = None
+    position: int | None = None
 
 
 @dataclass

@@ -114,7 +114,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": params,
             "return_logprob": bool(sampling.return_logprob),
             "top_logprobs_num": sampling.top_logprobs_num or 0,
-            "session_id": prompt.session if self.sessions else None,
+            **self._session(prompt.session, prompt.position),
         }
         if prompt.images:
             body["image_data"] = [to_base64(x) for x in prompt.images]
@@ -165,10 +165,10 @@ class RuntimeEndpoint(Backend):
             # it with its images for the options).
             prompt_tokens = self._prefill(prompt.text, image_data)
             spans = [s + prompt_tokens - len(prompt_ids) for s in spans]
-        jobs = [(fulls, spans, prompt.session, image_data)]
+        jobs = [(fulls, spans, prompt.session, prompt.position, image_data)]
         if unconditional:
             alone = [self._tokenize(c) for c in choices]
-            jobs.append((alone, [0] * len(alone), None, []))
+            jobs.append((alone, [0] * len(alone), None, None, []))
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda j: self._score(*j), jobs))
         tokens = results[0]
@@ -180,8 +180,20 @@ class RuntimeEndpoint(Backend):
     def _tokenize(self, text: str) -> list[int]:
         return self._request("POST", "/tokenize", {"prompt": text})["tokens"]
 
+    def _session(self, session: str | None, position: int | None) -> dict[str, Any]:
+        """A /generate body's session fields: the session and the call's position in the
+        program (while sessions are on)."""
+        if not self.sessions or session is None:
+            return {"session_id": None}
+        return {"session_id": session, "session_position": position}
+
     def _score(
-        self, ids: list[list[int]], spans: list[int], session: str | None, image_data: list[str]
+        self,
+        ids: list[list[int]],
+        spans: list[int],
+        session: str | None,
+        position: int | None,
+        image_data: list[str],
     ) -> list[list[list[Any]]]:
         """`[logprob, token_id, text]` of `ids[i][spans[i]:]`, all in one /generate batch;
         every prompt with the images `image_data` (spans count their tokens widened)."""
@@ -191,7 +203,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "logprob_start_len": first,
-            "session_id": session if self.sessions else None,
+            **self._session(session, position),
         }
         if image_data:
             body["image_data"] = [image_data] * len(ids)

@@ -174,11 +174,32 @@ class EngineBackend(Backend):
             return prompt_ids[: shared + grown] + full[shared:], images
         return self._with_images(full, sources)
 
+    def _submit(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        session: str | None,
+        position: int | None,
+        images: list[ImageInput],
+    ) -> list[str]:
+        """Submit one request (on the engine's loop); with a session, the call's position
+        goes with it."""
+        return self.llm.tm.submit(
+            rid,
+            ids,
+            params,
+            session_id=session,
+            images=images,
+            program_position=position if session is not None else None,
+        )
+
     def _stream(
         self,
         ids: list[int],
         params: SamplingParams,
         session: str | None,
+        position: int | None,
         rid: str,
         images: list[ImageInput],
     ):
@@ -189,7 +210,7 @@ class EngineBackend(Backend):
 
         async def pump() -> None:
             try:
-                rids = self.llm.tm.submit(rid, ids, params, session_id=session, images=images)
+                rids = self._submit(rid, ids, params, session, position, images)
 
                 async def one(k: int, rid: str) -> None:
                     async for out in self.llm.tm.stream(rid):
@@ -211,18 +232,20 @@ class EngineBackend(Backend):
             yield item
 
     def _run_all(
-        self, jobs: list[tuple[list[int], SamplingParams, str | None, list[ImageInput]]]
+        self,
+        jobs: list[tuple[list[int], SamplingParams, str | None, int | None, list[ImageInput]]],
     ) -> list[list]:
-        """Several requests submitted together (so the scheduler batches them); their StrOuts."""
+        """Several requests (ids, params, session, position, images) submitted together (so
+        the scheduler batches them); their StrOuts."""
 
-        async def one(ids, params, session, images) -> list[StrOut]:
-            rids = self.llm.tm.submit(self._rid(), ids, params, session_id=session, images=images)
+        async def one(ids, params, session, position, images) -> list[StrOut]:
+            rids = self._submit(self._rid(), ids, params, session, position, images)
             return [out async for out in self.llm.tm.stream(rids[0])]
 
         async def all_() -> list[list[StrOut]]:
             return await asyncio.gather(*(one(*j) for j in jobs))
 
-        for ids, params, _, _ in jobs:
+        for ids, params, *_ in jobs:
             self.llm.tm.validate(ids, params)
         return self.llm.run_coroutine(all_()).result()
 
@@ -243,7 +266,7 @@ class EngineBackend(Backend):
         # The ids TokenizerManager.submit gives the samples.
         names = [f"{rid}/{k}" for k in range(params.n)] if params.n > 1 else [rid]
         samples = [SampleMeta(name, sampling, ids) for name in names]
-        for k, out in self._stream(ids, params, prompt.session, rid, images):
+        for k, out in self._stream(ids, params, prompt.session, prompt.position, rid, images):
             sample = samples[k]
             sample.absorb(out)
             if out.finish_reason is not None and out.error:
@@ -268,13 +291,13 @@ class EngineBackend(Backend):
             spans.append(start)
             fulls.append(full)
             params = self._params({**scoring, "logprob_start_len": start})
-            jobs.append((full, params, prompt.session, full_images))
+            jobs.append((full, params, prompt.session, prompt.position, full_images))
         if unconditional:
             for c in choices:
                 ids = self._encode(c)
                 fulls.append(ids)
                 spans.append(0)
-                jobs.append((ids, self._params(scoring), None, []))
+                jobs.append((ids, self._params(scoring), None, None, []))
         results = self._run_all(jobs)
         scored = []
         cached = 0
@@ -307,7 +330,7 @@ class EngineBackend(Backend):
     def cache_prefix(self, text: str, images: list[Any] | None = None) -> None:
         ids, processed = self._with_images(self._encode(text), images or [])
         params = self._params({"max_tokens": 0, "temperature": 0.0})
-        for _ in self._stream(ids, params, None, self._rid(), processed):
+        for _ in self._stream(ids, params, None, None, self._rid(), processed):
             pass
 
     def close_session(self, session: str) -> None:
@@ -322,7 +345,11 @@ class EngineBackend(Backend):
         return self.llm.flush_cache()
 
     def get_server_info(self) -> dict[str, Any]:
-        return {"model_path": self.get_model_name(), "stats": self.llm.stats()}
+        return {
+            "model_path": self.get_model_name(),
+            "stats": self.llm.stats(),
+            "programs": self.llm.programs(),
+        }
 
     def shutdown(self) -> None:
         if self.owns:

@@ -46,6 +46,9 @@ class GenerateReq:
     `ControlReq("close_session", session_id)`.
     `program_id`: the program run it belongs to (default: the root of `session_id`), for
     program-aware scheduling (`scheduler/programs.py`).
+    `program_position`: the call's position in its program run (0 for its first gen or select,
+    then 1, ...; a fork's branches each count on from the parent's next position), for the
+    program's accounting; None: not known (each request then counts as a call of its own).
     `session_ttl_s`: how long the session's pin lasts after this request (capped by the
     `session_ttl_s` setting); None: as long as the program's pauses suggest (`pin_ttl`).
     `images`: the prompt's images in order; `input_ids` already holds each one's image tokens.
@@ -69,6 +72,7 @@ class GenerateReq:
     program_id: str | None = None
     session_ttl_s: float | None = None
     embed: EmbedSpec | None = None
+    program_position: int | None = None
 
 
 @dataclass

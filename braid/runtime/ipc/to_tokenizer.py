@@ -38,11 +38,34 @@ class BatchStrOut:
 
 
 @dataclass
+class ProgramInfo:
+    """One program as the scheduler sees it (`scheduler/programs.py`). `in_flight`: its
+    requests waiting or running; `calls`: the calls it has sent (a gen's samples, a select's
+    choices are one call), `calls_served`: those whose requests have all finished;
+    `last_position`: the highest call position its requests carried (None: none carried one);
+    `service`: the tokens computed for it (its attained service); `pinned_tokens`,
+    `pinned_sessions`: the KV its sessions keep pinned between calls."""
+
+    id: str
+    in_flight: int
+    calls: int
+    calls_served: int
+    last_position: int | None
+    service: int
+    pinned_tokens: int
+    pinned_sessions: int
+
+
+@dataclass
 class ControlOut:
+    """The answer to a `ControlReq`: `result` its figures; for "stats", `programs` the
+    programs in flight or holding pins (`Scheduler.program_infos`)."""
+
     req_id: int
     ok: bool
     result: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    programs: list[ProgramInfo] | None = None
 
 
 @dataclass
@@ -75,7 +98,8 @@ class SchedulerHeartbeat:
     """Sent by a thread of the scheduler process twice a second: its latest stats, and how long
     ago its loop last completed an iteration. The front end answers `/metrics` and
     `/get_server_info` from it and `/health` by its age, so none of them waits on a scheduler
-    that is stuck (or stopped)."""
+    that is stuck (or stopped). `programs`: as `ControlOut.programs`, as of `stats`."""
 
     stats: dict[str, float]
     loop_age_s: float
+    programs: list[ProgramInfo] = field(default_factory=list)

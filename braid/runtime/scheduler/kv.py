@@ -16,6 +16,7 @@ import torch
 
 from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
+from braid.runtime.scheduler.programs import program_of
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
 from braid.runtime.scheduler.stats import SchedulerStats
@@ -134,7 +135,8 @@ class KVManager:
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
         if req.session_id is not None and req.finish_reason in ("stop", "length"):
             ttl = self.pin_ttl(req) if self.pin_ttl is not None else None
-            self.sessions.pin(req.session_id, req.cache_tokens(full * self.page_size), ttl)
+            tokens = req.cache_tokens(full * self.page_size)
+            self.sessions.pin(req.session_id, tokens, ttl, program_of(req))
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0
@@ -185,10 +187,16 @@ class KVManager:
             "kv_cached_tokens": float(self.cache.total_pages * self.page_size),
             "kv_usage": used / cap,
             "pinned_sessions": float(len(self.sessions)),
+            "pinned_programs": float(len(self.sessions.by_program())),
             "pinned_tokens": float(self.sessions.pinned_pages * self.page_size),
             "pins_expired": float(self.sessions.expired),
             "pins_released_for_room": float(self.sessions.released_for_room),
         }
+
+    def pinned_by_program(self) -> dict[str, tuple[int, int]]:
+        """Per program holding pins: (tokens pinned, sessions pinned)."""
+        ps = self.page_size
+        return {p: (pages * ps, n) for p, (pages, n) in self.sessions.by_program().items()}
 
     def flush(self) -> None:
         """Release every session pin and empty the prefix cache (nothing may hold a lock)."""

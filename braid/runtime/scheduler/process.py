@@ -31,6 +31,7 @@ from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, Sh
 from braid.runtime.ipc.to_tokenizer import (
     ControlOut,
     ProcessFailed,
+    ProgramInfo,
     SchedulerHeartbeat,
     SchedulerReady,
 )
@@ -123,7 +124,9 @@ class SchedulerLoop:
             return [BatchTokenOut(outs)] if outs else []
         if isinstance(msg, ControlReq):
             try:
-                return [ControlOut(msg.req_id, True, s.control(msg.op, msg.arg))]
+                result = s.control(msg.op, msg.arg)
+                programs = s.program_infos() if msg.op == "stats" else None
+                return [ControlOut(msg.req_id, True, result, programs=programs)]
             except (ValueError, AssertionError) as e:
                 return [ControlOut(msg.req_id, False, {}, f"{type(e).__name__}: {e}")]
         if isinstance(msg, ShutdownReq):
@@ -248,9 +251,10 @@ def run_scheduler_process(
 
 class Heartbeat:
     """A daemon thread that tells the front end, twice a second, the scheduler's latest stats
-    and how long ago its loop last iterated (`SchedulerHeartbeat`), on a socket of its own. The
-    loop refreshes the stats at most every `refresh_s`; a loop stuck in one long step keeps
-    beating (torch releases the GIL) with a growing age, and a stopped process stops beating."""
+    and programs and how long ago its loop last iterated (`SchedulerHeartbeat`), on a socket of
+    its own. The loop refreshes them at most every half `period_s`; a loop stuck in one long
+    step keeps beating (torch releases the GIL) with a growing age, and a stopped process stops
+    beating."""
 
     def __init__(
         self, ctx: zmq.Context, address: str, scheduler: Scheduler, period_s: float = 0.5
@@ -260,10 +264,13 @@ class Heartbeat:
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, 4)  # a front end that stops reading loses beats only
         self._sock.connect(address)
-        self._stats: dict[str, float] = scheduler.control("stats")
+        self._stats: tuple[dict[str, float], list[ProgramInfo]] = self._read()
         self._stats_at = self._iterated_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="braid-heartbeat", daemon=True)
+
+    def _read(self) -> tuple[dict[str, float], list[ProgramInfo]]:
+        return self.scheduler.control("stats"), self.scheduler.program_infos()
 
     def start(self) -> None:
         self._thread.start()
@@ -273,12 +280,13 @@ class Heartbeat:
         now = time.monotonic()
         self._iterated_at = now
         if now - self._stats_at >= self.period_s / 2:
-            self._stats = self.scheduler.control("stats")  # a new dict: the thread reads it whole
+            self._stats = self._read()  # a new tuple: the thread reads it whole
             self._stats_at = now
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            msg = SchedulerHeartbeat(self._stats, time.monotonic() - self._iterated_at)
+            stats, programs = self._stats
+            msg = SchedulerHeartbeat(stats, time.monotonic() - self._iterated_at, programs)
             try:
                 self._sock.send_multipart(codec.encode(msg), zmq.NOBLOCK)
             except zmq.ZMQError:

@@ -2,12 +2,25 @@
 each, for the `program` scheduling policy and for pinning a program's KV across its tool calls.
 
 A request names its program (`GenerateReq.program_id`, else the root of its `session_id`: a
-program's forks have sessions "<root>.<i>"). Per program the table keeps the service it has
-received (prompt and output tokens computed for it: Autellix's attained service), its requests
-in flight, and the pauses between a call finishing and its next call arriving (the program's
-tool calls or Python work), from which `pin_ttl` sets how long its KV stays pinned after a
-call (as Continuum: a little longer than its tool calls have taken). A program ends when its
-root session is closed, or after `idle_s` with nothing in flight.
+program's forks have sessions "<root>.<i>") and its call's position in the program
+(`GenerateReq.program_position`). Per program the table keeps the service it has received
+(prompt and output tokens computed for it: Autellix's attained service), its requests in
+flight, its calls (received, served, the last position), and the pauses between a call
+finishing and its next call arriving (the program's tool calls or Python work), from which
+`pin_ttl` sets how long its KV stays pinned after a call (as Continuum: a little longer than
+its tool calls have taken). A program ends when its root session is closed, or after `idle_s`
+with nothing in flight.
+
+A call is what one gen or select of the program sends: a gen's samples and a select's choices
+are several requests of one call, with the same session and position. A request starts a new
+call unless its session's previous request had the same position; a request without a
+position is a call of its own. Positions count a program's calls along its chains of
+dependent calls: a fork's branches each go on from the parent's next position, and after a join
+the parent goes on from the furthest branch (`braid/lang/executor.py`). A call's position is so
+its depth in the program's graph of calls (Autellix's view of a program): the most calls on
+any chain that finished before it; branches running side by side share positions. Positions are
+kept for accounting, not used for ordering: the `program` policy's attained service already
+grows with each call a program has had served.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from braid.runtime.ipc.to_tokenizer import ProgramInfo
 from braid.runtime.scheduler.request import Req
 
 # Pauses between calls remembered per program, and how far the pin outlasts the longest.
@@ -25,6 +39,8 @@ PIN_TTL_FACTOR = 2.0
 PIN_TTL_MIN_S = 1.0
 # A program's first pin, before any pause is known (capped by the configured session TTL).
 PIN_TTL_FIRST_S = 30.0
+# Programs listed (`ProgramTable.infos`) beyond those holding pins.
+PROGRAMS_LISTED = 64
 
 
 def program_of(req: Req) -> str | None:
@@ -36,15 +52,32 @@ def program_of(req: Req) -> str | None:
     return None
 
 
+def _call_of(req: Req) -> tuple[str | None, int | None]:
+    """The call `req` is part of: its session and position, else (no position) itself."""
+    if req.program_position is None:
+        return req.rid, None
+    return req.session_id, req.program_position
+
+
 @dataclass
 class Program:
     id: str
     started: float
     service: int = 0  # tokens computed for its requests
     in_flight: int = 0
-    calls: int = 0
+    calls: int = 0  # calls received
+    last_position: int | None = None  # the highest position a request carried
     idle_since: float | None = None  # when its last request in flight left
     pauses: deque = field(default_factory=lambda: deque(maxlen=PAUSES_KEPT))
+    # Each session's latest position (a request with the same one is the same call) and the
+    # calls with requests in flight (how many each).
+    positions: dict[str | None, int] = field(default_factory=dict)
+    open_calls: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
+
+    @property
+    def calls_served(self) -> int:
+        """Calls whose requests have all finished."""
+        return self.calls - len(self.open_calls)
 
 
 class ProgramTable:
@@ -68,8 +101,8 @@ class ProgramTable:
         return None if pid is None else self._programs.get(pid)
 
     def arrive(self, req: Req) -> None:
-        """`req` entered the scheduler: count it; a pause since the program's last call ended
-        is one of its tool calls."""
+        """`req` entered the scheduler: count it (and its call, if it starts one); a pause
+        since the program's last call ended is one of its tool calls."""
         pid = program_of(req)
         if pid is None:
             return
@@ -80,8 +113,15 @@ class ProgramTable:
         elif p.in_flight == 0 and p.idle_since is not None:
             p.pauses.append(now - p.idle_since)
         p.in_flight += 1
-        p.calls += 1
         p.idle_since = None
+        pos = req.program_position
+        if pos is None or p.positions.get(req.session_id) != pos:
+            p.calls += 1
+        if pos is not None:
+            p.positions[req.session_id] = pos
+            p.last_position = pos if p.last_position is None else max(p.last_position, pos)
+        call = _call_of(req)
+        p.open_calls[call] = p.open_calls.get(call, 0) + 1
 
     def leave(self, req: Req) -> None:
         """`req` finished or was aborted."""
@@ -89,6 +129,10 @@ class ProgramTable:
         if p is None:
             return
         p.in_flight -= 1
+        call = _call_of(req)
+        left = p.open_calls.pop(call, 0) - 1
+        if left > 0:
+            p.open_calls[call] = left
         if p.in_flight == 0:
             p.idle_since = self.clock()
 
@@ -137,6 +181,30 @@ class ProgramTable:
             del self._programs[pid]
         self.ended += len(stale)
         return len(stale)
+
+    def infos(self, pinned: dict[str, tuple[int, int]]) -> list[ProgramInfo]:
+        """The programs in flight or holding pins, most pinned tokens first, then most
+        service: every one holding pins, and up to PROGRAMS_LISTED in all. `pinned`: program
+        -> (pinned tokens, pinned sessions), as `SessionPins.by_program` gives them (a pin
+        may outlive its program's entry here: it is listed with what is known)."""
+        out = []
+        for pid in {pid for pid, p in self._programs.items() if p.in_flight} | set(pinned):
+            tokens, sessions = pinned.get(pid, (0, 0))
+            p = self._programs.get(pid) or Program(pid, 0.0)
+            out.append(
+                ProgramInfo(
+                    pid,
+                    p.in_flight,
+                    p.calls,
+                    p.calls_served,
+                    p.last_position,
+                    p.service,
+                    tokens,
+                    sessions,
+                )
+            )
+        out.sort(key=lambda i: (-i.pinned_tokens, -i.service, i.id))
+        return out[: max(PROGRAMS_LISTED, len(pinned))]
 
     def stats(self) -> dict[str, float]:
         return {

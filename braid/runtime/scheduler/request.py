@@ -83,6 +83,7 @@ class Req:
     stop_token: int | None = None
     session_id: str | None = None  # the program session whose KV stays pinned after it
     program_id: str | None = None  # the program run it belongs to (see `programs.py`)
+    program_position: int | None = None  # the call's position in its program run
     session_ttl_s: float | None = None  # the client's TTL for its session pin (else adaptive)
     waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
@@ -163,6 +164,8 @@ class Req:
             )
         if max(msg.input_ids) >= vocab_size or min(msg.input_ids) < 0:
             raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+        if msg.program_position is not None and msg.program_position < 0:
+            raise ValueError(f"program_position: must be >= 0, got {msg.program_position}")
         images = [from_wire(m) for m in msg.images]
         offsets = [m.offset for m in msg.images]
         if images and image_token_id is None:
@@ -201,6 +204,7 @@ class Req:
             max_new_tokens=max_new,
             session_id=msg.session_id,
             program_id=msg.program_id,
+            program_position=msg.program_position,
             session_ttl_s=msg.session_ttl_s,
             grammar_after=tuple(msg.grammar_after),
             grammar_open=msg.grammar_open if msg.grammar_after else None,

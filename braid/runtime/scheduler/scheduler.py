@@ -28,6 +28,7 @@ from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.forward_batch import ForwardMode
 from braid.runtime.ipc.to_detokenizer import TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
+from braid.runtime.ipc.to_tokenizer import ProgramInfo
 from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
@@ -405,6 +406,11 @@ class Scheduler:
             self.check_invariants()
             return {}
         raise ValueError(f"unknown control op {op!r}")
+
+    def program_infos(self) -> list[ProgramInfo]:
+        """The programs in flight or holding pins, with their calls, service and pinned KV
+        (`ProgramTable.infos`)."""
+        return self.programs.infos(self.kv.pinned_by_program())
 
     def close_session(self, session: str) -> bool:
         """Release `session`'s pin; whether it had one. Closing a program's root session

@@ -39,15 +39,22 @@ class SessionPins:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.clock = clock
-        # session -> (locked node, pages, expiry time)
-        self._pins: OrderedDict[str, tuple[TreeNode, int, float]] = OrderedDict()
+        # session -> (locked node, pages, expiry time, program)
+        self._pins: OrderedDict[str, tuple[TreeNode, int, float, str]] = OrderedDict()
         self.expired = 0  # pins that reached their TTL
         self.released_for_room = 0  # pins given up to keep running requests going
 
-    def pin(self, session: str, tokens: list[int], ttl_s: float | None = None) -> None:
+    def pin(
+        self,
+        session: str,
+        tokens: list[int],
+        ttl_s: float | None = None,
+        program: str | None = None,
+    ) -> None:
         """Lock `tokens`' cached path for `session` (whole pages already in the cache) for
-        `ttl_s` (default: the table's), replacing the session's previous pin. A path past the
-        per-session or total limit is not pinned (the old pin is still released)."""
+        `ttl_s` (default: the table's), replacing the session's previous pin; the pin is
+        counted for `program` (default: the session's root, as `programs.program_of`). A path
+        past the per-session or total limit is not pinned (the old pin is still released)."""
         self.expire()
         match = self.cache.match_prefix(tokens)
         old = self._pins.pop(session, None)
@@ -59,14 +66,15 @@ class SessionPins:
                 self.close(next(iter(self._pins)))  # the least recently used goes first
             self.cache.lock(match.node)
             ttl = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
-            self._pins[session] = (match.node, pages, self.clock() + ttl)
+            owner = program if program is not None else session.split(".", 1)[0]
+            self._pins[session] = (match.node, pages, self.clock() + ttl, owner)
         if old is not None:
             self.cache.unlock(old[0])
 
     def expire(self) -> int:
         """Release the pins past their TTL; how many."""
         now = self.clock()
-        stale = [s for s, (_, _, until) in self._pins.items() if until < now]
+        stale = [s for s, (_, _, until, _) in self._pins.items() if until < now]
         for s in stale:
             self.close(s)
         self.expired += len(stale)
@@ -93,11 +101,19 @@ class SessionPins:
 
     def nodes(self) -> list[TreeNode]:
         """The pinned nodes (each holds one lock on its path)."""
-        return [node for node, _, _ in self._pins.values()]
+        return [node for node, _, _, _ in self._pins.values()]
+
+    def by_program(self) -> dict[str, tuple[int, int]]:
+        """Per program holding pins: (pages pinned, sessions pinned)."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, pages, _, program in self._pins.values():
+            held, sessions = out.get(program, (0, 0))
+            out[program] = (held + pages, sessions + 1)
+        return out
 
     @property
     def pinned_pages(self) -> int:
-        return sum(pages for _, pages, _ in self._pins.values())
+        return sum(pages for _, pages, _, _ in self._pins.values())
 
     def __len__(self) -> int:
         return len(self._pins)

@@ -1,12 +1,19 @@
-"""Server-side counters and latency histograms, rendered as Prometheus text."""
+"""Server-side counters and latency histograms, and the scheduler's figures (programs among
+them), rendered as Prometheus text."""
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
+from braid.runtime.ipc.to_tokenizer import ProgramInfo
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Programs holding pins, by the tokens each holds pinned (`le`: at most that many).
+PINNED_TOKEN_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
+# Programs named in the per-program series: the first of the scheduler's list.
+TOP_PROGRAMS = 5
 
 
 @dataclass
@@ -35,6 +42,47 @@ class Histogram:
         return lines
 
 
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped (backslash, double quote, line feed)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_programs(programs: list[ProgramInfo]) -> list[str]:
+    """Per-program figures with bounded label cardinality. A program's id is the client's (a
+    session id), so one series per program would grow without bound as programs come and go.
+    Instead:
+
+    - `braid_programs_by_pinned_tokens{le=...}`: how many programs hold at most that many
+      tokens pinned, over every program holding pins (the scheduler lists them all). A
+      snapshot histogram: cumulative gauges, one fixed series per bucket, which
+      `histogram_quantile` reads. The totals are `braid_pinned_tokens`,
+      `braid_pinned_programs` and `braid_programs_in_flight`.
+    - `braid_program_pinned_tokens`, `braid_program_service_tokens` (attained service) and
+      `braid_program_calls_served`, labelled by `program`, for the TOP_PROGRAMS programs the
+      scheduler lists first (the most pinned tokens, then the most service): at most
+      TOP_PROGRAMS series each at any time, naming the programs an operator looks at first.
+
+    Every listed program's figures are in /get_server_info's `programs`."""
+    name = "braid_programs_by_pinned_tokens"
+    lines = [
+        f"# HELP {name} Programs holding session pins, by tokens pinned (at most le).",
+        f"# TYPE {name} gauge",
+    ]
+    pinned = [p.pinned_tokens for p in programs if p.pinned_tokens > 0]
+    for b in PINNED_TOKEN_BUCKETS:
+        lines.append(f'{name}{{le="{b}"}} {sum(1 for t in pinned if t <= b)}')
+    lines.append(f'{name}{{le="+Inf"}} {len(pinned)}')
+    top = programs[:TOP_PROGRAMS]
+    for metric, attr, text in (
+        ("braid_program_pinned_tokens", "pinned_tokens", "KV tokens pinned for the program."),
+        ("braid_program_service_tokens", "service", "Tokens computed for the program."),
+        ("braid_program_calls_served", "calls_served", "The program's calls served."),
+    ):
+        lines += [f"# HELP {metric} {text} (top {TOP_PROGRAMS})", f"# TYPE {metric} gauge"]
+        lines += [f'{metric}{{program="{_label(p.id)}"}} {getattr(p, attr)}' for p in top]
+    return lines
+
+
 @dataclass
 class ServerMetrics:
     requests: int = 0
@@ -44,7 +92,9 @@ class ServerMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
-    def render(self, scheduler: dict[str, float]) -> str:
+    def render(self, scheduler: dict[str, float], programs: list[ProgramInfo]) -> str:
+        """Prometheus text: the server's counters, the scheduler's `stats` and its `programs`
+        (`render_programs`), the latency histograms."""
         rows = [
             ("braid_requests_total", "counter", "Requests received.", self.requests),
             (
@@ -81,6 +131,7 @@ class ServerMetrics:
             ("braid_programs_in_flight", "programs_in_flight", "Programs with a request running."),
             ("braid_programs_known", "programs_known", "Programs the scheduler keeps track of."),
             ("braid_pinned_sessions", "pinned_sessions", "Program sessions holding a KV pin."),
+            ("braid_pinned_programs", "pinned_programs", "Programs holding a KV pin."),
             ("braid_pinned_tokens", "pinned_tokens", "KV slots pinned for program sessions."),
         ]
         rows += [(name, "gauge", text, scheduler.get(stat, 0)) for name, stat, text in gauges]
@@ -107,6 +158,7 @@ class ServerMetrics:
         lines = []
         for name, kind, text, value in rows:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += render_programs(programs)
         lines += self.ttft.render("braid_time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.render("braid_inter_token_latency_seconds", "Time between tokens.")
         return "\n".join(lines) + "\n"

@@ -34,6 +34,7 @@ def submit_all(
     images: list[list[ImageInput]] | None = None,
     grammar_waits: list[tuple[list[int], int | None]] | None = None,
     session_ttl_s: float | None = None,
+    program_position: int | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
     of prompt i and `grammar_waits[i]` what its constraint waits for (`GenerateReq`'s
@@ -49,6 +50,7 @@ def submit_all(
                 images=images[i] if images else None,
                 grammar_wait=grammar_waits[i] if grammar_waits else None,
                 session_ttl_s=session_ttl_s,
+                program_position=program_position,
             )
     except BaseException:
         for r in rids:

@@ -312,16 +312,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 # A session pin's time-to-live in seconds (the server caps it at its --session-ttl-s).
 SessionTTL = Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
+# A call's position in its program: 0 for the program's first gen or select, then 1, ...
+ProgramPosition = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class SessionParams(_Body):
-    """SGLang's `session_params`, as far as braid keeps sessions: the session's id and its pin's
-    TTL. SGLang's other keys (rid, offset, replace, drop_previous_output) continue a session
-    from one of its requests, which braid does not do: they are refused, not ignored."""
+    """SGLang's `session_params`, as far as braid keeps sessions: the session's id, its pin's
+    TTL and the call's position in its program (braid's additions). SGLang's other keys (rid,
+    offset, replace, drop_previous_output) continue a session from one of its requests, which
+    braid does not do: they are refused, not ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     id: Annotated[Text, Field(min_length=1, max_length=256)]
     ttl: SessionTTL | None = None
+    position: ProgramPosition | None = None
 
 
 class GenerateRequest(_Body):
@@ -343,7 +347,11 @@ class GenerateRequest(_Body):
     # How long the session keeps this request's KV after it (default: twice the longest pause
     # between the program's calls so far, 30 s before any; at most --session-ttl-s).
     session_ttl: SessionTTL | None = None
-    # The same as session_id and session_ttl, SGLang's way: {"id": ..., "ttl": ...}.
+    # The call's position in the session's program (0 for its first call, then 1, ...), for the
+    # scheduler's per-program accounting.
+    session_position: ProgramPosition | None = None
+    # The same as session_id, session_ttl and session_position, SGLang's way:
+    # {"id": ..., "ttl": ..., "position": ...}.
     session_params: SessionParams | None = None
     # Images (URL, data URL or base64; a list per prompt for a batch), one per image
     # placeholder in the text (`image_placeholder` of /get_model_info), in order.

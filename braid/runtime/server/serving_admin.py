@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import FastAPI, Request
@@ -87,9 +88,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def server_info():
         r = state.tm.ready
         try:  # fresh stats if the scheduler answers within a second, else its last heartbeat
-            stats = await state.tm.control("stats", timeout=1.0)
+            stats, programs = await state.tm.stats_and_programs(timeout=1.0)
         except TimeoutError:
             stats = {**state.tm.stats_snapshot(), "stale": True}
+            programs = state.tm.programs_snapshot()
         return {
             **state.server_args,
             "context_length": r.context_length,
@@ -106,6 +108,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "tokenizer_path": state.model_path if state.tokenizer is not None else None,
             "served_model_name": state.served_model_name,
             "stats": stats,
+            # The programs in flight or holding session pins, most pinned tokens first: calls
+            # received and served, last call position, attained service, pinned KV.
+            "programs": [asdict(p) for p in programs],
             "problem": state.tm.problem(state.health_silent_s, state.health_stuck_s),
         }
 
@@ -159,6 +164,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(
-            state.metrics.render(state.tm.stats_snapshot()),
+            state.metrics.render(state.tm.stats_snapshot(), state.tm.programs_snapshot()),
             media_type="text/plain; version=0.0.4",
         )

@@ -34,18 +34,23 @@ from braid.runtime.server.protocol import GenerateRequest, native_sampling_param
 from braid.runtime.server.state import ServerState
 
 
-def session_of(req: GenerateRequest) -> tuple[str | None, float | None]:
-    """The request's session id and pin TTL, from session_id / session_ttl or SGLang's
-    session_params (not both)."""
+def session_of(req: GenerateRequest) -> tuple[str | None, float | None, int | None]:
+    """The request's session id, pin TTL and call position, from session_id / session_ttl /
+    session_position or SGLang's session_params (not both)."""
     if req.session_params is not None:
         if req.session_id is not None or req.session_ttl is not None:
             raise APIError(
                 400, "give session_params or session_id / session_ttl, not both", "session_params"
             )
-        return req.session_params.id, req.session_params.ttl
-    if req.session_ttl is not None and req.session_id is None:
-        raise APIError(400, "session_ttl needs a session_id", "session_ttl")
-    return req.session_id, req.session_ttl
+        if req.session_position is not None:
+            raise APIError(
+                400, "give session_params or session_position, not both", "session_params"
+            )
+        return req.session_params.id, req.session_params.ttl, req.session_params.position
+    for name in ("session_ttl", "session_position"):
+        if getattr(req, name) is not None and req.session_id is None:
+            raise APIError(400, f"{name} needs a session_id", name)
+    return req.session_id, req.session_ttl, req.session_position
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -103,7 +108,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
-        session_id, session_ttl = session
+        session_id, session_ttl, position = session
         streams = submit_all(
             state,
             [(rid, ids) for rid, (_, ids) in zip(rids, prompts)],
@@ -111,6 +116,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             session_id,
             images,
             session_ttl_s=session_ttl,
+            program_position=position,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
         sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]

@@ -47,6 +47,7 @@ from braid.runtime.ipc.to_tokenizer import (
     BatchStrOut,
     ControlOut,
     ProcessFailed,
+    ProgramInfo,
     SchedulerHeartbeat,
     SchedulerReady,
     StrOut,
@@ -316,6 +317,11 @@ class TokenizerManager:
         age = asyncio.get_running_loop().time() - self._beat_at
         return {**beat.stats, "stats_age_s": age, "loop_age_s": beat.loop_age_s + age}
 
+    def programs_snapshot(self) -> list[ProgramInfo]:
+        """The programs from the scheduler's latest heartbeat (as `stats_and_programs`);
+        never waits on the scheduler."""
+        return self.heartbeat.programs if self.heartbeat is not None else []
+
     # ---- requests -------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self.failure:
@@ -371,10 +377,13 @@ class TokenizerManager:
         grammar_wait: tuple[list[int], int | None] | None = None,
         session_ttl_s: float | None = None,
         embed: EmbedSpec | None = None,
+        program_position: int | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
-        for `session_ttl_s` seconds if given (else as long as the program's pauses suggest).
+        for `session_ttl_s` seconds if given (else as long as the program's pauses suggest);
+        `program_position`: the call's position in its program (`GenerateReq`), which needs
+        the session.
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
@@ -385,6 +394,13 @@ class TokenizerManager:
                 raise ValueError("session_ttl_s needs a session_id")
             if not session_ttl_s > 0 or session_ttl_s == float("inf"):
                 raise ValueError(f"session_ttl_s must be a positive number, got {session_ttl_s!r}")
+        if program_position is not None:
+            if session_id is None:
+                raise ValueError("program_position needs a session_id")
+            if isinstance(program_position, bool) or not isinstance(program_position, int):
+                raise ValueError(f"program_position must be an integer, got {program_position!r}")
+            if not 0 <= program_position < 2**63:
+                raise ValueError(f"program_position must be >= 0, got {program_position}")
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
             if srid in self._wire:
@@ -406,6 +422,7 @@ class TokenizerManager:
                         grammar_wait[1] if grammar_wait else None,
                         session_ttl_s=session_ttl_s,
                         embed=embed,
+                        program_position=program_position,
                     )
                 )
                 for k, wire in enumerate(wires)
@@ -458,6 +475,17 @@ class TokenizerManager:
     ) -> dict[str, float]:
         """Run an operator request in the scheduler ("stats", "flush_cache",
         "check_invariants"); raises `RuntimeError` with the scheduler's message if it fails."""
+        return (await self._ask(op, timeout, arg)).result
+
+    async def stats_and_programs(
+        self, timeout: float = 60.0
+    ) -> tuple[dict[str, float], list[ProgramInfo]]:
+        """The scheduler's stats (as `control("stats")`) and, read with them, the programs in
+        flight or holding pins (`ProgramInfo`)."""
+        out = await self._ask("stats", timeout)
+        return out.result, out.programs or []
+
+    async def _ask(self, op: str, timeout: float, arg: str | None = None) -> ControlOut:
         self._check_alive()
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
@@ -469,4 +497,4 @@ class TokenizerManager:
             self._control.pop(req_id, None)
         if not out.ok:
             raise RuntimeError(out.error)
-        return out.result
+        return out
