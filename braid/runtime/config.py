@@ -169,6 +169,12 @@ class EngineConfig:
         "a prompt with more new tokens than this is prefilled in chunks across steps; -1 turns "
         "it off (a long prompt runs alone); unset: 8192 on CUDA, 4096 on CPU",
     )
+    enable_mixed_chunk: bool = setting(
+        False,
+        "each prefill step also carries the running requests' decode rows (one extend batch; "
+        "they count against its token budget), as SGLang's --enable-mixed-chunk: the decode "
+        "rides on the prefill's weight reads instead of a step of its own",
+    )
     schedule_policy: str = setting(
         "lpm",
         "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival "
@@ -369,6 +375,15 @@ class EngineConfig:
         if not isinstance(self.disable_cuda_graph, bool):
             raise ValueError(
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
+            )
+        if not isinstance(self.enable_mixed_chunk, bool):
+            raise ValueError(
+                f"enable_mixed_chunk must be true or false, got {self.enable_mixed_chunk!r}"
+            )
+        if self.enable_mixed_chunk and self.speculative_algorithm is not None:
+            raise ValueError(
+                "enable_mixed_chunk does not go with speculative decoding yet (a verify step "
+                "is not an extend row); turn one of them off"
             )
         self._check_speculative()
         self._check_parallel()

@@ -22,7 +22,9 @@ class StepPlan:
     rows covering its whole prompt (prompt logprobs). `ends[i]`: how many tokens of `reqs[i]`
     have KV once the forward has run (the host's copy of `batch.seq_lens`). `pooling`: the
     embedding requests in an extend, each with the batch rows of its tokens (first, count); the
-    forward must capture its hidden states for them."""
+    forward must capture its hidden states for them. `decode_rows`: in a mixed extend, the
+    last this many of `reqs` are running requests decoding one token (their KV is not cached
+    anew after the step)."""
 
     reqs: list[Req]
     sampling: list[Req]
@@ -31,6 +33,7 @@ class StepPlan:
     prompt_rows: dict[int, tuple[int, int]]
     ends: list[int]
     pooling: list[tuple[Req, int, int]] = field(default_factory=list, kw_only=True)
+    decode_rows: int = field(default=0, kw_only=True)
 
 
 def build_extend(

@@ -99,8 +99,9 @@ class OutputProcessor:
                     self.stats.finished_requests += 1
                 outs.append(out)
         if prefilled:
-            # Cache what was just computed, so requests admitted next step can share it.
-            for req in plan.reqs:
+            # Cache what was just computed, so requests admitted next step can share it (a
+            # mixed step's decode rows are cached as a decode step's are: when they finish).
+            for req in plan.reqs[: len(plan.reqs) - plan.decode_rows]:
                 if req.pool_row is not None:
                     self.kv.cache_unfinished(req)
         return outs

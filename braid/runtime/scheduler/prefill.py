@@ -6,6 +6,13 @@ request is admitted when its table row, its first chunk and the decode reserve o
 running fit in free and evictable pages (a request admitted alone needs no reserve); admission
 stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
 chunks, one prompt at a time.
+
+With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
+has prefill work also carries one decode row per running request (its last sampled token, at
+the end of the batch), when the running requests take less than half the budget: their decode
+rides on the prefill's weight reads instead of a step of its own. Their tokens come out of the
+budget first; a row whose page cannot be made free (without retracting anyone) is left for the
+decode step that follows.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class PrefillPlanner:
         chunked: bool,
         policy: str,
         max_running: int,
+        mix_decode: bool = False,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
@@ -51,11 +59,16 @@ class PrefillPlanner:
         self.chunked = chunked
         self.policy = policy
         self.max_running = max_running
+        self.mix_decode = mix_decode
         self.page_size = kv.page_size
 
     def plan(self) -> StepPlan | None:
         items = self._jumped_items()
         budget = self.budget - sum(end - r.kv_len for r, end in items)
+        running = self.reqs.view(ReqStatus.RUNNING) if self.mix_decode else []
+        if len(running) * 2 >= budget:
+            running = []  # decode rows would crowd the prefill out: a decode step of their own
+        budget -= len(running)
         prefilling = self.reqs.first(ReqStatus.PREFILLING)
         if prefilling is not None:
             req = prefilling
@@ -76,7 +89,29 @@ class PrefillPlanner:
             if self.reqs.programs is not None:
                 self.reqs.programs.serve(req, end - req.kv_len)
         self.stats.prefill_steps += 1
-        return build_extend(items, self.kv.allocator, self.kv.table, self.device)
+        rows = self._decode_rows(running)
+        if rows:
+            self.decode.count_step([r for r, _ in rows])
+            self.stats.mixed_steps += 1
+            self.stats.mixed_decode_rows += len(rows)
+        plan = build_extend(items + rows, self.kv.allocator, self.kv.table, self.device)
+        plan.decode_rows = len(rows)
+        return plan
+
+    def _decode_rows(self, running: list[Req]) -> list[tuple[Req, int]]:
+        """One extend row per running request: the KV of its last sampled token, and the
+        next sample. Stops at the first whose page cannot be made free by evicting cache
+        (it and those after it decode in the next step)."""
+        rows = []
+        for req in running:
+            if req.kv_len != req.seq_len - 1 or req.unverified:
+                continue  # (neither happens to a running request between steps)
+            grow = self.kv.pages_to_grow(req, req.seq_len)
+            if grow and not self.kv.make_room(grow):
+                break
+            self.kv.grow(req, grow)
+            rows.append((req, req.seq_len))
+        return rows
 
     def _admit(self, items: list[tuple[Req, int]], budget: int) -> None:
         """Admit waiting requests into `items` in policy order while they fit."""

@@ -143,6 +143,7 @@ class Scheduler:
             chunked=chunk is not None,
             policy=config.schedule_policy,
             max_running=runner.max_running_requests,
+            mix_decode=config.enable_mixed_chunk,
         )
         self.output = OutputProcessor(
             self.requests,
@@ -252,7 +253,11 @@ class Scheduler:
             plan, too_big = self.decode.plan()
             if too_big is not None:
                 outs.append(self.output.finish(too_big, "abort", self._out_of_memory(too_big)))
-        self._last_was_prefill = plan is not None and plan.batch.mode is ForwardMode.EXTEND
+        self._last_was_prefill = (
+            plan is not None
+            and plan.batch.mode is ForwardMode.EXTEND
+            and not self._decoded_all(plan)
+        )
         if plan is None:
             if not outs and self.requests.count(ReqStatus.WAITING, ReqStatus.PREFILLING):
                 if not self.running:
@@ -284,6 +289,14 @@ class Scheduler:
             ]
             self._observe(plan.reqs, plan.batch.prefix_lens, kept, plan.batch)
         return outs
+
+    def _decoded_all(self, plan: StepPlan) -> bool:
+        """Whether a mixed extend carries a decode row of every running request (then the
+        next step may be a prefill again: nobody waits for a decode)."""
+        if not getattr(plan, "decode_rows", 0):
+            return False
+        rows = {id(r) for r in plan.reqs[len(plan.reqs) - plan.decode_rows :]}
+        return all(id(r) in rows for r in self.running)
 
     def _capture(self, plan: StepPlan) -> None:
         """Ask `plan`'s forward for the hidden states the proposer reads."""

@@ -14,8 +14,10 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
     cached_prompt_tokens: int = 0  # of those, supplied by the prefix cache
     prefill_tokens_computed: int = 0  # tokens actually run through prefill (incl. resumes)
-    decode_steps: int = 0
+    decode_steps: int = 0  # steps that decoded running requests (mixed steps included)
     prefill_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that carried decode rows (enable_mixed_chunk)
+    mixed_decode_rows: int = 0  # decode rows those steps carried
     retractions: int = 0
     evicted_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
