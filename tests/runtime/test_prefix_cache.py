@@ -121,6 +121,35 @@ def test_chunks_interleave_with_running_decodes(tiny_model_dirs):
     _local_free_plus_cached(s)
 
 
+def test_the_step_that_ends_a_chunked_prompt_admits_waiting_ones_in_its_budget(
+    tiny_model_dirs, hf_tiny
+):
+    """40 prompt tokens in chunks of 16: the third step holds the last 8 and, in the 8 left,
+    the next prompt (5 tokens), instead of an 8-token step of its own; tokens unchanged."""
+    rng = random.Random(2)
+    long, short = [rng.randrange(512) for _ in range(40)], [rng.randrange(512) for _ in range(5)]
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=2048, chunked_prefill_size=16)
+    sizes = []
+    real = s.runner.forward
+
+    def spy(batch):
+        sizes.append((batch.mode, batch.num_tokens, batch.batch_size))
+        return real(batch)
+
+    s.runner.forward = spy
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    s.handle(GenerateReq("long", long, sp, 0))
+    s.handle(GenerateReq("short", short, sp, 1))
+    got = run_to_end(s)
+    extends = [(n, b) for mode, n, b in sizes if mode is ForwardMode.EXTEND]
+    assert extends == [(16, 1), (16, 1), (13, 2)]
+    assert got == {
+        p: hf_greedy(hf_tiny["llama"], x, 3, eos=False)
+        for p, x in [("long", long), ("short", short)]
+    }
+    _local_free_plus_cached(s)
+
+
 def test_retraction_keeps_outputs_identical(tiny_model_dirs, hf_tiny):
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]

@@ -1,7 +1,9 @@
 """The prefill planner: which requests an extend step computes, and how much of each.
 
 One extend holds, within the prefill budget: the jump-forward tokens of running requests (their
-KV), the next chunk of a prompt between chunks, and newly admitted requests in policy order. A
+KV), the next chunk of a prompt between chunks, and newly admitted requests in policy order
+(also after a prompt's last chunk, in the budget it leaves: a step that ends a chunked prompt
+is not a short one). A
 request is admitted when its table row, its first chunk and the decode reserve of everything
 running fit in free and evictable pages (a request admitted alone needs no reserve); admission
 stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
@@ -78,6 +80,8 @@ class PrefillPlanner:
                 self.kv.grow(req, grow)
                 items.append((req, end))
                 budget -= end - req.kv_len
+                if end == req.seq_len and self.reqs.count(ReqStatus.WAITING):
+                    self._admit(items, budget)  # the prompt's last chunk leaves room for more
             elif not items:
                 return None  # wait for decodes to finish and free pages
         elif self.reqs.count(ReqStatus.WAITING):
