@@ -68,6 +68,10 @@ class ForwardBatch:
     # ancestors and itself). None: every row reads its table row alone.
     tree_prefix: torch.Tensor | None = None
     tree_tail: torch.Tensor | None = None
+    # A mixed extend (`enable_mixed_chunk`): its last `decode_tail` requests are running
+    # requests computing one token after their cached KV, as a decode would; a backend may run
+    # them through its decode kernel (the others' rows come first, as in any extend).
+    decode_tail: int = 0
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
 

@@ -273,3 +273,46 @@ def test_fp8_kv_engine_tokens_are_the_same_on_triton_and_torch_native(tiny_model
         assert sched.stats.cached_prompt_tokens >= 20
         got[backend] = tokens
     assert got["triton"] == got["torch_native"]
+
+
+@pytest.mark.parametrize(
+    "dtype,page_size,window", [(torch.float32, 1, None), (torch.float16, 4, 6)]
+)
+def test_mixed_extend_runs_its_decode_tail_and_matches_torch_native(
+    device, dtype, page_size, window
+):
+    """An extend whose last two requests decode one token after their cached KV
+    (`decode_tail`): the Triton backend (extend kernel for the head, decode kernel for the
+    tail) gives torch_native's output; the tail really goes through the decode path."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    s = _Setup(device, dtype, page_size, window, prefix=[0, 9, 30], extend=[7, 1, 1])
+    batch = dataclasses.replace(s.batch(ForwardMode.EXTEND), decode_tail=2)
+    q, k, v = s.qkv(batch.num_tokens)
+    want = _run(s.native, batch, q, k, v)
+    got = _run(s.triton, batch, q, k, v)
+    meta = batch.attn_metadata
+    assert type(meta).__name__ == "_MixedMeta" and meta.tokens == 7
+    assert meta.decode.req_pool_indices.tolist() == s.rows[1:]
+    assert meta.decode.seq_lens.tolist() == [10, 31]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_mixed_steps_through_triton_give_transformers_greedy_tokens(tiny_model_dirs):
+    """Mixed prefill + decode steps on the Triton backend (decode tails through the decode
+    kernel), chunked prompts arriving while others decode: transformers' greedy tokens."""
+    from tests.conftest import local_scheduler
+    from tests.runtime.test_mixed_chunk import _run, _workload
+
+    work = _workload(seed=1)[:5]
+    sched = local_scheduler(
+        tiny_model_dirs["llama"],
+        attention_backend="triton",
+        kv_tokens=2048,
+        chunked_prefill_size=32,
+        enable_mixed_chunk=True,
+    )
+    got, _ = _run(sched, work)
+    assert sched.stats.mixed_decode_rows > 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dirs["llama"]), dtype=torch.float32)
+    for i, (_, prompt, n) in enumerate(work):
+        assert got[f"r{i}"] == hf_greedy(hf.eval(), prompt, n, eos=False), i

@@ -332,3 +332,26 @@ def test_gpu_tp2_in_bfloat16_runs_and_keeps_the_ranks_in_step(tiny_model_dirs):
         outs = two.generate(cached + pressure, sp, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [32] * len(outs)
         two.check_invariants()
+
+
+def test_the_rank_plan_carries_a_mixed_extends_decode_tail():
+    """Every rank runs a mixed step's decode rows as rank 0 does (`ForwardBatch.decode_tail`)."""
+    from braid.runtime.distributed.plan import decode_batch, encode_batch
+    from braid.runtime.forward_batch import ForwardBatch, ForwardMode
+
+    t = torch.tensor
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=t([5, 6, 7, 8]),
+        positions=t([0, 1, 9, 4]),
+        out_cache_loc=t([10, 11, 12, 13]),
+        req_pool_indices=t([0, 1, 2]),
+        seq_lens=t([2, 10, 5]),
+        prefix_lens=[0, 9, 4],
+        extend_lens=[2, 1, 1],
+        logits_indices=t([1, 2, 3]),
+        decode_tail=2,
+    )
+    back = decode_batch(encode_batch(batch), torch.device("cpu"))
+    assert back.decode_tail == 2 and back.extend_lens == [2, 1, 1]
+    assert torch.equal(back.seq_lens, batch.seq_lens)

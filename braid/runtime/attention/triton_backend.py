@@ -70,6 +70,16 @@ class _ExtendMeta:
 
 
 @dataclass(frozen=True)
+class _MixedMeta:
+    """A mixed extend: the first `tokens` rows through the extend kernel, the decode tail
+    (one row per request) through the decode kernel."""
+
+    extend: _ExtendMeta
+    decode: _DecodeMeta
+    tokens: int
+
+
+@dataclass(frozen=True)
 class _GraphBuffers:
     max_bs: int
     req_pool_indices: torch.Tensor  # int64 [max_bs]
@@ -86,6 +96,9 @@ class TritonBackend(AttentionBackend):
     Eager use is `init_forward_metadata(batch)` then `forward(...)` per layer, as for every
     backend. `num_kv_splits` fixes the decode split count; by default it depends only on the
     batch size (`kv_splits_for(bs)`), so a captured graph for a batch size always uses the same.
+    A mixed extend (`ForwardBatch.decode_tail`) runs its decode rows through the decode kernel
+    (split-K over each row's KV) and only the prefill rows through the extend kernel, whose
+    blocks of queries a one-token row would mostly leave empty.
 
     CUDA graphs (decode only), as `AttentionBackend` describes them:
 
@@ -177,21 +190,36 @@ class TritonBackend(AttentionBackend):
                 tree_tail=batch.tree_tail,
             )
             return
+        tail = batch.decode_tail if 0 < batch.decode_tail < bs else 0
+        n = bs - tail  # requests through the extend kernel
         starts, start = [], 0
-        for n in batch.extend_lens:
+        for ext in batch.extend_lens[:n]:
             starts.append(start)
-            start += n
+            start += ext
         # One host-to-device copy for the three length vectors.
         lens = torch.tensor(
-            [*batch.prefix_lens, *batch.extend_lens, *starts], dtype=torch.int64, device=self.device
+            [*batch.prefix_lens[:n], *batch.extend_lens[:n], *starts],
+            dtype=torch.int64,
+            device=self.device,
         )
-        batch.attn_metadata = _ExtendMeta(
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=lens[:bs],
-            extend_lens=lens[bs : 2 * bs],
-            extend_start_loc=lens[2 * bs :],
-            max_extend_len=max(batch.extend_lens, default=0),
+        extend = _ExtendMeta(
+            req_pool_indices=batch.req_pool_indices[:n],
+            prefix_lens=lens[:n],
+            extend_lens=lens[n : 2 * n],
+            extend_start_loc=lens[2 * n :],
+            max_extend_len=max(batch.extend_lens[:n], default=0),
         )
+        if not tail:
+            batch.attn_metadata = extend
+            return
+        splits = self.kv_splits_for(tail)
+        decode = _DecodeMeta(
+            req_pool_indices=batch.req_pool_indices[n:],
+            seq_lens=batch.seq_lens[n:],
+            workspace=self._workspace(tail, splits),
+            num_kv_splits=splits,
+        )
+        batch.attn_metadata = _MixedMeta(extend, decode, tokens=start)
 
     def forward(
         self,
@@ -216,43 +244,54 @@ class TritonBackend(AttentionBackend):
                 q, k = apply_rotary(q, k, *rotary)
             store_kv(k_buf, v_buf, k, v, batch.out_cache_loc, k_scale=k_scale, v_scale=v_scale)
         meta = batch.attn_metadata
-        table = self.req_to_token.table
+        scales = (k_scale, v_scale)
         if isinstance(meta, _DecodeMeta):
-            o = decode_attention(
-                q,
-                k_buf,
-                v_buf,
-                table,
-                meta.req_pool_indices,
-                meta.seq_lens,
-                self.scale,
-                num_kv_splits=meta.num_kv_splits,
-                window=self.sliding_window,
-                workspace=meta.workspace,
-                tree_prefix=meta.tree_prefix,
-                tree_tail=meta.tree_tail,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+            o = self._decode(q, k_buf, v_buf, meta, scales)
+        elif isinstance(meta, _MixedMeta):
+            n = meta.tokens
+            head = self._extend(q[:n], k[:n], v[:n], k_buf, v_buf, meta.extend, scales)
+            tail = self._decode(q[n:], k_buf, v_buf, meta.decode, scales)
+            o = torch.cat([head.view(n, -1), tail.view(q.shape[0] - n, -1)])
         else:
-            o = extend_attention(
-                q,
-                k,
-                v,
-                k_buf,
-                v_buf,
-                table,
-                meta.req_pool_indices,
-                meta.prefix_lens,
-                meta.extend_lens,
-                meta.extend_start_loc,
-                self.scale,
-                window=self.sliding_window,
-                max_extend_len=meta.max_extend_len,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+            o = self._extend(q, k, v, k_buf, v_buf, meta, scales)
         return o.view(q.shape[0], -1)
+
+    def _decode(self, q, k_buf, v_buf, meta: _DecodeMeta, scales) -> torch.Tensor:
+        return decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            self.req_to_token.table,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            self.scale,
+            num_kv_splits=meta.num_kv_splits,
+            window=self.sliding_window,
+            workspace=meta.workspace,
+            tree_prefix=meta.tree_prefix,
+            tree_tail=meta.tree_tail,
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
+
+    def _extend(self, q, k, v, k_buf, v_buf, meta: _ExtendMeta, scales) -> torch.Tensor:
+        return extend_attention(
+            q,
+            k,
+            v,
+            k_buf,
+            v_buf,
+            self.req_to_token.table,
+            meta.req_pool_indices,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_start_loc,
+            self.scale,
+            window=self.sliding_window,
+            max_extend_len=meta.max_extend_len,
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
 
     # ---- CUDA-graph decode ----------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -54,6 +54,7 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     out["mode"] = batch.mode.value
     out["prefix_lens"] = list(batch.prefix_lens)
     out["extend_lens"] = list(batch.extend_lens)
+    out["decode_tail"] = batch.decode_tail
     return out
 
 
@@ -62,6 +63,7 @@ def decode_batch(d: dict[str, Any], device: torch.device) -> ForwardBatch:
         mode=ForwardMode(d["mode"]),
         prefix_lens=d["prefix_lens"],
         extend_lens=d["extend_lens"],
+        decode_tail=d.get("decode_tail", 0),
         **{name: to_device(d[name], device) for name in _TENSORS},
     )
 

@@ -41,9 +41,11 @@ def build_extend(
     allocator: PageAllocator,
     table: ReqToTokenPool,
     device: torch.device,
+    decode_rows: int = 0,
 ) -> StepPlan:
     """A prefill batch: each request computes KV for positions [req.kv_len, end). Requests
-    whose `end` is their full length sample their next token."""
+    whose `end` is their full length sample their next token. The last `decode_rows` items
+    are running requests decoding one token (a mixed step: `ForwardBatch.decode_tail`)."""
     ids: list[int] = []
     positions: list[int] = []
     locs: list[int] = []
@@ -96,8 +98,18 @@ def build_extend(
         images=images,
         mrope_positions=_mrope_positions(items, device),
         capture_hidden=bool(pooling),
+        decode_tail=decode_rows,
     )
-    return StepPlan(reqs, sampling, batch, last_rows, prompt_rows, ends, pooling=pooling)
+    return StepPlan(
+        reqs,
+        sampling,
+        batch,
+        last_rows,
+        prompt_rows,
+        ends,
+        pooling=pooling,
+        decode_rows=decode_rows,
+    )
 
 
 def _mrope_positions(items: list[tuple[Req, int]], device: torch.device) -> torch.Tensor | None:

@@ -98,9 +98,7 @@ class PrefillPlanner:
             self.decode.count_step([r for r, _ in rows])
             self.stats.mixed_steps += 1
             self.stats.mixed_decode_rows += len(rows)
-        plan = build_extend(items + rows, self.kv.allocator, self.kv.table, self.device)
-        plan.decode_rows = len(rows)
-        return plan
+        return build_extend(items + rows, self.kv.allocator, self.kv.table, self.device, len(rows))
 
     def _decode_rows(self, running: list[Req]) -> list[tuple[Req, int]]:
         """One extend row per running request: the KV of its last sampled token, and the
