@@ -7,10 +7,12 @@ Two figures, one run:
 1. Throughput. N requests, each one random image (448 x 448: 256 image tokens) and 64 random
    text tokens, 64 output tokens (ignore_eos), sent to `braid.LLM` at once. It reports
    requests/s, output tokens/s and the share of the wall time spent in the vision tower (the
-   scheduler's `encoder_seconds`, CUDA events). After braid's engine has shut down,
-   transformers' `generate` runs the same requests at each batch size in `hf_batch_sizes` (the
-   same config, random init, bf16, sdpa), and its best throughput is the baseline. Target:
-   braid at least 3x.
+   scheduler's `encoder_seconds`, CUDA events), and the front end alone: images/s and the pixel
+   bytes per image it sends (the processor's uint8 image), beside the processor's float32
+   output and that output in the model's dtype (what braid sent before). After braid's engine
+   has shut down, transformers' `generate` runs the same requests at each batch size in
+   `hf_batch_sizes` (the same config, random init, bf16, sdpa), and its best throughput is the
+   baseline. Target: braid at least 3x.
 2. One image, 32 questions. The first question runs alone, then the other 31 together. The
    vision tower must run once (`images_encoded` rises by 1), and every later prompt's image
    tokens must come from the prefix cache (`cached_prompt_tokens` rises by at least 31 x the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import sys
 import tempfile
@@ -181,7 +184,7 @@ def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, 
         llm.flush_cache()
         # The front end alone: load, process and serialise every image (the media workers).
         t0 = time.perf_counter()
-        llm.run_coroutine(prepare_all(llm, requests)).result()
+        prepared = llm.run_coroutine(prepare_all(llm, requests)).result()
         front_s = time.perf_counter() - t0
         before = llm.stats()
         t0 = time.perf_counter()
@@ -207,6 +210,7 @@ def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, 
             "encoder_share": encoder_s / wall,
             "front_end_seconds": front_s,
             "front_end_images_per_s": len(requests) / front_s,
+            **pixel_bytes(prepared, size["dtype"]),
         }
         for key in ("prefill_steps", "decode_steps", "prefill_tokens_computed", "retractions"):
             throughput[key] = after[key] - before[key]
@@ -222,15 +226,33 @@ def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, 
     return {"throughput": throughput, "same_image": same}
 
 
-async def prepare_all(llm, requests: list[dict]) -> None:
+async def prepare_all(llm, requests: list[dict]) -> list:
+    """Every request's images as the front end sends them (`ImageInput`s)."""
     import asyncio
 
-    await asyncio.gather(
+    prepared = await asyncio.gather(
         *(
             llm.media.prepare(r["prompt_token_ids"], [r["multi_modal_data"]["image"]])
             for r in requests
         )
     )
+    return [image for _, images in prepared for image in images]
+
+
+def pixel_bytes(images: list, model_dtype: str) -> dict:
+    """Bytes per image: the pixels braid sends (the processor's uint8 image), the processor's
+    float32 output for it, and that output in the model's dtype (what braid sent before)."""
+    from braid.runtime.image_data import from_wire
+
+    sent = sum(len(m.data) for m in images)
+    values = sum(math.prod(from_wire(m).shape) for m in images)
+    n = len(images)
+    return {
+        "wire_pixel_dtype": images[0].dtype,
+        "wire_bytes_per_image": sent / n,
+        "float32_bytes_per_image": 4 * values / n,
+        "model_dtype_bytes_per_image": getattr(torch, model_dtype).itemsize * values / n,
+    }
 
 
 def same_image(llm, size: dict, ids: dict[str, int], sp, image_tokens: int) -> dict:
@@ -367,6 +389,13 @@ def main() -> None:
         f"({t['images_encoded']:.0f} images encoded); the front end alone prepares "
         f"{t['front_end_images_per_s']:.0f} images/s; the same lengths as text only take "
         f"{t['text_only_seconds']:.1f} s"
+    )
+    print(
+        f"pixels per image on the wire: {t['wire_bytes_per_image'] / 1024:.1f} KiB of "
+        f"{t['wire_pixel_dtype']} (the processor's float32 output: "
+        f"{t['float32_bytes_per_image'] / 1024:.1f} KiB, "
+        f"{t['float32_bytes_per_image'] / t['wire_bytes_per_image']:.1f}x; in the model's "
+        f"{size['dtype']}: {t['model_dtype_bytes_per_image'] / 1024:.1f} KiB)"
     )
     fields = {**result, "target_speedup": TARGET_SPEEDUP}
     if hf is not None:

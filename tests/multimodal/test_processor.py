@@ -222,7 +222,7 @@ def test_hash_is_stable_and_changes_with_one_pixel(qwen: ImageProcessor) -> None
 
 
 def _fake(num_tokens: int) -> ImageData:
-    return ImageData(pixel_values=torch.zeros(1), num_tokens=num_tokens, hash=num_tokens)
+    return ImageData(torch.zeros(1), num_tokens=num_tokens, hash=num_tokens)
 
 
 def test_expand_widens_each_placeholder_in_order(qwen: ImageProcessor) -> None:

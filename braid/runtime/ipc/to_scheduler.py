@@ -8,10 +8,25 @@ from braid.runtime.sampling_params import SamplingParams
 
 
 @dataclass
+class PixelRecipe:
+    """How an image's uint8 pixels become its image processor's float32 output, to the bit (as
+    transformers' numpy code computes it): each value v of channel c becomes
+    float32(v * rescale) (the product in float64), then (that - mean[c]) / std[c] in float32;
+    then, with `patch` = [temporal_patch_size, patch_size, merge_size] (the Qwen2-VL family),
+    the [channels, height, width] image is cut into flattened patches, Qwen2-VL's layout."""
+
+    rescale: float
+    mean: list[float]
+    std: list[float]
+    patch: list[int] | None = None
+
+
+@dataclass
 class ImageInput:
     """One image of a prompt, processed: its pixels as raw bytes (C order) with their shape and
     dtype beside them, how many prompt tokens stand for it and where the first of them is in
-    `input_ids`, and its content hash (see `image_data.ImageData`)."""
+    `input_ids`, and its content hash (see `image_data.ImageData`). With a `recipe` the pixels
+    are the processor's uint8 image, before the steps the recipe names."""
 
     data: bytearray  # decoded into a buffer of its own, which the pixel tensor then wraps
     shape: list[int]
@@ -21,6 +36,7 @@ class ImageInput:
     hash: int
     grid_thw: list[int] | None = None
     image_size: list[int] | None = None
+    recipe: PixelRecipe | None = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.image_data import ImageData, check_each
+from braid.runtime.image_data import ImageData, check_each, device_pixels
 from braid.runtime.layers.linear import Linear
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
@@ -191,10 +191,9 @@ class LlavaForConditionalGeneration(LlavaBase):
         `tokens_per_image` tokens. The scheduler asks before admitting a request, so a bad
         image (a processor whose crop size is not the tower's) is that request's error."""
         size = self.vision_tower.spec.image_size
-        if tuple(image.pixel_values.shape) != (3, size, size):
+        if image.shape != (3, size, size):
             raise ValueError(
-                f"pixel_values {tuple(image.pixel_values.shape)} are not the tower's input "
-                f"(3, {size}, {size})"
+                f"pixel_values {image.shape} are not the tower's input (3, {size}, {size})"
             )
         if image.num_tokens != self.tokens_per_image:
             raise ValueError(
@@ -209,5 +208,6 @@ class LlavaForConditionalGeneration(LlavaBase):
         if not images:
             return []
         check_each(images, self.check_image)
-        pixels = torch.stack([im.pixel_values for im in images])
+        weight = self.multi_modal_projector.linear_1.weight
+        pixels = torch.stack(device_pixels(images, weight.device, weight.dtype))
         return list(self.image_features(pixels).unbind(0))

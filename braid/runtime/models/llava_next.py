@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from braid.runtime.image_data import ImageData, check_each
+from braid.runtime.image_data import ImageData, check_each, device_pixels
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.llava import LlavaBase
@@ -165,9 +165,9 @@ class LlavaNextForConditionalGeneration(LlavaBase):
         rows, cols = self.grid.tiles(height, width)
         s = self.vision_tower.spec
         want = (rows * cols + 1, s.channels, s.image_size, s.image_size)
-        if tuple(image.pixel_values.shape) != want:
+        if image.shape != want:
             raise ValueError(
-                f"pixel_values {tuple(image.pixel_values.shape)} are not the {rows}x{cols} grid "
+                f"pixel_values {image.shape} are not the {rows}x{cols} grid "
                 f"tiles and the base tile an image of {height}x{width} (height x width) makes: "
                 f"{want}"
             )
@@ -185,8 +185,9 @@ class LlavaNextForConditionalGeneration(LlavaBase):
         if not images:
             return []
         check_each(images, self.check_image)
-        feats = self.image_features(torch.cat([im.pixel_values for im in images]))
-        per_image = feats.split([im.pixel_values.shape[0] for im in images])
+        weight = self.multi_modal_projector.linear_1.weight
+        feats = self.image_features(torch.cat(device_pixels(images, weight.device, weight.dtype)))
+        per_image = feats.split([im.shape[0] for im in images])
         return [self._pack(f, *im.image_size) for f, im in zip(per_image, images)]
 
     def _pack(self, tiles: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.image_data import ImageData, check_each
+from braid.runtime.image_data import ImageData, check_each, device_pixels
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm, default_weight_loader
 from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_axes
@@ -486,25 +486,32 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def check_image(self, image: ImageData) -> None:
         """`ValueError` unless `image` is what this tower takes: a (t, h, w) grid of whole
-        merge blocks, one row of `patch_dim` values per patch, `num_tokens` = patches /
+        merge blocks, one row of `patch_dim` values per patch (or, with a recipe, one uint8
+        frame of h x w patches and this tower's patchify), `num_tokens` = patches /
         merge_size**2. The scheduler asks before admitting a request, so a bad image is that
         request's error, not its batch's."""
         if image.grid_thw is None or len(image.grid_thw) != 3:
             raise ValueError("no (t, h, w) grid_thw (a Qwen2-VL image processor sets it)")
         t, h, w = image.grid_thw
-        merge = self.vision_spec.merge_size
-        if image.pixel_values.dim() != 2 or min(t, h, w) < 1:
-            raise ValueError(f"pixel_values {tuple(image.pixel_values.shape)} are not patches")
-        rows, width = image.pixel_values.shape
-        if rows != t * h * w or width != self.vision_spec.patch_dim:
+        spec, merge = self.vision_spec, self.vision_spec.merge_size
+        shape = tuple(image.data.shape)
+        if image.recipe is None:
+            want = (t * h * w, spec.patch_dim)
+        else:
+            want = (spec.in_channels, h * spec.patch_size, w * spec.patch_size)
+            if t != 1 or image.recipe.patch != [spec.temporal_patch_size, spec.patch_size, merge]:
+                want = None
+        if len(shape) != (2 if image.recipe is None else 3) or min(t, h, w) < 1:
+            raise ValueError(f"pixel_values {shape} are not patches")
+        if shape != want:
             raise ValueError(
-                f"pixel_values {tuple(image.pixel_values.shape)} do not fit grid "
-                f"{image.grid_thw} of patches of {self.vision_spec.patch_dim} values"
+                f"pixel_values {shape} do not fit grid {image.grid_thw} of patches of "
+                f"{spec.patch_dim} values"
             )
         if h % merge or w % merge:
             raise ValueError(f"grid {image.grid_thw} does not divide into blocks")
-        if image.num_tokens != rows // merge**2:
-            raise ValueError(f"num_tokens {image.num_tokens} != {rows} patches / {merge**2}")
+        if image.num_tokens != t * h * w // merge**2:
+            raise ValueError(f"num_tokens {image.num_tokens} != {t * h * w} patches / {merge**2}")
 
     def encode_images(self, images: list[ImageData]) -> list[torch.Tensor]:
         """One [image.num_tokens, hidden] tensor per image, in the model's dtype and device,
@@ -513,7 +520,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             return []
         check_each(images, self.check_image)
         device = self.model.embed_tokens.weight.device
-        pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=self.dtype)
+        pixels = torch.cat(device_pixels(images, device, self.dtype))
         grids = [(int(t), int(h), int(w)) for t, h, w in (im.grid_thw for im in images)]
         merged = self.visual(pixels, grids)
         return list(merged.split([im.num_tokens for im in images]))

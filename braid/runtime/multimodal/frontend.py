@@ -22,8 +22,8 @@ from braid.runtime.models.config import ModelConfig
 from braid.runtime.multimodal.media import MediaLimits, load_image
 from braid.runtime.multimodal.processor import ImageProcessor
 
-# Image threads: decoding, resizing and normalising release the GIL (Pillow, numpy), so a
-# machine with more cores processes more images at once.
+# Image threads: decoding and resizing release the GIL (Pillow, numpy), so a machine with
+# more cores processes more images at once.
 WORKERS = max(2, min(8, os.cpu_count() or 2))
 
 
@@ -41,7 +41,8 @@ class MediaFrontend:
                 Path(config.allowed_local_media_path) if config.allowed_local_media_path else None
             ),
         )
-        # Pixels travel in the dtype the model will run in (`EngineConfig.torch_dtype`).
+        # Images travel as the processor's uint8 image and its recipe; a processor braid does
+        # not split sends floats, in the dtype the model will run in (`torch_dtype`).
         self.pixel_dtype = config.torch_dtype(model_config.dtype)
         self.processor: ImageProcessor | None = None
         if model_config.is_multimodal and tokenizer is not None:

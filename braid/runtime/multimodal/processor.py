@@ -5,6 +5,15 @@ those tokens.
 The pixels come from transformers' processor class for the model (read from the model
 directory), so braid's inputs are the ones the checkpoint was trained on; braid only counts
 the tokens, with the rule transformers' processor for that model uses.
+
+The processor's work is split where that is exact. Here, in the front end, it runs its
+geometric steps: conversion to RGB, its own resize (its resample and size rules), crop, pad
+and LLaVA-NeXT's tiles, which all give uint8 values. Its last steps (rescale, normalise and,
+for the Qwen2-VL family, patchify) are elementwise or a reordering, so they run on the
+device before the vision tower (a `PixelRecipe`, run by `image_data.apply_recipe`), to the
+same float32 bits, and a quarter of the bytes (an eighth for Qwen2-VL, whose patches hold
+each frame twice) cross the processes. `split_recipe` says when a processor cannot be split
+that way; its images then carry its float output, as before.
 """
 
 from __future__ import annotations
@@ -16,9 +25,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from braid.runtime.image_data import ImageData
+from braid.runtime.ipc.to_scheduler import PixelRecipe
 from braid.runtime.models.config import QWEN_VL_ARCHS, ModelConfig
 
 if TYPE_CHECKING:
@@ -43,6 +54,8 @@ class ImageProcessor:
     within it one `image_token_id` marks where the image's tokens go, and `expand` widens
     each such token to the image's `num_tokens`. `process` may be called from several
     threads at once: each thread works on its own copy of transformers' processor.
+    `recipe` is the processor's steps that run on the device (None: it is not split, and its
+    images carry its float output).
     """
 
     placeholder: str
@@ -57,6 +70,7 @@ class ImageProcessor:
         self._prototype = hf_processor
         self._copy_lock = threading.Lock()
         self._local = threading.local()
+        self.recipe = split_recipe(hf_processor, self._patchify_sizes(hf_processor))
 
     @classmethod
     def from_model_dir(
@@ -88,29 +102,35 @@ class ImageProcessor:
         raise ValueError(f"{cfg.architecture}: braid has no image processing for it")
 
     def process(self, image: Image.Image) -> ImageData:
-        """`image` (RGB, as `load_image` returns it) processed for this model: float32 pixels
-        equal to transformers' processor output for it alone, its token count, and a hash of
-        the pixels and their grid (and of the image's size, for a model that reads it).
-        `ValueError` if the processor refuses the image."""
+        """`image` (RGB, as `load_image` returns it) processed for this model: its
+        `pixel_values` equal transformers' processor output for it alone (float32, to the
+        bit), held as the processor's uint8 image and `recipe` when the processor is split;
+        its token count; and a hash of what it holds, its grid and recipe (and of the image's
+        size, for a model that reads it). `ValueError` if the processor refuses the image."""
         width, height = image.size
         if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
             raise ValueError(
                 f"image {width}x{height}: the aspect ratio must be at most {MAX_ASPECT_RATIO}"
             )
         try:
-            out = self._hf()(images=[image], return_tensors="pt")
+            if self.recipe is None:
+                data, grid_thw, num_tokens = self._finish(
+                    self._hf()(images=[image], return_tensors="pt")
+                )
+                data = data.to(torch.float32)
+            else:
+                data, grid_thw, num_tokens = self._geometry(image)
         except ValueError as e:
             raise ValueError(f"image {width}x{height} cannot be processed: {e}") from e
-        pixel_values, grid_thw, num_tokens = self._finish(out)
-        pixel_values = pixel_values.to(torch.float32).contiguous()
+        data = data.contiguous()
+        size = (height, width) if self.hashes_image_size else None
         return ImageData(
-            pixel_values=pixel_values,
+            data=data,
             num_tokens=num_tokens,
-            hash=_content_hash(
-                pixel_values, grid_thw, (height, width) if self.hashes_image_size else None
-            ),
+            hash=_content_hash(data, grid_thw, size, self.recipe),
             grid_thw=grid_thw,
             image_size=(height, width),
+            recipe=self.recipe,
         )
 
     def expand(self, input_ids: list[int], images: list[ImageData]) -> tuple[list[int], list[int]]:
@@ -137,6 +157,19 @@ class ImageProcessor:
     def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
         """(pixels for the one image, its grid, its token count) from the processor output."""
         raise NotImplementedError
+
+    def _geometry(
+        self, image: Image.Image
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        """`_finish` of the processor's output with its rescale and normalise turned off: the
+        uint8 values they would have taken."""
+        out = self._hf()(images=[image], do_rescale=False, do_normalize=False, return_tensors="pt")
+        pixels, grid, num = self._finish(out)
+        return _uint8(pixels), grid, num
+
+    def _patchify_sizes(self, hf: Any) -> tuple[int, int, int] | None:
+        """The (temporal, patch, merge) sizes of the processor's patchify, if it has one."""
+        return None
 
     def _hf(self) -> Any:
         # transformers does not promise its processors are thread-safe; a copy per worker
@@ -174,6 +207,26 @@ class _QwenVLProcessor(ImageProcessor):
     def _finish(self, out: Any) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return out["pixel_values"], (t, h, w), t * h * w // self._merge**2
+
+    def _geometry(
+        self, image: Image.Image
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None, int]:
+        # Qwen2VLImageProcessor's own steps before its rescale: its conversion, then its resize
+        # (smart_resize to whole merge blocks, its resample); patchify is left to the recipe.
+        hf = self._hf()
+        pixels = hf.process_image(image, do_convert_rgb=hf.do_convert_rgb)
+        if hf.do_resize:
+            factor = hf.patch_size * hf.merge_size
+            pixels = hf.resize(pixels, size=hf.size, resample=hf.resample, factor=factor)
+        pixels = _uint8(torch.from_numpy(np.ascontiguousarray(pixels)))
+        _, height, width = pixels.shape
+        if height % (hf.patch_size * self._merge) or width % (hf.patch_size * self._merge):
+            raise ValueError(f"{height}x{width} is not a whole number of merged patches")
+        h, w = height // hf.patch_size, width // hf.patch_size
+        return pixels, (1, h, w), h * w // self._merge**2
+
+    def _patchify_sizes(self, hf: Any) -> tuple[int, int, int] | None:
+        return (int(hf.temporal_patch_size), int(hf.patch_size), int(hf.merge_size))
 
 
 class _LlavaProcessor(ImageProcessor):
@@ -320,16 +373,56 @@ def _default_patch_size(vision: dict[str, Any]) -> int:
     return int(AutoConfig.for_model(vision["model_type"], **fields).patch_size)
 
 
+def split_recipe(hf: Any, patch: tuple[int, int, int] | None) -> PixelRecipe | None:
+    """The steps of transformers' processor `hf` that run on the device (its rescale and
+    normalise, and `patch`: its patchify), or None where splitting them off is not exact:
+    - a processor outside transformers' PIL backend (transformers 4.x): its steps are
+      reached only through one call, so braid does not take them apart;
+    - a processor on the backend's generic pipeline (CLIP, SigLIP) that pads to a fixed
+      `pad_size`: it pads after normalising, with zeros that no uint8 value normalises to."""
+    try:
+        from transformers.image_processing_backends import PilBackend
+    except ImportError:
+        return None
+    if not isinstance(hf, PilBackend):
+        return None
+    if type(hf)._preprocess is PilBackend._preprocess and hf.do_pad and hf.pad_size:
+        return None
+    channels = 3  # every image is converted to RGB first
+    rescale = float(hf.rescale_factor) if hf.do_rescale else 1.0
+    mean, std = [0.0] * channels, [1.0] * channels
+    if hf.do_normalize:
+        mean, std = _per_channel(hf.image_mean, channels), _per_channel(hf.image_std, channels)
+    return PixelRecipe(rescale, mean, std, list(patch) if patch else None)
+
+
+def _per_channel(value: Any, channels: int) -> list[float]:
+    # transformers' normalize repeats a single number for every channel.
+    if np.ndim(value) == 0:
+        return [float(value)] * channels
+    return [float(v) for v in value]
+
+
+def _uint8(pixels: torch.Tensor) -> torch.Tensor:
+    if pixels.dtype != torch.uint8:
+        # The geometric steps of an RGB image only move, resample and pad bytes.
+        raise RuntimeError(f"the image processor's geometric steps gave {pixels.dtype}, not uint8")
+    return pixels
+
+
 def _content_hash(
-    pixel_values: torch.Tensor,
+    data: torch.Tensor,
     grid_thw: tuple[int, int, int] | None,
     image_size: tuple[int, int] | None = None,
+    recipe: PixelRecipe | None = None,
 ) -> int:
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(repr((tuple(pixel_values.shape), grid_thw, str(pixel_values.dtype))).encode())
+    digest.update(repr((tuple(data.shape), grid_thw, str(data.dtype))).encode())
     if image_size is not None:
         digest.update(repr(image_size).encode())
-    digest.update(pixel_values.numpy())
+    if recipe is not None:
+        digest.update(repr(recipe).encode())
+    digest.update(data.numpy())
     return int.from_bytes(digest.digest(), "little") & _HASH_MASK
 
 
