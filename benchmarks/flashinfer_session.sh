@@ -7,8 +7,15 @@
 #           (benchmarks/gpu.py), the same run
 #   part 3: what a second fresh machine had time for: the JIT build, the GPU tests, and the
 #           FlashInfer side of part 2
-# Run from the repository root after `source .whl/install.sh` (the wheels, flashinfer-python
-# 0.5.3 among them, carried as .whl).
+# Run from the repository root after `source .whl/install.sh`, the wheels carried as .whl:
+#   ../shared/device/wheelhouse.sh .whl flashinfer-python==0.5.3 nvidia-ml-py requests \
+#       opentelemetry-api uvloop
+# then delete what the image has and must win (sympy, mpmath, networkx, fsspec, jinja2,
+# markupsafe, filelock, cuda_bindings, cuda_pathfinder, protobuf): about 27 MB. flashinfer's
+# import needs only pynvml (nvidia-ml-py) beyond the image; the installed fastapi needs
+# opentelemetry-api (without it the GPU tests fail at collection, seen 2026-12-02).
+# A step past its limit is stopped with SIGABRT first, so faulthandler prints each process's
+# stack into its log (a stall shows where it stands).
 set -u
 part=${1:?part 1 or 2}
 OUT=${OUT:-/tmp/out}
