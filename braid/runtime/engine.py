@@ -25,24 +25,25 @@ from tqdm import tqdm
 from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_keywords import resolve_overrides
+from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
 from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
-from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.models.config import BASE_MODEL_ARCHS
-from braid.runtime.multimodal.frontend import MediaFrontend, flatten_content
+from braid.runtime.multimodal.frontend import MediaFrontend
 from braid.runtime.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
+    SampleOutputs,
     spec_meta_info,
 )
 from braid.runtime.pooling import PoolingConfig, floats
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.tokenizer.chat import chat_prompt
 from braid.runtime.tokenizer.manager import TokenizerManager
-from braid.runtime.tokenizer.tokenizer import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -56,27 +57,26 @@ _Item = tuple[str | None, list[int], list[Any]]
 
 @dataclass
 class _Sample:
-    """The caller-side state of one sample while it runs."""
+    """The caller-side state of one sample while it runs: its outputs so far."""
 
     index: int
     rid: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
+    outputs: SampleOutputs = field(default_factory=SampleOutputs)
 
-    def output(self) -> CompletionOutput:
+    def output(self, with_logprobs: bool) -> CompletionOutput:
+        o = self.outputs
+        logprobs = cumulative = None
+        if with_logprobs:
+            logprobs = [logprob_dict(lp, o.token_texts) for lp in o.logprobs]
+            cumulative = sum((lp.logprob for lp in o.logprobs), 0.0)
         return CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=list(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            text=o.text,
+            token_ids=list(o.token_ids),
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
         )
 
 
@@ -88,34 +88,41 @@ class _Request:
     params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)
     samples: list[_Sample] = field(default_factory=list)
-    cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    spec: list[SpecUsage] = field(default_factory=list)  # each finished sample's
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return all(s.outputs.finished for s in self.samples)
 
     def output(self) -> RequestOutput:
+        outs = [s.outputs for s in self.samples]
+        scored = next((o for o in outs if o.prompt_logprobs is not None), None)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_ids,
-            outputs=[s.output() for s in self.samples],
+            outputs=[s.output(self.params.logprobs is not None) for s in self.samples],
             finished=self.finished,
-            num_cached_tokens=self.cached_tokens,
-            prompt_logprobs=self.prompt_logprobs,
+            # The prompt's hit when it was submitted (later samples may hit what the first
+            # computed).
+            num_cached_tokens=outs[0].cached_tokens if outs else 0,
+            prompt_logprobs=None
+            if scored is None
+            else [
+                None if lp is None else logprob_dict(lp, scored.token_texts)
+                for lp in scored.prompt_logprobs or []
+            ],
             metrics=self.metrics(),
         )
 
     def metrics(self) -> dict[str, float]:
         """Speculative decoding's counts over the samples (SGLang's `meta_info` names)."""
-        if not self.spec:
+        spec = [s.outputs.spec for s in self.samples if s.outputs.spec is not None]
+        if not spec:
             return {}
         total = SpecUsage(
-            sum(s.verify_steps for s in self.spec),
-            sum(s.proposed_drafts for s in self.spec),
-            sum(s.accepted_drafts for s in self.spec),
+            sum(s.verify_steps for s in spec),
+            sum(s.proposed_drafts for s in spec),
+            sum(s.accepted_drafts for s in spec),
         )
         return spec_meta_info(total)
 
@@ -273,18 +280,16 @@ class LLM:
         placeholder = self.media.placeholder if self.media.supports_images else None
         items = []
         for c, conv in enumerate(conversations):
-            conv, sources = self._flatten(conv, placeholder, c)
-            text = render_chat(
+            prompt = chat_prompt(
                 tok,
                 conv,
+                placeholder,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=plan.template_tools if plan is not None else None,
+                where="messages" if c == 0 else f"messages[{c}]",
             )
-            ids = tok.encode(text, add_special_tokens=False)
-            if not ids:
-                raise ValueError("messages: the rendered conversation is empty")
-            items.append((text, ids, sources))
+            items.append((prompt.text, prompt.ids, prompt.sources))
         params = self._params_for(sampling_params, len(items))
         if plan is None:
             return self._run(items, params, use_tqdm)
@@ -344,7 +349,9 @@ class LLM:
                 last = out
             if last is None or last.embedding is None:
                 error = (last.error if last else None) or f"{rid} ended without an embedding"
-                raise (ValueError if last is not None and last.refused else RuntimeError)(error)
+                if last is not None and last.refused is not None:
+                    raise ParamError(last.refused.param, error)
+                raise RuntimeError(error)
             bar.update(1)
             return floats(last.embedding)
 
@@ -413,25 +420,6 @@ class LLM:
         raise ValueError(
             f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}"
         )
-
-    @staticmethod
-    def _flatten(
-        conv: list[dict[str, Any]], placeholder: str | None, c: int
-    ) -> tuple[list[dict[str, Any]], list[Any]]:
-        """A conversation's messages with list contents flattened to text (image parts become
-        `placeholder`), and its images' sources in order."""
-        out, sources = [], []
-        for m, msg in enumerate(conv):
-            if not isinstance(msg, dict):
-                raise ValueError(f"messages[{m}]: must be a dict with 'role' and 'content'")
-            if not isinstance(msg.get("content"), list):
-                out.append(msg)
-                continue
-            where = f"messages[{m}].content" if c == 0 else f"messages[{c}][{m}].content"
-            text, found = flatten_content(msg["content"], placeholder, where)
-            out.append({**msg, "content": text})
-            sources += found
-        return out, sources
 
     def _tokenize(self, prompt: PromptInput, i: int) -> _Item:
         sources: list[Any] = []
@@ -526,7 +514,7 @@ class LLM:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             bar.close()
-        errors = [s.error for r in requests for s in r.samples if s.error]
+        errors = [s.outputs.error for r in requests for s in r.samples if s.outputs.error]
         if errors and self.tm.failure:
             raise RuntimeError(self.tm.failure)
         return [r.output() for r in requests]
@@ -550,36 +538,13 @@ class LLM:
     async def _submit_and_collect(self, req: _Request, bar) -> None:
         rids = self.tm.submit(req.request_id, req.prompt_ids, req.params, images=req.images)
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
-        for s in req.samples:
-            if req.params.logprobs is not None:
-                s.logprobs, s.cumulative_logprob = [], 0.0
         await asyncio.gather(*(self._collect(req, s, bar) for s in req.samples))
 
     async def _collect(self, req: _Request, sample: _Sample, bar) -> None:
         async for out in self.tm.stream(sample.rid):
-            self._apply(req, sample, out)
+            sample.outputs.add(out)
         if req.finished:
             bar.update(1)
-
-    @staticmethod
-    def _apply(req: _Request, sample: _Sample, out: StrOut) -> None:
-        req.cached_tokens = out.cached_tokens
-        sample.text += out.text
-        sample.token_ids += out.token_ids
-        if out.prompt_logprobs is not None and req.prompt_logprobs is None:
-            req.prompt_logprobs = [
-                None if lp is None else logprob_dict(lp, out.token_texts)
-                for lp in out.prompt_logprobs
-            ]
-        if out.logprobs and sample.logprobs is not None:
-            for lp in out.logprobs:
-                sample.logprobs.append(logprob_dict(lp, out.token_texts))
-                sample.cumulative_logprob += lp.logprob
-        if out.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            sample.error = out.error
-            if out.spec is not None:
-                req.spec.append(out.spec)
 
 
 Engine = LLM

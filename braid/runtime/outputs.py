@@ -1,4 +1,6 @@
-"""What `LLM.generate`, `LLM.chat` and `LLM.embed` return (vLLM's shapes)."""
+"""A sample's outputs as they arrive (`SampleOutputs`, which every front end gathers them
+with: the server, `LLM` and the language's engine backend), and what `LLM.generate`,
+`LLM.chat` and `LLM.embed` return (vLLM's shapes)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,52 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from braid.runtime.function_call.base import ToolCall
-    from braid.runtime.ipc.to_detokenizer import SpecUsage
+    from braid.runtime.ipc.to_detokenizer import Refusal, SpecUsage, TokenLogprob
+    from braid.runtime.ipc.to_tokenizer import StrOut
+
+
+@dataclass
+class SampleOutputs:
+    """One sample's outputs so far, gathered from its `StrOut`s in order by `add`: its text
+    and token ids, its tokens' logprobs and the prompt's (the runtime's `TokenLogprob`s, which
+    each front end presents in its own shape), the texts of the token ids they name, the
+    latest prompt, cached and completion token counts, and once it has finished, why (finish
+    reason, stop reason, error, `refused`) and its speculative-decoding counts."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    token_texts: dict[int, str] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    refused: Refusal | None = None
+    spec: SpecUsage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, out: StrOut) -> None:
+        """Add `out`, the sample's next output: its text and tokens follow what came before,
+        its counts replace the earlier ones, and a finish ends the sample."""
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.token_texts:
+            self.token_texts.update(out.token_texts)
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.error, self.refused, self.spec = out.error, out.refused, out.spec
 
 
 @dataclass

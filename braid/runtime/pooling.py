@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_scheduler import EmbedSpec
 
 POOLING_METHODS = ("last", "mean", "cls")
@@ -110,30 +111,32 @@ class PoolingConfig:
         return cls(method, normalize, hidden_size, matryoshka, why)
 
     def spec(self, normalize: bool | None = None, dimensions: int | None = None) -> EmbedSpec:
-        """The `EmbedSpec` of one request; a `ValueError` naming the field it refuses."""
+        """The `EmbedSpec` of one request; a `ParamError` naming the field it refuses."""
         if self.unsupported is not None:
-            raise ValueError(f"input: this model cannot embed: {self.unsupported}")
+            raise ParamError.at("input", f"this model cannot embed: {self.unsupported}")
         if dimensions is not None:
             if isinstance(dimensions, bool) or not isinstance(dimensions, int):
-                raise ValueError(f"dimensions: must be an integer, got {dimensions!r}")
+                raise ParamError.at("dimensions", f"must be an integer, got {dimensions!r}")
             if self.matryoshka is None:
-                raise ValueError(
-                    "dimensions: this model does not support Matryoshka truncation (its "
-                    "config.json has no matryoshka_dimensions or is_matryoshka)"
+                raise ParamError.at(
+                    "dimensions",
+                    "this model does not support Matryoshka truncation (its "
+                    "config.json has no matryoshka_dimensions or is_matryoshka)",
                 )
             if not 1 <= dimensions <= self.hidden_size:
-                raise ValueError(
-                    f"dimensions: must be in [1, {self.hidden_size}], got {dimensions}"
+                raise ParamError.at(
+                    "dimensions", f"must be in [1, {self.hidden_size}], got {dimensions}"
                 )
             if self.matryoshka and dimensions not in self.matryoshka:
-                raise ValueError(
-                    f"dimensions: {dimensions} is not one of the model's matryoshka_dimensions "
-                    f"{list(self.matryoshka)}"
+                raise ParamError.at(
+                    "dimensions",
+                    f"{dimensions} is not one of the model's matryoshka_dimensions "
+                    f"{list(self.matryoshka)}",
                 )
             if dimensions == self.hidden_size:
                 dimensions = None
         if normalize is not None and not isinstance(normalize, bool):
-            raise ValueError(f"normalize: must be a boolean, got {normalize!r}")
+            raise ParamError.at("normalize", f"must be a boolean, got {normalize!r}")
         return EmbedSpec(
             self.method, self.normalize if normalize is None else normalize, dimensions
         )

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from braid.runtime.errors import ParamError
+
 # Largest number of top log-probabilities one token may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
@@ -37,7 +39,8 @@ def _is_number(x: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings for one prompt; invalid values raise `ValueError` naming the field.
+    """Sampling settings for one prompt; invalid values raise a `ParamError` (a `ValueError`)
+    naming the field.
 
     `temperature=0` means greedy. `top_k` of 0 or -1 turns top-k off. `max_tokens=None` generates
     until a stop condition or the context length; `max_tokens=0` only prefills the prompt (its
@@ -56,7 +59,7 @@ class SamplingParams:
     rule `start`) or `structural_tag` (SGLang's: free text in which each trigger starts a
     begin tag, a JSON value of its schema and an end tag) constrain the output; at most one of
     them. A constraint the configured grammar backend cannot enforce goes to one that can, or
-    the request fails with a `ValueError` naming the field and the keyword.
+    the request fails with a `ParamError` naming the field and the keyword.
     """
 
     n: int = 1
@@ -91,16 +94,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         err = self._first_error()
         if err:
-            raise ValueError(err)
+            raise ParamError(*err)
         given = [k for k in CONSTRAINT_FIELDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: give only one of {', '.join(CONSTRAINT_FIELDS)}")
+            raise ParamError(
+                given[1], f"{given[1]}: give only one of {', '.join(CONSTRAINT_FIELDS)}"
+            )
         if given and self.min_tokens:
-            raise ValueError(f"min_tokens: cannot be combined with {given[0]}")
+            raise ParamError("min_tokens", f"min_tokens: cannot be combined with {given[0]}")
         if given:
             from braid.runtime.constrained.spec import check_spec
 
-            # Raises ValueError naming the field; JSON specs are stored as text.
+            # Raises a ParamError naming the field; JSON specs are stored as text.
             object.__setattr__(self, given[0], check_spec(given[0], getattr(self, given[0])))
         # Normalise containers so the object is hashable-ish and never aliases caller state.
         for name in ("stop", "stop_regex"):  # one string or a list of them -> a tuple
@@ -114,88 +119,116 @@ class SamplingParams:
                 self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
             )
 
-    def _first_error(self) -> str | None:  # noqa: C901 - one flat list of checks reads best
+    def _first_error(self) -> tuple[str, str] | None:  # noqa: C901 - one flat list reads best
+        """(field, message) of the first invalid value, or None."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             values = v if isinstance(v, (list, tuple)) else [v]
             if any(_too_big(x) for x in values):
-                return f"{f.name}: {v!r} is out of range (integers must fit in 64 bits)"
+                return f.name, f"{f.name}: {v!r} is out of range (integers must fit in 64 bits)"
         if not _is_int(self.n) or self.n < 1:
-            return f"n must be an integer >= 1, got {self.n!r}"
+            return "n", f"n must be an integer >= 1, got {self.n!r}"
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
-            return f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}"
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return (
+                "max_tokens",
+                f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}",
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            return "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            return "min_tokens", (
                 f"min_tokens ({self.min_tokens}) must not be greater than "
                 f"max_tokens ({self.max_tokens})"
             )
         if not _is_number(self.temperature) or self.temperature < 0:
-            return f"temperature must be a non-negative number, got {self.temperature!r}"
+            return (
+                "temperature",
+                f"temperature must be a non-negative number, got {self.temperature!r}",
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
+            return "top_p", f"top_p must be in (0, 1], got {self.top_p!r}"
         if not _is_int(self.top_k) or self.top_k < -1:
-            return f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}"
+            return (
+                "top_k",
+                f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}",
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            return f"min_p must be in [0, 1], got {self.min_p!r}"
+            return "min_p", f"min_p must be in [0, 1], got {self.min_p!r}"
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            return f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}"
+            return (
+                "repetition_penalty",
+                f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}",
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2 <= v <= 2:
-                return f"{name} must be in [-2, 2], got {v!r}"
+                return name, f"{name} must be in [-2, 2], got {v!r}"
         if self.seed is not None and not _is_int(self.seed):
-            return f"seed must be an integer or None, got {self.seed!r}"
+            return "seed", f"seed must be an integer or None, got {self.seed!r}"
         stop = self.stop
         if stop is not None:
             items = [stop] if isinstance(stop, str) else stop
             if not isinstance(items, (list, tuple)) or not all(
                 isinstance(s, str) and s for s in items
             ):
-                return f"stop must be a non-empty string or a list of them, got {stop!r}"
+                return "stop", f"stop must be a non-empty string or a list of them, got {stop!r}"
         if self.stop_regex is not None:
             items = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
             if not isinstance(items, (list, tuple)) or not all(
                 isinstance(s, str) and s for s in items
             ):
-                return f"stop_regex must be a non-empty string or a list of them, got {items!r}"
+                return (
+                    "stop_regex",
+                    f"stop_regex must be a non-empty string or a list of them, got {items!r}",
+                )
             for pattern in items:
                 try:
                     if re.compile(pattern).match(""):
-                        return f"stop_regex {pattern!r} matches the empty string"
+                        return "stop_regex", f"stop_regex {pattern!r} matches the empty string"
                 except re.error as e:
-                    return f"stop_regex {pattern!r} is not a valid regex: {e}"
+                    return "stop_regex", f"stop_regex {pattern!r} is not a valid regex: {e}"
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
-                return (
+                return "stop_token_ids", (
                     "stop_token_ids must be a list of non-negative integers, "
                     f"got {self.stop_token_ids!r}"
                 )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                return f"{name} must be a bool, got {getattr(self, name)!r}"
+                return name, f"{name} must be a bool, got {getattr(self, name)!r}"
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                return f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+                return name, f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
         if not _is_int(self.logprob_start_len) or self.logprob_start_len < 0:
             v = self.logprob_start_len
-            return f"logprob_start_len must be a non-negative integer, got {v!r}"
+            return (
+                "logprob_start_len",
+                f"logprob_start_len must be a non-negative integer, got {v!r}",
+            )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                return f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"
+                return (
+                    "logit_bias",
+                    f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}",
+                )
             for k, v in self.logit_bias.items():
                 try:
                     tok = int(k)
                 except (TypeError, ValueError):
-                    return f"logit_bias keys must be token ids, got {k!r}"
+                    return "logit_bias", f"logit_bias keys must be token ids, got {k!r}"
                 if tok < 0:
-                    return f"logit_bias keys must be non-negative token ids, got {k!r}"
+                    return (
+                        "logit_bias",
+                        f"logit_bias keys must be non-negative token ids, got {k!r}",
+                    )
                 if not _is_number(v) or not -100 <= v <= 100:
-                    return f"logit_bias values must be in [-100, 100], got {v!r} for token {k}"
+                    return (
+                        "logit_bias",
+                        f"logit_bias values must be in [-100, 100], got {v!r} for token {k}",
+                    )
         return None
 
     @property
@@ -223,13 +256,19 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Raise `ValueError` if a token id in these params is outside the model's vocabulary."""
+        """Raise a `ParamError` if a token id in these params is outside the model's
+        vocabulary."""
         for t in self.stop_token_ids:
             if t >= vocab_size:
-                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary ({vocab_size})")
+                raise ParamError(
+                    "stop_token_ids",
+                    f"stop_token_ids: {t} is outside the vocabulary ({vocab_size})",
+                )
         for t in self.logit_bias or {}:
             if t >= vocab_size:
-                raise ValueError(f"logit_bias: token {t} is outside the vocabulary ({vocab_size})")
+                raise ParamError(
+                    "logit_bias", f"logit_bias: token {t} is outside the vocabulary ({vocab_size})"
+                )
 
 
 # Fields a model's generation_config.json may set as defaults (the ones vLLM takes from it).

@@ -216,7 +216,7 @@ def test_a_checkpoint_without_lm_head_embeds_and_refuses_generation(tmp_path, ar
             return [o async for o in llm.tm.stream("x")][-1]
 
         o = llm._call(last())
-        assert o.refused and "no LM head" in o.error
+        assert o.refused is not None and o.refused.param == "prompt" and "no LM head" in o.error
         llm.check_invariants()
 
 

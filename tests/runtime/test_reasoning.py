@@ -175,9 +175,10 @@ def accumulate(deltas) -> tuple[str, str, list[tuple[str, str]]]:
 
 def test_tool_calls_are_parsed_from_the_content_after_the_reasoning():
     plan = ToolPlan.resolve([WEATHER], "auto", parser="hermes")
-    message, finish = _chat_message(
+    typed, finish = _chat_message(
         Choice(text=CALL_TEXT, finish_reason="stop"), plan, get_parser("qwen3")()
     )
+    message = typed.model_dump()  # as on the wire
     thought = 'Should I call <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>? Yes.'
     assert message["reasoning_content"] == message["reasoning"] == thought
     assert message["content"] == "Let me look."
@@ -198,11 +199,12 @@ def test_tool_calls_are_parsed_from_the_content_after_the_reasoning():
 
 def test_without_tools_the_rest_is_content_and_no_reasoning_reads_none():
     message, finish = _chat_message(Choice(text="Paris.", finish_reason="stop"), None, None)
-    assert message == {"role": "assistant", "content": "Paris."} and finish == "stop"
+    assert message.model_dump() == {"role": "assistant", "content": "Paris."}
+    assert finish == "stop"
     message, _ = _chat_message(
         Choice(text="Paris.", finish_reason="stop"), None, get_parser("qwen3")()
     )
-    assert message == {
+    assert message.model_dump() == {
         "role": "assistant",
         "content": "Paris.",
         "reasoning_content": None,

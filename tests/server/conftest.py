@@ -32,3 +32,12 @@ def wait_idle(url: str, timeout: float = 20.0, headers=None) -> dict:
         if time.time() > deadline:
             raise AssertionError(f"requests still running: {stats}")
         time.sleep(0.2)
+
+
+def sse_data(url: str, body: dict, timeout: float = 120.0) -> list[str]:
+    """The `data:` payloads of a streamed POST, in order, without the closing `[DONE]`."""
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-3:]
+    return data[:-1]

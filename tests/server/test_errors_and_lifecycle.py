@@ -8,12 +8,14 @@ import signal
 import time
 
 import httpx
+import openai
 import pytest
 
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.to_detokenizer import (
     BatchTokenOut,
     DetokSpec,
+    Refusal,
     TokenLogprob,
     TokenOut,
 )
@@ -127,6 +129,45 @@ def test_bad_requests_get_clear_4xx(server, path, body, status, needle):
     assert needle in err["message"], err
 
 
+# (API, arguments, the param the error body names): each value refused where it is checked
+# (pydantic, SamplingParams, the TokenizerManager, the scheduler's grammar compile across ZMQ)
+# names its field as data, read here by the real openai client.
+PARAMS = [
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"top_p": 2}, "top_p"),
+    ("completions", {"max_tokens": 2**64}, "max_tokens"),
+    ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "word " * 9000}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [1, 10**9]]}, "prompt[1]"),
+    ("completions", {"extra_body": {"regex": "(a)\\1"}}, "regex"),
+    ("completions", {"stream": True, "extra_body": {"regex": "(a)\\1"}}, "regex"),
+    ("completions", {"extra_body": {"stop_regex": "("}}, "stop_regex"),
+    ("chat", {"response_format": {"type": "bogus"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("chat", {"temperature": -1, "stream": True}, "temperature"),
+    (
+        "chat",
+        {"extra_body": {"json_schema": {"type": "array", "uniqueItems": True}}},
+        "json_schema",
+    ),
+    ("chat", {"extra_body": {"choice": []}}, "choice"),
+]
+
+
+@pytest.mark.parametrize("api, kwargs, param", PARAMS)
+def test_a_refused_value_names_its_param_for_the_openai_client(server, api, kwargs, param):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        if api == "chat":
+            client.chat.completions.create(model="m", messages=MSG, max_tokens=2, **kwargs)
+        else:
+            client.completions.create(**{"model": "m", "prompt": "x", "max_tokens": 2, **kwargs})
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+
+
 def test_server_still_serves_after_bad_requests(server):
     r = httpx.post(server.url + C, json={"prompt": "1 + 1 =", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -225,7 +266,9 @@ MESSAGES = [
             )
         ]
     ),
+    BatchTokenOut([TokenOut("r2", [], 3, 0, "abort", error="regex: no", refused=Refusal("regex"))]),
     BatchStrOut([StrOut("r1", "hi", [5], 3, 1, 0, "stop", "x", None, [LP], None, {5: "hi"})]),
+    BatchStrOut([StrOut("r2", "", [], 3, 0, 0, "abort", error="x", refused=Refusal(None))]),
     ControlOut(7, True, {"a": 1.0}, None),
     ControlOut(7, True, {}, None, [ProgramInfo("p", 1, 3, 2, 2, 40, 16, 1)]),
     SchedulerReady(100, 200, 8, 512, [2], "cpu", "float32", 1.5),

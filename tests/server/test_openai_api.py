@@ -10,7 +10,13 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import wait_idle
+from braid.runtime.server.openai_types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+)
+from tests.server.conftest import sse_data, wait_idle
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -472,3 +478,45 @@ def test_program_positions_over_generate_show_per_program_in_info_and_metrics(se
             break
         time.sleep(0.1)
     assert 'program="trip"' not in httpx.get(f"{url}/metrics").text
+
+
+WHOLE = [
+    ("/v1/completions", {"prompt": ["Red,", "Blue,"], "n": 2, "logprobs": 2, "stop": [","]}),
+    ("/v1/completions", {"prompt": "One, two", "echo": True, "logprobs": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}),
+]
+STREAMS = [
+    (
+        "/v1/completions",
+        {"prompt": ["Red,", "Blue,"], "n": 2, "logprobs": 1, "stop": [","]},
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2}),
+]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_every_body_and_chunk_parses_into_its_response_model(server, include_usage):
+    # The wire and the typed models of `openai_types` cannot drift apart: whole bodies are
+    # built through the models, and every chunk the stream's fast encoder writes parses into
+    # the chunk model (which refuses keys it does not declare).
+    common = {"model": "m", "max_tokens": 6, "temperature": 0.7, "seed": 3}
+    for path, body in WHOLE:
+        r = httpx.post(server.url + path, json={**common, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        model = ChatCompletion if "chat" in path else Completion
+        parsed = model.model_validate_json(r.content)
+        assert parsed.usage.completion_tokens > 0 and all(c.logprobs for c in parsed.choices)
+    options = {"stream": True, "stream_options": {"include_usage": include_usage}}
+    for path, body in STREAMS:
+        chunk_model = ChatCompletionChunk if "chat" in path else CompletionChunk
+        data = sse_data(server.url + path, {**common, **body, **options})
+        chunks = [chunk_model.model_validate_json(d) for d in data]
+        assert len({c.id for c in chunks}) == 1
+        finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+        assert finished == set(range(4 if "prompt" in body else 1))
+        # With include_usage every chunk has a usage, null but on the last (choices []);
+        # without, none has the key.
+        assert all(("usage" in c.model_fields_set) == include_usage for c in chunks)
+        if include_usage:
+            assert all(c.usage is None for c in chunks[:-1])
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import start_server
+from braid.runtime.server.openai_types import ChatCompletion, ChatCompletionChunk
+from tests.server.conftest import sse_data, start_server
 
 # Short forced outputs keep the module quick on a CPU: reasoning then an answer, and reasoning
 # then a hermes tool call.
@@ -177,3 +178,28 @@ def test_where_a_constraint_starts_under_each_parser():
     # A constraint that spells the end marker covers the thinking: from the start.
     assert _waits("x", "deepseek-r1", ("regex", "<think>a</think>b"), one) is None
     assert _waits("x", "qwen3", None, one) is None
+
+
+def test_reasoning_and_tool_call_bodies_parse_into_the_response_models(server):
+    body = {
+        "model": "m",
+        "messages": ASK,
+        "temperature": 1.0,
+        "seed": 16,
+        "max_tokens": 80,
+        "regex": THINK_THEN_CALL,
+        "tools": [NOW_TOOL],
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    message = ChatCompletion.model_validate_json(r.content).choices[0].message
+    assert (
+        message.reasoning_content in ("ab", "cd") and message.reasoning == message.reasoning_content
+    )
+    assert [c.function.name for c in message.tool_calls] == ["now"]
+    chunks = [
+        ChatCompletionChunk.model_validate_json(d)
+        for d in sse_data(f"{server.url}/v1/chat/completions", {**body, "stream": True})
+    ]
+    deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+    assert any("reasoning_content" in d for d in deltas) and any("tool_calls" in d for d in deltas)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import start_server
+from braid.runtime.server.openai_types import ChatCompletion, ChatCompletionChunk
+from tests.server.conftest import sse_data, start_server
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -202,3 +204,28 @@ def test_a_call_cut_off_by_max_tokens_is_no_call(client):
     choice = out.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert choice.message.content and out.usage.completion_tokens == 4
+
+
+def test_tool_call_bodies_and_chunks_parse_into_the_response_models(server):
+    body = {
+        "model": "m",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = ChatCompletion.model_validate_json(r.content).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    chunks = [
+        ChatCompletionChunk.model_validate_json(d)
+        for d in sse_data(f"{server.url}/v1/chat/completions", {**body, "stream": True})
+    ]
+    pieces = [
+        tc for c in chunks for ch in c.choices for tc in ch.delta.model_dump().get("tool_calls", [])
+    ]
+    assert pieces[0]["function"]["name"] == "get_time"
+    assert "".join(p["function"]["arguments"] for p in pieces) == call.function.arguments

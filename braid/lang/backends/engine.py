@@ -31,7 +31,7 @@ from braid.lang.ir import SamplingArgs
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
-from braid.runtime.outputs import finish_reason_info
+from braid.runtime.outputs import SampleOutputs, finish_reason_info
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 
@@ -39,7 +39,8 @@ _DONE = object()
 
 
 class SampleMeta:
-    """One sample's SGLang-shaped meta info, accumulated from its `StrOut`s."""
+    """One sample's SGLang-shaped meta info, kept up to date as its outputs arrive (`add`;
+    they gather in `outputs`)."""
 
     def __init__(self, rid: str, sampling: SamplingArgs, prompt_ids: list[int]) -> None:
         self.rid = rid
@@ -49,7 +50,8 @@ class SampleMeta:
         start = sampling.logprob_start_len
         self.input_start = start if self.logprobs and start is not None and start >= 0 else None
         self.t0 = time.perf_counter()
-        self.text = ""
+        self.outputs = SampleOutputs()
+        self._entered = 0  # output logprobs already in the meta
         self.meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": None,
@@ -62,24 +64,30 @@ class SampleMeta:
             if self.top:
                 self.meta["output_top_logprobs"] = []
 
+    @property
+    def text(self) -> str:
+        return self.outputs.text
+
     def _entries(self, lp: TokenLogprob, texts: dict[int, str]) -> tuple[list, list]:
         chosen = logprob_entry(lp.logprob, lp.token_id, texts.get(lp.token_id, ""))
         top = [logprob_entry(v, t, texts.get(t, "")) for t, v in lp.top[: self.top]]
         return chosen, top
 
-    def absorb(self, out: StrOut) -> None:
-        m = self.meta
-        self.text += out.text
-        m["prompt_tokens"] = out.prompt_tokens
-        m["completion_tokens"] = out.completion_tokens
-        m["cached_tokens"] = out.cached_tokens
-        texts = out.token_texts or {}
-        if self.logprobs and out.logprobs:
-            for lp in out.logprobs:
+    def add(self, out: StrOut) -> None:
+        """Add `out`, the sample's next output, and bring the meta up to date."""
+        o, m = self.outputs, self.meta
+        o.add(out)
+        m["prompt_tokens"] = o.prompt_tokens
+        m["completion_tokens"] = o.completion_tokens
+        m["cached_tokens"] = o.cached_tokens
+        texts = o.token_texts
+        if self.logprobs:
+            for lp in o.logprobs[self._entered :]:
                 chosen, top = self._entries(lp, texts)
                 m["output_token_logprobs"].append(chosen)
                 if self.top:
                     m["output_top_logprobs"].append(top)
+            self._entered = len(o.logprobs)
         if self.input_start is not None and out.prompt_logprobs is not None:
             inputs, tops = [], []
             for pos in range(self.input_start, len(self.prompt_ids)):
@@ -95,9 +103,9 @@ class SampleMeta:
             m["input_token_logprobs"] = inputs
             if self.top:
                 m["input_top_logprobs"] = tops
-        if out.finish_reason is not None:
+        if o.finished:
             m["finish_reason"] = finish_reason_info(
-                out.finish_reason, out.stop_reason, out.completion_tokens, out.error
+                o.finish_reason, o.stop_reason, o.completion_tokens, o.error
             )
             m["e2e_latency"] = time.perf_counter() - self.t0
 
@@ -234,15 +242,18 @@ class EngineBackend(Backend):
     def _run_all(
         self,
         jobs: list[tuple[list[int], SamplingParams, str | None, int | None, list[ImageInput]]],
-    ) -> list[list]:
+    ) -> list[SampleOutputs]:
         """Several requests (ids, params, session, position, images) submitted together (so
-        the scheduler batches them); their StrOuts."""
+        the scheduler batches them); the outputs of each one's (first) sample."""
 
-        async def one(ids, params, session, position, images) -> list[StrOut]:
+        async def one(ids, params, session, position, images) -> SampleOutputs:
             rids = self._submit(self._rid(), ids, params, session, position, images)
-            return [out async for out in self.llm.tm.stream(rids[0])]
+            outputs = SampleOutputs()
+            async for out in self.llm.tm.stream(rids[0]):
+                outputs.add(out)
+            return outputs
 
-        async def all_() -> list[list[StrOut]]:
+        async def all_() -> list[SampleOutputs]:
             return await asyncio.gather(*(one(*j) for j in jobs))
 
         for ids, params, *_ in jobs:
@@ -268,7 +279,7 @@ class EngineBackend(Backend):
         samples = [SampleMeta(name, sampling, ids) for name in names]
         for k, out in self._stream(ids, params, prompt.session, prompt.position, rid, images):
             sample = samples[k]
-            sample.absorb(out)
+            sample.add(out)
             if out.finish_reason is not None and out.error:
                 raise RuntimeError(f"generation failed: {out.error}")
             if on_delta is not None and k == 0 and (out.text or out.finish_reason):
@@ -302,15 +313,13 @@ class EngineBackend(Backend):
         scored = []
         cached = 0
         for outs, ids, start in zip(results, fulls, spans):
-            if outs[-1].error:
-                raise RuntimeError(f"select failed: {outs[-1].error}")
-            lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+            if outs.error:
+                raise RuntimeError(f"select failed: {outs.error}")
+            lps = outs.prompt_logprobs
             if lps is None:
                 raise RuntimeError("select: the runtime returned no prompt log-probabilities")
-            texts: dict[int, str] = {}
-            for o in outs:
-                texts.update(o.token_texts or {})
-            cached += outs[-1].cached_tokens
+            texts = outs.token_texts
+            cached += outs.cached_tokens
             scored.append(
                 [
                     logprob_entry(None if lp is None else lp.logprob, t, texts.get(t, ""))

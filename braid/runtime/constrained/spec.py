@@ -5,7 +5,8 @@ import it.
 A spec is checked here for what does not depend on the grammar backend (JSON that parses, the
 shape of a structural tag, a regex Python can read); what a backend can enforce is its own
 `GrammarBackend.refusal`, and a grammar that does not compile fails at compile time. Both are
-`ValueError`s whose message starts with the constraint's field name.
+`ValueError`s whose message starts with the constraint's field name; the checks here raise
+`ParamError`s, which name it as data too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from braid.runtime.errors import ParamError
 
 KINDS = ("json_schema", "regex", "choice", "ebnf", "lark", "structural_tag")
 
@@ -23,14 +26,14 @@ _LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|[?!]?start\s*:)")
 
 def check_spec(kind: str, spec: Any) -> Any:
     """`spec` in its stored form (a JSON schema or structural tag as JSON text, choices as a
-    tuple); `ValueError` naming the field if it is malformed."""
+    tuple); a `ParamError` naming the field if it is malformed."""
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
-            raise ValueError("regex: must be a non-empty string")
+            raise ParamError.at("regex", "must be a non-empty string")
         try:
             re.compile(spec)
         except re.error as e:
-            raise ValueError(f"regex: invalid pattern: {e}") from None
+            raise ParamError.at("regex", f"invalid pattern: {e}") from None
         return spec
     if kind == "choice":
         if (
@@ -38,20 +41,20 @@ def check_spec(kind: str, spec: Any) -> Any:
             or not spec
             or not all(isinstance(c, str) and c for c in spec)
         ):
-            raise ValueError("choice: must be a non-empty list of non-empty strings")
+            raise ParamError.at("choice", "must be a non-empty list of non-empty strings")
         return tuple(spec)
     if kind == "json_schema":
         schema = _json_value(kind, spec)
         if schema is True:
             return "{}"  # any JSON value, as the schema {} says
         if schema is False:
-            raise ValueError("json_schema: false matches nothing")
+            raise ParamError.at("json_schema", "false matches nothing")
         if not isinstance(schema, dict):
-            raise ValueError("json_schema: must be a JSON object (or true)")
+            raise ParamError.at("json_schema", "must be a JSON object (or true)")
         return spec if isinstance(spec, str) else json.dumps(spec)
     if kind in ("ebnf", "lark"):
         if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"{kind}: must be a non-empty grammar string")
+            raise ParamError.at(kind, "must be a non-empty grammar string")
         return spec
     if kind == "structural_tag":
         return json.dumps(structural_tag(spec))
@@ -75,11 +78,11 @@ def _json_value(kind: str, spec: Any) -> Any:
         try:
             return json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{kind}: not valid JSON: {e}") from None
+            raise ParamError.at(kind, f"not valid JSON: {e}") from None
     try:
         json.dumps(spec)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{kind}: not a JSON value: {e}") from None
+        raise ParamError.at(kind, f"not a JSON value: {e}") from None
     return spec
 
 
@@ -92,43 +95,48 @@ def structural_tag(spec: Any) -> dict[str, Any]:
     structure's schema (any JSON object when it has none), then its `end`."""
     value = _json_value("structural_tag", spec)
     if not isinstance(value, dict):
-        raise ValueError("structural_tag: must be an object with structures and triggers")
+        raise ParamError.at("structural_tag", "must be an object with structures and triggers")
     unknown = set(value) - {"type", "structures", "triggers"}
     if unknown:
-        raise ValueError(
-            f"structural_tag: unknown field(s) {sorted(unknown)} (braid takes SGLang's shape: "
-            "type, structures, triggers)"
+        raise ParamError.at(
+            "structural_tag",
+            f"unknown field(s) {sorted(unknown)} (braid takes SGLang's shape: "
+            "type, structures, triggers)",
         )
     if value.get("type", "structural_tag") != "structural_tag":
-        raise ValueError(f"structural_tag: type must be 'structural_tag', got {value['type']!r}")
+        raise ParamError.at(
+            "structural_tag", f"type must be 'structural_tag', got {value['type']!r}"
+        )
     triggers = value.get("triggers")
     if (
         not isinstance(triggers, list)
         or not triggers
         or not all(isinstance(t, str) and t for t in triggers)
     ):
-        raise ValueError("structural_tag.triggers: must be a non-empty list of non-empty strings")
+        raise ParamError.at(
+            "structural_tag.triggers", "must be a non-empty list of non-empty strings"
+        )
     structures = value.get("structures")
     if not isinstance(structures, list) or not structures:
-        raise ValueError("structural_tag.structures: must be a non-empty list")
+        raise ParamError.at("structural_tag.structures", "must be a non-empty list")
     out = []
     for i, s in enumerate(structures):
         where = f"structural_tag.structures[{i}]"
         if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"}:
-            raise ValueError(f"{where}: must be an object with begin, schema and end")
+            raise ParamError.at(where, "must be an object with begin, schema and end")
         begin, end, schema = s.get("begin"), s.get("end"), s.get("schema")
         if not isinstance(begin, str) or not begin:
-            raise ValueError(f"{where}.begin: must be a non-empty string")
+            raise ParamError.at(f"{where}.begin", "must be a non-empty string")
         if not isinstance(end, str):
-            raise ValueError(f"{where}.end: must be a string")
+            raise ParamError.at(f"{where}.end", "must be a string")
         if schema is None:
             schema = {"type": "object"}
         elif schema is True:
             schema = {}
         if not isinstance(schema, dict):
-            raise ValueError(f"{where}.schema: must be a JSON schema object (or true)")
+            raise ParamError.at(f"{where}.schema", "must be a JSON schema object (or true)")
         if not any(begin.startswith(t) for t in triggers):
-            raise ValueError(f"{where}.begin: {begin!r} starts with none of the triggers")
+            raise ParamError.at(f"{where}.begin", f"{begin!r} starts with none of the triggers")
         out.append({"begin": begin, "schema": schema, "end": end})
     return {"structures": out, "triggers": list(triggers)}
 

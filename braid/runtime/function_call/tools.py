@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from braid.runtime.errors import ParamError
 from braid.runtime.function_call.base import (
     Brackets,
     ToolCall,
@@ -40,35 +41,37 @@ Mode = Literal["none", "auto", "required", "named"]
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """Validated OpenAI tools (`[{"type": "function", "function": {"name", "description",
-    "parameters"}}]`); `ValueError` whose message starts with the offending field."""
+    "parameters"}}]`); a `ParamError` naming the offending field."""
     if not isinstance(tools, list):
-        raise ValueError("tools: must be a list of {'type': 'function', 'function': {...}}")
+        raise ParamError.at("tools", "must be a list of {'type': 'function', 'function': {...}}")
     seen: set[str] = set()
     out = []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, Mapping):
-            raise ValueError(f"{where}: must be an object")
+            raise ParamError.at(where, "must be an object")
         if t.get("type", "function") != "function":
-            raise ValueError(f"{where}.type: only 'function' tools are supported")
+            raise ParamError.at(f"{where}.type", "only 'function' tools are supported")
         fn = t.get("function")
         if not isinstance(fn, Mapping):
-            raise ValueError(f"{where}.function: required, an object with a name")
+            raise ParamError.at(f"{where}.function", "required, an object with a name")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}.function.name: required, a non-empty string")
+            raise ParamError.at(f"{where}.function.name", "required, a non-empty string")
         if not _NAME_RE.fullmatch(name):
-            raise ValueError(
-                f"{where}.function.name: {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            raise ParamError.at(
+                f"{where}.function.name", f"{name!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
         if name in seen:
-            raise ValueError(f"{where}.function.name: {name!r} is given twice")
+            raise ParamError.at(f"{where}.function.name", f"{name!r} is given twice")
         seen.add(name)
         params = fn.get("parameters")
         if params is not None and (
             not isinstance(params, Mapping) or params.get("type", "object") != "object"
         ):
-            raise ValueError(f"{where}.function.parameters: must be a JSON schema of an object")
+            raise ParamError.at(
+                f"{where}.function.parameters", "must be a JSON schema of an object"
+            )
         out.append({"type": "function", "function": dict(fn)})
     return out
 
@@ -91,9 +94,10 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
             for def_name, d in (params.pop(key, None) or {}).items():
                 have = hoisted.setdefault(key, {})
                 if def_name in have and have[def_name] != d:
-                    raise ValueError(
-                        f"tools: two tools define {key}/{def_name} differently; "
-                        "rename one to use tool_choice 'required'"
+                    raise ParamError.at(
+                        "tools",
+                        f"two tools define {key}/{def_name} differently; "
+                        "rename one to use tool_choice 'required'",
                     )
                 have[def_name] = d
         branches.append(
@@ -131,11 +135,11 @@ class ToolPlan:
         parallel_tool_calls: Any = True,
         parser: str | None = None,
     ) -> ToolPlan | None:
-        """Validate the fields; None when the request involves no tools. `ValueError` whose
-        message starts with the offending field (tools[i]..., tool_choice...)."""
+        """Validate the fields; None when the request involves no tools. A `ParamError`
+        naming the offending field (tools[i]..., tool_choice...)."""
         checked = check_tools(tools) if tools is not None else []
         if not isinstance(parallel_tool_calls, bool):
-            raise ValueError("parallel_tool_calls: must be true or false")
+            raise ParamError.at("parallel_tool_calls", "must be true or false")
         if parser is not None:
             from braid.runtime.function_call import get_parser
 
@@ -145,27 +149,28 @@ class ToolPlan:
         names = [t["function"]["name"] for t in checked]
         if isinstance(tool_choice, str):
             if tool_choice not in ("none", "auto", "required"):
-                raise ValueError(
-                    f"tool_choice: {tool_choice!r} is not 'none', 'auto', 'required' or "
-                    "{'type': 'function', 'function': {'name': ...}}"
+                raise ParamError.at(
+                    "tool_choice",
+                    f"{tool_choice!r} is not 'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}",
                 )
             if tool_choice == "required" and not checked:
-                raise ValueError("tool_choice: 'required' needs at least one tool in tools")
+                raise ParamError.at("tool_choice", "'required' needs at least one tool in tools")
             if not checked:
                 return None
             mode: Mode = tool_choice  # type: ignore[assignment]
             return cls(tuple(checked), mode, None, parallel_tool_calls, parser)
         if not isinstance(tool_choice, Mapping):
-            raise ValueError("tool_choice: must be a string or {'type': 'function', ...}")
+            raise ParamError.at("tool_choice", "must be a string or {'type': 'function', ...}")
         if tool_choice.get("type") != "function":
-            raise ValueError("tool_choice.type: must be 'function'")
+            raise ParamError.at("tool_choice.type", "must be 'function'")
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if not isinstance(name, str) or not name:
-            raise ValueError("tool_choice.function.name: required, a non-empty string")
+            raise ParamError.at("tool_choice.function.name", "required, a non-empty string")
         if name not in names:
-            raise ValueError(
-                f"tool_choice.function.name: {name!r} is not one of the tools (have {names})"
+            raise ParamError.at(
+                "tool_choice.function.name", f"{name!r} is not one of the tools (have {names})"
             )
         return cls(tuple(checked), "named", name, parallel_tool_calls, parser)
 
@@ -195,22 +200,24 @@ class ToolPlan:
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """`params` with this plan's output constraint (modes "required" and "named") and
-        special-token setting; `ValueError` naming the field when they cannot combine."""
+        special-token setting; a `ParamError` naming the field when they cannot combine."""
         if self.mode in ("required", "named"):
             if params.constraint is not None:
-                raise ValueError(
-                    "tool_choice: 'required' or a named function constrains the output itself; "
-                    "do not combine it with response_format, json_schema, regex or choice"
+                raise ParamError.at(
+                    "tool_choice",
+                    "'required' or a named function constrains the output itself; "
+                    "do not combine it with response_format, json_schema, regex or choice",
                 )
             if params.min_tokens:
-                raise ValueError(
-                    "min_tokens: cannot be combined with tool_choice 'required' or a named function"
+                raise ParamError.at(
+                    "min_tokens",
+                    "cannot be combined with tool_choice 'required' or a named function",
                 )
             try:
                 params = params.replace(json_schema=self.json_schema)
             except ValueError as e:
-                raise ValueError(
-                    f"tools: their parameters cannot constrain decoding: {e}"
+                raise ParamError.at(
+                    "tools", f"their parameters cannot constrain decoding: {e}"
                 ) from None
         if self.skip_special_tokens is not None:
             params = params.replace(skip_special_tokens=self.skip_special_tokens)

@@ -44,6 +44,15 @@ class SpecUsage:
 
 
 @dataclass
+class Refusal:
+    """Why the error of a request's output is the request's own: it was refused before it ran
+    (a grammar that does not compile, a value the scheduler cannot serve), so the front end
+    answers it as a 400. `param` names the request field at fault, or is None."""
+
+    param: str | None = None
+
+
+@dataclass
 class TokenOut:
     """What one request gained in one step.
 
@@ -64,7 +73,7 @@ class TokenOut:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     detok: DetokSpec | None = None
-    refused: bool = False  # `error` is the request's own fault (a grammar that cannot compile)
+    refused: Refusal | None = None  # set when `error` is the request's own fault
     spec: SpecUsage | None = None  # with speculative decoding, in the request's last TokenOut
     embedding: bytes | None = None
 

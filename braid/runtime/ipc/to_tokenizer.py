@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
+from braid.runtime.ipc.to_detokenizer import Refusal, SpecUsage, TokenLogprob
 
 
 @dataclass
@@ -27,7 +27,7 @@ class StrOut:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_texts: dict[int, str] | None = None
-    refused: bool = False  # the error is the request's own: it was refused before it ran
+    refused: Refusal | None = None  # set when the error is the request's own (see `Refusal`)
     spec: SpecUsage | None = None  # speculative decoding's counts, with the last output
     embedding: bytes | None = None
 

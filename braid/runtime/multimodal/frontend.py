@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from braid.runtime.config import EngineConfig
+from braid.runtime.errors import ParamError
 from braid.runtime.image_data import to_wire
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.models.config import ModelConfig
@@ -59,15 +60,15 @@ class MediaFrontend:
 
     @property
     def placeholder(self) -> str:
-        """The prompt text that stands for one image; `ValueError` for a text-only model."""
+        """The prompt text that stands for one image; a `ParamError` for a text-only model."""
         self._require()
         return self.processor.placeholder
 
     def _require(self, where: str = "images") -> ImageProcessor:
         if self.processor is None:
-            raise ValueError(
-                f"{where}: model {self.model_name} takes text only; images need a "
-                "vision-language model"
+            raise ParamError.at(
+                where,
+                f"model {self.model_name} takes text only; images need a vision-language model",
             )
         return self.processor
 
@@ -75,23 +76,26 @@ class MediaFrontend:
         if n and self.processor is None:
             self._require(where)
         if n > self.max_images:
-            raise ValueError(
-                f"{where}: {n} images is more than one prompt may hold "
-                f"(limit_mm_per_prompt = {self.max_images})"
+            raise ParamError.at(
+                where,
+                f"{n} images is more than one prompt may hold "
+                f"(limit_mm_per_prompt = {self.max_images})",
             )
 
     def check_no_placeholders(self, input_ids: list[int], where: str = "prompt") -> None:
-        """`ValueError` if a prompt sent without images holds the model's image token (its
+        """A `ParamError` if a prompt sent without images holds the model's image token (its
         embedding row would stand in for an image that is not there)."""
         if self.processor is not None and self.processor.image_token_id in input_ids:
             n = input_ids.count(self.processor.image_token_id)
-            raise ValueError(
-                f"{where}: the prompt holds {n} image token(s) "
-                f"({self.processor.placeholder!r}) but no images were given"
+            raise ParamError.at(
+                where,
+                f"the prompt holds {n} image token(s) "
+                f"({self.processor.placeholder!r}) but no images were given",
             )
 
-    def _load(self, source: Any, where: str) -> ImageInput:
-        """One image loaded, processed and put in its message form (offset set later)."""
+    def _load(self, source: Any, where: str, i: int) -> ImageInput:
+        """Image `i` of the prompt at `where` loaded, processed and put in its message form
+        (offset set later)."""
         try:
             if hasattr(source, "getpixel"):  # a PIL image
                 with self._pil_lock:
@@ -100,14 +104,14 @@ class MediaFrontend:
                 loaded = load_image(source, self.limits)
             image = self.processor.process(loaded)
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise ParamError(where, f"{where}: image {i}: {e}") from None
         return to_wire(image, 0, self.pixel_dtype)
 
     async def prepare(
         self, input_ids: list[int], sources: list[Any], where: str = "prompt"
     ) -> tuple[list[int], list[ImageInput]]:
         """`input_ids` with each image placeholder token expanded, and the images to send.
-        `ValueError` (naming `where` and the image) for an image that cannot be loaded or is
+        A `ParamError` (naming `where` and the image) for an image that cannot be loaded or is
         over a limit, a text-only model, too many images, or placeholders that do not match
         the images in number."""
         if not sources:
@@ -120,14 +124,14 @@ class MediaFrontend:
         loop = asyncio.get_running_loop()
         images = await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, self._load, s, f"{where}: image {i}")
+                loop.run_in_executor(self._pool, self._load, s, where, i)
                 for i, s in enumerate(sources)
             )
         )
         try:
             ids, offsets = processor.expand(input_ids, images)  # reads each one's num_tokens
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise ParamError.at(where, str(e)) from None
         for image, offset in zip(images, offsets):
             image.offset = offset
         return ids, images
@@ -146,35 +150,36 @@ IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_p
 def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[str, list[Any]]:
     """A message's content as template text and the image sources it holds, in order: text
     parts joined, each image part replaced by `placeholder` (the model's text for one image,
-    so any chat template renders it; None: the model takes no images, a `ValueError`)."""
+    so any chat template renders it; None: the model takes no images, a `ParamError`)."""
     if content is None:
         return "", []
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of parts")
+        raise ParamError.at(where, "content must be a string or a list of parts")
     text, sources = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}[{j}].text: must be a string")
+                raise ParamError.at(f"{where}[{j}].text", "must be a string")
             text.append(part["text"])
         elif kind in IMAGE_PARTS:
             if placeholder is None:
-                raise ValueError(
-                    f"{where}[{j}]: an {kind} part, but this model takes text only; images "
-                    "need a vision-language model"
+                raise ParamError.at(
+                    f"{where}[{j}]",
+                    f"an {kind} part, but this model takes text only; images "
+                    "need a vision-language model",
                 )
             value = part.get(IMAGE_PARTS[kind])
             if kind == "image_url" and isinstance(value, dict):
                 value = value.get("url")
             if value is None or (isinstance(value, str) and not value):
-                raise ValueError(f"{where}[{j}].{IMAGE_PARTS[kind]}: no image given")
+                raise ParamError.at(f"{where}[{j}].{IMAGE_PARTS[kind]}", "no image given")
             sources.append(value)
             text.append(placeholder)
         else:
-            raise ValueError(
-                f"{where}[{j}]: part type {kind!r} is not supported (text, image_url, image)"
+            raise ParamError.at(
+                f"{where}[{j}]", f"part type {kind!r} is not supported (text, image_url, image)"
             )
     return "".join(text), sources

@@ -15,6 +15,7 @@ import zmq
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup
+from braid.runtime.errors import error_param
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.tp_worker import join_group
 from braid.runtime.ipc import codec
@@ -26,7 +27,7 @@ from braid.runtime.ipc.sockets import (
     release_free_heap,
     send,
 )
-from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
+from braid.runtime.ipc.to_detokenizer import BatchTokenOut, Refusal, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
 from braid.runtime.ipc.to_tokenizer import (
     ControlOut,
@@ -115,7 +116,13 @@ class SchedulerLoop:
             except ValueError as e:
                 # The front end validates first; this is the last line of defence.
                 failed = TokenOut(
-                    msg.rid, [], len(msg.input_ids), 0, "abort", error=str(e), refused=True
+                    msg.rid,
+                    [],
+                    len(msg.input_ids),
+                    0,
+                    "abort",
+                    error=str(e),
+                    refused=Refusal(error_param(e)),
                 )
                 return [BatchTokenOut([failed])]
             return []

@@ -12,6 +12,7 @@ import torch
 
 from braid.runtime.cache.radix_cache import TreeNode
 from braid.runtime.constrained.grammar import GrammarMatcher
+from braid.runtime.errors import ParamError
 from braid.runtime.executor.sampler import SamplingInput
 from braid.runtime.image_data import ImageData, from_wire
 from braid.runtime.ipc.to_scheduler import EmbedSpec, GenerateReq
@@ -140,48 +141,49 @@ class Req:
         check_image: Callable[[ImageData], None] | None = None,
     ) -> Req:
         """The request `msg` asks for, its output capped by the context; a prompt that is
-        empty, leaves no room, or holds a token outside the vocabulary is a `ValueError`, as
+        empty, leaves no room, or holds a token outside the vocabulary is a `ParamError`, as
         are images for a model without `image_token_id` and images whose tokens are not that
         token, or that `check_image` (the model's) refuses. `rope` gives the M-RoPE positions of
         a prompt with images."""
         n = len(msg.input_ids)
         if n == 0:
-            raise ValueError("prompt: must contain at least one token")
+            raise ParamError.at("prompt", "must contain at least one token")
         if msg.embed is not None:
             if msg.images:
-                raise ValueError("images: embeddings take text only")
+                raise ParamError.at("images", "embeddings take text only")
             dims = msg.embed.dimensions
             if dims is not None and dims < 1:
-                raise ValueError(f"dimensions: must be a positive integer, got {dims}")
+                raise ParamError.at("dimensions", f"must be a positive integer, got {dims}")
             if n > context_length:
-                raise ValueError(
-                    f"input: {n} tokens is longer than the context length ({context_length})"
+                raise ParamError.at(
+                    "input", f"{n} tokens is longer than the context length ({context_length})"
                 )
         elif n >= context_length:
-            raise ValueError(
-                f"prompt: {n} tokens leave no room to generate within the context length "
-                f"({context_length})"
+            raise ParamError.at(
+                "prompt",
+                f"{n} tokens leave no room to generate within the context length "
+                f"({context_length})",
             )
         if max(msg.input_ids) >= vocab_size or min(msg.input_ids) < 0:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab_size})")
+            raise ParamError.at("prompt", f"token ids must be in [0, {vocab_size})")
         if msg.program_position is not None and msg.program_position < 0:
-            raise ValueError(f"program_position: must be >= 0, got {msg.program_position}")
+            raise ParamError.at("program_position", f"must be >= 0, got {msg.program_position}")
         images = [from_wire(m) for m in msg.images]
         offsets = [m.offset for m in msg.images]
         if images and image_token_id is None:
-            raise ValueError("images: this model takes text only")
+            raise ParamError.at("images", "this model takes text only")
         end = 0
         for i, (image, start) in enumerate(zip(images, offsets)):
             if check_image is not None:
                 try:
                     check_image(image)
                 except ValueError as e:
-                    raise ValueError(f"images[{i}]: {e}") from None
+                    raise ParamError.at(f"images[{i}]", str(e)) from None
             span = msg.input_ids[start : start + image.num_tokens]
             if start < end or len(span) != image.num_tokens or set(span) != {image_token_id}:
-                raise ValueError(
-                    f"images[{i}]: its {image.num_tokens} image tokens are not at {start} "
-                    "in the prompt"
+                raise ParamError.at(
+                    f"images[{i}]",
+                    f"its {image.num_tokens} image tokens are not at {start} in the prompt",
                 )
             end = start + image.num_tokens
         rope_positions, rope_delta = None, 0
@@ -189,7 +191,7 @@ class Req:
             try:
                 rope_positions, rope_delta = rope(list(msg.input_ids), images)
             except (TypeError, IndexError, RuntimeError) as e:
-                raise ValueError(f"images: no M-RoPE positions for them: {e}") from None
+                raise ParamError.at("images", f"no M-RoPE positions for them: {e}") from None
         max_new = context_length - n
         if msg.embed is not None:
             max_new = 0
@@ -322,7 +324,7 @@ class RequestTable:
     def add(self, req: Req, status: ReqStatus) -> None:
         """Take in a new request; a rid already held is a `ValueError`."""
         if req.rid in self._by_rid:
-            raise ValueError(f"rid: {req.rid!r} is already in use by a request in flight")
+            raise ParamError.at("rid", f"{req.rid!r} is already in use by a request in flight")
         self._by_rid[req.rid] = req
         self._queues[status][req.rid] = req
         req.status = status

@@ -23,10 +23,11 @@ from braid.runtime.cache.radix_cache import NoPrefixCache, RadixCache
 from braid.runtime.config import EngineConfig
 from braid.runtime.constrained.grammar import GrammarCompiler
 from braid.runtime.constrained.manager import GrammarManager
+from braid.runtime.errors import ParamError
 from braid.runtime.executor.executor import Executor
 from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.forward_batch import ForwardMode
-from braid.runtime.ipc.to_detokenizer import TokenOut
+from braid.runtime.ipc.to_detokenizer import Refusal, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.ipc.to_tokenizer import ProgramInfo
 from braid.runtime.scheduler.batch import StepPlan
@@ -187,9 +188,9 @@ class Scheduler:
 
     def _add(self, msg: GenerateReq) -> None:
         if msg.embed is not None and self.embed_refusal is not None:
-            raise ValueError(self.embed_refusal)
+            raise ParamError("input", self.embed_refusal)
         if msg.embed is None and self.generate_refusal is not None:
-            raise ValueError(self.generate_refusal)
+            raise ParamError("prompt", self.generate_refusal)
         req = Req.from_message(
             msg,
             self.context_length,
@@ -200,7 +201,7 @@ class Scheduler:
             self.check_image,
         )
         if self.requests.get(req.rid) is not None:
-            raise ValueError(f"rid: {req.rid!r} is already in use by a request in flight")
+            raise ParamError.at("rid", f"{req.rid!r} is already in use by a request in flight")
         if msg.params.constraint is not None and req.max_new_tokens > 0:
             self.grammars.add(req, *msg.params.constraint)
             self.requests.add(req, ReqStatus.COMPILING)
@@ -220,9 +221,12 @@ class Scheduler:
             if req.grammar is not None:
                 self.output.jump_forward(req)  # over any text the grammar forces at the start
             self.requests.move(req, ReqStatus.WAITING)
-        outs = [self.output.finish(req, "abort", error) for req, error in failed]
-        for out in outs:
-            out.refused = True  # the grammar is the request's: the front end answers 400
+        outs = []
+        for req, error in failed:
+            out = self.output.finish(req, "abort", error)
+            # The grammar is the request's: the front end answers 400, naming its field.
+            out.refused = Refusal(req.params.constraint[0])
+            outs.append(out)
         return outs
 
     # ---- the step -------------------------------------------------------------------------

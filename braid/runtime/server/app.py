@@ -32,7 +32,6 @@ from braid.runtime.server import (
     serving_responses,
 )
 from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
-from braid.runtime.server.inputs import param_of
 from braid.runtime.server.openapi import ERRORS, openapi_schema
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.manager import RuntimeDied
@@ -138,8 +137,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
-        msg = str(exc)
-        return error_response(400, msg, param_of(msg))
+        # A value braid's checks refused: a `ParamError` names its field, as data.
+        e = APIError.refused(exc)
+        return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(RuntimeDied)
     async def on_died(request: Request, exc: RuntimeDied):

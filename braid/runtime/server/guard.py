@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -26,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+
+from braid.runtime.errors import error_param
+from braid.runtime.server.openai_types import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +50,36 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class APIError(Exception):
+    """An error answered as it is: its status, message, `param` (the request field at fault,
+    or None) and `kind` (OpenAI's error type; by default the status's)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "") -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or _KIND.get(status, "server_error")
 
+    @classmethod
+    def refused(cls, e: ValueError) -> APIError:
+        """The 400 for `e`, a value braid's checks refused: its `param` if it is a
+        `ParamError`."""
+        return cls(400, str(e), error_param(e))
 
-def error_body(status: int, message: str, param: str | None = None, kind: str = "") -> dict:
+
+def error_body(status: int, message: str, param: str | None = None, kind: str = "") -> bytes:
+    """The JSON of OpenAI's error body (`ErrorResponse`)."""
     kind = kind or _KIND.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    info = ErrorInfo(message=message, type=kind, param=param, code=status)
+    return ErrorResponse(error=info).model_dump_json().encode()
 
 
-def error_response(
-    status: int, message: str, param: str | None = None, kind: str = ""
-) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, kind), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, kind: str = "") -> Response:
+    return Response(
+        error_body(status, message, param, kind), status_code=status, media_type="application/json"
+    )
 
 
 async def send_error(send: Send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+    body = error_body(status, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status in (408, 413):  # the body was not read to its end: the connection cannot go on
         headers.append((b"connection", b"close"))

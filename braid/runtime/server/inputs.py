@@ -1,12 +1,13 @@
 """What every route does to its input before anything runs: parse and validate the JSON body,
 check the model name, tokenize the prompts, and refuse what the runtime would refuse. Each
-problem is an `APIError` (400, or 404 for a model name) or a `ValueError` from the runtime's
-own checks (a 400 too), and its message starts with the field."""
+problem is an `APIError` (400, or 404 for a model name) or a `ParamError` from the runtime's
+own checks (a 400 too); each names the field at fault as data (`param`), and its message starts
+with the field. A prompt's field is its name, with an index for one prompt of several
+("prompt[1]")."""
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import msgspec
@@ -16,16 +17,6 @@ from pydantic import BaseModel, ValidationError
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.state import ServerState
-
-
-def param_of(message: str) -> str | None:
-    """The field an error message starts with ("max_tokens: ...", "structural_tag.triggers:
-    ...", "tools[0].function: ..."), or None."""
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head if _PARAM.fullmatch(head) else None
-
-
-_PARAM = re.compile(r"[A-Za-z_]\w*(\[\d+\]|\.[A-Za-z_]\w*)*")
 
 
 # ---- bodies -------------------------------------------------------------------------------
@@ -115,7 +106,7 @@ def encode_prompt(
             400,
             f"{where}: {len(text)} characters is longer than the context length allows "
             f"({state.tm.ready.context_length} tokens)",
-            where.split(" ")[0],
+            where,
         )
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -165,7 +156,7 @@ def _check_fan_out(state: ServerState, params: SamplingParams, prompts: int) -> 
 def validate_prompts(state: ServerState, prompts: list, params: SamplingParams, where: str) -> None:
     """Refuse what the scheduler would refuse: more samples than the server runs for one
     request (`APIError`), a prompt too long for the context or a token id outside the
-    vocabulary (`ValueError`)."""
+    vocabulary (`ParamError`)."""
     _check_fan_out(state, params, len(prompts))
     for i, (_, ids) in enumerate(prompts):
-        state.tm.validate(ids, params, where=where if len(prompts) == 1 else f"{where} {i}")
+        state.tm.validate(ids, params, where=where if len(prompts) == 1 else f"{where}[{i}]")

@@ -1,5 +1,6 @@
 """The server's OpenAPI document: the error shape every route answers with, the documented
-responses, and the request bodies that routes parse themselves (`inputs.json_body`), which
+responses (with the response models of `openai_types` where a route declares them with
+`answers`), and the request bodies that routes parse themselves (`inputs.json_body`), which
 FastAPI cannot see."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from braid.runtime.server.openai_types import ErrorResponse
 from braid.runtime.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -19,20 +21,6 @@ from braid.runtime.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """Every error, from every route (unknown ones too): OpenAI's shape."""
-
-    error: ErrorInfo
-
 
 _BODY_MODELS = (
     CompletionRequest,
@@ -55,8 +43,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"description": "the runtime is down or does not answer", **_ERROR},
     "default": {"description": "any other error", **_ERROR},
 }
-# Body models of routes declared with `takes` (besides _BODY_MODELS), by name.
-_TAKEN: dict[str, type[BaseModel]] = {}
+# Models that routes declare with `takes` (besides _BODY_MODELS) and `answers`, by name.
+_DECLARED: dict[str, type[BaseModel]] = {}
 STREAMED = {
     200: {"description": "the result, or its SSE stream", "content": {"text/event-stream": {}}}
 }
@@ -66,9 +54,22 @@ EMPTY = {200: {"description": "done (no body)", "content": {}}}
 def takes(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI for a route whose body `json_body(model)` parses (FastAPI cannot see it); the
     model's schema joins the document's components."""
-    _TAKEN[model.__name__] = model
+    _DECLARED[model.__name__] = model
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def answers(model: type[BaseModel], streamed: bool = False) -> dict[int | str, dict[str, Any]]:
+    """A route's documented 200: a JSON body of `model` (whose schema joins the document's
+    components), or with `streamed` also an SSE stream (of `model`'s chunks)."""
+    _DECLARED[model.__name__] = model
+    content: dict[str, Any] = {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+    }
+    if streamed:
+        content["text/event-stream"] = {}
+    what = "the result, or with stream its SSE chunks" if streamed else "the result"
+    return {200: {"description": what, "content": content}}
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -76,7 +77,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (*_BODY_MODELS, *_TAKEN.values(), ErrorResponse):
+        for model in (*_BODY_MODELS, *_DECLARED.values(), ErrorResponse):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[model.__name__] = js

@@ -1,6 +1,7 @@
 """From submitted samples to a response, for every generating route: submit all samples or
 none, wait for outputs while watching for the client leaving, gather each sample's outputs into
-a `Choice`, and encode JSON bodies and SSE events."""
+a `Choice` (`SampleOutputs`, with the server's timings), and encode JSON bodies and SSE
+events."""
 
 from __future__ import annotations
 
@@ -8,19 +9,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
-from braid.runtime.ipc.to_detokenizer import SpecUsage
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.outputs import SampleOutputs
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import param_of
+from braid.runtime.server.openai_types import ChatCompletionChunk, CompletionChunk, Usage
 from braid.runtime.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -90,8 +93,8 @@ async def unless_gone(request: Request, aw: Any) -> Any:
 def _refused(out: StrOut) -> APIError | None:
     """The 400 for an output that says the scheduler refused the request (a grammar that does
     not compile, or does not compile in time)."""
-    if out.finish_reason and out.refused and out.error:
-        return APIError(400, out.error, param_of(out.error))
+    if out.finish_reason and out.refused is not None and out.error:
+        return APIError(400, out.error, out.refused.param)
     return None
 
 
@@ -154,22 +157,12 @@ async def _merge(streams: list[AsyncIterator[StrOut]]) -> AsyncIterator[tuple[in
 
 # ---- one sample's outputs -------------------------------------------------------------------
 @dataclass
-class Choice:
-    """One sample's outputs so far, gathered by `absorb`."""
+class Choice(SampleOutputs):
+    """One sample's outputs so far (`SampleOutputs`) and when its first and latest tokens
+    came, gathered by `absorb`."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    token_texts: dict[int, str] = field(default_factory=dict)
     first_at: float | None = None
     last_at: float | None = None
-    spec: SpecUsage | None = None  # speculative decoding's counts, once finished
 
 
 def absorb(state: ServerState, c: Choice, out: StrOut, now: float, t0: float) -> None:
@@ -181,18 +174,8 @@ def absorb(state: ServerState, c: Choice, out: StrOut, now: float, t0: float) ->
             state.metrics.itl.observe((now - c.last_at) / len(out.token_ids))
         c.first_at = c.first_at or now
         c.last_at = now
-    c.text += out.text
-    c.token_ids += out.token_ids
-    c.prompt_tokens, c.cached_tokens = out.prompt_tokens, out.cached_tokens
-    if out.logprobs:
-        c.logprobs += out.logprobs
-    if out.prompt_logprobs is not None:
-        c.prompt_logprobs = out.prompt_logprobs
-    if out.token_texts:
-        c.token_texts.update(out.token_texts)
+    c.add(out)
     if out.finish_reason:
-        c.finish_reason, c.stop_reason, c.error = out.finish_reason, out.stop_reason, out.error
-        c.spec = out.spec
         state.metrics.generation_tokens += len(c.token_ids)
         if out.error:
             state.metrics.requests_failed += 1
@@ -237,6 +220,14 @@ def dumps(
     return json_bytes(head)[:-1] + b',"' + key.encode() + b'":[' + b",".join(parts) + b"]}"
 
 
+def encode_listed(body: BaseModel, key: str) -> bytes:
+    """JSON of `body` (a response model), with its list under `key` last and encoded item by
+    item, so that a large body lets other threads (and the event loop) run between items."""
+    head = body.model_dump_json(exclude={key}).encode()
+    parts = [pydantic_core.to_json(x) for x in getattr(body, key)]
+    return head[:-1] + b',"' + key.encode() + b'":[' + b",".join(parts) + b"]}"
+
+
 def json_response(body: bytes) -> Response:
     return Response(content=body, media_type="application/json")
 
@@ -249,17 +240,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ChunkEncoder:
-    """SSE events of one streamed response whose chunks share their leading fields (`head`:
-    id, object, created, model): those are encoded once, and each chunk encodes only its
-    choices (and usage)."""
+    """SSE events of one streamed response. Its chunks share their leading fields, `head` (a
+    chunk model whose choices are left out: id, object, created, model): those are encoded
+    once, from the model, and each chunk encodes only its choices, plain data in the shape of
+    the chunk model's choices (a token's chunk is one small encode, never a model built and
+    validated), and with `include_usage` its usage (null but on the last chunk)."""
 
-    def __init__(self, head: dict[str, Any], include_usage: bool) -> None:
-        self.prefix = b"data: " + json_bytes(head)[:-1] + b',"choices":'
+    def __init__(self, head: CompletionChunk | ChatCompletionChunk, include_usage: bool) -> None:
+        fields = head.model_dump_json(exclude={"choices", "usage"}).encode()
+        self.prefix = b"data: " + fields[:-1] + b',"choices":'
         self.include_usage = include_usage
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    def chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> bytes:
         if self.include_usage:
-            return self.prefix + json_bytes(choices) + b',"usage":' + json_bytes(usage) + b"}\n\n"
+            end = b"null" if usage is None else pydantic_core.to_json(usage)
+            return self.prefix + json_bytes(choices) + b',"usage":' + end + b"}\n\n"
         return self.prefix + json_bytes(choices) + b"}\n\n"
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from braid.runtime.errors import ParamError
 from braid.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -195,11 +196,11 @@ class _SamplingFields(_Body):
     guided_json_object: JsonValue = None
 
     def constraint_fields(self) -> dict[str, Any]:
-        """The one output constraint of this body, as a `SamplingParams` field; `ValueError`
+        """The one output constraint of this body, as a `SamplingParams` field; a `ParamError`
         naming the second if two are given."""
         for name, why in REFUSED_CONSTRAINT_FIELDS.items():
             if getattr(self, name) is not None:
-                raise ValueError(f"{name}: not supported ({why})")
+                raise ParamError.at(name, f"not supported ({why})")
         given: list[tuple[str, str, Any]] = [
             (name, name, getattr(self, name))
             for name in ("regex", "json_schema", "choice", "ebnf", "lark", "structural_tag")
@@ -219,16 +220,15 @@ class _SamplingFields(_Body):
         if fmt is not None and fmt.type != "text":
             given.append(("response_format", *_format_constraint(fmt)))
         if len(given) > 1:
-            raise ValueError(
-                f"{given[1][0]}: give one output constraint, not both {given[0][0]} and "
-                f"{given[1][0]}"
+            raise ParamError.at(
+                given[1][0], f"give one output constraint, not both {given[0][0]} and {given[1][0]}"
             )
         return {kind: spec for _, kind, spec in given}
 
     def sampling_params(
         self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        """`SamplingParams` for this body; `ValueError` names a bad field."""
+        """`SamplingParams` for this body; a `ParamError` names a bad field."""
         fields: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
@@ -256,7 +256,7 @@ class _SamplingFields(_Body):
             try:
                 fields["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
-                raise ValueError("logit_bias keys must be token ids") from None
+                raise ParamError("logit_bias", "logit_bias keys must be token ids") from None
         return SamplingParams(**fields)
 
 
@@ -265,12 +265,12 @@ def _format_constraint(fmt: ResponseFormat) -> tuple[str, Any]:
         return "json_schema", {"type": "object"}
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise ValueError("response_format: json_schema.schema is required")
+            raise ParamError.at("response_format", "json_schema.schema is required")
         return "json_schema", fmt.json_schema.schema_
     if fmt.structures is None or fmt.triggers is None:
-        raise ValueError(
-            "response_format: a structural_tag takes structures ([{begin, schema, end}]) and "
-            "triggers"
+        raise ParamError.at(
+            "response_format",
+            "a structural_tag takes structures ([{begin, schema, end}]) and triggers",
         )
     return "structural_tag", {"structures": fmt.structures, "triggers": fmt.triggers}
 
@@ -392,11 +392,13 @@ NATIVE_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(NATIVE_S
 def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
     unknown = set(raw) - NATIVE_SAMPLING_FIELDS
     if unknown:
-        raise ValueError(f"sampling_params: unknown field(s) {sorted(unknown)}")
+        raise ParamError.at("sampling_params", f"unknown field(s) {sorted(unknown)}")
     fields = {NATIVE_SAMPLING_ALIASES.get(k, k): v for k, v in raw.items()}
     if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
         try:
             fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
         except ValueError:
-            raise ValueError("sampling_params.logit_bias keys must be token ids") from None
+            raise ParamError(
+                "sampling_params.logit_bias", "sampling_params.logit_bias keys must be token ids"
+            ) from None
     return defaults.replace(**fields)

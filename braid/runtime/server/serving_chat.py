@@ -12,21 +12,27 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 
+from braid.runtime.errors import ParamError
 from braid.runtime.function_call.base import ContentDelta, ToolCall, ToolCallStream
 from braid.runtime.function_call.tools import ToolPlan, finish_reason
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
-from braid.runtime.multimodal.frontend import flatten_content
 from braid.runtime.reasoning.base import ReasoningDelta, ReasoningParser
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import check_model, encode_prompt, json_body, validate_prompts
-from braid.runtime.server.openapi import STREAMED, takes
+from braid.runtime.server.inputs import check_model, json_body, validate_prompts
+from braid.runtime.server.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+)
+from braid.runtime.server.openapi import answers, takes
 from braid.runtime.server.outputs import Choice, finish_of, text_of
 from braid.runtime.server.protocol import ChatCompletionRequest
 from braid.runtime.server.serving_openai import OpenAIResponse
 from braid.runtime.server.state import ServerState
-from braid.runtime.tokenizer.tokenizer import render_chat
+from braid.runtime.tokenizer.chat import ChatPrompt, chat_prompt, template_messages
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | None):
@@ -34,10 +40,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     a chat request (blocking: run it on a worker thread); `text` is the prompt when a
     request's own template rendered it already."""
     plan = _tool_plan(state, req)
-    if text is None:
-        text = _render_messages(state, req, plan.template_tools if plan else None)
-    ids = encode_prompt(state, text, "messages", add_special_tokens=False)
-    sources = _template_messages(state, req, images_only=True)
+    prompt = _chat_prompt(state, req, plan, text)
+    text, ids, sources = prompt.text, prompt.ids, prompt.sources
     state.media.check_count(len(sources), "messages")
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -47,10 +51,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
     if plan is not None:
-        try:
-            params = plan.sampling_params(params)
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split(":", 1)[0]) from None
+        params = plan.sampling_params(params)  # a ParamError names the field
     if not sources:
         state.media.check_no_placeholders(ids, "messages")
         validate_prompts(state, [(text, ids)], params, "messages")
@@ -59,7 +60,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(
-        "/v1/chat/completions", openapi_extra=takes(ChatCompletionRequest), responses=STREAMED
+        "/v1/chat/completions",
+        openapi_extra=takes(ChatCompletionRequest),
+        responses=answers(ChatCompletion, streamed=True),
     )
     async def chat(
         request: Request, req: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)]
@@ -103,8 +106,8 @@ class ChatResponse(OpenAIResponse):
     reasoning and the rest its content; with a tool plan, that content becomes content and
     tool calls."""
 
-    kind = "chat.completion"
-    chunk_kind = "chat.completion.chunk"
+    body_model = ChatCompletion
+    chunk_model = ChatCompletionChunk
     id_prefix = "chatcmpl"
 
     def __init__(
@@ -157,10 +160,11 @@ class ChatResponse(OpenAIResponse):
     def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
         return _chat_logprobs(self.state, c, self.params.logprobs or 0)
 
-    def fill(self, item: dict[str, Any], i: int, c: Choice) -> None:
-        item["message"], item["finish_reason"] = _chat_message(
+    def choice(self, i: int, c: Choice, common: dict[str, Any]) -> ChatChoice:
+        common["message"], common["finish_reason"] = _chat_message(
             c, self.plan, self._reasoning_parser(i)
         )
+        return ChatChoice(**common)
 
     def delta(self, item: dict[str, Any], out: StrOut) -> None:
         item["delta"] = {"content": out.text} if out.text else {}
@@ -270,48 +274,52 @@ def _chat_logprobs(state: ServerState, c: Choice, top: int) -> dict[str, Any]:
     return {"content": content}
 
 
-def _template_messages(
-    state: ServerState, req: ChatCompletionRequest, images_only: bool = False
-) -> list[Any]:
-    """The messages as the chat template takes them: list contents flattened to text, each
-    image part replaced by the model's image placeholder (`multimodal.frontend`); with
-    `images_only`, the image sources instead, in order."""
+def _template_messages(state: ServerState, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (`tokenizer.chat.template_messages`)."""
+    try:
+        return template_messages(_dumped(req), _placeholder(state))[0]
+    except ParamError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan | None, rendered: str | None
+) -> ChatPrompt:
+    """The request's conversation made a prompt (`tokenizer.chat.chat_prompt`, as `LLM.chat`
+    makes it), with the server's chat template unless a request's own `rendered` it."""
+    try:
+        return chat_prompt(
+            state.tokenizer,
+            _dumped(req),
+            _placeholder(state),
+            add_generation_prompt=req.add_generation_prompt,
+            tools=plan.template_tools if plan else None,
+            rendered=rendered,
+            max_chars=state.max_prompt_chars,
+        )
+    except ParamError as e:
+        # Named as a whole: where a message sits on the chat path is not always where it sits
+        # in the request (the Responses API puts its history and instructions first).
+        raise APIError(400, str(e), "messages") from None
+
+
+def _dumped(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_none=True) for m in req.messages]
+
+
+def _placeholder(state: ServerState) -> str | None:
+    """The prompt text of one image (None for a model that takes no images); an `APIError`
+    for a model without a tokenizer, which cannot render a chat."""
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
-    placeholder = state.media.placeholder if state.media.supports_images else None
-    messages, sources = [], []
-    for i, m in enumerate(req.messages):
-        try:
-            content, found = flatten_content(m.content, placeholder, f"messages[{i}].content")
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        sources += found
-        messages.append({**m.model_dump(exclude_none=True), "content": content})
-    return sources if images_only else messages
-
-
-def _render_messages(
-    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
-) -> str:
-    """The conversation as prompt text, with the server's chat template (on a worker thread;
-    a request's own template goes to the sandbox process instead, see `chat`)."""
-    text = render_chat(
-        state.tokenizer,
-        _template_messages(state, req),
-        add_generation_prompt=req.add_generation_prompt,
-        tools=tools,
-    )
-    return text
+    return state.media.placeholder if state.media.supports_images else None
 
 
 def _tool_plan(state: ServerState, req: ChatCompletionRequest) -> ToolPlan | None:
-    try:
-        return ToolPlan.resolve(
-            req.tools, req.tool_choice, req.parallel_tool_calls, parser=state.tool_call_parser
-        )
-    except ValueError as e:
-        msg = str(e)
-        raise APIError(400, msg, msg.split(":", 1)[0]) from None
+    # A ParamError names the field (tools[i].function.name, tool_choice, ...).
+    return ToolPlan.resolve(
+        req.tools, req.tool_choice, req.parallel_tool_calls, parser=state.tool_call_parser
+    )
 
 
 def _thinking_closed(prompt: str, cls: type[ReasoningParser]) -> bool:
@@ -328,7 +336,7 @@ def _separates_reasoning(req: ChatCompletionRequest) -> bool:
 
 def _chat_message(
     c: Choice, plan: ToolPlan | None, reasoning: ReasoningParser | None = None
-) -> tuple[dict[str, Any], str | None]:
+) -> tuple[AssistantMessage, str | None]:
     """The assistant message of a finished choice and its finish reason: with `reasoning`,
     the thinking goes to `reasoning_content` (and `reasoning`), and the rest is the text that
     becomes the content and tool calls."""
@@ -336,13 +344,13 @@ def _chat_message(
     if reasoning is not None:
         thought, text = reasoning.split(c.text)
 
-    def message(content: str | None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
-        m: dict[str, Any] = {"role": "assistant", "content": content}
+    def message(content: str | None, calls: list[ToolCall] | None = None) -> AssistantMessage:
+        m: dict[str, Any] = {"content": content}
         if reasoning is not None:
             m["reasoning_content"] = m["reasoning"] = thought or None
         if calls:
             m["tool_calls"] = [call.to_openai() for call in calls]
-        return m
+        return AssistantMessage(**m)
 
     if plan is None:
         return message(text), finish_of(c)

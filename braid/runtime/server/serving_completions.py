@@ -15,7 +15,8 @@ from braid.runtime.server.inputs import (
     tokenize_prompts,
     validate_prompts,
 )
-from braid.runtime.server.openapi import STREAMED, takes
+from braid.runtime.server.openai_types import Completion, CompletionChoice, CompletionChunk
+from braid.runtime.server.openapi import answers, takes
 from braid.runtime.server.outputs import Choice, text_of
 from braid.runtime.server.protocol import CompletionRequest
 from braid.runtime.server.serving_openai import OpenAIResponse
@@ -40,11 +41,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             params = params.replace(prompt_logprobs=req.logprobs)
         for i, (_, ids) in enumerate(prompts):
             # Images come on /v1/chat/completions or /generate, never here.
-            state.media.check_no_placeholders(ids, "prompt" if len(prompts) == 1 else f"prompt {i}")
+            state.media.check_no_placeholders(
+                ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            )
         validate_prompts(state, prompts, params, "prompt")
         return prompts, params
 
-    @app.post("/v1/completions", openapi_extra=takes(CompletionRequest), responses=STREAMED)
+    @app.post(
+        "/v1/completions",
+        openapi_extra=takes(CompletionRequest),
+        responses=answers(Completion, streamed=True),
+    )
     async def completions(
         request: Request, req: Annotated[CompletionRequest, json_body(CompletionRequest)]
     ):
@@ -53,19 +60,20 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 class CompletionResponse(OpenAIResponse):
-    kind = "text_completion"
-    chunk_kind = "text_completion"
+    body_model = Completion
+    chunk_model = CompletionChunk
     id_prefix = "cmpl"
     req: CompletionRequest
 
     def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
         return _completion_logprobs(self.state, c, offset)
 
-    def fill(self, item: dict[str, Any], i: int, c: Choice) -> None:
+    def choice(self, i: int, c: Choice, common: dict[str, Any]) -> CompletionChoice:
         if self.req.echo:
-            item.update(_echo(self.state, self.req, self.prompts[self.prompt_of[i]], c))
+            common.update(_echo(self.state, self.req, self.prompts[self.prompt_of[i]], c))
         else:
-            item["text"] = c.text
+            common["text"] = c.text
+        return CompletionChoice(**common)
 
     def delta(self, item: dict[str, Any], out: StrOut) -> None:
         item["text"] = out.text

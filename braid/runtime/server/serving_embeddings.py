@@ -27,9 +27,16 @@ from braid.runtime.models.config import ModelConfig
 from braid.runtime.pooling import PoolingConfig, floats
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import check_model, json_body, param_of, tokenize_prompts
-from braid.runtime.server.openapi import takes
-from braid.runtime.server.outputs import GONE, dumps, first_output, json_response, unless_gone
+from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts
+from braid.runtime.server.openai_types import Embedding, EmbeddingList, EmbeddingUsage
+from braid.runtime.server.openapi import answers, takes
+from braid.runtime.server.outputs import (
+    GONE,
+    encode_listed,
+    first_output,
+    json_response,
+    unless_gone,
+)
 from braid.runtime.server.protocol import EmbeddingRequest
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.manager import RuntimeDied
@@ -46,21 +53,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     def prepare(req: EmbeddingRequest) -> tuple[list[list[int]], EmbedSpec]:
         check_model(state, req.model)
-        try:
-            spec = pooling.spec(req.normalize, req.dimensions)
-        except ValueError as e:
-            raise APIError(400, str(e), param_of(str(e))) from None
+        spec = pooling.spec(req.normalize, req.dimensions)  # ParamErrors name their field
         prompts = [ids for _, ids in tokenize_prompts(state, req.input, "input")]
         for i, ids in enumerate(prompts):
             where = "input" if len(prompts) == 1 else f"input[{i}]"
             state.media.check_no_placeholders(ids, where)
-            try:
-                state.tm.validate(ids, _PARAMS, where=where, embed=True)
-            except ValueError as e:
-                raise APIError(400, str(e), "input") from None
+            state.tm.validate(ids, _PARAMS, where=where, embed=True)
         return prompts, spec
 
-    @app.post("/v1/embeddings", openapi_extra=takes(EmbeddingRequest))
+    @app.post(
+        "/v1/embeddings", openapi_extra=takes(EmbeddingRequest), responses=answers(EmbeddingList)
+    )
     async def embeddings(
         request: Request, req: Annotated[EmbeddingRequest, json_body(EmbeddingRequest)]
     ):
@@ -77,8 +80,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 async for i, out in outs:
                     if out.finish_reason is None:
                         continue
-                    if out.refused and out.error:  # closing `outs` aborts the others
-                        raise APIError(400, out.error, param_of(out.error))
+                    if out.refused is not None and out.error:  # closing `outs` aborts the others
+                        raise APIError(400, out.error, out.refused.param)
                     if out.embedding is None:
                         failed.append(out.error or "the request ended without an embedding")
                     vectors[i] = out.embedding
@@ -99,16 +102,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                     if req.encoding_format == "base64"
                     else floats(vec)
                 )
-                data.append({"object": "embedding", "index": i, "embedding": value})
+                data.append(Embedding(index=i, embedding=value))
             tokens = sum(len(ids) for ids in prompts)
-            head = {
-                "id": rid,
-                "object": "list",
-                "created": int(time.time()),
-                "model": state.served_model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-            return dumps(head, "data", data)
+            body = EmbeddingList(
+                id=rid,
+                created=int(time.time()),
+                model=state.served_model_name,
+                data=data,
+                usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+            )
+            return encode_listed(body, "data")
 
         return json_response(await asyncio.to_thread(build))
 

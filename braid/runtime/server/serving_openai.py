@@ -19,13 +19,25 @@ from braid.runtime.function_call.tools import finish_reason
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.openai_types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceError,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    Usage,
+)
 from braid.runtime.server.outputs import (
     GONE,
     SSE_DONE,
     Choice,
     ChunkEncoder,
     absorb,
-    dumps,
+    encode_listed,
     event_stream,
     finish_of,
     first_output,
@@ -40,11 +52,11 @@ from braid.runtime.tokenizer.manager import RuntimeDied
 
 class OpenAIResponse(abc.ABC):
     """One response of an OpenAI completion API, for `prompts` sampled `params.n` times each
-    (choice `i` samples prompt `prompt_of[i]`). A subclass names the response's objects and
+    (choice `i` samples prompt `prompt_of[i]`). A subclass names the response's models and
     says how a choice's logprobs, its whole form and its streamed deltas read."""
 
-    kind: ClassVar[str]  # the response's "object"
-    chunk_kind: ClassVar[str]  # a stream chunk's "object"
+    body_model: ClassVar[type[Completion] | type[ChatCompletion]]  # the whole response
+    chunk_model: ClassVar[type[CompletionChunk] | type[ChatCompletionChunk]]  # a stream chunk
     id_prefix: ClassVar[str]
 
     def __init__(
@@ -66,13 +78,15 @@ class OpenAIResponse(abc.ABC):
     # ---- what a subclass says -------------------------------------------------------------
     @abc.abstractmethod
     def logprobs(self, c: Choice, offset: int) -> dict[str, Any]:
-        """`c`'s logprobs (logprobs were asked for); `offset` is where `c`'s text starts in its
-        choice's text (a stream sends a choice in parts)."""
+        """`c`'s logprobs (logprobs were asked for), as plain data in the shape of the models'
+        `logprobs`; `offset` is where `c`'s text starts in its choice's text (a stream sends a
+        choice in parts)."""
 
     @abc.abstractmethod
-    def fill(self, item: dict[str, Any], i: int, c: Choice) -> None:
-        """Complete `item`, choice `i` of the whole response, with the choice's text or message
-        (it may replace the finish reason and logprobs already in it)."""
+    def choice(self, i: int, c: Choice, common: dict[str, Any]) -> CompletionChoice | ChatChoice:
+        """Choice `i` of the whole response: the fields in `common` (index, finish_reason,
+        logprobs, and stop_reason and error where they apply) with the choice's text or message
+        (which may replace the finish reason and logprobs)."""
 
     @abc.abstractmethod
     def delta(self, item: dict[str, Any], out: StrOut) -> None:
@@ -136,25 +150,24 @@ class OpenAIResponse(abc.ABC):
         def build() -> bytes:  # a worker thread's job: long logprob lists take a while
             body_choices = []
             for i, c in enumerate(choices):
-                item: dict[str, Any] = {
+                common: dict[str, Any] = {
                     "index": i,
                     "finish_reason": finish_of(c),
                     "logprobs": self._logprobs_of(c),
                 }
-                self.fill(item, i, c)
                 if c.stop_reason is not None:
-                    item["stop_reason"] = c.stop_reason
+                    common["stop_reason"] = c.stop_reason
                 if c.error:  # it failed after it started: the reason, finish_reason "abort"
-                    item["error"] = {"message": c.error, "type": "server_error"}
-                body_choices.append(item)
-            head = {
-                "id": self.rid,
-                "object": self.kind,
-                "created": self.created,
-                "model": state.served_model_name,
-                "usage": _usage(choices, self.prompt_choice),
-            }
-            return dumps(head, "choices", body_choices)
+                    common["error"] = ChoiceError(message=c.error, type="server_error")
+                body_choices.append(self.choice(i, c, common))
+            body = self.body_model(
+                id=self.rid,
+                created=self.created,
+                model=state.served_model_name,
+                choices=body_choices,
+                usage=_usage(choices, self.prompt_choice),
+            )
+            return encode_listed(body, "choices")
 
         return json_response(await asyncio.to_thread(build))
 
@@ -162,12 +175,9 @@ class OpenAIResponse(abc.ABC):
         state, choices, req = self.state, self.choices, self.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        head = {
-            "id": self.rid,
-            "object": self.chunk_kind,
-            "created": self.created,
-            "model": state.served_model_name,
-        }
+        head = self.chunk_model(
+            id=self.rid, created=self.created, model=state.served_model_name, choices=[]
+        )
         chunk = ChunkEncoder(head, include_usage).chunk
 
         outs = await unless_gone(request, first_output(streams))
@@ -223,25 +233,24 @@ class OpenAIResponse(abc.ABC):
         return event_stream(request, events())
 
 
-def _usage(choices: list[Choice], prompt_choice: list[int]) -> dict[str, Any]:
+def _usage(choices: list[Choice], prompt_choice: list[int]) -> Usage:
     prompt = sum(choices[i].prompt_tokens for i in prompt_choice)
     cached = sum(choices[i].cached_tokens for i in prompt_choice)
     completion = sum(len(c.token_ids) for c in choices)
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    usage = Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
     specs = [c.spec for c in choices if c.spec is not None]
     if specs:
         # Speculative decoding, in OpenAI's fields for predicted tokens: drafts kept and not.
         accepted = sum(s.accepted_drafts for s in specs)
         rejected = sum(s.proposed_drafts - s.accepted_drafts for s in specs)
-        usage["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": rejected,
-        }
+        usage.completion_tokens_details = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
+        )
     return usage
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from braid.runtime.function_call.base import ContentDelta, ToolCallDelta, ToolCallStream
 from braid.runtime.models.source import cache_root
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import check_model, json_body, param_of
+from braid.runtime.server.inputs import check_model, json_body
 from braid.runtime.server.openapi import STREAMED, takes
 from braid.runtime.server.outputs import (
     GONE,
@@ -111,7 +111,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         except APIError as e:
             raise _in_responses_terms(e) from None
         except ValueError as e:
-            raise _in_responses_terms(APIError(400, str(e), param_of(str(e)))) from None
+            raise _in_responses_terms(APIError.refused(e)) from None
 
     @app.get("/v1/responses/{response_id}", responses=_FOUND)
     async def retrieve(response_id: str, stream: bool = False):
@@ -296,7 +296,7 @@ class ResponseRun:
         if c.error and self.state.tm.failure:
             raise RuntimeDied(self.state.tm.failure)
         reasoning = chat.reasoning(chat.prompts[0][0]) if chat.reasoning is not None else None
-        message, _ = _chat_message(c, chat.plan, reasoning)
+        message = _chat_message(c, chat.plan, reasoning)[0].model_dump()
         output: list[dict[str, Any]] = []
         if message.get("reasoning_content"):
             output.append(_reasoning_item(_item_id("rs"), message["reasoning_content"]))

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from braid.runtime.config import EngineConfig
+from braid.runtime.errors import ParamError
 from braid.runtime.executor.sampler import fold_seed
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import Addresses
@@ -337,25 +338,27 @@ class TokenizerManager:
         *,
         embed: bool = False,
     ) -> None:
-        """Raise `ValueError` naming the problem if the scheduler would refuse this request
-        (`embed`: an embedding request, which may fill the whole context)."""
+        """Raise a `ParamError` naming `where` (the prompt's field) if the scheduler would
+        refuse this request (`embed`: an embedding request, which may fill the whole context),
+        or naming the sampling field at fault."""
         r = self.ready
         if not input_ids:
-            raise ValueError(f"{where}: the prompt is empty")
+            raise ParamError.at(where, "the prompt is empty")
         if embed and len(input_ids) > r.context_length:
-            raise ValueError(
-                f"{where}: {len(input_ids)} tokens is longer than the context length "
-                f"({r.context_length})"
+            raise ParamError.at(
+                where,
+                f"{len(input_ids)} tokens is longer than the context length ({r.context_length})",
             )
         if not embed and len(input_ids) >= r.context_length:
-            raise ValueError(
-                f"{where}: {len(input_ids)} tokens is longer than the context length allows "
-                f"({r.context_length} tokens in all, at least one of them generated)"
+            raise ParamError.at(
+                where,
+                f"{len(input_ids)} tokens is longer than the context length allows "
+                f"({r.context_length} tokens in all, at least one of them generated)",
             )
         bad = [t for t in input_ids if not 0 <= t < r.vocab_size]
         if bad:
-            raise ValueError(
-                f"{where}: token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
+            raise ParamError.at(
+                where, f"token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
             )
         params.check_token_ids(r.vocab_size)
 
@@ -391,20 +394,28 @@ class TokenizerManager:
         self._check_alive()
         if session_ttl_s is not None:
             if session_id is None:
-                raise ValueError("session_ttl_s needs a session_id")
+                raise ParamError("session_ttl_s", "session_ttl_s needs a session_id")
             if not session_ttl_s > 0 or session_ttl_s == float("inf"):
-                raise ValueError(f"session_ttl_s must be a positive number, got {session_ttl_s!r}")
+                raise ParamError(
+                    "session_ttl_s",
+                    f"session_ttl_s must be a positive number, got {session_ttl_s!r}",
+                )
         if program_position is not None:
             if session_id is None:
-                raise ValueError("program_position needs a session_id")
+                raise ParamError("program_position", "program_position needs a session_id")
             if isinstance(program_position, bool) or not isinstance(program_position, int):
-                raise ValueError(f"program_position must be an integer, got {program_position!r}")
+                raise ParamError(
+                    "program_position",
+                    f"program_position must be an integer, got {program_position!r}",
+                )
             if not 0 <= program_position < 2**63:
-                raise ValueError(f"program_position must be >= 0, got {program_position}")
+                raise ParamError(
+                    "program_position", f"program_position must be >= 0, got {program_position}"
+                )
         rids = [f"{rid}/{k}" if params.n > 1 else rid for k in range(params.n)]
         for srid in rids:
             if srid in self._wire:
-                raise ValueError(f"request id {srid!r} is already in use")
+                raise ParamError("rid", f"request id {srid!r} is already in use")
         wires = [f"{srid}#{next(self._submissions)}" for srid in rids]
         # Encode every sample before registering any: a request that cannot be sent leaves
         # nothing behind (its rid stays free).

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from braid.runtime.errors import ParamError
+
 logger = logging.getLogger(__name__)
 
 # A request's template gets this long to render (seconds), and may produce this many characters.
@@ -115,7 +117,7 @@ def _worker(model_path: str, max_chars: int, conn: Connection) -> None:
 
 class TemplateSandbox:
     """One render worker for request templates; `render` is blocking (call it off the event
-    loop) and serialised (one render at a time). Errors are `ValueError`s naming
+    loop) and serialised (one render at a time). Errors are `ParamError`s naming
     `chat_template`."""
 
     def __init__(
@@ -191,13 +193,14 @@ class TemplateSandbox:
                     time.perf_counter() - t0,
                 )
                 if status == "timeout":
-                    raise ValueError(
-                        f"chat_template: rendering took longer than {self.timeout_s:g} s "
-                        "(the limit for a request's template)"
+                    raise ParamError.at(
+                        "chat_template",
+                        f"rendering took longer than {self.timeout_s:g} s "
+                        "(the limit for a request's template)",
                     )
-                raise ValueError("chat_template: rendering failed (it ran out of memory)")
+                raise ParamError.at("chat_template", "rendering failed (it ran out of memory)")
             if status == "error":
-                raise ValueError(f"chat_template: {value}")
+                raise ParamError.at("chat_template", str(value))
             return value
 
     def close(self) -> None:

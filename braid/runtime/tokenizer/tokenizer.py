@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from braid.runtime.errors import ParamError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -73,12 +75,16 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        raise ParamError(
+            "messages", "messages must be a non-empty list of {'role', 'content'} dicts"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")
+            raise ParamError(
+                f"messages[{i}]", f"messages[{i}] must be a dict with a 'role', got {m!r}"
+            )
         if not isinstance(m["role"], str):
-            raise ValueError(f"messages[{i}].role must be a string")
+            raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be a string")
 
 
 def _for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -119,7 +125,8 @@ def render_chat(
 ) -> str:
     """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own.
     `tools` (OpenAI tool dicts) are passed to the template, which decides how to show them;
-    messages may include assistant `tool_calls` and `role: "tool"` results."""
+    messages may include assistant `tool_calls` and `role: "tool"` results. A `ParamError`
+    naming `messages` if they are malformed or the template fails on them."""
     _check_messages(messages)
     messages = _for_template(messages)
     template = chat_template or tokenizer.chat_template
@@ -137,4 +144,4 @@ def render_chat(
             tools=tools,
         )
     except Exception as e:  # jinja errors have many types; all mean "bad conversation"
-        raise ValueError(f"chat template failed on these messages: {e}") from e
+        raise ParamError("messages", f"chat template failed on these messages: {e}") from e
