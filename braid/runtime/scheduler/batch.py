@@ -35,6 +35,11 @@ class StepPlan:
     pooling: list[tuple[Req, int, int]] = field(default_factory=list, kw_only=True)
     decode_rows: int = field(default=0, kw_only=True)
 
+    @property
+    def prefilled(self) -> list[Req]:
+        """`reqs` but a mixed extend's decode rows."""
+        return self.reqs[: len(self.reqs) - self.decode_rows]
+
 
 def build_extend(
     items: list[tuple[Req, int]],

@@ -101,7 +101,7 @@ class OutputProcessor:
         if prefilled:
             # Cache what was just computed, so requests admitted next step can share it (a
             # mixed step's decode rows are cached as a decode step's are: when they finish).
-            for req in plan.reqs[: len(plan.reqs) - plan.decode_rows]:
+            for req in plan.prefilled:
                 if req.pool_row is not None:
                     self.kv.cache_unfinished(req)
         return outs

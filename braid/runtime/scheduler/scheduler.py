@@ -297,9 +297,9 @@ class Scheduler:
     def _decoded_all(self, plan: StepPlan) -> bool:
         """Whether a mixed extend carries a decode row of every running request (then the
         next step may be a prefill again: nobody waits for a decode)."""
-        if not getattr(plan, "decode_rows", 0):
+        if not plan.decode_rows:
             return False
-        rows = {id(r) for r in plan.reqs[len(plan.reqs) - plan.decode_rows :]}
+        rows = {id(r) for r in plan.reqs[len(plan.prefilled) :]}
         return all(id(r) in rows for r in self.running)
 
     def _capture(self, plan: StepPlan) -> None:

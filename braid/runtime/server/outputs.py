@@ -208,16 +208,11 @@ def json_bytes(obj: Any) -> bytes:
     return orjson.dumps(obj, option=_JSON_OPTIONS)
 
 
-def dumps(
-    head: dict[str, Any] | None, key: str | None, items: list[Any], as_list: bool = False
-) -> bytes:
-    """JSON of `head` with `items` under `key` (or of `items` alone: one item, or a list),
-    encoded item by item so that a large body lets other threads (and the event loop) run
-    between items."""
+def dumps(items: list[Any], as_list: bool = False) -> bytes:
+    """JSON of `items` (one item, or with `as_list` a list), encoded item by item so that a
+    large body lets other threads (and the event loop) run between items."""
     parts = [json_bytes(x) for x in items]
-    if head is None:
-        return b"[" + b",".join(parts) + b"]" if as_list else parts[0]
-    return json_bytes(head)[:-1] + b',"' + key.encode() + b'":[' + b",".join(parts) + b"]}"
+    return b"[" + b",".join(parts) + b"]" if as_list else parts[0]
 
 
 def encode_listed(body: BaseModel, key: str) -> bytes:

@@ -187,8 +187,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         def build() -> bytes:
             if single and n == 1:
-                return dumps(None, None, [native(0)])
-            return dumps(None, None, [native(i) for i in range(len(streams))], as_list=True)
+                return dumps([native(0)])
+            return dumps([native(i) for i in range(len(streams))], as_list=True)
 
         return json_response(await asyncio.to_thread(build))
 

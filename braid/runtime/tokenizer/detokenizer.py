@@ -66,12 +66,7 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             self._ids.append(tid)
             self.num_output_tokens += 1
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix) :]
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self._ids)
+            self._read(final=False)
             if self.num_output_tokens < self.min_tokens:
                 continue
             if self.stop and self._check_stop():
@@ -86,12 +81,19 @@ class IncrementalDetokenizer:
         the decode of every output token. Returns what it adds."""
         if self.stopped or self._read_offset == len(self._ids):
             return ""
+        before = len(self.text)
+        self._read(final=True)
+        return self.text[before:]
+
+    def _read(self, final: bool) -> None:
+        """Append the text of the tokens after `_read_offset`, unless (before the end,
+        `final` False) they add nothing yet or end inside a character."""
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        added = full[len(prefix) :]
-        self.text += added
-        return added
+        if final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
 
     def _check_stop(self) -> bool:
         # A new match must end in text added since the last check.
