@@ -8,7 +8,8 @@ manager, the detokenizer) shows as a ratio.
 
 Requests are completions of --input-len random tokens and --output-len generated tokens
 (`ignore_eos`, greedy), streamed (`stream`) or not (`whole`). Arrivals are all at once
-(`--request-rate inf`) or Poisson at the given rate; at most --concurrency requests are in
+(`--request-rate inf`) or Poisson at the given rate (a comma-separated list sweeps the rates,
+as SGLang's `bench_serving` reports them: each rate runs every concurrency and served mode); at most --concurrency requests are in
 flight, and unless --num-prompts is given each concurrency sends that many requests. Each
 concurrency runs every mode in --modes; `offline` is `LLM.generate` of the same prompts.
 --clients N spreads the load over N client processes (their total is reported), to show the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -174,12 +176,10 @@ def build_proxy(path: Path) -> Path:
     return path
 
 
-def served_run(url, prompts, out_len, args, concurrency, stream, procs):
+def served_run(url, prompts, out_len, args, rate, concurrency, stream, procs):
     httpx.post(f"{url}/flush_cache").raise_for_status()  # no run hits an earlier one
     before = _cpu_times(procs)
-    results, wall = run_clients(
-        url, prompts, out_len, args.request_rate, concurrency, stream, args.clients
-    )
+    results, wall = run_clients(url, prompts, out_len, rate, concurrency, stream, args.clients)
     cpu = {k: v - before[k] for k, v in _cpu_times(procs).items()}
     tokens = sum(r[3] for r in results)
     assert tokens == len(prompts) * out_len, (tokens, len(prompts) * out_len)
@@ -203,7 +203,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="default: the concurrency")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument(
+        "--request-rate", default="inf", help="requests/s, Poisson; comma-separated: a sweep"
+    )
     ap.add_argument("--concurrency", default="32", help="comma-separated: one run set each")
     ap.add_argument("--modes", default="stream,offline", help="of stream, whole, offline")
     ap.add_argument("--clients", type=int, default=1, help="client processes")
@@ -220,6 +222,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    rates = [float(r) for r in args.request_rate.split(",")]
     modes = args.modes.split(",")
     unknown = set(modes) - {"stream", "whole", "offline"}
     if unknown:
@@ -293,16 +296,24 @@ def main() -> None:
         try:
             # Warm up (first requests pay one-time costs), then the measured runs.
             run_clients(url, prompts[:4], 4, float("inf"), 4, True, 1)
-            for c in concurrencies:
+            for rate, c in itertools.product(rates, concurrencies):
                 batch = prompts[: args.num_prompts or c]
                 for mode in served_modes:
                     best = None
                     for _ in range(args.repeats):
                         stream = mode == "stream"
-                        r = served_run(url, batch, args.output_len, args, c, stream, procs)
+                        r = served_run(url, batch, args.output_len, args, rate, c, stream, procs)
                         if best is None or r["wall_s"] < best["wall_s"]:
                             best = r
-                    runs.append({"concurrency": c, "mode": mode, "num_prompts": len(batch), **best})
+                    runs.append(
+                        {
+                            "concurrency": c,
+                            "mode": mode,
+                            "request_rate": str(rate),
+                            "num_prompts": len(batch),
+                            **best,
+                        }
+                    )
                     print_run(runs[-1])
         finally:
             if server is not None:
@@ -316,16 +327,21 @@ def main() -> None:
         if r["mode"] != "offline" and r["concurrency"] in offline:
             r["over_offline"] = r["output_tok_s"] / offline[r["concurrency"]]
     print(
-        f"\ninput {args.input_len}, output {args.output_len}, rate {args.request_rate}, "
+        f"\ninput {args.input_len}, output {args.output_len}, rates {args.request_rate}, "
         f"{args.clients} client process(es)"
     )
-    print(f"{'conc':>5} {'mode':>8} {'tok/s':>9} {'/offline':>8} {'ITL p50':>8} {'ITL p99':>8}")
+    print(
+        f"{'rate':>6} {'conc':>5} {'mode':>8} {'tok/s':>9} {'/offline':>8} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)"
+    )
+    nan = float("nan")
     for r in runs:
-        itl = r.get("itl_s") or {}
+        itl, ttft = r.get("itl_s") or {}, r.get("ttft_s") or {}
         print(
-            f"{r['concurrency']:>5} {r['mode']:>8} {r['output_tok_s']:>9.1f} "
-            f"{r.get('over_offline', float('nan')):>8.3f} "
-            f"{itl.get('p50', float('nan')) * 1e3:>8.1f} {itl.get('p99', float('nan')) * 1e3:>8.1f}"
+            f"{r.get('request_rate', '-'):>6} {r['concurrency']:>5} {r['mode']:>8} "
+            f"{r['output_tok_s']:>9.1f} {r.get('over_offline', nan):>8.3f} "
+            f"{ttft.get('p50', nan) * 1e3:>9.1f} {ttft.get('p99', nan) * 1e3:>9.1f} "
+            f"{itl.get('p50', nan) * 1e3:>8.1f} {itl.get('p99', nan) * 1e3:>8.1f}"
         )
     write_result(
         "serving",
@@ -337,7 +353,7 @@ def main() -> None:
             else (Path(model).name if model else "smollm2-135m"),
             "input_len": args.input_len,
             "output_len": args.output_len,
-            "request_rate": str(args.request_rate),
+            "request_rates": [str(r) for r in rates],
             "clients": args.clients,
             "runs": runs,
         },
@@ -345,7 +361,8 @@ def main() -> None:
 
 
 def print_run(r: dict) -> None:
-    line = f"{r['concurrency']:>5} {r['mode']:>8}: {r['output_tok_s']:.1f} tok/s"
+    rate = f"rate {r['request_rate']} " if "request_rate" in r else ""
+    line = f"{rate}{r['concurrency']:>5} {r['mode']:>8}: {r['output_tok_s']:.1f} tok/s"
     line += f" in {r['wall_s']:.2f} s"
     if r.get("itl_s"):
         line += f", ITL p50 {r['itl_s']['p50'] * 1e3:.1f} ms p99 {r['itl_s']['p99'] * 1e3:.1f} ms"

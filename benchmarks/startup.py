@@ -5,6 +5,12 @@ reports the time since its process started and the phases of its ready line.
 
     python benchmarks/startup.py                     # the embedded model, 3 starts of each
     python benchmarks/startup.py --model DIR --repeats 5 --server-args "--load-format dummy"
+    python benchmarks/startup.py --config llama-3.1-8b --repeats 2 \
+        --server-args "--load-format dummy"   # the H200 figure: the 8B shapes, CUDA graphs
+
+On a machine whose caches are empty (Triton's kernels under braid's cache directory), the
+first start is the fresh-machine figure and the later ones are second starts: each run records
+its place in the order (`start`).
 
 Writes benchmarks/results/startup_<device>.json.
 """
@@ -56,18 +62,30 @@ def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="a config under benchmarks/configs (e.g. llama-3.1-8b) with the embedded tokenizer",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="starts of each setting")
     ap.add_argument("--server-args", default="", help="extra `braid serve` flags")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    extra = (["--model", args.model] if args.model else []) + args.server_args.split()
+    model = args.model
+    if args.config:
+        from benchmarks.structured_gpu import embedded_tokenizer_dir, model_dir
+
+        model = str(model_dir(args.config, embedded_tokenizer_dir(), Path(tempfile.mkdtemp())))
+    extra = (["--model", model] if model else []) + args.server_args.split()
     runs: dict[str, list[dict]] = {"overlap": [], "in_turn": []}
+    start = 0
     for _ in range(args.repeats):
         for name in runs:
-            r = start_once(name == "overlap", extra, args.timeout)
+            start += 1
+            r = {"start": start, **start_once(name == "overlap", extra, args.timeout)}
             runs[name].append(r)
-            print(f"{name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
+            print(f"{start}. {name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
     summary = {
         name: {
             "best_s": min(r["total_s"] for r in rs),
@@ -79,7 +97,11 @@ def main() -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    fields = {"model": args.model or "smollm2-135m", "cpus": os.cpu_count(), "summary": summary}
+    fields = {
+        "model": args.config or args.model or "smollm2-135m",
+        "cpus": os.cpu_count(),
+        "summary": summary,
+    }
     write_result("startup", device, args.out, {**fields, "runs": runs})
 
 

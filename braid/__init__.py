@@ -46,6 +46,7 @@ _LANG = (
     "get_default_backend",
     "global_config",
     "using_backend",
+    "sampling_defaults",
     "ProgramState",
     "ProgramError",
     "RequestGraph",

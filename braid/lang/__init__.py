@@ -45,6 +45,7 @@ _EXPORTS = {
     "get_default_backend": "braid.lang.program",
     "global_config": "braid.lang.config",
     "using_backend": "braid.lang.config",
+    "sampling_defaults": "braid.lang.config",
     "ProgramState": "braid.lang.interpreter",
     "ProgramError": "braid.lang.interpreter",
     "ForkGroup": "braid.lang.interpreter",

@@ -2,7 +2,9 @@
 
 `default_backend` is where `set_default_backend` puts the backend that programs run on when
 `run` is given none; `with using_backend(b):` overrides it for the code inside (and threads it
-starts through braid), so programs for different backends can run side by side.
+starts through braid), so programs for different backends can run side by side. `with sampling_defaults(seed=...):`
+likewise gives the programs run inside it sampling arguments that neither their gens nor their
+`run` call set.
 
 Settings of SGLang's that concern its own runtime (token-ratio estimation, FlashInfer
 workspace, GDS) have no meaning for braid's frontend and are not here.
@@ -16,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 _override: contextvars.ContextVar[Any] = contextvars.ContextVar("braid_backend", default=None)
+_sampling: contextvars.ContextVar[Any] = contextvars.ContextVar("braid_sampling", default=None)
 
 
 class GlobalConfig:
@@ -59,3 +62,29 @@ def using_backend(backend: Any) -> Iterator[Any]:
         yield b
     finally:
         _override.reset(token)
+
+
+@contextmanager
+def sampling_defaults(**kwargs: Any) -> Iterator[Any]:
+    """Programs that start running inside the block take these sampling arguments (`seed`,
+    `temperature`, `max_new_tokens`, ...) wherever neither a gen nor the `run` / `run_batch`
+    call gives them; an inner block's arguments go over an outer one's. A fixed `seed` makes
+    programs one cannot edit sample reproducibly. `ValueError` names an unknown argument.
+    Yields the resolved `SamplingArgs`."""
+    from braid.lang.ir import SamplingArgs
+
+    args = SamplingArgs.from_kwargs(kwargs, "sampling_defaults")
+    outer = _sampling.get()
+    token = _sampling.set(args if outer is None else args.over(outer))
+    try:
+        yield _sampling.get()
+    finally:
+        _sampling.reset(token)
+
+
+def current_sampling_defaults() -> Any:
+    """The `SamplingArgs` of the innermost `sampling_defaults` block (empty outside any)."""
+    from braid.lang.ir import SamplingArgs
+
+    args = _sampling.get()
+    return SamplingArgs() if args is None else args

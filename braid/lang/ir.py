@@ -64,7 +64,10 @@ class SamplingArgs:
     `from_kwargs`). `n` samples several completions (the variable is then their list);
     `return_logprob` adds the output tokens' log-probabilities to the meta info,
     `top_logprobs_num` the most likely alternatives at each, `logprob_start_len` the prompt's
-    from that position (`input_token_logprobs`)."""
+    from that position (`input_token_logprobs`). `seed` (vLLM's and OpenAI's name) makes a
+    gen's sampling reproducible: which random draws it gets no longer depends on the order
+    requests reach the runtime in (without it, each request takes the next seed of the
+    runtime's stream); the samples of `n > 1` get seeds derived from it."""
 
     max_tokens: int | None = None
     min_tokens: int | None = None
@@ -83,6 +86,7 @@ class SamplingArgs:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    seed: int | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> SamplingArgs:

@@ -15,7 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from braid.lang.backends.base import Backend
-from braid.lang.config import global_config
+from braid.lang.config import current_sampling_defaults, global_config
 from braid.lang.executor import Executor, Sessions
 from braid.lang.interpreter import ProgramState
 from braid.lang.ir import SAMPLING_ALIASES, SAMPLING_FIELDS, SamplingArgs
@@ -156,7 +156,9 @@ class Program:
         Raises `ProgramError` (with the failing program line) if a step fails."""
         b = resolve_backend(backend)
         prog_kwargs, sampling = self._split(kwargs)
-        defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run")
+        defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run").over(
+            current_sampling_defaults()
+        )
         state, body = self._start(b, defaults, args, prog_kwargs)
         if stream:
             ctx = contextvars.copy_context()
@@ -217,7 +219,9 @@ class Program:
         if not items:
             return iter(()) if generator_style else []
         b = resolve_backend(backend)
-        defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run_batch")
+        defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run_batch").over(
+            current_sampling_defaults()
+        )
         if num_threads == "auto":
             num_threads = min(len(items), 128)
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:

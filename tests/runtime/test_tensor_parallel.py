@@ -232,6 +232,23 @@ def test_replicated_kv_heads_and_padded_vocab_then_a_dead_rank_ends_the_runtime(
     assert not [n for n, p in procs.items() if _alive(p.pid)]
 
 
+def test_sigterm_to_the_scheduler_stops_the_other_ranks_cleanly(tiny_model_dirs):
+    """The front end sends SIGTERM to a scheduler that has not stopped within 3 s of its
+    ShutdownReq (a loaded machine): the scheduler then stops as it would for the request, and
+    tells the other ranks, which exit 0 (without it, rank 0 died at once and rank 1 exited 1,
+    as a dead rank 0 makes it)."""
+    llm = braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, tp_size=2, show_progress=False)
+    try:
+        assert llm.generate([[1, 2, 3]], braid.SamplingParams(max_tokens=2), use_tqdm=False)
+        procs = dict(llm.tm.procs)
+        os.kill(procs["scheduler"].pid, signal.SIGTERM)
+        for name in ("scheduler", "tp-rank-1"):
+            procs[name].join(20)
+            assert procs[name].exitcode == 0, (name, procs[name].exitcode)
+    finally:
+        llm.shutdown()
+
+
 def test_a_split_that_does_not_divide_fails_at_start_naming_it(tiny_model_dirs):
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not a multiple of"):
         braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, tp_size=3, show_progress=False)

@@ -37,7 +37,15 @@ from braid.lang.ir import SamplingArgs
 from braid.runtime.outputs import finish_reason_info
 from braid.runtime.tokenizer.roles import RoleTemplate
 
-_OPENAI_FIELDS = ("n", "temperature", "top_p", "frequency_penalty", "presence_penalty", "stop")
+_OPENAI_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop",
+    "seed",
+)
 _EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "stop_regex")
 # Constraint kinds only servers with SGLang's native API take (vLLM would drop the field).
 _SGLANG_CONSTRAINTS = ("ebnf",)

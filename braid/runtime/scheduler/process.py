@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -137,10 +138,14 @@ class SchedulerLoop:
             except (ValueError, AssertionError) as e:
                 return [ControlOut(msg.req_id, False, {}, f"{type(e).__name__}: {e}")]
         if isinstance(msg, ShutdownReq):
-            self.stopping = True
+            self.request_stop()
             return []
         logger.warning("scheduler ignores a %s message", type(msg).__name__)
         return []
+
+    def request_stop(self) -> None:
+        """End the loop after the current iteration."""
+        self.stopping = True
 
     def step(self) -> list[object]:
         """Run one step. A step that raises (a kernel error, out of memory) fails the requests
@@ -203,6 +208,11 @@ def run_scheduler_process(
     )
     freeze_startup_heap()
     loop = SchedulerLoop(scheduler)
+    # SIGTERM (the front end's second request to stop, after the ShutdownReq) ends the loop
+    # where a ShutdownReq would: under tensor parallelism the other ranks are then told to stop
+    # rather than finding rank 0 gone (a follower node once exited 1 at shutdown on a loaded
+    # machine, where the scheduler took longer than the front end waits before SIGTERM).
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.request_stop())
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     beat = Heartbeat(ctx, addrs.tokenizer, scheduler)
