@@ -9,9 +9,10 @@ manager, the detokenizer) shows as a ratio.
 Requests are completions of --input-len random tokens and --output-len generated tokens
 (`ignore_eos`, greedy), streamed (`stream`) or not (`whole`). Arrivals are all at once
 (`--request-rate inf`) or Poisson at the given rate (a comma-separated list sweeps the rates,
-as SGLang's `bench_serving` reports them: each rate runs every concurrency and served mode); at most --concurrency requests are in
-flight, and unless --num-prompts is given each concurrency sends that many requests. Each
-concurrency runs every mode in --modes; `offline` is `LLM.generate` of the same prompts.
+as SGLang's `bench_serving` reports them: each rate runs every concurrency and served mode); at
+most --concurrency requests are in flight, and unless --num-prompts is given each concurrency
+sends that many requests. Each concurrency runs every mode in --modes; `offline` is
+`LLM.generate` of the same prompts.
 --clients N spreads the load over N client processes (their total is reported), to show the
 load generator is not the bottleneck. Reports output tok/s, time to first token and
 inter-token latency (p50/p90/p99), the CPU seconds each server-side process spent, and

@@ -2,9 +2,9 @@
 
 `default_backend` is where `set_default_backend` puts the backend that programs run on when
 `run` is given none; `with using_backend(b):` overrides it for the code inside (and threads it
-starts through braid), so programs for different backends can run side by side. `with sampling_defaults(seed=...):`
-likewise gives the programs run inside it sampling arguments that neither their gens nor their
-`run` call set.
+starts through braid), so programs for different backends can run side by side.
+`with sampling_defaults(seed=...):` likewise gives the programs run inside it sampling
+arguments that neither their gens nor their `run` call set.
 
 Settings of SGLang's that concern its own runtime (token-ratio estimation, FlashInfer
 workspace, GDS) have no meaning for braid's frontend and are not here.

@@ -88,6 +88,7 @@ def test_a_seed_makes_sampling_reproducible_on_every_backend(smollm2, served):
         sgl.RuntimeEndpoint(served.url),
         sgl.OpenAI(model_name(served.url), base_url=served.url + "/v1"),
     ]
+    firsts = []
     for b in backends:
         first = sampled_program.run(seed=11, backend=b)["answer"]
         unseeded = [sampled_program.run(backend=b)["answer"] for _ in range(2)]
@@ -98,8 +99,8 @@ def test_a_seed_makes_sampling_reproducible_on_every_backend(smollm2, served):
             with sgl.sampling_defaults(seed=12):
                 other = sampled_program.run(backend=b)["answer"]
             assert sampled_program.run(seed=12, backend=b)["answer"] == other != first
-        assert b is backends[0] or first == engine_first
-        engine_first = first
+        firsts.append(first)
+    assert len(set(firsts)) == 1, firsts  # one seed, one prompt: the same tokens everywhere
     with pytest.raises(ValueError, match="unknown sampling argument"):
         with sgl.sampling_defaults(sed=1):
             pass
