@@ -47,15 +47,102 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr):
+def _softmax_step(
+    q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, MASKED: tl.constexpr
+):
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:  # a block every query of which sees every key needs no mask
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_cached(
+    KCache,
+    VCache,
+    table_row,
+    offs_n,
+    mask_n,
+    kvh,
+    offs_d,
+    mask_d,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    dtype: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Keys and values of prefix positions `offs_n` from the pool, through the table row
+    (`mask_n` None: every position is inside the prefix)."""
+    if mask_n is None:
+        loc = tl.load(table_row + offs_n).to(tl.int64)
+        kv_mask = mask_d[None, :]
+    else:
+        loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(
+        KCache + loc[:, None] * stride_kcs + kvh * stride_kch + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        VCache + loc[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if KV_FP8:
+        k = k.to(dtype)
+        v = v.to(dtype)
+    return k, v
+
+
+@triton.jit
+def _load_new(
+    K,
+    V,
+    q_start,
+    offs_n,
+    mask_n,
+    kvh,
+    offs_d,
+    mask_d,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    k_inv,
+    v_inv,
+    dtype: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Keys and values of this extend's tokens `offs_n`, read from `k` and `v` (`mask_n` None:
+    every one exists); with an fp8 pool, as the pool will hold them (unscaled: the scales
+    apply as for the prefix)."""
+    if mask_n is None:
+        kv_mask = mask_d[None, :]
+    else:
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    rows_n = q_start + offs_n
+    k = tl.load(
+        K + rows_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + rows_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    if KV_FP8:
+        k = quantize_e4m3(k.to(tl.float32), k_inv).to(dtype)
+        v = quantize_e4m3(v.to(tl.float32), v_inv).to(dtype)
+    return k, v
 
 
 @triton.jit
@@ -100,7 +187,9 @@ def _extend_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    m_start = tl.program_id(2) * BLOCK_M
+    # The last blocks of queries first: they see the most keys, so a long prompt's slowest
+    # programs start first rather than trailing the launch.
+    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     if m_start >= ext_len:
         return
@@ -124,60 +213,155 @@ def _extend_kernel(
 
     # The cached prefix: every new token sees all of it (within the window).
     q_pos = prefix + offs_m
-    lo = prefix * 0
+    table_row = ReqToToken + row * stride_rt
     if USE_WINDOW:
         lo = tl.maximum(prefix + m_start - window + 1, 0)
-    table_row = ReqToToken + row * stride_rt
-    for n0 in range(lo, prefix, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < prefix
-        loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            KCache + loc[:, None] * stride_kcs + kvh * stride_kch + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            VCache + loc[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        visible = mask_n[None, :]
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
-        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC)
+        for n0 in range(lo, prefix, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix
+            k, v = _load_cached(
+                KCache,
+                VCache,
+                table_row,
+                offs_n,
+                mask_n,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kcs,
+                stride_kch,
+                stride_vcs,
+                stride_vch,
+                q.dtype,
+                KV_FP8,
+            )
+            visible = mask_n[None, :] & (q_pos[:, None] - offs_n[None, :] < window)
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC, True
+            )
+    else:
+        full = prefix - prefix % BLOCK_N
+        for n0 in range(0, full, BLOCK_N):  # whole blocks: no mask
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_cached(
+                KCache,
+                VCache,
+                table_row,
+                offs_n,
+                None,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kcs,
+                stride_kch,
+                stride_vcs,
+                stride_vch,
+                q.dtype,
+                KV_FP8,
+            )
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, DOT_PREC, False)
+        for n0 in range(full, prefix, BLOCK_N):  # the partial last block, if any
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < prefix
+            k, v = _load_cached(
+                KCache,
+                VCache,
+                table_row,
+                offs_n,
+                mask_n,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kcs,
+                stride_kch,
+                stride_vcs,
+                stride_vch,
+                q.dtype,
+                KV_FP8,
+            )
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, mask_n[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, True
+            )
 
     # The new tokens, causally: keys up to the last query of this block.
     hi = tl.minimum(ext_len, m_start + BLOCK_M)
-    lo = m_start * 0
     if USE_WINDOW:
         lo = tl.maximum(m_start - window + 1, 0)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        rows_n = q_start + offs_n
-        k = tl.load(
-            K + rows_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            V + rows_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:  # as the pool holds them (unscaled: the scales apply as for the prefix)
-            k = quantize_e4m3(k.to(tl.float32), k_inv).to(q.dtype)
-            v = quantize_e4m3(v.to(tl.float32), v_inv).to(q.dtype)
-        visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        if USE_WINDOW:
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            k, v = _load_new(
+                K,
+                V,
+                q_start,
+                offs_n,
+                mask_n,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                k_inv,
+                v_inv,
+                q.dtype,
+                KV_FP8,
+            )
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             visible = visible & (offs_m[:, None] - offs_n[None, :] < window)
-        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC)
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC, True
+            )
+    else:
+        # Keys before this block of queries are seen by all of them (BLOCK_N divides BLOCK_M,
+        # so these blocks end at m_start); the diagonal blocks are masked.
+        for n0 in range(0, m_start, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_new(
+                K,
+                V,
+                q_start,
+                offs_n,
+                None,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                k_inv,
+                v_inv,
+                q.dtype,
+                KV_FP8,
+            )
+            m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, DOT_PREC, False)
+        for n0 in range(m_start, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            k, v = _load_new(
+                K,
+                V,
+                q_start,
+                offs_n,
+                mask_n,
+                kvh,
+                offs_d,
+                mask_d,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                k_inv,
+                v_inv,
+                q.dtype,
+                KV_FP8,
+            )
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PREC, True
+            )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -189,8 +373,9 @@ def _extend_kernel(
     )
 
 
-def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) by head size; float32 tiles take twice the registers."""
+def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size; float32 tiles take twice the
+    registers. BLOCK_N divides BLOCK_M (the kernel's unmasked causal blocks rely on it)."""
     block_d = next_pow2(head_dim)
     if block_d <= 64:
         m, n, warps = 64, 64, 4
@@ -200,7 +385,7 @@ def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[in
         m, n, warps = 32, 32, 8
     if dtype == torch.float32 and device.type == "cuda":
         m, n = max(16, m // 2), max(16, n // 2)
-    return m, n, warps
+    return m, n, warps, 1
 
 
 def extend_attention(
@@ -221,6 +406,7 @@ def extend_attention(
     max_extend_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and themselves.
 
@@ -241,6 +427,9 @@ def extend_attention(
     `k_cache` and `v_cache` may instead be float8_e4m3fn (an fp8 KV cache, with `k_scale`
     and `v_scale`; ignored for a float cache): the prefix is dequantized, and the new tokens
     are used as the cache would store them (see the module's docstring).
+
+    `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the default launch
+    configuration (benchmarks/tune_extend.py sweeps it); BLOCK_N must divide BLOCK_M.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     tokens, num_heads, _ = q.shape
@@ -269,7 +458,9 @@ def extend_attention(
     if batch == 0 or tokens == 0 or max_extend_len == 0:
         return out
 
-    block_m, block_n, warps = _blocks(head_dim, q.dtype, device)
+    block_m, block_n, warps, stages = config or _blocks(head_dim, q.dtype, device)
+    if block_m % block_n:
+        raise ValueError(f"extend_attention: BLOCK_N {block_n} must divide BLOCK_M {block_m}")
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q,
@@ -310,7 +501,7 @@ def extend_attention(
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=fp8,
         num_warps=warps,
-        num_stages=1,
+        num_stages=stages,
     )
     return out
 

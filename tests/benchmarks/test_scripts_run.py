@@ -4,6 +4,7 @@ on the GPU machine."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,22 @@ def test_structured_runs_at_toy_size(tmp_path):
     (jump,) = r["jump_forward"]
     assert jump["steps_on"] < jump["steps_off"]  # the schema's long keys are forced
     assert r["compile"]["schemas"] == 15 and r["compile"]["cached_total_s"] < 0.1
+
+
+def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
+    """benchmarks/tune_extend.py (the H200 sweep) through the interpreter: each configuration
+    is checked against the default's output, then timed."""
+    out = tmp_path / "t.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/tune_extend.py", "--smoke", "--repeats", "1"]
+        + ["--per-repeat", "1", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    result = json.loads(out.read_text())
+    assert [r["config"] for r in result["rows"]] == [[16, 16, 4, 1], [32, 16, 4, 2]]
+    assert all(r["us"] > 0 and "error" not in r for r in result["rows"]), result["rows"]
+    assert result["best"]["2x(5+20)"]["config"] in ([16, 16, 4, 1], [32, 16, 4, 2])

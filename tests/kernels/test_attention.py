@@ -210,6 +210,18 @@ def test_extend_matches_reference_on_ragged_batch_with_prefixes(
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("config", [(32, 16, 4, 1), (16, 16, 4, 2), (64, 32, 8, 3)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_extend_launch_configs_give_the_same_result(device, config, window):
+    """Every launch configuration the tuning sweep tries: whole key blocks (prefix and causal)
+    run unmasked, partial and diagonal ones masked, the last query blocks launch first."""
+    args = _extend_case([70, 0, 33], [70, 45, 1], 4, 2, 16, torch.float32, device)
+    got = extend_attention(*args, 0.25, window=window, config=config)
+    _close(got, extend_attention_reference(*args, 0.25, window=window), torch.float32)
+    with pytest.raises(ValueError, match="BLOCK_N 32 must divide BLOCK_M 16"):
+        extend_attention(*args, 0.25, config=(16, 32, 4, 1))
+
+
 def test_extend_with_int32_lengths_strided_kv_and_given_out(device):
     q, k, v, *rest = _extend_case(
         [4, 0], [6, 3], 4, 2, 16, torch.float32, device, table_dtype=torch.int32

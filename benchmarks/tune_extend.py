@@ -1,0 +1,151 @@
+"""Sweep the extend-attention kernel's launch configuration (BLOCK_M, BLOCK_N, num_warps,
+num_stages) on this GPU.
+
+    python benchmarks/tune_extend.py          # Llama-3.1-8B heads (32 q, 8 kv, dim 128), bf16
+    python benchmarks/tune_extend.py --smoke  # tiny shapes, 2 configs: runs on CPU (interpreter)
+
+Cases (batch, cached prefix, new tokens per request): 1 x 4096 and 16 x 512 new tokens (issue
+21's two points: the target is >= 50% of the matmul rate) and 4 x (1024 cached + 1024 new), a
+chunked prefill. Each configuration's output is first compared with the default's (a wrong one
+is reported, not timed); each is timed with CUDA events over back-to-back calls, median of the
+repeats, and reported as its fraction of the bf16 matmul rate measured in the same run
+(attention FLOPs: 4 x head dim per visible query-key pair, causal). `_blocks` in
+braid/kernels/attention_extend.py takes its default from this table. Writes
+benchmarks/results/tune_extend_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import _elapsed_s, matmul_rate, write_result  # noqa: E402
+from braid.kernels.attention_extend import _blocks, extend_attention  # noqa: E402
+
+CASES = [(1, 0, 4096), (16, 0, 512), (4, 1024, 1024)]
+CONFIGS = [
+    (m, n, w, s)
+    for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4))
+    if m % n == 0
+]
+
+
+def case_inputs(batch, prefix, new, heads, kvh, d, dtype, device):
+    """q/k/v of the new tokens and a pool holding every request's prefix, rows end to end."""
+    g = torch.Generator().manual_seed(0)
+    n = batch * new
+    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device) for h in (heads, kvh, kvh))
+    slots = max(1, batch * prefix)
+    kc, vc = (torch.randn(slots, kvh, d, generator=g).to(dtype).to(device) for _ in range(2))
+    table = torch.arange(max(1, batch * prefix)).view(batch, -1)[:, : max(prefix, 1)]
+    table = table.contiguous().to(device)
+    as_idx = dict(dtype=torch.int64, device=device)
+    rows = torch.arange(batch, **as_idx)
+    pre = torch.full((batch,), prefix, **as_idx)
+    ext = torch.full((batch,), new, **as_idx)
+    start = torch.arange(batch, **as_idx) * new
+    return q, k, v, kc, vc, table, rows, pre, ext, start
+
+
+def time_s(fn, device, repeats: int, per_repeat: int) -> float:
+    for _ in range(3):
+        fn()
+
+    def calls():
+        for _ in range(per_repeat):
+            fn()
+
+    return statistics.median(_elapsed_s(calls, device) for _ in range(repeats)) / per_repeat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, two configs, on CPU")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--per-repeat", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        heads, kvh, d, dtype = 4, 2, 16, torch.float32
+        cases, configs = [(2, 5, 20)], [(16, 16, 4, 1), (32, 16, 4, 2)]
+        rate = 1.0
+    else:
+        heads, kvh, d, dtype = 32, 8, 128, torch.bfloat16
+        cases, configs = CASES, CONFIGS
+        rate = matmul_rate(str(device))["flops_per_s"]
+        print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s", flush=True)
+    default = _blocks(d, dtype, device)
+    rows = []
+    for batch, prefix, new in cases:
+        inputs = case_inputs(batch, prefix, new, heads, kvh, d, dtype, device)
+        scale = d**-0.5
+        want = extend_attention(*inputs, scale, max_extend_len=new, config=default)
+        visible = batch * heads * (new * prefix + new * (new + 1) // 2)
+        flops = 4 * d * visible
+        for config in configs:
+            row = {"batch": batch, "prefix": prefix, "new": new, "config": list(config)}
+            try:
+                got = extend_attention(*inputs, scale, max_extend_len=new, config=config)
+                err = (got.float() - want.float()).abs().max().item()
+                if err > 2e-2:
+                    row["error"] = f"max abs difference {err:.3g} from the default config"
+                else:
+                    call = partial(
+                        extend_attention,
+                        *inputs,
+                        scale,
+                        max_extend_len=new,
+                        out=torch.empty_like(got),
+                        config=config,
+                    )
+                    t = time_s(call, device, args.repeats, args.per_repeat)
+                    row.update(us=t * 1e6, of_matmul=flops / t / rate)
+            except Exception as e:  # a config the GPU cannot run (shared memory, registers)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            mark = " (default)" if config == default else ""
+            shown = (
+                f"{row['us']:9.1f} us {row['of_matmul']:6.3f} of matmul"
+                if "us" in row
+                else row["error"]
+            )
+            print(f"{batch:>3} x ({prefix:>4} + {new:>4}) {config}{mark}: {shown}", flush=True)
+    best = {}
+    for batch, prefix, new in cases:
+        timed = [r for r in rows if (r["batch"], r["prefix"], r["new"]) == (batch, prefix, new)]
+        timed = [r for r in timed if "us" in r]
+        if timed:
+            top = min(timed, key=lambda r: r["us"])
+            dflt = next((r for r in timed if tuple(r["config"]) == default), None)
+            best[f"{batch}x({prefix}+{new})"] = {
+                "config": top["config"],
+                "of_matmul": top["of_matmul"],
+                "default_of_matmul": dflt["of_matmul"] if dflt else None,
+            }
+    print(best)
+    write_result(
+        "tune_extend",
+        device.type,
+        args.out,
+        {
+            "heads": [heads, kvh, d],
+            "dtype": str(dtype).removeprefix("torch."),
+            "matmul_flops_per_s": rate,
+            "default": list(default),
+            "best": best,
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
