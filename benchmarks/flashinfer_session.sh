@@ -14,31 +14,13 @@
 # markupsafe, filelock, cuda_bindings, cuda_pathfinder, protobuf): about 27 MB. flashinfer's
 # import needs only pynvml (nvidia-ml-py) beyond the image; the installed fastapi needs
 # opentelemetry-api (without it the GPU tests fail at collection, seen 2026-12-02).
-# A step past its limit is stopped with SIGABRT first, so faulthandler prints each process's
-# stack into its log (a stall shows where it stands).
+# A step past its limit is stopped with SIGABRT first (benchmarks/step.sh).
 set -u
 part=${1:?part 1 or 2}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/r"
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PATH=/tmp/site/bin:$PATH
-step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log, show its end
-    # Past the limit every benchmark, test and engine process gets SIGABRT first, which makes
-    # Python's faulthandler (PYTHONFAULTHANDLER=1) print each one's stack into the log: a
-    # stall shows where it stands.
-    local limit=$1 name=$2
-    shift 2
-    local t0=$SECONDS
-    "$@" >"$OUT/$name.log" 2>&1 &
-    local pid=$!
-    (sleep "$limit"; pkill -ABRT -f "benchmarks/gpu.py|benchmarks/attention_backends.py|pytest|multiprocessing"; sleep 5;
-     pkill -KILL -f "benchmarks/gpu.py|benchmarks/attention_backends.py|pytest|multiprocessing") >/dev/null 2>&1 &
-    local watcher=$!
-    wait "$pid"
-    local rc=$?
-    kill "$watcher" 2>/dev/null
-    echo "== $name: rc $rc after $((SECONDS - t0)) s"
-    tail -n "${TAIL:-12}" "$OUT/$name.log"
-}
+export PATH=/tmp/site/bin:$PATH
+source "$(dirname "$0")/step.sh"
 if [ "$part" = 1 ]; then
     nproc; nvcc --version | tail -1; python -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
     TAIL=12 step 320 jit python benchmarks/attention_backends.py jit --out "$OUT/r/flashinfer_jit_cuda.json"

@@ -65,8 +65,9 @@ def main() -> None:
     ap.add_argument(
         "--config",
         default=None,
-        help="a config under benchmarks/configs (e.g. llama-3.1-8b) with the embedded tokenizer",
+        help="a config under benchmarks/configs (e.g. llama-3.1-8b) with --tokenizer's files",
     )
+    ap.add_argument("--tokenizer", type=Path, default=None, help="default: the embedded model's")
     ap.add_argument("--repeats", type=int, default=3, help="starts of each setting")
     ap.add_argument("--server-args", default="", help="extra `braid serve` flags")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -76,7 +77,8 @@ def main() -> None:
     if args.config:
         from benchmarks.structured_gpu import embedded_tokenizer_dir, model_dir
 
-        model = str(model_dir(args.config, embedded_tokenizer_dir(), Path(tempfile.mkdtemp())))
+        tok = args.tokenizer or embedded_tokenizer_dir()
+        model = str(model_dir(args.config, tok, Path(tempfile.mkdtemp()) / args.config))
     extra = (["--model", model] if model else []) + args.server_args.split()
     runs: dict[str, list[dict]] = {"overlap": [], "in_turn": []}
     start = 0

@@ -9,8 +9,10 @@ Cases (batch, cached prefix, new tokens per request): 1 x 4096 and 16 x 512 new 
 chunked prefill. Each configuration's output is first compared with the default's (a wrong one
 is reported, not timed); each is timed with CUDA events over back-to-back calls, median of the
 repeats, and reported as its fraction of the bf16 matmul rate measured in the same run
-(attention FLOPs: 4 x head dim per visible query-key pair, causal). `_blocks` in
-braid/kernels/attention_extend.py takes its default from this table. Writes
+(attention FLOPs: 4 x head dim per visible query-key pair, causal), beside the built-in
+default's. The chosen configuration is the one whose worst case is nearest that case's best;
+`--write-config` records it for this GPU in braid/kernels/configs/extend_attention.json, which
+`_blocks` in braid/kernels/attention_extend.py reads. Writes
 benchmarks/results/tune_extend_<device>.json.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from functools import partial
@@ -28,7 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import _elapsed_s, matmul_rate, write_result  # noqa: E402
-from braid.kernels.attention_extend import _blocks, extend_attention  # noqa: E402
+from braid.kernels.attention_extend import (  # noqa: E402
+    TUNED_CONFIGS,
+    _blocks,
+    extend_attention,
+    tuned_key,
+)
 
 CASES = [(1, 0, 4096), (16, 0, 512), (4, 1024, 1024)]
 CONFIGS = [
@@ -71,6 +79,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two configs, on CPU")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--per-repeat", type=int, default=10)
+    ap.add_argument("--write-config", action="store_true", help="record the chosen config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -83,7 +92,7 @@ def main() -> None:
         cases, configs = CASES, CONFIGS
         rate = matmul_rate(str(device))["flops_per_s"]
         print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s", flush=True)
-    default = _blocks(d, dtype, device)
+    default = _blocks(d, dtype, device, tuned=False)
     rows = []
     for batch, prefix, new in cases:
         inputs = case_inputs(batch, prefix, new, heads, kvh, d, dtype, device)
@@ -120,18 +129,40 @@ def main() -> None:
             )
             print(f"{batch:>3} x ({prefix:>4} + {new:>4}) {config}{mark}: {shown}", flush=True)
     best = {}
-    for batch, prefix, new in cases:
-        timed = [r for r in rows if (r["batch"], r["prefix"], r["new"]) == (batch, prefix, new)]
-        timed = [r for r in timed if "us" in r]
-        if timed:
-            top = min(timed, key=lambda r: r["us"])
-            dflt = next((r for r in timed if tuple(r["config"]) == default), None)
-            best[f"{batch}x({prefix}+{new})"] = {
-                "config": top["config"],
-                "of_matmul": top["of_matmul"],
-                "default_of_matmul": dflt["of_matmul"] if dflt else None,
-            }
+    timed = {}
+    for r in rows:
+        if "us" in r:
+            timed.setdefault((r["batch"], r["prefix"], r["new"]), {})[tuple(r["config"])] = r
+    for (batch, prefix, new), by_config in timed.items():
+        top = min(by_config.values(), key=lambda r: r["us"])
+        dflt = by_config.get(default)
+        best[f"{batch}x({prefix}+{new})"] = {
+            "config": top["config"],
+            "of_matmul": top["of_matmul"],
+            "default_of_matmul": dflt["of_matmul"] if dflt else None,
+        }
+    # One config for every case: the one whose worst case is nearest that case's best.
+    everywhere = [c for c in configs if all(c in by_config for by_config in timed.values())]
+    chosen = None
+    if everywhere:
+        fastest = {case: min(r["us"] for r in bc.values()) for case, bc in timed.items()}
+        chosen = min(
+            everywhere, key=lambda c: max(timed[case][c]["us"] / fastest[case] for case in timed)
+        )
+        best["chosen"] = {
+            "config": list(chosen),
+            "of_matmul": {
+                f"{b}x({p}+{n})": timed[(b, p, n)][chosen]["of_matmul"] for b, p, n in timed
+            },
+        }
     print(best)
+    if args.write_config and chosen is not None and device.type == "cuda":
+        configs_file = json.loads(TUNED_CONFIGS.read_text()) if TUNED_CONFIGS.is_file() else {}
+        name = torch.cuda.get_device_name(device)
+        configs_file.setdefault(name, {})[tuned_key(d, dtype)] = list(chosen)
+        TUNED_CONFIGS.parent.mkdir(parents=True, exist_ok=True)
+        TUNED_CONFIGS.write_text(json.dumps(configs_file, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {TUNED_CONFIGS}: {name} {tuned_key(d, dtype)} -> {list(chosen)}")
     write_result(
         "tune_extend",
         device.type,

@@ -19,6 +19,10 @@ braid does not, for that reason.)
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -373,13 +377,37 @@ def _extend_kernel(
     )
 
 
-def _blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size; float32 tiles take twice the
-    registers. BLOCK_N divides BLOCK_M (the kernel's unmasked causal blocks rely on it)."""
+# Launch configurations measured per GPU by benchmarks/tune_extend.py (`--write-config`):
+# {device name: {"<head dim>/<dtype>": [BLOCK_M, BLOCK_N, num_warps, num_stages]}}.
+TUNED_CONFIGS = Path(__file__).parent / "configs" / "extend_attention.json"
+
+
+def tuned_key(head_dim: int, dtype: torch.dtype) -> str:
+    """The key of a head size and dtype in `TUNED_CONFIGS`."""
+    return f"{next_pow2(head_dim)}/{str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _tuned(device_name: str, key: str) -> tuple[int, int, int, int] | None:
+    if not TUNED_CONFIGS.is_file():
+        return None
+    config = json.loads(TUNED_CONFIGS.read_text()).get(device_name, {}).get(key)
+    return tuple(config) if config else None
+
+
+def _blocks(
+    head_dim: int, dtype: torch.dtype, device: torch.device, tuned: bool = True
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the configuration tuned for this GPU, head
+    size and dtype where one was measured (`TUNED_CONFIGS`; `tuned=False` skips it), else by
+    head size; float32 tiles take twice the registers. BLOCK_N divides BLOCK_M (the kernel's
+    unmasked causal blocks rely on it)."""
     block_d = next_pow2(head_dim)
-    if block_d <= 64:
-        m, n, warps = 64, 64, 4
-    elif block_d <= 128:
+    if tuned and device.type == "cuda":
+        config = _tuned(torch.cuda.get_device_name(device), tuned_key(head_dim, dtype))
+        if config is not None:
+            return config
+    if block_d <= 128:
         m, n, warps = 64, 64, 4
     else:
         m, n, warps = 32, 32, 8

@@ -511,3 +511,22 @@ def test_fp8_cache_kernels_real_sizes_gpu(dtype):
     kc, vc = quantize_kv_reference(kc, 0.05), quantize_kv_reference(vc, 0.02)
     got = extend_attention(q, k, v, kc, vc, *rest, 128**-0.5, **kw)
     _close(got, extend_attention_reference(q, k, v, kc, vc, *rest, 128**-0.5, **kw), dtype)
+
+
+def test_a_tuned_launch_config_is_read_per_gpu_head_size_and_dtype(tmp_path, monkeypatch):
+    """benchmarks/tune_extend.py --write-config records the chosen configuration per GPU;
+    `_tuned` finds it by the device's name and `tuned_key`, and nothing for other GPUs."""
+    from braid.kernels import attention_extend as ae
+
+    path = tmp_path / "extend_attention.json"
+    path.write_text('{"NVIDIA H200": {"128/bfloat16": [128, 64, 8, 3]}}')
+    monkeypatch.setattr(ae, "TUNED_CONFIGS", path)
+    ae._tuned.cache_clear()
+    try:
+        assert ae.tuned_key(128, torch.bfloat16) == "128/bfloat16"
+        assert ae.tuned_key(96, torch.float16) == "128/float16"
+        assert ae._tuned("NVIDIA H200", "128/bfloat16") == (128, 64, 8, 3)
+        assert ae._tuned("NVIDIA H200", "128/float16") is None
+        assert ae._tuned("NVIDIA A100-SXM4-80GB", "128/bfloat16") is None
+    finally:
+        ae._tuned.cache_clear()
