@@ -33,10 +33,12 @@ from benchmarks.common import write_result  # noqa: E402
 from braid.runtime.ipc.sockets import free_port  # noqa: E402
 
 READY = re.compile(r"ready at http://\S+ \((.*)\) in ([\d.]+) s: (.*)$")
+INSIDE_LOAD = re.compile(r"model \S+ loaded: |CUDA graphs: captured ")
 
 
 def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
-    """One `braid serve` start until its ready line, then SIGTERM; its total and phases."""
+    """One `braid serve` start until its ready line, then SIGTERM; its total, its phases and
+    the scheduler's model-load and graph-capture lines (which split the scheduler's load)."""
     port = free_port()
     env = {**os.environ, "BRAID_OVERLAP_STARTUP": "1" if overlap else "0"}
     with tempfile.TemporaryFile("w+") as log:
@@ -55,8 +57,17 @@ def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
         finally:
             proc.terminate()
             proc.wait(60)
+        log.seek(0)
+        text = log.read()
     m = READY.search(line)
-    return {"total_s": float(m.group(2)), "phases": m.group(3), "model": m.group(1)}
+    # The scheduler's own lines before ready: weights loaded (in how long), graphs captured.
+    inside = [x.split("] ", 1)[-1][:300] for x in text.splitlines() if INSIDE_LOAD.search(x)]
+    return {
+        "total_s": float(m.group(2)),
+        "phases": m.group(3),
+        "model": m.group(1),
+        "scheduler_lines": inside,
+    }
 
 
 def main() -> None:
@@ -88,6 +99,8 @@ def main() -> None:
             r = {"start": start, **start_once(name == "overlap", extra, args.timeout)}
             runs[name].append(r)
             print(f"{start}. {name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
+            for x in r["scheduler_lines"]:
+                print(f"    {x[:160]}", flush=True)
     summary = {
         name: {
             "best_s": min(r["total_s"] for r in rs),

@@ -53,8 +53,10 @@ def case_inputs(batch, prefix, new, heads, kvh, d, dtype, device):
     q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device) for h in (heads, kvh, kvh))
     slots = max(1, batch * prefix)
     kc, vc = (torch.randn(slots, kvh, d, generator=g).to(dtype).to(device) for _ in range(2))
-    table = torch.arange(max(1, batch * prefix)).view(batch, -1)[:, : max(prefix, 1)]
-    table = table.contiguous().to(device)
+    if prefix:
+        table = torch.arange(batch * prefix).view(batch, prefix).to(device)
+    else:
+        table = torch.zeros(batch, 1, dtype=torch.int64, device=device)
     as_idx = dict(dtype=torch.int64, device=device)
     rows = torch.arange(batch, **as_idx)
     pre = torch.full((batch,), prefix, **as_idx)
