@@ -17,6 +17,7 @@ from safetensors import safe_open
 from braid import SamplingParams
 from braid.kernels.gguf_reference import random_blocks, row_bytes
 from braid.runtime.ipc.to_scheduler import GenerateReq
+from braid.runtime.layers.embedding import LMHead
 from braid.runtime.layers.linear import Linear
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
@@ -166,10 +167,26 @@ def test_kept_layers_hold_the_files_weights(blocks_dir):
     assert kinds["model.layers.0.self_attn.qkv_proj"] == ["_CpuSegment", "_CpuSegment"]
     assert kinds["model.layers.1.mlp.down_proj"] == "float"  # Q5_0: not kept
     assert kinds["model.layers.1.self_attn.o_proj"] == ["_CpuSegment"]
-    # The embedding and LM head stay floats: the file's values, dequantized.
+    # The embedding's table stays floats: the file's values, dequantized; so does the LM
+    # head's float weight, but the logits come from the head's own blocks (Q6_K here).
     floats = dict(_build(blocks_dir, dequantize_gguf=True).named_parameters())
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(dict(model.named_parameters())[name], floats[name])
+    head = model.lm_head.method
+    assert [type(s).__name__ for s in head.segments] == ["_CpuSegment"]
+    want, got = floats["lm_head.weight"], head.dequantize()
+    step = (want.abs().amax(dim=1, keepdim=True) / 7).expand_as(want)
+    assert ((got - want).abs() <= step / 32 + want.abs() * 2**-7).all()
+    assert not torch.equal(got, want)  # bfloat16 scales: the blocks, not the float copy
+    # Up to QUANTIZED_MAX_ROWS rows from the blocks, more from the float weight.
+    n = model.lm_head.QUANTIZED_MAX_ROWS
+    h = torch.randn(n + 1, want.shape[1])
+    assert torch.equal(model.lm_head(h[:n]), head.apply(h[:n], None))
+    float_logits = h @ floats["lm_head.weight"].T
+    assert torch.allclose(model.lm_head(h), float_logits, atol=1e-5)
+    assert not torch.allclose(model.lm_head(h[:n]), float_logits[:n], atol=1e-5)
+    # Dequantized, or quantized by another method, the head multiplies by its float weight.
+    assert _build(blocks_dir, dequantize_gguf=True).lm_head.method is None
 
 
 def _greedy(sched, n=6, prompts=PROMPTS):
@@ -185,6 +202,7 @@ def test_kept_quantized_model_gives_its_references_greedy_tokens(blocks_dir, mon
     assert all(len(t) == 6 for t in got)
     with monkeypatch.context() as m:
         m.setattr(Linear, "forward", Linear.reference)
+        m.setattr(LMHead, "forward", LMHead.reference)
         assert got == _greedy(local_scheduler(blocks_dir, kv_tokens=256))
 
 
@@ -265,6 +283,7 @@ def test_embedded_smollm2_kept_quantized_gives_its_references_greedy_tokens(monk
     got = _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
     with monkeypatch.context() as m:
         m.setattr(Linear, "forward", Linear.reference)
+        m.setattr(LMHead, "forward", LMHead.reference)
         assert got == _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
 
 
@@ -285,4 +304,5 @@ def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_d
     got = _greedy(sched)
     with monkeypatch.context() as m:
         m.setattr(Linear, "forward", Linear.reference)
+        m.setattr(LMHead, "forward", LMHead.reference)
         assert got == _greedy(local_scheduler(blocks_dir, disable_cuda_graph=True, **gpu))

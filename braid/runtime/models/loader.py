@@ -100,12 +100,15 @@ def load_weights(
     *,
     progress: bool = True,
     gguf_types: dict[str, str] | None = None,
+    gguf_head: bool = False,
 ) -> None:
     """Fill `model` from `model_dir`'s safetensors. `gguf_types`: a GGUF directory's tensor
-    types (raw blocks go to parameters that take them, the rest are dequantized). A layer's
-    fp8 KV-cache scales (`layers.N.self_attn.k_scale` / `v_scale` / `kv_scale`, one number
-    each) are not parameters: they are left in `model.kv_cache_scales` ({layer: {"k": scale,
-    "v": scale}}), for the KV pool."""
+    types (raw blocks go to parameters that take them, the rest are dequantized); with
+    `gguf_head`, the LM head's weight in a type braid keeps also goes to a CPU model's head as
+    blocks (`LMHead.keep_gguf_blocks`; a tied head's are the embedding's, dequantized too).
+    A layer's fp8 KV-cache scales (`layers.N.self_attn.k_scale` / `v_scale` / `kv_scale`, one
+    number each) are not parameters: they are left in `model.kv_cache_scales` ({layer: {"k":
+    scale, "v": scale}}), for the KV pool."""
     gguf_types = gguf_types or {}
     params = dict(model.named_parameters())
     expected = {(name, s) for name, p in params.items() for s in p.shard_names}
@@ -117,6 +120,16 @@ def load_weights(
     # transformers 4 or 5) maps each key to its own name first (None: a key with no weights).
     rename = getattr(model, "checkpoint_key", None)
     kv_scales: dict[int, dict[str, float]] = {}
+    head = getattr(model, "lm_head", None)
+    head_name = None
+    if (
+        gguf_head
+        and hasattr(head, "keep_gguf_blocks")
+        and getattr(head, "group", None) is None
+        and head.weight.device.type == "cpu"
+    ):
+        head_name = next(n for n, p in params.items() if p is head.weight)
+    head_blocks: tuple[torch.Tensor, str] | None = None
     with tqdm(desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(str(path), framework="pt") as f:
@@ -144,6 +157,8 @@ def load_weights(
                         tensor = f.get_slice(stored)
                     else:
                         tensor = f.get_tensor(stored)
+                    if name == head_name and qtype in KEPT_TYPES:
+                        head_blocks = (tensor, qtype)
                     if qtype is not None and not (
                         qtype in KEPT_TYPES and getattr(param, "takes_gguf_blocks", False)
                     ):
@@ -154,6 +169,8 @@ def load_weights(
                         raise ValueError(f"checkpoint key {key}: {e}") from None
                     filled.add((name, shard))
     model.kv_cache_scales = kv_scales
+    if head_blocks is not None:
+        head.keep_gguf_blocks(*head_blocks)
     if unexpected:
         raise ValueError(
             f"checkpoint keys that no parameter consumes: {sorted(unexpected)[:10]}"
@@ -246,7 +263,10 @@ def build_model(
     if load_format == "dummy":
         _fill_random(model, device)
     else:
-        load_weights(model, model_dir, progress=progress, gguf_types=gguf_types)
+        keep_head = method is not None and method.name == "gguf"
+        load_weights(
+            model, model_dir, progress=progress, gguf_types=gguf_types, gguf_head=keep_head
+        )
     for module in model.modules():
         if isinstance(module, Linear):
             module.finish_loading()

@@ -9,7 +9,9 @@ linear layer whose shards are all float (F32, F16, BF16) stays a float layer; an
 Q4_K `attn_q`), so consecutive shards of one type form a segment, each with its own kernel,
 and the outputs are concatenated. Tensors of a type braid does not keep (Q5_K, IQ4_NL, ...)
 are dequantized to floats by the loader (one log line names the types), and so are quantized
-tensors outside linear layers (the embedding, the LM head).
+tensors outside linear layers (the embedding). On the CPU the LM head keeps the file's blocks
+too (a `GGUFLinearMethod` of its own, `LMHead.keep_gguf_blocks`; without tensor parallelism)
+for steps of few rows, beside the float weight (its tied embedding's table).
 
 Kernels, chosen once per segment in `finish_loading`:
 - CUDA: `braid.kernels.gguf_linear` over the blocks decoded into exact codes and per-group
@@ -219,6 +221,10 @@ class GGUFLinearMethod(LinearMethod):
         return {"weight": p}
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> None:
+        self.load_shard(loaded, shard)
+
+    def load_shard(self, loaded: torch.Tensor, shard: str | None) -> None:
+        """Take shard `shard`'s tensor: raw blocks of its type, or floats [rows, in]."""
         _, size = self.spec.shard_range(shard)
         qtype, k = self.shard_types[shard], self.spec.in_features
         if qtype == "float":
