@@ -11,16 +11,18 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the server's front
+    import torch  # end starts the runtime's processes without paying for its import first
 
+# `dtype` values -> torch dtype names
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 # `kv_cache_dtype` values (vLLM's names; "fp8" is e4m3, as vLLM's default on CUDA).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -509,6 +511,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -572,15 +576,19 @@ class EngineConfig:
         float8_e4m3fn for "fp8" and "fp8_e4m3"."""
         if self.kv_cache_dtype == "auto":
             return model_dtype
+        import torch
+
         return torch.float8_e4m3fn
 
     def torch_dtype(self, model_dtype: str | None) -> torch.dtype:
         """float32 on CPU for "auto" (CPU half-precision matmuls are slow and less exact);
         on CUDA the model's 16-bit dtype, or bfloat16."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if self.torch_device.type == "cpu":
             return torch.float32
         if model_dtype in ("bfloat16", "float16"):
-            return _DTYPES[model_dtype]
+            return getattr(torch, model_dtype)
         return torch.bfloat16

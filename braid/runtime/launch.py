@@ -28,6 +28,21 @@ def use_braid_triton_cache() -> None:
         os.environ["TRITON_CACHE_DIR"] = str(cache_root() / "triton")
 
 
+# The processes' entry points, imported in the process itself: the scheduler's module pulls in
+# torch and the model runner, which the caller (the server's front end, an `LLM`) then never
+# imports just to name the target, so the runtime starts before the caller's heavy imports.
+def _run_scheduler(*args) -> None:
+    from braid.runtime.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _run_detokenizer(*args) -> None:
+    from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
 def spawn_runtime(
     config: EngineConfig,
     model_path: Path,
@@ -40,12 +55,6 @@ def spawn_runtime(
     "scheduler"). With `tp_size` > 1 the scheduler is rank 0 of the tensor-parallel group and
     this machine's other ranks start too ("tp-rank-N"; `executor/tp_worker.py`), meeting at
     `dist_init_addr` or, on one machine, a free port here."""
-    # Imported here, not at the top: the scheduler's module pulls in the model runner, and the
-    # caller pays for that import only when it starts a runtime (the manager's loop thread,
-    # while the engine loads its tokenizer).
-    from braid.runtime.scheduler.process import run_scheduler_process
-    from braid.runtime.tokenizer.detokenizer_process import run_detokenizer_process
-
     if config.tp_size > 1 and config.dist_init_addr is None:
         config = dataclasses.replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
     use_braid_triton_cache()
@@ -53,13 +62,13 @@ def spawn_runtime(
     pid = os.getpid()
     procs: dict[str, BaseProcess] = {
         "detokenizer": ctx.Process(
-            target=run_detokenizer_process,
+            target=_run_detokenizer,
             args=(str(model_path), addrs, pid, log_level),
             name="braid-detokenizer",
             daemon=True,
         ),
         "scheduler": ctx.Process(
-            target=run_scheduler_process,
+            target=_run_scheduler,
             args=(config, str(model_path), sorted(eos_token_ids), addrs, pid, log_level),
             name="braid-scheduler",
             daemon=True,

@@ -289,3 +289,10 @@ def defaults_from_generation_config(gen_config: dict[str, Any]) -> dict[str, Any
         if gen_config.get(src) is not None:
             out[dst] = gen_config[src]
     return out
+
+
+def fold_seed(seed: int) -> int:
+    """A 32-bit stream id for any Python int seed (the sampler's noise stream of a sample;
+    here, beside the parameters, so the front end computes it without importing torch)."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 import sys
 
 import httpx
@@ -123,14 +124,35 @@ def test_ready_line_reports_startup_phases(tiny_server):
     line = _ready_line(tiny_server)
     pattern = (
         r"in ([\d.]+) s: imports ([\d.]+) s, runtime ([\d.]+) s \(scheduler: load ([\d.]+) s; "
-        r"alongside: tokenizer ([\d.]+) s\), server ([\d.]+) s"
+        r"alongside: server imports ([\d.]+) s, tokenizer ([\d.]+) s\), server ([\d.]+) s"
     )
     m = re.search(pattern, line)
     assert m, line
-    total, imports, runtime, load, tokenizer, server = map(float, m.groups())
-    # One after the other: imports, the runtime (the tokenizer loads meanwhile), the server.
+    total, imports, runtime, load, server_imports, tokenizer, server = map(float, m.groups())
+    # One after the other: imports, the runtime (the server's own imports and the tokenizer
+    # load meanwhile), the server.
     assert 0 < imports + runtime + server <= total + 0.05
-    assert load <= runtime and 0 < tokenizer < runtime
+    assert load <= runtime and 0 < server_imports + tokenizer < runtime
+
+
+def test_the_runtime_starts_before_the_front_end_imports_torch():
+    """What `braid serve` does before it starts the runtime's processes (its CLI, the model's
+    resolution, the tokenizer manager and the spawn function) imports no torch: the runtime's
+    processes import it themselves while the front end does the rest of its start-up (on the
+    H200 machine the front end's imports took 4-6 s of every start, most of it torch)."""
+    code = (
+        "import sys\n"
+        "from braid.runtime.server import cli\n"
+        "from braid.runtime.assets import ModelAssets\n"
+        "from braid.runtime.launch import spawn_runtime\n"
+        "from braid.runtime.tokenizer.manager import TokenizerManager\n"
+        "ModelAssets.load(None, with_tokenizer=False)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

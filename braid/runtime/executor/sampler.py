@@ -54,18 +54,12 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     return bits_to_uniform(x)
 
 
-def fold_seed(seed: int) -> int:
-    """A 32-bit stream id for any Python int seed."""
-    seed &= (1 << 64) - 1
-    return (seed ^ (seed >> 32)) & _MASK32
-
-
 @dataclass
 class SamplingInput:
     """What the sampler needs to know about one request this step."""
 
     params: SamplingParams
-    seed: int  # 32-bit stream id (see fold_seed)
+    seed: int  # 32-bit stream id (see sampling_params.fold_seed)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     stop_ids: Sequence[int]  # tokens suppressed until min_tokens is reached

@@ -56,7 +56,8 @@ class EmbedSpec:
 class GenerateReq:
     """A tokenized request: generate one sample for `input_ids`.
 
-    `seed` is the 32-bit noise stream of this sample (already folded; see sampler.fold_seed).
+    `seed` is the 32-bit noise stream of this sample (already folded; see
+    `sampling_params.fold_seed`).
     `session_id`: the program session it belongs to; when it finishes, its whole sequence stays
     pinned in the prefix cache for that session (replacing the session's previous pin) until a
     `ControlReq("close_session", session_id)`.

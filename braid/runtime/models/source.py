@@ -132,11 +132,15 @@ def gguf_to_hf_dir(path: Path) -> Path:
 
 def gguf_blocks_dir(path: Path) -> Path:
     """The directory for GGUF file `path` with its tensors in their quantized blocks, written
-    on first use."""
-    from braid.runtime.quantization.gguf_file import write_blocks_dir
+    on first use (the writer, which imports torch, only then)."""
+
+    def write(path: Path, out: Path) -> None:
+        from braid.runtime.quantization.gguf_file import write_blocks_dir
+
+        write_blocks_dir(path, out)
 
     key = _gguf_key(path, _BLOCKS_VERSION)
-    return _cached(path, f"{path.stem}-blocks-{key}", write_blocks_dir)
+    return _cached(path, f"{path.stem}-blocks-{key}", write)
 
 
 def _cached(path: Path, name: str, convert: Callable[[Path, Path], None]) -> Path:

@@ -33,7 +33,6 @@ import zmq.asyncio
 
 from braid.runtime.config import EngineConfig
 from braid.runtime.errors import ParamError
-from braid.runtime.executor.sampler import fold_seed
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import Addresses
 from braid.runtime.ipc.to_scheduler import (
@@ -53,7 +52,7 @@ from braid.runtime.ipc.to_tokenizer import (
     SchedulerReady,
     StrOut,
 )
-from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.sampling_params import SamplingParams, fold_seed
 
 logger = logging.getLogger(__name__)
 
