@@ -17,9 +17,6 @@
 # A step past its limit is stopped with SIGABRT first (benchmarks/step.sh).
 set -u
 part=${1:?part 1 or 2}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/r"
-export PATH=/tmp/site/bin:$PATH
 source "$(dirname "$0")/step.sh"
 if [ "$part" = 1 ]; then
     nproc; nvcc --version | tail -1; python -c "import flashinfer; print('flashinfer', flashinfer.__version__)"

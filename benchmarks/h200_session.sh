@@ -23,9 +23,6 @@
 # The device tool brings back at most 8 files per call: part 4 onwards tars $OUT.
 set -u
 part=${1:?part 1 to 5}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/r"
-export PATH=/tmp/site/bin:$PATH
 source "$(dirname "$0")/step.sh"
 tok=.gpu/tok
 cfg=(--config llama-3.1-8b --tokenizer "$tok")

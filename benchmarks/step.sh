@@ -1,10 +1,13 @@
-# Sourced by the GPU session scripts: `step SECONDS NAME COMMAND...` runs COMMAND with a time
-# limit, logs it to $OUT/NAME.log and shows the log's last $TAIL lines (default 12).
+# Sourced by the GPU session scripts: results go under $OUT (default /tmp/out; JSON in $OUT/r),
+# the carried wheels' scripts are on PATH, and `step SECONDS NAME COMMAND...` runs COMMAND with
+# a time limit, logs it to $OUT/NAME.log and shows the log's last $TAIL lines (default 12).
 # Past the limit every benchmark, test and engine process gets SIGABRT first, which makes
 # Python's faulthandler (PYTHONFAULTHANDLER=1) print each one's stack into the log (a stall
 # shows where it stands), then SIGKILL. The pattern names python processes only, so the
 # session script itself (run by bash) is never caught.
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PATH=/tmp/site/bin:$PATH
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/r"
 STEP_PATTERN='python[0-9.]* (-m pytest|-m braid|benchmarks/)|multiprocessing'
 step() {
     local limit=$1 name=$2
