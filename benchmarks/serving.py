@@ -325,7 +325,10 @@ def main() -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     offline = {r["concurrency"]: r["output_tok_s"] for r in runs if r["mode"] == "offline"}
     for r in runs:
-        if r["mode"] != "offline" and r["concurrency"] in offline:
+        # Only all-at-once runs: at a finite rate the arrivals set the throughput.
+        if r["mode"] == "offline" or r["request_rate"] != "inf":
+            continue
+        if r["concurrency"] in offline:
             r["over_offline"] = r["output_tok_s"] / offline[r["concurrency"]]
     print(
         f"\ninput {args.input_len}, output {args.output_len}, rates {args.request_rate}, "

@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.tokenizer and not args.config:
+        ap.error("--tokenizer goes with --config")
     model = args.model
     if args.config:
         from benchmarks.structured_gpu import embedded_tokenizer_dir, model_dir

@@ -6,14 +6,14 @@ num_stages) on this GPU.
 
 Cases (batch, cached prefix, new tokens per request): 1 x 4096 and 16 x 512 new tokens (issue
 21's two points: the target is >= 50% of the matmul rate) and 4 x (1024 cached + 1024 new), a
-chunked prefill. Each configuration's output is first compared with the default's (a wrong one
-is reported, not timed); each is timed with CUDA events over back-to-back calls, median of the
-repeats, and reported as its fraction of the bf16 matmul rate measured in the same run
-(attention FLOPs: 4 x head dim per visible query-key pair, causal), beside the built-in
-default's. The chosen configuration is the one whose worst case is nearest that case's best;
-`--write-config` records it for this GPU in braid/kernels/configs/extend_attention.json, which
-`_blocks` in braid/kernels/attention_extend.py reads. Writes
-benchmarks/results/tune_extend_<device>.json.
+chunked prefill. The default configuration's output is checked against the torch reference, then
+each configuration's against the default's (a wrong one is reported, not timed); each is timed
+with CUDA events over back-to-back calls, median of the repeats, and reported as its fraction of
+the bf16 matmul rate measured in the same run (attention FLOPs: 4 x head dim per visible query-
+key pair, causal), beside the built-in default's. The chosen configuration is the one whose
+worst case is nearest that case's best; `--write-config` records it for this GPU in
+braid/kernels/configs/extend_attention.json, which `_blocks` in
+braid/kernels/attention_extend.py reads. Writes benchmarks/results/tune_extend_<device>.json.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from braid.kernels.attention_extend import (  # noqa: E402
     TUNED_CONFIGS,
     _blocks,
     extend_attention,
+    extend_attention_reference,
     tuned_key,
 )
 
@@ -100,6 +101,13 @@ def main() -> None:
         inputs = case_inputs(batch, prefix, new, heads, kvh, d, dtype, device)
         scale = d**-0.5
         want = extend_attention(*inputs, scale, max_extend_len=new, config=default)
+        # The default config itself against the torch reference, once per case: every config
+        # shares the kernel's code, so a fault in it would otherwise agree with itself.
+        ref = extend_attention_reference(*inputs, scale).float()
+        ref_err = (want.float() - ref).abs().max().item()
+        if ref_err > 2e-2:
+            raise SystemExit(f"the kernel differs from the reference by {ref_err:.3g}")
+        del ref
         visible = batch * heads * (new * prefix + new * (new + 1) // 2)
         flops = 4 * d * visible
         for config in configs:

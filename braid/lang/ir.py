@@ -67,7 +67,10 @@ class SamplingArgs:
     from that position (`input_token_logprobs`). `seed` (vLLM's and OpenAI's name) makes a
     gen's sampling reproducible: which random draws it gets no longer depends on the order
     requests reach the runtime in (without it, each request takes the next seed of the
-    runtime's stream); the samples of `n > 1` get seeds derived from it."""
+    runtime's stream); the samples of `n > 1` get seeds derived from it. A seed given to `run`
+    (or by `sampling_defaults`) goes to every gen as it is, as vLLM's per-request seed: gens
+    whose prompts are the same (e.g. the branches of a fork) then sample the same text; give
+    such gens seeds of their own."""
 
     max_tokens: int | None = None
     min_tokens: int | None = None

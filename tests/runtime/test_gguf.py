@@ -187,6 +187,18 @@ def test_kept_layers_hold_the_files_weights(blocks_dir):
     assert not torch.allclose(model.lm_head(h[:n]), float_logits[:n], atol=1e-5)
     # Dequantized, or quantized by another method, the head multiplies by its float weight.
     assert _build(blocks_dir, dequantize_gguf=True).lm_head.method is None
+    assert _build(blocks_dir, quantization="w8a16").lm_head.method is None
+
+
+def test_the_heads_reference_is_its_float_matmul_where_it_keeps_no_blocks(blocks_dir, monkeypatch):
+    """With `forward` swapped for `reference` (as the fidelity tests do), a head without
+    blocks (dequantized; on CUDA; more than QUANTIZED_MAX_ROWS rows) multiplies by its float
+    weight, through the parallel head's forward too."""
+    model = _build(blocks_dir, dequantize_gguf=True)
+    h = torch.randn(3, model.lm_head.weight.shape[1])
+    want = model.lm_head(h)
+    monkeypatch.setattr(LMHead, "forward", LMHead.reference)
+    assert torch.equal(model.lm_head(h), want)
 
 
 def _greedy(sched, n=6, prompts=PROMPTS):

@@ -30,7 +30,10 @@ class LMHead(nn.Module):
     A GGUF model kept quantized on the CPU also holds the file's own blocks of the head's
     weight (`keep_gguf_blocks`, called by the loader) and computes the logits of up to
     `QUANTIZED_MAX_ROWS` rows from them (`method`); more rows, and the embedding lookups the
-    head may be tied to, use the float weight."""
+    head may be tied to, use the float weight. The two differ by the quantized path's
+    rounding (bfloat16 activations, scales and logits: about 0.05 on logits of 18 for
+    SmolLM2), so a request's logits, and a near-tie's greedy token, can depend on how many
+    rows its step holds, as they do on a GPU in bfloat16."""
 
     # torch's CPU int4 kernel (which a Q8_0 head runs as two 4-bit halves) costs about 1 ms a
     # row at SmolLM2's head (49152 x 576) on two cores, against 4-11 ms for the float32 matmul
@@ -86,4 +89,4 @@ class LMHead(nn.Module):
         """What `forward` computes, with a quantized head's torch reference (tests)."""
         if self._quantized(h):
             return self.method.reference(h, None)
-        return self.forward(h)
+        return self._linear(h, self.weight, None)

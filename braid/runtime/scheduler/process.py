@@ -193,6 +193,12 @@ def run_scheduler_process(
             os._exit(1)  # the other ranks notice, and leave too
         return
     runner = scheduler.runner
+    loop = SchedulerLoop(scheduler)
+    # SIGTERM (the front end's second request to stop, after the ShutdownReq) ends the loop
+    # where a ShutdownReq would: under tensor parallelism the other ranks are then told to stop
+    # rather than finding rank 0 gone (a follower node once exited 1 at shutdown on a loaded
+    # machine, where the scheduler took longer than the front end waits before SIGTERM).
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.request_stop())
     send(
         out,
         SchedulerReady(
@@ -207,12 +213,6 @@ def run_scheduler_process(
         ),
     )
     freeze_startup_heap()
-    loop = SchedulerLoop(scheduler)
-    # SIGTERM (the front end's second request to stop, after the ShutdownReq) ends the loop
-    # where a ShutdownReq would: under tensor parallelism the other ranks are then told to stop
-    # rather than finding rank 0 gone (a follower node once exited 1 at shutdown on a loaded
-    # machine, where the scheduler took longer than the front end waits before SIGTERM).
-    signal.signal(signal.SIGTERM, lambda signum, frame: loop.request_stop())
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     beat = Heartbeat(ctx, addrs.tokenizer, scheduler)

@@ -408,12 +408,15 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         tm.spawn_early()
     alongside: dict[str, float] = {}
     mark = time.perf_counter()
-    from braid.runtime.ipc.sockets import freeze_startup_heap
-    from braid.runtime.multimodal.frontend import MediaFrontend
-    from braid.runtime.server.app import ServerState, create_app
-    from braid.runtime.server.http import run_server
-    from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
-
+    try:
+        from braid.runtime.ipc.sockets import freeze_startup_heap
+        from braid.runtime.multimodal.frontend import MediaFrontend
+        from braid.runtime.server.app import ServerState, create_app
+        from braid.runtime.server.http import run_server
+        from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
+    except BaseException:
+        asyncio.run(tm.shutdown())  # the runtime started: stop it before failing
+        raise
     if overlap:
         alongside["server imports"] = time.perf_counter() - mark
     elif "imports" in phases:
