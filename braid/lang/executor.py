@@ -9,6 +9,8 @@ program line that queued it, and raised on the next read.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import queue
 import random
 import re
@@ -82,6 +84,12 @@ class Sessions:
         self.backend.close_session(session)
 
 
+def gen_seed(seed: int, path: str, position: int) -> int:
+    """The seed of the gen at `position` of the state at fork `path` in a run given `seed`."""
+    digest = hashlib.sha256(f"{seed}|{path}|{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # a signed 64-bit value, as sent
+
+
 class Executor:
     """Runs one state's queue of nodes in a worker thread."""
 
@@ -103,6 +111,9 @@ class Executor:
         # goes on from its parent's (its branches run side by side), a join from the furthest
         # branch (the parent's next call follows them all).
         self.next_position = parent.next_position if parent else 0
+        # Where the state stands among the run's forks ("" for the root, ".1" for a fork's
+        # second branch, ".1.0" below it): with the call's position it names one gen of the run.
+        self.path = f"{parent.path}.{len(parent.children)}" if parent else ""
         self.text = parent.text if parent else ""
         self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
         self.open_role = parent.open_role if parent else None
@@ -292,6 +303,12 @@ class Executor:
 
     def _gen(self, node: Gen) -> None:
         sampling = node.sampling.over(self.defaults)
+        if node.sampling.seed is None and self.defaults.seed is not None:
+            # The run's seed (or sampling_defaults'): each gen of the run gets its own, derived
+            # from it and the gen's place, so a fork's branches do not sample the same text.
+            sampling = dataclasses.replace(
+                sampling, seed=gen_seed(self.defaults.seed, self.path, self.next_position)
+            )
         constraint = node.constraint
         rule = None
         if node.dtype is not None and constraint is None:

@@ -68,9 +68,9 @@ class SamplingArgs:
     gen's sampling reproducible: which random draws it gets no longer depends on the order
     requests reach the runtime in (without it, each request takes the next seed of the
     runtime's stream); the samples of `n > 1` get seeds derived from it. A seed given to `run`
-    (or by `sampling_defaults`) goes to every gen as it is, as vLLM's per-request seed: gens
-    whose prompts are the same (e.g. the branches of a fork) then sample the same text; give
-    such gens seeds of their own."""
+    (or by `sampling_defaults`) gives each gen of the run a seed derived from it and the gen's
+    place in the run (its fork branch and call position), so a fork's branches sample
+    independently and the run repeats exactly; a gen's own `seed` is sent as it is."""
 
     max_tokens: int | None = None
     min_tokens: int | None = None
