@@ -171,7 +171,17 @@ def make_requests(n: int, size: dict, ids: dict[str, int], seed: int) -> list[di
     return out
 
 
-def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, int]) -> dict:
+def run_braid(
+    model_dir: Path,
+    size: dict,
+    requests: list[dict],
+    ids: dict[str, int],
+    profile: Path | None = None,
+    warmup: int = 32,
+) -> dict:
+    """braid's run; with `profile`, the image run and the text-only run are each recorded by
+    the scheduler's torch profiler (`LLM.start_profile`) into `profile/images` and
+    `profile/text` (their times then include the profiler's cost)."""
     sp = braid.SamplingParams(max_tokens=size["output_len"], temperature=0.0, ignore_eos=True)
     with braid.LLM(
         model_dir,
@@ -180,16 +190,22 @@ def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, 
         kv_tokens=size["kv_tokens"],
         show_progress=False,
     ) as llm:
-        llm.generate(requests[:4], sp, use_tqdm=False)  # warm-up: kernels, graphs, the tower
+        # Warm-up (kernels, graphs, the tower): one prefill step's worth of requests, so the
+        # timed run meets no kernel specialisation it has not seen.
+        llm.generate(requests[:warmup], sp, use_tqdm=False)
         llm.flush_cache()
         # The front end alone: load, process and serialise every image (the media workers).
         t0 = time.perf_counter()
         prepared = llm.run_coroutine(prepare_all(llm, requests)).result()
         front_s = time.perf_counter() - t0
         before = llm.stats()
+        if profile:
+            llm.start_profile(str(profile / "images"))
         t0 = time.perf_counter()
         outs = llm.generate(requests, sp, use_tqdm=True)
         wall = time.perf_counter() - t0
+        if profile:
+            llm.stop_profile()
         after = llm.stats()
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         if tokens != len(requests) * size["output_len"]:
@@ -220,9 +236,14 @@ def run_braid(model_dir: Path, size: dict, requests: list[dict], ids: dict[str, 
         n = len(outs[0].prompt_token_ids)
         text_only = [[rng.randrange(16, 400) for _ in range(n)] for _ in requests]
         llm.flush_cache()
+        if profile:
+            llm.start_profile(str(profile / "text"))
         t0 = time.perf_counter()
         llm.generate(text_only, sp, use_tqdm=False)
         throughput["text_only_seconds"] = time.perf_counter() - t0
+        if profile:
+            llm.stop_profile()
+        throughput["profiled"] = profile is not None
     return {"throughput": throughput, "same_image": same}
 
 
@@ -370,6 +391,13 @@ def main() -> None:
     ap.add_argument("--tiny-cpu", action="store_true", help="toy sizes on the CPU")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="record braid's image and text-only runs with the torch profiler into this dir",
+    )
+    ap.add_argument("--warmup", type=int, default=32, help="requests run before the timed run")
     args = ap.parse_args()
     size = SIZES["tiny" if args.tiny_cpu else "gpu"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,7 +405,7 @@ def main() -> None:
         model_dir.mkdir()
         ids = build_model_dir(model_dir, size)
         requests = make_requests(size["num_requests"], size, ids, seed=1)
-        result = run_braid(model_dir, size, requests, ids)
+        result = run_braid(model_dir, size, requests, ids, args.profile, args.warmup)
         if size["device"] == "cuda":
             torch.cuda.empty_cache()
         hf = None if args.skip_hf else run_hf(model_dir, size, requests, ids)

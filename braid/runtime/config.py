@@ -239,6 +239,13 @@ class EngineConfig:
         "with a decode attention backend that has them (triton, flashinfer)",
     )
     disable_cuda_graph: bool = setting(False, "run every decode step eagerly")
+    cuda_graph_capture_all_at_start: bool = setting(
+        False,
+        "capture every decode batch size's graph before the runtime reports ready; by default "
+        "the powers of two and the largest are captured then and the others while the "
+        "scheduler is idle (a batch pads to the next captured size meanwhile). Tensor "
+        "parallelism always captures all at start",
+    )
     overlap_schedule: bool | None = setting(
         None,
         "queue each decode step on the device before reading back the one before it, so the "
@@ -374,6 +381,11 @@ class EngineConfig:
         bs = self.cuda_graph_max_bs
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
+        if not isinstance(self.cuda_graph_capture_all_at_start, bool):
+            raise ValueError(
+                "cuda_graph_capture_all_at_start must be true or false, got "
+                f"{self.cuda_graph_capture_all_at_start!r}"
+            )
         if not isinstance(self.disable_cuda_graph, bool):
             raise ValueError(
                 f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"

@@ -198,11 +198,12 @@ class LLM:
         )
         self.load_time_s = time.perf_counter() - t0
         logger.info(
-            "braid ready: %s on %s (%s) in %.2f s",
+            "braid ready: %s on %s (%s) in %.2f s (scheduler: %s)",
             self.config.model or self.model_path.name,
             self.ready.device,
             self.ready.dtype,
             self.load_time_s,
+            ", ".join(f"{k} {v:.2f} s" for k, v in self.ready.phases.items()),
         )
 
     def _call(self, coro):
@@ -378,6 +379,19 @@ class LLM:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only possible while nothing runs (returns False then)."""
         return bool(self._call(self.tm.control("flush_cache"))["flushed"])
+
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """Start the torch profiler in the scheduler process (CPU and CUDA activity; each
+        forward a named range: `braid.prefill`, `braid.decode`, `braid.decode.graph`,
+        `braid.vision_tower`). Its files go to `output_dir`, else `$BRAID_TORCH_PROFILER_DIR`;
+        `ValueError` if neither is given or a profile already runs."""
+        self._call(self.tm.profile("start_profile", output_dir))
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile `start_profile` began and write it: a Chrome trace
+        (`.trace.json.gz`, for Perfetto) and a table of totals (`.txt`); returns their paths.
+        `ValueError` if no profile runs."""
+        return self._call(self.tm.profile("stop_profile"))
 
     def check_invariants(self) -> None:
         """Run the scheduler's KV accounting check; raises `RuntimeError` if it fails."""

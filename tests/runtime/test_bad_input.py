@@ -93,6 +93,32 @@ def test_bad_chat_messages(smollm2):
     _assert_all_kv_free(smollm2)
 
 
+def test_profiling_refusals_name_the_problem_and_a_relative_dir_is_the_callers(
+    smollm2, tmp_path, monkeypatch
+):
+    """`start_profile` without a directory (none passed, no BRAID_TORCH_PROFILER_DIR in the
+    engine's environment), into one that cannot be created, twice, and `stop_profile` with none
+    running: each a ValueError that says why, the engine serving on. A relative directory is
+    the caller's, not the scheduler process's."""
+    with pytest.raises(ValueError, match="BRAID_TORCH_PROFILER_DIR"):
+        smollm2.start_profile()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="cannot create .*a_file/profiles"):
+        smollm2.start_profile(str(tmp_path / "a_file" / "profiles"))
+    with pytest.raises(ValueError, match="no profile is running"):
+        smollm2.stop_profile()
+    monkeypatch.chdir(tmp_path)
+    smollm2.start_profile("profiles")
+    with pytest.raises(ValueError, match="already running"):
+        smollm2.start_profile("profiles")
+    out = smollm2.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    files = smollm2.stop_profile()
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert sorted(files) == sorted(str(p) for p in (tmp_path / "profiles").iterdir())
+    assert len(files) == 2
+    _assert_all_kv_free(smollm2)
+
+
 def test_failure_mid_generation_frees_every_slot(tiny_model_dirs):
     """A forward that raises (an OOM, a kernel error) fails the requests in flight with the
     error and leaves no KV held; the scheduler then serves the next request."""

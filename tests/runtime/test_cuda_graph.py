@@ -27,6 +27,7 @@ from braid.runtime.executor.cuda_graph import (
     StaticDecodeInputs,
     capture_batch_sizes,
     padded_batch_size,
+    start_batch_sizes,
 )
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.ipc.to_scheduler import GenerateReq
@@ -117,6 +118,16 @@ def test_a_batch_runs_in_the_smallest_captured_size_that_holds_it():
     assert padded_batch_size(161, sizes) is None
     with pytest.raises(ValueError):
         padded_batch_size(0, sizes)
+
+
+def test_the_start_sizes_are_the_powers_of_two_and_the_largest():
+    assert start_batch_sizes(capture_batch_sizes(256)) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert start_batch_sizes(capture_batch_sizes(160)) == [1, 2, 4, 8, 16, 32, 64, 128, 160]
+    assert start_batch_sizes(capture_batch_sizes(10)) == [1, 2, 4, 8, 10]
+    assert start_batch_sizes([1]) == [1]
+    # While sizes wait for idle time a batch pads to at most twice its size.
+    start = start_batch_sizes(capture_batch_sizes(256))
+    assert all(padded_batch_size(n, start) < 2 * n for n in range(2, 257))
 
 
 def _decode_batch(ids: list[int], positions: list[int], slots: list[int]) -> ForwardBatch:
@@ -288,6 +299,40 @@ def test_cuda_graph_decode_gives_eager_and_transformers_greedy_tokens(tiny_model
     )
     assert runner.replays == expected
     assert set(runner.replays) == {1, 2, 4, 8}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
+    """Graphs up to batch 40 with the sizes between the powers of two left for idle time: a
+    batch of 20 pads to 32 until 24 is captured, then runs in 24. The capture comes after
+    decode steps left real rows in the static inputs; its warm-up run must write to the padding
+    slot only, so the second round, whose prompts extend the first round's (prefix-cache hits
+    on KV the last decode steps wrote), still gives transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs["llama"]
+    sched = local_scheduler(
+        path, dtype="float32", kv_tokens=8192, max_running_requests=64, cuda_graph_max_bs=40
+    )
+    runner = sched.runner.graph_runner
+    assert sorted(runner._graphs) == [1, 2, 4, 8, 16, 32, 40] and runner.pending == [24]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    rng = random.Random(5)
+    first = [[rng.randrange(512) for _ in range(5 + i)] for i in range(20)]
+    got = _generate(sched, first, [6] * 20)
+    assert got == [hf_greedy(hf, p, 6, eos=False) for p in first]
+    assert runner.replays[32] > 0 and runner.replays[24] == 0
+    assert runner.capture_pending() and runner.pending == []
+    assert not runner.capture_pending()
+    # Each second-round prompt is a first-round prompt and its output: a cache hit up to the
+    # last decoded token, whose KV the last replays wrote.
+    second = [p + t + [rng.randrange(512)] for p, t in zip(first, got)]
+    before = sched.stats.cached_prompt_tokens
+    got2 = _generate(sched, second, [6] * 20)
+    assert sched.stats.cached_prompt_tokens - before >= sum(len(p) + 5 for p in first)
+    assert got2 == [hf_greedy(hf, p, 6, eos=False) for p in second]
+    assert runner.replays[24] > 0
 
 
 @pytest.mark.gpu

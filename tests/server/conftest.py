@@ -17,7 +17,13 @@ def start_server(tmp_path, *extra: str, timeout: float = 180.0) -> ServerProcess
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("serve"))
+    """The embedded model's server; its torch profiles (`/start_profile`) go to
+    `server.profile_dir`."""
+    log_dir = tmp_path_factory.mktemp("serve")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRAID_TORCH_PROFILER_DIR", str(log_dir / "profiles"))
+        s = start_server(log_dir)
+    s.profile_dir = log_dir / "profiles"
     yield s
     s.stop()
 

@@ -175,6 +175,36 @@ def test_server_still_serves_after_bad_requests(server):
     assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
 
 
+def test_profile_endpoints_write_a_trace_of_named_forwards(server):
+    """POST /start_profile and /stop_profile (SGLang's and vLLM's): the scheduler's torch
+    profile of the requests in between, written under the server's profiler directory, each
+    forward a named range; a second start and a stop without a start are 400s that say why."""
+    import gzip
+    import json
+
+    assert httpx.post(server.url + "/stop_profile").status_code == 400
+    r = httpx.post(server.url + "/start_profile")
+    assert r.status_code == 200, r.text
+    again = httpx.post(server.url + "/start_profile")
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    body = {"prompt": "1 + 1 =", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(server.url + C, json=body).status_code == 200
+    r = httpx.post(server.url + "/stop_profile", timeout=120)
+    assert r.status_code == 200, r.text
+    written = sorted(server.profile_dir.iterdir())
+    assert [p.name.split(".", 1)[1] for p in written] == ["trace.json.gz", "txt"]
+    assert all(str(p) in r.text for p in written)
+    trace = json.load(gzip.open(written[0]))
+    names = [e.get("name") for e in trace["traceEvents"]]
+    assert names.count("braid.prefill") == 1 and names.count("braid.decode") >= 3
+    table = written[1].read_text()
+    assert table.startswith(f"{names.count('braid.prefill') + names.count('braid.decode')} ")
+    assert "braid.prefill" in table and "aten::" in table
+    no_run = httpx.post(server.url + "/stop_profile")
+    assert no_run.status_code == 400 and "no profile is running" in no_run.text
+    assert httpx.post(server.url + C, json=body).status_code == 200  # still serving
+
+
 def test_oversized_body_is_refused_then_sigterm_exits_0(tmp_path):
     key = tmp_path / "key"
     key.write_text("sekrit\n")

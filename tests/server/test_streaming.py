@@ -123,16 +123,22 @@ def _ready_line(server) -> str:
 def test_ready_line_reports_startup_phases(tiny_server):
     line = _ready_line(tiny_server)
     pattern = (
-        r"in ([\d.]+) s: imports ([\d.]+) s, runtime ([\d.]+) s \(scheduler: load ([\d.]+) s; "
+        r"in ([\d.]+) s: imports ([\d.]+) s, runtime ([\d.]+) s \(scheduler: process start "
+        r"([\d.]+) s, load ([\d.]+) s \[(.*)\]; "
         r"alongside: server imports ([\d.]+) s, tokenizer ([\d.]+) s\), server ([\d.]+) s"
     )
     m = re.search(pattern, line)
     assert m, line
-    total, imports, runtime, load, server_imports, tokenizer, server = map(float, m.groups())
+    total, imports, runtime, started, load = map(float, m.groups()[:5])
+    server_imports, tokenizer, server = map(float, m.groups()[6:])
     # One after the other: imports, the runtime (the server's own imports and the tokenizer
     # load meanwhile), the server.
     assert 0 < imports + runtime + server <= total + 0.05
-    assert load <= runtime and 0 < server_imports + tokenizer < runtime
+    assert 0 < started + load <= runtime and 0 < server_imports + tokenizer < runtime
+    # The scheduler's load, split: its parts add up to it.
+    parts = dict(re.fullmatch(r"([a-z ]+) ([\d.]+) s", p).groups() for p in m[6].split(", "))
+    assert list(parts) == ["weights", "kv cache", "rest"], parts  # CPU: no graphs
+    assert abs(sum(map(float, parts.values())) - load) < 0.03
 
 
 def test_the_runtime_starts_before_the_front_end_imports_torch():
@@ -177,7 +183,7 @@ def test_a_users_triton_cache_dir_is_kept_and_phases_run_in_turn(tiny_dir, tmp_p
         s.stop()
     pattern = (
         r"in ([\d.]+) s: imports ([\d.]+) s, tokenizer ([\d.]+) s, runtime ([\d.]+) s "
-        r"\(scheduler: load ([\d.]+) s\), server ([\d.]+) s"
+        r"\(scheduler: process start [\d.]+ s, load ([\d.]+) s \[[^]]*\]\), server ([\d.]+) s"
     )
     m = re.search(pattern, line)
     assert m, line

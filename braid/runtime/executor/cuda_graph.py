@@ -47,6 +47,13 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return [*sizes, max_bs]
 
 
+def start_batch_sizes(sizes: Sequence[int]) -> list[int]:
+    """Of the ascending `sizes`, those captured before the runtime is ready when the others
+    wait for idle time: the powers of two and the largest (a batch pads to at most twice its
+    size meanwhile)."""
+    return [s for s in sizes if s & (s - 1) == 0 or s == sizes[-1]]
+
+
 def padded_batch_size(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest of `sizes` (ascending) that holds `n` requests; None when `n` exceeds them
     all (that batch runs eagerly)."""
@@ -114,11 +121,20 @@ class StaticDecodeInputs:
         _copy_padded(self.positions[:bs], batch.positions, PAD_POSITION)
         _copy_padded(self.out_cache_loc[:bs], batch.out_cache_loc, PAD_SLOT)
 
+    def reset(self) -> None:
+        """Every row back to padding (what a capture's warm-up run reads)."""
+        self.input_ids.fill_(PAD_TOKEN_ID)
+        self.positions.fill_(PAD_POSITION)
+        self.out_cache_loc.fill_(PAD_SLOT)
+
 
 class CudaGraphRunner:
     """Captures the decode forward of `model` (through `backend`) for every size in
-    `capture_batch_sizes(max_bs)` at construction, and replays it. `backend` is any
-    `AttentionBackend` whose `supports_cuda_graph` is True (else `ValueError`).
+    `capture_batch_sizes(max_bs)`, and replays it. `backend` is any `AttentionBackend` whose
+    `supports_cuda_graph` is True (else `ValueError`). Without `lazy` every size is captured at
+    construction; with it only `start_batch_sizes` are, and `capture_pending` captures one more
+    each time the scheduler finds itself idle (a batch replays the smallest captured size that
+    holds it, so until then it may pad further).
 
     Capture runs largest size first on one side stream, after one eager warm-up run per size
     (which compiles the Triton kernels and sets up cuBLAS outside the graph); all graphs share
@@ -139,6 +155,7 @@ class CudaGraphRunner:
         capture_hidden: bool = False,
         aux_layers: tuple[int, ...] = (),
         tree_depth: int = 0,
+        lazy: bool = False,
     ) -> None:
         if not backend.supports_cuda_graph:
             raise ValueError(
@@ -156,61 +173,107 @@ class CudaGraphRunner:
         self.tree_depth = tree_depth  # draft-tree tails the graphs read (the backend's)
         self._hidden: dict[int, tuple[torch.Tensor | None, list[torch.Tensor] | None]] = {}
         self.batch_sizes = capture_batch_sizes(max_bs)
-        # _bucket[n]: the captured size a batch of n requests runs in.
-        self._bucket = [0] + [padded_batch_size(n, self.batch_sizes) for n in range(1, max_bs + 1)]
+        start = start_batch_sizes(self.batch_sizes) if lazy else self.batch_sizes
+        # Sizes left for idle time, largest first (`capture_pending`).
+        self.pending = [bs for bs in reversed(self.batch_sizes) if bs not in start]
         self.inputs = StaticDecodeInputs(max_bs, self.device)
         self.replays: collections.Counter[int] = collections.Counter()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(self.device)
+        self._pending_s = 0.0
         backend.init_cuda_graph_state(max_bs)
-        self._capture_all()
+        self._capture_all(start)
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+    def _capture_all(self, sizes: list[int]) -> None:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         times: dict[int, float] = {}
         t0 = time.perf_counter()
-        with torch.cuda.device(self.device):
-            # Largest first: smaller graphs then reuse the pool memory the larger ones freed.
-            for bs in reversed(self.batch_sizes):
-                t = time.perf_counter()
-                try:
-                    self._graphs[bs], self._outputs[bs] = self._capture(bs, pool, stream)
-                except RuntimeError as e:
-                    raise RuntimeError(
-                        f"CUDA graph capture failed at batch size {bs}: {e} "
-                        "(disable_cuda_graph=True, or --disable-cuda-graph, decodes eagerly)"
-                    ) from e
-                times[bs] = time.perf_counter() - t
+        # Largest first: smaller graphs then reuse the pool memory the larger ones freed.
+        for bs in reversed(sizes):
+            t = time.perf_counter()
+            try:
+                self._capture(bs)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"CUDA graph capture failed at batch size {bs}: {e} "
+                    "(disable_cuda_graph=True, or --disable-cuda-graph, decodes eagerly)"
+                ) from e
+            times[bs] = time.perf_counter() - t
         total = time.perf_counter() - t0
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "CUDA graphs: captured %d decode batch sizes (1..%d) in %.2f s, %.0f MB; "
-            "per size (bs:ms) %s",
+            "per size (bs:ms) %s%s",
             len(times),
             self.max_bs,
             total,
             used / 1e6,
-            " ".join(f"{bs}:{times[bs] * 1e3:.0f}" for bs in self.batch_sizes),
+            " ".join(f"{bs}:{times[bs] * 1e3:.0f}" for bs in sizes),
+            f"; the other {len(self.pending)} sizes are captured while the scheduler is idle"
+            if self.pending
+            else "",
         )
 
-    def _capture(
-        self, bs: int, pool: tuple[int, int], stream: torch.cuda.Stream
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    @torch.inference_mode()
+    def capture_pending(self) -> bool:
+        """Capture the largest size still pending (call only while no forward is queued or
+        running); returns whether one was captured. A failed capture (out of memory) is
+        logged and ends the pending captures: batches keep padding to captured sizes."""
+        if not self.pending:
+            return False
+        bs = self.pending.pop(0)
+        t = time.perf_counter()
+        try:
+            self._capture(bs)
+        except RuntimeError as e:
+            logger.warning(
+                "CUDA graphs: capture at batch size %d failed (%s); the %d sizes left are not "
+                "captured, their batches pad to captured sizes",
+                bs,
+                e,
+                len(self.pending),
+            )
+            self.pending.clear()
+            return False
+        self._pending_s += time.perf_counter() - t
+        if not self.pending:
+            logger.info(
+                "CUDA graphs: every decode batch size captured (the idle-time ones in %.2f s)",
+                self._pending_s,
+            )
+        return True
+
+    def _capture(self, bs: int) -> None:
+        """Capture size `bs` and point the batches it now serves best at it."""
+        # The static inputs hold the last replayed batch's rows: back to padding, so the
+        # warm-up run writes its KV to the padding slot only.
+        self.inputs.reset()
         batch = self.inputs.batch(bs)
         batch.capture_hidden, batch.aux_layers = self.capture_hidden, self.aux_layers
-        self.backend.init_forward_metadata_capture_cuda_graph(batch)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.model(batch, self.backend)  # warm-up: nothing may compile inside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            logits = self.model(batch, self.backend)
+        stream = self._stream
+        with torch.cuda.device(self.device):
+            self.backend.init_forward_metadata_capture_cuda_graph(batch)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(batch, self.backend)  # warm-up: nothing may compile in the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the scheduler's other threads (its heartbeat reads CUDA events)
+            # may call the runtime while a capture runs on this one.
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                logits = self.model(batch, self.backend)
         self._hidden[bs] = (batch.hidden_states, batch.aux_hidden_states)
-        return graph, logits
+        self._graphs[bs], self._outputs[bs] = graph, logits
+        captured = sorted(self._graphs)
+        # _bucket[n]: the captured size a batch of n requests runs in.
+        self._bucket = [0] + [
+            padded_batch_size(n, captured) or self.max_bs for n in range(1, self.max_bs + 1)
+        ]
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether `batch` replays a graph: decode, 1..max_bs requests, one logits row each,

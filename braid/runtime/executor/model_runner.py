@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, sharding
 from braid.runtime.distributed.plan import PlanSender
 from braid.runtime.executor.cuda_graph import CudaGraphRunner
+from braid.runtime.executor.profiler import PROFILER
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode
 from braid.runtime.layers.parallel import head_shard
 from braid.runtime.models.config import ModelConfig
@@ -85,6 +87,9 @@ class ModelRunner:
                 f"context_length {config.context_length} exceeds the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
+        # Start-up phases in seconds (the ready line's): weights, KV cache, graphs.
+        self.phases: dict[str, float] = {}
+        mark = time.perf_counter()
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         if tp is not None and model_config.is_multimodal:
             raise ValueError(
@@ -106,6 +111,8 @@ class ModelRunner:
                 quantization=config.quantization,
                 dequantize_gguf=config.dequantize_gguf,
             )
+        self.phases["weights"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         page = config.page_size
         if config.kv_tokens:
             kv_tokens, sized_by = config.kv_tokens, "kv_tokens"
@@ -186,13 +193,19 @@ class ModelRunner:
             self.encoder_cache = EncoderCache(config.encoder_cache_mb * 2**20)
         if config.speculative_tree_nodes:  # draft trees: rows read their branches' slots
             self.attn_backend.enable_tree_tails(config.speculative_steps)
+        self.phases["kv cache"] = time.perf_counter() - mark
         # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
         self.graph_runner: CudaGraphRunner | None = None
         if config.use_cuda_graph:
+            mark = time.perf_counter()
             depth = config.speculative_steps if config.speculative_tree_nodes else 0
+            # Tensor-parallel ranks capture in lockstep (their graphs hold collectives), so
+            # only a single rank leaves sizes for idle time.
+            lazy = tp is None and not config.cuda_graph_capture_all_at_start
             self.graph_runner = CudaGraphRunner(
-                self.model, self.attn_backend, graph_bs, capture_hidden, aux_layers, depth
+                self.model, self.attn_backend, graph_bs, capture_hidden, aux_layers, depth, lazy
             )
+            self.phases["graphs"] = time.perf_counter() - mark
         self.capture_hidden = capture_hidden
         self.aux_layers = aux_layers
         self.plans: PlanSender | None = None
@@ -253,16 +266,19 @@ class ModelRunner:
         On rank 0 of a tensor-parallel group the other ranks are sent the plan first."""
         if self.plans is not None:
             self.plans.forward(batch)
+        decode = batch.mode is ForwardMode.DECODE
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(batch):
-            return graphs.run(batch)
-        backend = self.attn_backend if batch.mode is ForwardMode.DECODE else self.prefill_backend
-        backend.init_forward_metadata(batch)
-        if batch.images:
-            embeds, deepstack = embed_with_images(self.model, batch, self.encoder_cache)
-            extra = {} if deepstack is None else {"deepstack": deepstack}
-            return self.model(batch, backend, input_embeds=embeds, **extra)
-        return self.model(batch, backend)
+            with PROFILER.range("braid.decode.graph"):
+                return graphs.run(batch)
+        with PROFILER.range("braid.decode" if decode else "braid.prefill"):
+            backend = self.attn_backend if decode else self.prefill_backend
+            backend.init_forward_metadata(batch)
+            if batch.images:
+                embeds, deepstack = embed_with_images(self.model, batch, self.encoder_cache)
+                extra = {} if deepstack is None else {"deepstack": deepstack}
+                return self.model(batch, backend, input_embeds=embeds, **extra)
+            return self.model(batch, backend)
 
 
 def embed_with_images(
@@ -290,7 +306,8 @@ def embed_with_images(
             cache.hits += 1
     if missing:
         images = list(missing.values())
-        encoded = cache.timed(embeds.device, lambda: model.encode_images(images))
+        with PROFILER.range("braid.vision_tower"):
+            encoded = cache.timed(embeds.device, lambda: model.encode_images(images))
         cache.images_encoded += len(images)
         for key, image, out in zip(missing, images, encoded):
             if out.shape[0] != image.num_tokens:

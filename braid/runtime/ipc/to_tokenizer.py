@@ -59,13 +59,15 @@ class ProgramInfo:
 @dataclass
 class ControlOut:
     """The answer to a `ControlReq`: `result` its figures; for "stats", `programs` the
-    programs in flight or holding pins (`Scheduler.program_infos`)."""
+    programs in flight or holding pins (`Scheduler.program_infos`); for "stop_profile",
+    `detail` the files written."""
 
     req_id: int
     ok: bool
     result: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     programs: list[ProgramInfo] | None = None
+    detail: list[str] | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_ax
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import QWEN3_VL, ModelConfig
 from braid.runtime.models.llama import LlamaForCausalLM, LlamaModel, lm_head_for
+from braid.runtime.models.vision_towers import tower_sdpa
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -201,7 +202,7 @@ class Segments:
         returns [patches, heads * dim]. Padding keys are masked out; padding queries see the
         segment's keys (so stay finite) and are dropped."""
         qb, kb, vb = (x[self.index].transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self.mask).transpose(1, 2)
+        o = tower_sdpa(qb, kb, vb, attn_mask=self.mask).transpose(1, 2)
         out = torch.empty_like(q)
         out[self.flat] = o.reshape(-1, *o.shape[2:])[self.slots]
         return out.reshape(q.shape[0], -1)

@@ -158,12 +158,18 @@ def build_decode(
         positions.append(pos)
         locs.append(r.pages[pos // ps] * ps + pos % ps)
         deltas.append(r.rope_delta)
-    # One copy to the device for the vectors (M-RoPE deltas only when some request has one).
+    # One copy to the device for the vectors (M-RoPE deltas only when some request has one),
+    # each starting 16 bytes apart: Triton specialises kernels on their pointers' alignment,
+    # so views at odd offsets would compile second variants for odd batch sizes.
     n = len(reqs)
+    m = n + (n & 1)
+    pad = [0] * (m - n)
     shifted = any(deltas)
-    packed = to_device(rows + positions + locs + (deltas if shifted else []), device)
-    rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
-    rope_t = pos_t + packed[3 * n :] if shifted else pos_t
+    packed = to_device(
+        rows + pad + positions + pad + locs + pad + (deltas if shifted else []), device
+    )
+    rows_t, pos_t, locs_t = packed[:n], packed[m : m + n], packed[2 * m : 2 * m + n]
+    rope_t = pos_t + packed[3 * m :] if shifted else pos_t
     table.write_at(rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
     if input_ids is None:
         input_ids = to_device([r.output_ids[-1] for r in reqs], device)

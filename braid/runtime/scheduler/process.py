@@ -18,6 +18,7 @@ from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup
 from braid.runtime.errors import error_param
 from braid.runtime.executor.model_runner import ModelRunner
+from braid.runtime.executor.profiler import PROFILER
 from braid.runtime.executor.tp_worker import join_group
 from braid.runtime.ipc import codec
 from braid.runtime.ipc.sockets import (
@@ -27,6 +28,7 @@ from braid.runtime.ipc.sockets import (
     parent_alive,
     release_free_heap,
     send,
+    since_process_start,
 )
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut, Refusal, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
@@ -131,6 +133,8 @@ class SchedulerLoop:
             outs = s.handle(msg)
             return [BatchTokenOut(outs)] if outs else []
         if isinstance(msg, ControlReq):
+            if msg.op in ("start_profile", "stop_profile"):
+                return [self.profile(msg)]
             try:
                 result = s.control(msg.op, msg.arg)
                 programs = s.program_infos() if msg.op == "stats" else None
@@ -142,6 +146,19 @@ class SchedulerLoop:
             return []
         logger.warning("scheduler ignores a %s message", type(msg).__name__)
         return []
+
+    def profile(self, msg: ControlReq) -> ControlOut:
+        """Start the torch profiler (`msg.arg`: the output directory, None for the
+        environment's) or stop it; a stop's answer lists the files written in `detail`."""
+        try:
+            if msg.op == "start_profile":
+                PROFILER.start(msg.arg)
+                return ControlOut(msg.req_id, True)
+            forwards = PROFILER.forwards
+            files = PROFILER.stop()
+            return ControlOut(msg.req_id, True, {"forwards": float(forwards)}, detail=files)
+        except ValueError as e:
+            return ControlOut(msg.req_id, False, {}, f"ValueError: {e}")
 
     def request_stop(self) -> None:
         """End the loop after the current iteration."""
@@ -173,6 +190,11 @@ def run_scheduler_process(
     parent_pid: int,
     log_level: str,
 ) -> None:
+    # Start-up phases for the ready line: the process's start (interpreter, torch and braid's
+    # imports), joining the tensor-parallel group, the model runner's (weights, KV cache,
+    # graphs) and the rest of building the scheduler.
+    started = since_process_start()
+    phases = {"process start": started} if started is not None else {}
     die_with_parent()
     configure_logging(log_level)
     ctx = zmq.Context()
@@ -185,6 +207,7 @@ def run_scheduler_process(
     try:
         if config.tp_size > 1:
             config, tp = join_group(config, 0)
+            phases["group"] = time.perf_counter() - t0
         scheduler = build_scheduler(config, Path(model_path), frozenset(eos_token_ids), tp)
     except Exception as e:  # report any start-up failure to the front end, then exit
         send(out, ProcessFailed("scheduler", f"{type(e).__name__}: {e}"))
@@ -193,6 +216,9 @@ def run_scheduler_process(
             os._exit(1)  # the other ranks notice, and leave too
         return
     runner = scheduler.runner
+    load_time = time.perf_counter() - t0
+    phases.update(runner.phases)
+    phases["rest"] = load_time - sum(v for k, v in phases.items() if k != "process start")
     loop = SchedulerLoop(scheduler)
     # SIGTERM (the front end's second request to stop, after the ShutdownReq) ends the loop
     # where a ShutdownReq would: under tensor parallelism the other ranks are then told to stop
@@ -209,7 +235,8 @@ def run_scheduler_process(
             eos_token_ids=sorted(eos_token_ids),
             device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
-            load_time_s=time.perf_counter() - t0,
+            load_time_s=load_time,
+            phases=phases,
         ),
     )
     freeze_startup_heap()
@@ -219,14 +246,20 @@ def run_scheduler_process(
     beat.start()
     worked = False  # since the heap was last given back
     plans = runner.plans  # tensor parallelism: rank 0's line to the other ranks
+    graphs = runner.graph_runner
     try:
         while not loop.stopping:
             beat.loop_iterated()
             busy = scheduler.has_work
             worked = worked or busy
             replies: list[object] = []
-            if not poller.poll(0 if busy else IDLE_POLL_MS):
-                if not busy and worked:
+            # Decode graphs left for idle time: one capture per idle iteration, so a message
+            # that arrives waits for one capture at most.
+            capture = not busy and graphs is not None and bool(graphs.pending)
+            if not poller.poll(0 if busy or capture else IDLE_POLL_MS):
+                if capture:
+                    graphs.capture_pending()
+                elif not busy and worked:
                     release_free_heap()  # idle for a while: what the work freed goes back
                     worked = False
                 if plans is not None and not busy:

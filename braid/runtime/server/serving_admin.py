@@ -139,6 +139,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(400, "cannot flush the cache while requests are running")
         return PlainTextResponse("Cache flushed.\n")
 
+    @app.post("/start_profile", response_class=PlainTextResponse)
+    async def start_profile():
+        """Start the scheduler's torch profiler (SGLang's and vLLM's endpoint). Its files go
+        to the server's `$BRAID_TORCH_PROFILER_DIR`; a client cannot choose where."""
+        try:
+            await state.tm.profile("start_profile")
+        except ValueError as e:
+            return error_response(400, str(e))
+        return PlainTextResponse("Profile started.\n")
+
+    @app.post("/stop_profile", response_class=PlainTextResponse)
+    async def stop_profile():
+        """Stop the profile and write its trace and table under the profiler directory."""
+        try:
+            files = await state.tm.profile("stop_profile")
+        except ValueError as e:
+            return error_response(400, str(e))
+        return PlainTextResponse("Profile written: " + ", ".join(files) + "\n")
+
     @app.post("/tokenize", openapi_extra=takes(TokenizeRequest))
     async def tokenize(body: Annotated[TokenizeRequest, json_body(TokenizeRequest)]):
         """vLLM's /tokenize: the prompt's token ids as this server would feed them."""

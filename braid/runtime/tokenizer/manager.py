@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import itertools
 import logging
+import os
 import random
 import shutil
 import time
@@ -486,6 +487,23 @@ class TokenizerManager:
         """Run an operator request in the scheduler ("stats", "flush_cache",
         "check_invariants"); raises `RuntimeError` with the scheduler's message if it fails."""
         return (await self._ask(op, timeout, arg)).result
+
+    async def profile(
+        self, op: str, output_dir: str | None = None, timeout: float = 120.0
+    ) -> list[str]:
+        """ "start_profile" (the scheduler's torch profiler, its files to `output_dir`, else
+        `$BRAID_TORCH_PROFILER_DIR`) or "stop_profile", which returns the files written.
+        `ValueError` naming the problem when the scheduler refuses (no directory, a profile
+        already running, none running)."""
+        where = os.path.abspath(output_dir) if output_dir else None
+        try:
+            out = await self._ask(op, timeout, where)
+        except RuntimeError as e:
+            text = str(e)
+            if text.startswith("ValueError: "):
+                raise ValueError(text.removeprefix("ValueError: ")) from None
+            raise
+        return out.detail or []
 
     async def stats_and_programs(
         self, timeout: float = 60.0
