@@ -19,9 +19,11 @@
 #          backends; a test's running-request cap below its graph size), the multimodal
 #          benchmark against transformers, then again recorded by the profiler
 #          with the old 4-request warm-up, to see whether the timed run still compiles (issue 15)
+#   part 4: the multimodal GPU tests and benchmark with the tower's gated MLP widened to a
+#          multiple of 64 and its SwiGLU as one kernel (issue 15)
 # The device tool brings back at most 8 files per call: each part tars $OUT.
 set -u
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1 to 4}
 source "$(dirname "$0")/step.sh"
 tok=.gpu/tok
 cfg=(--config llama-3.1-8b --tokenizer "$tok")
@@ -70,6 +72,12 @@ load_tokenizer(Path('$tok'))"
         tests/kernels/test_triton_backend.py tests/multimodal -p no:cacheprovider --maxfail 5
     TAIL=24 step 200 startup python benchmarks/startup.py "${cfg[@]}" --repeats 2 \
         --server-args "--load-format dummy" --out "$OUT/r/startup_8b_lazy_cuda.json"
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+elif [ "$part" = 4 ]; then
+    TAIL=8 step 150 pytest_mm python -m pytest -q -m gpu tests/multimodal -p no:cacheprovider \
+        --maxfail 5
+    TAIL=12 step 260 multimodal python benchmarks/multimodal.py \
+        --out "$OUT/r/multimodal_widened_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 else
     TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/runtime/test_cuda_graph.py \

@@ -230,6 +230,29 @@ def test_encode_images_matches_transformers_one_and_two_images(vlm):
     torch.testing.assert_close(got_two[0], got_one[0], atol=1e-6, rtol=0)
 
 
+def test_widening_the_gated_mlp_with_zero_weights_keeps_its_output(vlm):
+    """What CUDA does to Qwen2.5-VL's MLPs (an intermediate size of 60 here, 3420 in the 7B),
+    done on the CPU: padded to a multiple of 64 with zero weights, the output is the same."""
+    import copy
+
+    gated = [m for m in vlm.model.modules() if type(m).__name__ == "_VisionGatedMLP"]
+    if vlm.cfg.architecture != "Qwen2_5_VLForConditionalGeneration":
+        assert not gated
+        return
+    mlp = copy.deepcopy(gated[0])
+    x = torch.randn(7, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
+    want = mlp(x)
+    mlp.widen(64)
+    assert (mlp.down_proj.in_features, mlp.gate_up_proj.out_features) == (64, 128)
+    torch.testing.assert_close(mlp(x), want, rtol=0, atol=1e-6)
+    gu = mlp.gate_up_proj
+    for pad in (slice(60, 64), slice(124, 128)):  # gate's padding, then up's
+        assert not gu.weight[pad].any() and not gu.bias[pad].any()
+    assert not mlp.down_proj.weight[:, 60:].any()
+    mlp.widen(64)  # already a multiple: nothing changes
+    assert mlp.down_proj.weight.shape[1] == 64
+
+
 def test_window_partition_is_nontrivial_and_matches_transformers(vlm):
     images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     grids = [im.grid_thw for im in images]
@@ -436,6 +459,10 @@ def test_cuda_model_matches_the_cpu_model(vlm, backend):
     model = build_model(
         vlm.cfg, vlm.path, dtype=torch.float32, device=cuda, max_positions=512, progress=False
     )
+    # Qwen2.5-VL's gated MLPs (intermediate size 60 here) are widened to 64 with zero weights.
+    gated = [m for m in model.modules() if type(m).__name__ == "_VisionGatedMLP"]
+    assert all(m.down_proj.in_features == 64 for m in gated)
+    assert bool(gated) == (vlm.cfg.architecture == "Qwen2_5_VLForConditionalGeneration")
     images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
     ids = vlm.prompt(images)
     cls = TritonBackend if backend == "triton" else TorchNativeBackend

@@ -270,6 +270,9 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Linear):
             module.finish_loading()
+    for module in model.modules():  # a layer's own re-layout once its weights are in
+        if hasattr(module, "after_weights_loaded"):
+            module.after_weights_loaded()
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
