@@ -381,15 +381,9 @@ class EngineConfig:
         bs = self.cuda_graph_max_bs
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
-        if not isinstance(self.cuda_graph_capture_all_at_start, bool):
-            raise ValueError(
-                "cuda_graph_capture_all_at_start must be true or false, got "
-                f"{self.cuda_graph_capture_all_at_start!r}"
-            )
-        if not isinstance(self.disable_cuda_graph, bool):
-            raise ValueError(
-                f"disable_cuda_graph must be true or false, got {self.disable_cuda_graph!r}"
-            )
+        for name in ("cuda_graph_capture_all_at_start", "disable_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.enable_mixed_chunk, bool):
             raise ValueError(
                 f"enable_mixed_chunk must be true or false, got {self.enable_mixed_chunk!r}"

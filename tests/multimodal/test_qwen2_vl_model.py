@@ -235,7 +235,7 @@ def test_widening_the_gated_mlp_with_zero_weights_keeps_its_output(vlm):
     done on the CPU: padded to a multiple of 64 with zero weights, the output is the same."""
     import copy
 
-    gated = [m for m in vlm.model.modules() if type(m).__name__ == "_VisionGatedMLP"]
+    gated = [m for m in vlm.model.modules() if type(m).__name__ == "VisionGatedMLP"]
     if vlm.cfg.architecture != "Qwen2_5_VLForConditionalGeneration":
         assert not gated
         return
@@ -460,7 +460,7 @@ def test_cuda_model_matches_the_cpu_model(vlm, backend):
         vlm.cfg, vlm.path, dtype=torch.float32, device=cuda, max_positions=512, progress=False
     )
     # Qwen2.5-VL's gated MLPs (intermediate size 60 here) are widened to 64 with zero weights.
-    gated = [m for m in model.modules() if type(m).__name__ == "_VisionGatedMLP"]
+    gated = [m for m in model.modules() if type(m).__name__ == "VisionGatedMLP"]
     assert all(m.down_proj.in_features == 64 for m in gated)
     assert bool(gated) == (vlm.cfg.architecture == "Qwen2_5_VLForConditionalGeneration")
     images = [vlm.image(0, seed=0), vlm.image(1, seed=1)]

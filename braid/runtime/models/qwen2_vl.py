@@ -23,13 +23,13 @@ from torch import nn
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.image_data import ImageData, check_each, device_pixels
-from braid.runtime.layers.activation import silu_and_mul
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm, default_weight_loader
 from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_axes
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import QWEN3_VL, ModelConfig
 from braid.runtime.models.llama import LlamaForCausalLM, LlamaModel, lm_head_for
+from braid.runtime.models.vision_mlp import VisionGatedMLP
 from braid.runtime.models.vision_towers import tower_sdpa
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
@@ -324,65 +324,18 @@ class _VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-# On CUDA the gated MLP's intermediate size is widened to a multiple of this (zero weights).
-MLP_PAD = 64
-
-
-class _VisionGatedMLP(nn.Module):
-    """Qwen2.5-VL: `down(act(gate(x)) * up(x))`, gate and up fused, all with bias."""
-
-    def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        inter = spec.mlp_dim
-        self.gate_up_proj = Linear(spec.dim, {"gate": inter, "up": inter}, bias=True, dtype=dtype)
-        self.down_proj = Linear(inter, {None: spec.dim}, bias=True, dtype=dtype)
-        self.act = _ACTIVATIONS[spec.act]
-        self.silu = spec.act in ("silu", "swish")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        if self.silu and h.is_cuda:
-            return self.down_proj(silu_and_mul(h))  # one kernel, the torch form's rounding
-        gate, up = h.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-    @torch.no_grad()
-    def after_weights_loaded(self) -> None:
-        """On CUDA, widen the intermediate size to a multiple of `MLP_PAD` with zero rows of
-        gate and up (and their bias) and zero columns of down: the product is unchanged (the
-        padding's activations are act(0) * 0 = 0), but Qwen2.5-VL's 3420 makes each activation
-        row 6840 bytes, not a multiple of 16, so cuBLAS could not use Hopper's kernels for the
-        down projection (an sm80 one took about 1 ms a block at 23 images on the H200)."""
-        if self.gate_up_proj.weight.is_cuda:
-            self.widen(MLP_PAD)
-
-    @torch.no_grad()
-    def widen(self, multiple: int) -> None:
-        """Pad the intermediate size to a multiple of `multiple` with zero weights (float
-        layers only; nothing to do when it already is one)."""
-        gu, down = self.gate_up_proj, self.down_proj
-        inter = down.in_features
-        if gu.method is not None or down.method is not None or inter % multiple == 0:
-            return
-        wide = -(-inter // multiple) * multiple
-        w = gu.weight.new_zeros(2 * wide, gu.in_features)
-        w[:inter], w[wide : wide + inter] = gu.weight[:inter], gu.weight[inter:]
-        b = gu.bias.new_zeros(2 * wide)
-        b[:inter], b[wide : wide + inter] = gu.bias[:inter], gu.bias[inter:]
-        gu.weight, gu.bias = nn.Parameter(w, False), nn.Parameter(b, False)
-        gu.offsets, gu.out_features = {"gate": (0, wide), "up": (wide, wide)}, 2 * wide
-        d = down.weight.new_zeros(down.out_features, wide)
-        d[:, :inter] = down.weight
-        down.weight, down.in_features = nn.Parameter(d, False), wide
-
-
 class _VisionBlock(nn.Module):
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.norm1 = _vision_norm(spec, spec.dim, dtype)
         self.norm2 = _vision_norm(spec, spec.dim, dtype)
         self.attn = _VisionAttention(spec, dtype)
-        self.mlp = _VisionGatedMLP(spec, dtype) if spec.windowed else _VisionMLP(spec, dtype)
+        act, silu = _ACTIVATIONS[spec.act], spec.act in ("silu", "swish")
+        self.mlp = (
+            VisionGatedMLP(spec.dim, spec.mlp_dim, act, silu, dtype)
+            if spec.windowed
+            else _VisionMLP(spec, dtype)
+        )
 
     def forward(self, x: torch.Tensor, rotate: Rotate, segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rotate, segments)
