@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,17 +82,17 @@ class StepProfiler:
                 )
         return [trace, table]
 
-    @contextlib.contextmanager
-    def range(self, name: str) -> Iterator[None]:
-        """A named range in the profile while one runs; nothing otherwise."""
+    def range(self, name: str) -> contextlib.AbstractContextManager:
+        """A named range in the profile while one runs; a shared no-op context otherwise (it
+        wraps every forward, so the idle case allocates nothing)."""
         if self._prof is None:
-            yield
-            return
+            return _IDLE
         if name != "braid.vision_tower":
             self.forwards += 1
-        with torch.profiler.record_function(name):
-            yield
+        return torch.profiler.record_function(name)
 
+
+_IDLE = contextlib.nullcontext()
 
 # The scheduler process's profiler (the model runner marks its forwards with it).
 PROFILER = StepProfiler()
