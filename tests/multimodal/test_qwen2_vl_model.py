@@ -207,11 +207,13 @@ def test_config_reads_the_tower_shape(vlm):
 def test_encode_images_matches_transformers_one_and_two_images(vlm):
     one = [vlm.image(0, seed=0)]
     two = [vlm.image(0, seed=0), vlm.image(1, seed=1)]
+    same = [vlm.image(1, seed=2), vlm.image(1, seed=3)]  # one size: frames are equal runs
     assert two[0].grid_thw != two[1].grid_thw
     with torch.inference_mode():
         got_one = vlm.model.encode_images(one)
         got_two = vlm.model.encode_images(two)
-        for images, got in ((one, got_one), (two, got_two)):
+        got_same = vlm.model.encode_images(same)
+        for images, got in ((one, got_one), (two, got_two), (same, got_same)):
             x = _hf_inputs(vlm, [0], images)
             ref = vlm.hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
             assert len(got) == len(ref.pooler_output) == len(images)
@@ -264,14 +266,23 @@ def test_window_partition_is_nontrivial_and_matches_transformers(vlm):
     from transformers.vision_utils import get_vision_window_index
 
     spec = vlm.model.vision_spec
-    _, cu = get_vision_window_index(
+    window_index, cu = get_vision_window_index(
         torch.tensor(grids), spec.merge_size, spec.window_size, spec.patch_size
     )
     assert layout.frames.num_segments == 2
     assert layout.windows.num_segments == len(cu) - 1 == 4 + 6
-    window_sizes = sorted(layout.windows.valid.sum(1).tolist())
-    assert window_sizes == sorted((cu[1:] - cu[:-1]).tolist())
-    assert max(window_sizes) < min(layout.frames.valid.sum(1).tolist())
+    # The blocks run the patches in transformers' window order, window by window.
+    unit = spec.merge_size**2
+    assert (layout.order[::unit] // unit).tolist() == window_index.tolist()
+    assert (layout.order.view(-1, unit) % unit).eq(torch.arange(unit)).all()
+    assert layout.windows.sizes() == (cu[1:] - cu[:-1]).tolist()
+    assert max(layout.windows.sizes()) < min(layout.frames.sizes())
+    # Unequal windows and frames attend through gathers; one image's equal windows are runs.
+    assert not layout.windows.runs and not layout.frames.runs
+    alone = vlm.model.visual.layout(grids[:1] * 2)
+    assert alone.windows.runs and alone.frames.runs and alone.windows.index is None
+    merged = torch.arange(layout.order.shape[0] // unit)
+    assert layout.restore(merged[window_index]).tolist() == merged.tolist()
 
 
 def test_encode_images_rejects_pixels_that_do_not_fit_the_grid(vlm):

@@ -7,7 +7,8 @@ tower is built here, once per architecture: Qwen2-VL's blocks use LayerNorm and 
 fc1/fc2 MLP with every block attending over a whole image; Qwen2.5-VL's use RMSNorm and a
 SwiGLU MLP with bias, and attend within windows of `window_size` pixels except in the blocks
 `fullatt_block_indexes` names. Several images go through the tower in one pass, their patches
-laid end to end; attention never crosses from one image (or window) into another.
+laid end to end; attention never crosses from one image (or window) into another, and a
+windowed pass runs its blocks in window order (models/patch_layout.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from braid.runtime.layers.rotary import apply_rotary, compute_inv_freq, mrope_ax
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import QWEN3_VL, ModelConfig
 from braid.runtime.models.llama import LlamaForCausalLM, LlamaModel, lm_head_for
+from braid.runtime.models.patch_layout import PatchLayout, Segments
 from braid.runtime.models.vision_mlp import VisionGatedMLP
-from braid.runtime.models.vision_towers import tower_sdpa
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -155,108 +156,6 @@ class VisionSpec:
         )
 
 
-@dataclass(frozen=True)
-class Segments:
-    """A partition of the tower's patches into groups that attend only among themselves (one
-    image frame, or one window of one), laid out as a padded batch of `num_segments` rows.
-
-    `index[b, s]` is the patch in slot `s` of segment `b` (0 in padding), `valid` marks the
-    slots in use, `flat = index[valid]` (the patches in row-major slot order), and `mask` is the
-    key mask for attention (None when no segment is padded).
-    """
-
-    index: torch.Tensor  # [segments, longest] int64
-    valid: torch.Tensor  # [segments, longest] bool
-    flat: torch.Tensor  # [patches] int64
-    mask: torch.Tensor | None  # [segments, 1, 1, longest] bool
-    # The slots in use as flat indices into [segments * longest], row-major: found once per
-    # layout, so no block indexes with the boolean `valid` (which waits for the device).
-    slots: torch.Tensor  # [patches] int64
-
-    @classmethod
-    def from_ids(cls, ids: torch.Tensor) -> Segments:
-        """`ids[p]`: the segment of patch `p`, dense in 0 .. num_segments - 1. Within a
-        segment, patches keep their order."""
-        n = ids.shape[0]
-        order = torch.argsort(ids, stable=True)
-        sorted_ids = ids[order]
-        counts = torch.bincount(ids)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(n, device=ids.device) - starts[sorted_ids]
-        longest = int(counts.max())
-        shape = (counts.shape[0], longest)
-        index = torch.zeros(shape, dtype=torch.int64, device=ids.device)
-        valid = torch.zeros(shape, dtype=torch.bool, device=ids.device)
-        index[sorted_ids, slot] = order
-        valid[sorted_ids, slot] = True
-        padded = bool((counts != longest).any())
-        mask = valid[:, None, None, :] if padded else None
-        slots = valid.flatten().nonzero(as_tuple=True)[0]
-        return cls(index=index, valid=valid, flat=order, mask=mask, slots=slots)
-
-    @property
-    def num_segments(self) -> int:
-        return int(self.index.shape[0])
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Bidirectional attention within each segment. `q`, `k`, `v`: [patches, heads, dim];
-        returns [patches, heads * dim]. Padding keys are masked out; padding queries see the
-        segment's keys (so stay finite) and are dropped."""
-        qb, kb, vb = (x[self.index].transpose(1, 2) for x in (q, k, v))
-        o = tower_sdpa(qb, kb, vb, attn_mask=self.mask).transpose(1, 2)
-        out = torch.empty_like(q)
-        out[self.flat] = o.reshape(-1, *o.shape[2:])[self.slots]
-        return out.reshape(q.shape[0], -1)
-
-
-def _axis(n: int, dim: int, device: torch.device) -> torch.Tensor:
-    """`arange(n)` shaped to broadcast along `dim` of a (frame, block row, block column, row in
-    block, column in block) grid."""
-    shape = [1] * 5
-    shape[dim] = n
-    return torch.arange(n, device=device).view(shape)
-
-
-@dataclass(frozen=True)
-class PatchLayout:
-    """Where the patches of one tower pass sit: their (row, column) in their image, which
-    frame of which image each belongs to, and (windowed towers) which window."""
-
-    hw: torch.Tensor  # [patches, 2] int64
-    frames: Segments
-    windows: Segments | None
-
-    @classmethod
-    def build(
-        cls, grids: Sequence[tuple[int, int, int]], spec: VisionSpec, device: torch.device
-    ) -> PatchLayout:
-        # The image processor emits each frame's patches in merge-block order: block row,
-        # block column, then the merge_size x merge_size patches inside the block.
-        m, u = spec.merge_size, spec.window_units
-        hw, frames, windows = [], [], []
-        frame_base = window_base = 0
-        for t, h, w in grids:
-            bh, bw = h // m, w // m
-            shape = (t, bh, bw, m, m)
-            f, br, bc = _axis(t, 0, device), _axis(bh, 1, device), _axis(bw, 2, device)
-            ir, ic = _axis(m, 3, device), _axis(m, 4, device)
-            rows, cols = (br * m + ir).expand(shape), (bc * m + ic).expand(shape)
-            hw.append(torch.stack((rows.flatten(), cols.flatten()), dim=-1))
-            frames.append((frame_base + f).expand(shape).flatten())
-            frame_base += t
-            if spec.windowed:
-                # Windows tile the merged grid from the top left; edge windows may be smaller.
-                nwh, nww = -(-bh // u), -(-bw // u)
-                win = window_base + (f * nwh + br // u) * nww + bc // u
-                windows.append(win.expand(shape).flatten())
-                window_base += t * nwh * nww
-        return cls(
-            hw=torch.cat(hw),
-            frames=Segments.from_ids(torch.cat(frames)),
-            windows=Segments.from_ids(torch.cat(windows)) if spec.windowed else None,
-        )
-
-
 class _LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -341,6 +240,16 @@ class _VisionBlock(nn.Module):
         x = x + self.attn(self.norm1(x), rotate, segments)
         return x + self.mlp(self.norm2(x))
 
+    def forward_rms(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rotate: Rotate, segments: Segments
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm blocks (Qwen2.5-VL): the block on `h + residual` kept as its two terms
+        (`residual` None: `h` alone), each add made by the norm after it; returns the output
+        the same way. Bit for bit `forward`: the norm rounds the sum as the add would."""
+        x, residual = (self.norm1(h), h) if residual is None else self.norm1(h, residual)
+        x, residual = self.norm2(self.attn(x, rotate, segments), residual)
+        return self.mlp(x), residual
+
 
 class _PatchMerger(nn.Module):
     """Normalises each patch, then maps every merge_size x merge_size block of patches (adjacent
@@ -389,7 +298,9 @@ class VisionTower(nn.Module):
         return _PatchMerger(spec, dtype)
 
     def layout(self, grids: Sequence[tuple[int, int, int]]) -> PatchLayout:
-        return PatchLayout.build(grids, self.spec, self.inv_freq.device)
+        spec = self.spec
+        units = spec.window_units if spec.windowed else None
+        return PatchLayout.build(grids, spec.merge_size, units, self.inv_freq.device)
 
     def _rotary(self, hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = (hw[:, :, None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]
@@ -399,11 +310,15 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         layout = self.layout(grids)
         rotate = self._rotation(*self._rotary(layout.hw))
-        x = self.patch_embed(pixels)
+        h, residual = layout.permute(self.patch_embed(pixels)), None
         for i, block in enumerate(self.blocks):
             windowed = layout.windows is not None and i not in self.spec.full_attention_blocks
-            x = block(x, rotate, layout.windows if windowed else layout.frames)
-        return self.merger(x)
+            segments = layout.windows if windowed else layout.frames
+            if self.spec.windowed:  # RMSNorm blocks: the residual adds fold into the norms
+                h, residual = block.forward_rms(h, residual, rotate, segments)
+            else:
+                h = block(h, rotate, segments)
+        return layout.restore(self.merger(h if residual is None else h + residual))
 
     def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotate:
         """How every block rotates its q and k by the patches' float32 `cos`/`sin` rows."""
