@@ -15,7 +15,12 @@ from braid.kernels.rope import rotary_reference
 from braid.kernels.token_bitmask import apply_token_bitmask_reference
 from braid.runtime.layers.activation import silu_and_mul as layer_silu_and_mul
 from braid.runtime.layers.norm import RMSNorm
-from braid.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from braid.runtime.layers.rotary import (
+    FusedRotaryTables,
+    RotaryEmbedding,
+    apply_rotary,
+    mrope_axes,
+)
 from tests.kernels.conftest import CPU_DTYPES
 
 LLAMA3 = {
@@ -98,6 +103,27 @@ def test_rotary_matches_apply_rotary_in_place_on_fused_qkv_slices(device, dtype,
     _ulp_close(q, want_q)
     _ulp_close(k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_rows_through_the_fused_kernel_match_the_torch_path(device, interleaved):
+    """What a CUDA `RotaryEmbedding.lookup_mrope` hands the attention backends: the per-token
+    rows as a table of their own, rotated by the fused kernel (here made on any device)."""
+    d, tokens = 32, 9
+    rope = RotaryEmbedding(d, 64, 10000.0, None, torch.float32).to(device)
+    axes = mrope_axes((4, 6, 6) if not interleaved else (6, 5, 5), d, interleaved).to(device)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 64, (3, tokens), generator=gen).to(device)
+    q = torch.randn(tokens, 4, d, generator=gen).to(device)
+    k = torch.randn(tokens, 2, d, generator=gen).to(device)
+    want_q, want_k = apply_rotary(q, k, *rope.lookup_mrope(positions, axes))
+    rope._fused = FusedRotaryTables(rope.cos, rope.sin, rotary)  # as built on CUDA
+    order, tables = rope.lookup_mrope(positions, axes)
+    assert isinstance(tables, FusedRotaryTables) and order.tolist() == list(range(tokens))
+    got_q, got_k = apply_rotary(q, k, order, tables)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    _ulp_close(got_q, want_q)
+    _ulp_close(got_k, want_k)
 
 
 @pytest.mark.parametrize("is_neox", [True, False])

@@ -462,8 +462,8 @@ def test_prompt_logits_and_greedy_decode_match_transformers(vlm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
 def test_cuda_model_matches_the_cpu_model(vlm, backend):
-    """On CUDA the norms, the 1-D rotary and batch-1 decode take Triton kernels; M-RoPE rows
-    take the torch path through either backend."""
+    """On CUDA the norms, the rotary (M-RoPE rows too, through either backend) and batch-1
+    decode take Triton kernels."""
     from braid.runtime.attention.triton_backend import TritonBackend
 
     cuda = torch.device("cuda")

@@ -8,8 +8,8 @@ launch per layer); elsewhere with plain torch. The choice is made once, at const
 
 M-RoPE gives each token three positions (temporal, height, width) and splits the rotary
 frequencies into sections, each rotated by one axis; its cos/sin rows are gathered from the same
-tables (`RotaryEmbedding.lookup_mrope`) and always take the torch path, whose `apply_rotary`
-every attention backend accepts.
+tables (`RotaryEmbedding.lookup_mrope`); on CUDA the fused kernel takes them as a table of
+their own, elsewhere the torch path does.
 """
 
 from __future__ import annotations
@@ -140,13 +140,21 @@ class RotaryEmbedding(nn.Module):
 
     def lookup_mrope(
         self, positions: torch.Tensor, axes: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """M-RoPE cos and sin rows, [tokens, 1, head_dim] (for `apply_rotary`, on any device):
-        column `j` of token `t` is the table entry at position `positions[axes[j], t]`.
-        `positions`: int64 [3, tokens]; `axes`: `mrope_axes(...)` on this module's device. A
-        token whose three positions are equal gets exactly its `lookup` row."""
+    ) -> tuple[torch.Tensor, torch.Tensor | FusedRotaryTables]:
+        """M-RoPE cos and sin rows for `apply_rotary`: column `j` of token `t` is the table
+        entry at position `positions[axes[j], t]`. `positions`: int64 [3, tokens]; `axes`:
+        `mrope_axes(...)` on this module's device. A token whose three positions are equal gets
+        exactly its `lookup` row. On the CPU: the rows, [tokens, 1, head_dim]. For a module
+        created on CUDA: `(arange(tokens), FusedRotaryTables)` over the rows as a table of
+        their own (token `t` at "position" `t`), so the fused kernel rotates q and k (and
+        stores K and V) as for 1-D positions; it reads the first half of each row, which the
+        second repeats (`mrope_axes`)."""
         rows = positions.index_select(0, axes).T  # [tokens, head_dim]
-        return self.cos.gather(0, rows).unsqueeze(1), self.sin.gather(0, rows).unsqueeze(1)
+        cos, sin = self.cos.gather(0, rows), self.sin.gather(0, rows)
+        if self._fused is not None:
+            tokens = torch.arange(rows.shape[0], device=rows.device)
+            return tokens, FusedRotaryTables(cos, sin, self._fused.kernel)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

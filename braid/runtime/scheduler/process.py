@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 # An idle loop waits this long for a message; after one such wait it gives freed heap back.
 IDLE_POLL_MS = 500
+
+
+# The scheduler process's GIL switch interval (CPython's default: 5 ms).
+GIL_SLICE_S = 0.0005
 
 
 def build_scheduler(
@@ -197,6 +202,12 @@ def run_scheduler_process(
     phases = {"process start": started} if started is not None else {}
     die_with_parent()
     configure_logging(log_level)
+    # Short GIL slices: this thread launches kernels, each launch releasing the GIL, while
+    # other threads run Python (the tokenizer's load during the model's, grammar artifacts
+    # loading). At CPython's 5 ms default every launch could wait a whole slice to get it back
+    # (decode-graph capture ran 2-10x slower on the H200 while the tokenizer loaded;
+    # benchmarks/gil_slices.py shows the effect on any machine).
+    sys.setswitchinterval(GIL_SLICE_S)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(addrs.scheduler)
