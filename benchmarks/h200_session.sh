@@ -12,7 +12,7 @@
 #   part 1 (a fresh machine): start to ready of `braid serve` with the 8B config, fresh then
 #          second starts, with the scheduler process's short GIL slices (issue 20); the GIL
 #          slice benchmark on CUDA; the GPU tests the changes touch (the tower in window order,
-#          M-RoPE through the fused rotary kernel)
+#          M-RoPE through the fused rotary kernel); the autotuner's choices of those starts
 #   part 2: the multimodal benchmark against transformers (issue 15)
 # The device tool brings back at most 8 files per call: each part tars $OUT.
 set -u
@@ -26,6 +26,12 @@ if [ "$part" = 1 ]; then
     TAIL=4 step 60 gil python benchmarks/gil_slices.py --out "$OUT/r/gil_slices_cuda.json"
     TAIL=8 step 200 pytest_gpu python -m pytest -q -m gpu tests/multimodal \
         tests/kernels/test_elementwise.py -p no:cacheprovider --maxfail 5
+    # The autotuner's choices (skinny GEMM at batch 1 of the 8B shapes) from the starts above.
+    root=${BRAID_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/braid}
+    find "$root/triton" -name "*.autotune.json" | head -40 | xargs -r -I{} sh -c \
+        'echo "== {}"; cat "{}"; echo' >"$OUT/autotune.log" 2>&1
+    TAIL=6 step 60 choices python benchmarks/skinny_choices.py --cache "$root/triton" \
+        --out "$OUT/r/skinny_gemm.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 else
     TAIL=8 step 280 multimodal python benchmarks/multimodal.py --out "$OUT/r/multimodal_cuda.json"

@@ -41,7 +41,10 @@ module is first imported.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -286,6 +289,52 @@ def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> lis
     return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
+# The autotuner's choices measured per GPU (benchmarks/skinny_choices.py writes them from a
+# Triton cache): {device name: {tuned_key(...): [BLOCK_N, BLOCK_K, num_warps, num_stages]}}.
+TUNED_CONFIGS = Path(__file__).parent / "configs" / "skinny_gemm.json"
+
+
+def tuned_key(
+    n: int, k: int, dtype: torch.dtype, activation: str | None, one_row: bool, norm: bool,
+    residual: bool,
+) -> str:  # fmt: skip
+    """The key of one autotuned case in `TUNED_CONFIGS`."""
+    flags = f"{activation or '-'}/{int(one_row)}{int(norm)}{int(residual)}"
+    return f"{n}/{k}/{str(dtype).removeprefix('torch.')}/{flags}"
+
+
+@functools.cache
+def _tuned_table(device_name: str) -> dict[str, list[int]]:
+    if not TUNED_CONFIGS.is_file():
+        return {}
+    return json.loads(TUNED_CONFIGS.read_text()).get(device_name, {})
+
+
+def known_choice(configs: list, device_name: str, key: str) -> list:
+    """Of the autotuner's `configs`, the one `TUNED_CONFIGS` names for this GPU and case (as a
+    list of one), or all of them where it names none (or one no longer among them)."""
+    choice = _tuned_table(device_name).get(key)
+    if choice is None:
+        return configs
+    same = [
+        c
+        for c in configs
+        if [c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] == choice
+    ]
+    return same or configs
+
+
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's early prune: with a measured choice nothing is benchmarked, and a machine
+    with an empty Triton cache compiles that one configuration instead of all of them."""
+    x = named_args["X"]
+    key = tuned_key(
+        named_args["N"], named_args["K"], x.dtype, kwargs.get("ACTIVATION"),
+        bool(kwargs.get("ONE_ROW")), bool(kwargs.get("NORM")), bool(kwargs.get("HAS_RESIDUAL")),
+    )  # fmt: skip
+    return known_choice(configs, torch.cuda.get_device_name(x.device), key)
+
+
 _heuristic_kernel = triton.heuristics({"EVEN_K": _even_k})(_skinny_gemm_kernel)
 if triton.knobs.runtime.interpret:
     # Chosen once, when the module is first imported (braid.kernels imports it lazily).
@@ -303,6 +352,7 @@ else:
         # kept on disk, so later processes skip the benchmarking.
         do_bench=_bench,
         cache_results=True,
+        prune_configs_by={"early_config_prune": _prune},
     )(_heuristic_kernel)
     _FIXED = {}
 

@@ -8,6 +8,8 @@ without it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -583,3 +585,57 @@ def test_one_token_fused_layer_gives_the_unfused_tokens(tiny_model_dirs, device,
         got.append(tokens)
     assert got[1] == got[0]
     assert [len(t) for t in got[0].values()] == [8, 8]
+
+
+def test_a_measured_choice_leaves_one_candidate(tmp_path, monkeypatch):
+    """`skinny_gemm.json` names the autotuner's earlier choice per GPU and case: only that
+    configuration is left (nothing benchmarked, one compile on a fresh machine); a case or GPU
+    it does not name, or a choice no longer among the candidates, leaves them all."""
+    import triton
+
+    from braid.kernels import skinny_gemm
+
+    key = skinny_gemm.tuned_key(6144, 4096, torch.bfloat16, None, True, True, False)
+    assert key == "6144/4096/bfloat16/-/110"
+    table = {"GPU A": {key: [32, 256, 4, 4]}, "GPU B": {key: [48, 256, 4, 4]}}
+    path = tmp_path / "skinny_gemm.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", path)
+    skinny_gemm._tuned_table.cache_clear()
+    configs = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in [(16, 256, 4, 4), (32, 256, 4, 4), (32, 256, 8, 3)]
+    ]
+    try:
+        (only,) = skinny_gemm.known_choice(configs, "GPU A", key)
+        assert only is configs[1]
+        assert skinny_gemm.known_choice(configs, "GPU B", key) == configs  # not a candidate
+        assert skinny_gemm.known_choice(configs, "GPU C", key) == configs
+        other = skinny_gemm.tuned_key(4096, 4096, torch.bfloat16, None, False, False, False)
+        assert skinny_gemm.known_choice(configs, "GPU A", other) == configs
+    finally:
+        skinny_gemm._tuned_table.cache_clear()
+
+
+@pytest.mark.gpu
+def test_a_measured_choice_is_launched_without_benchmarking_gpu(tmp_path, monkeypatch):
+    from braid.kernels import skinny_gemm
+
+    name = torch.cuda.get_device_name()
+    n, k = 1000, 2000  # a shape no other test tunes in this process
+    key = skinny_gemm.tuned_key(n, k, torch.bfloat16, None, False, False, False)
+    path = tmp_path / "skinny_gemm.json"
+    path.write_text(json.dumps({name: {key: [64, 128, 4, 4]}}))
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", path)
+    skinny_gemm._tuned_table.cache_clear()
+    try:
+        x, w, _ = _inputs(2, n, k, torch.bfloat16, "cuda", seed=5)
+        _close(skinny_linear(x, w), skinny_linear_reference(x, w))
+        chosen = [c for key_, c in skinny_gemm._kernel.cache.items() if key_[:2] == (n, k)]
+        assert len(chosen) == 1
+        c = chosen[0]
+        assert [c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] == [
+            64, 128, 4, 4,
+        ]  # fmt: skip
+    finally:
+        skinny_gemm._tuned_table.cache_clear()
