@@ -25,7 +25,8 @@ if [ "$part" = 1 ]; then
         --server-args "--load-format dummy" --out "$OUT/r/startup_8b_gil_cuda.json"
     TAIL=4 step 60 gil python benchmarks/gil_slices.py --out "$OUT/r/gil_slices_cuda.json"
     TAIL=8 step 200 pytest_gpu python -m pytest -q -m gpu tests/multimodal \
-        tests/kernels/test_elementwise.py -p no:cacheprovider --maxfail 5
+        tests/kernels/test_elementwise.py tests/kernels/test_skinny_gemm.py -p no:cacheprovider \
+        --maxfail 5
     # The autotuner's choices (skinny GEMM at batch 1 of the 8B shapes) from the starts above.
     root=${BRAID_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/braid}
     find "$root/triton" -name "*.autotune.json" | head -40 | xargs -r -I{} sh -c \
