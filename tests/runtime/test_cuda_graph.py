@@ -337,6 +337,22 @@ def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_graphs_are_captured_once_the_schedulers_tokenizer_has_loaded(tmp_path, tiny_model_dirs):
+    """On a GPU the scheduler loads its tokenizer (for grammars) beside the weights and waits
+    for it before capturing (both hold the GIL, and side by side they took turns): the phases
+    run weights, KV cache, the wait, graphs. A model without a tokenizer waits for nothing."""
+    from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+    path, _ = build_tiny_constrained_model(tmp_path / "with-tokenizer")
+    sched = local_scheduler(path, kv_tokens=4096, cuda_graph_max_bs=4)
+    assert list(sched.runner.phases) == ["weights", "kv cache", "before graphs", "graphs"]
+    assert sched.runner.graph_runner is not None
+    bare = local_scheduler(tiny_model_dirs["llama"], kv_tokens=1024, cuda_graph_max_bs=4)
+    assert list(bare.runner.phases) == ["weights", "kv cache", "graphs"]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_8b_shaped_dummy_model_serves_with_cuda_graphs():
     """Llama-3.1-8B shapes, random bf16 weights, through braid.LLM (graphs captured in the
     scheduler process): mixed batches that shrink as requests finish, then batch-1 decode."""

@@ -67,7 +67,10 @@ def build_scheduler(
     if config.torch_device.type == "cuda" and has_tokenizer(model_path):
         # The grammar compiler needs the tokenizer, and importing transformers' tokenizers
         # takes seconds (measured: the first constrained request on an H200 waited ~7 s for
-        # it): on a GPU it loads while the model does, so constraints are ready at start.
+        # it): on a GPU it loads while the weights do, so constraints are ready at start. The
+        # decode graphs are captured once it has loaded: both are Python that holds the GIL, and
+        # side by side they took turns (H200: the start sizes' capture took 10 s beside the
+        # load, against 1.9 s alone).
         tokenizer = concurrent.futures.ThreadPoolExecutor(1, "braid-tokenizer").submit(
             _load_tokenizer, model_path
         )
@@ -91,6 +94,7 @@ def build_scheduler(
         capture_hidden=capture,
         aux_layers=aux,
         tp=tp,
+        before_graphs=None if tokenizer is None else lambda: concurrent.futures.wait([tokenizer]),
     )
     return Scheduler(
         runner,
@@ -203,10 +207,10 @@ def run_scheduler_process(
     die_with_parent()
     configure_logging(log_level)
     # Short GIL slices: this thread launches kernels, each launch releasing the GIL, while
-    # other threads run Python (the tokenizer's load during the model's, grammar artifacts
-    # loading). At CPython's 5 ms default every launch could wait a whole slice to get it back
-    # (decode-graph capture ran 2-10x slower on the H200 while the tokenizer loaded;
-    # benchmarks/gil_slices.py shows the effect on any machine).
+    # other threads run Python (grammar compiles, the tokenizer's load during the weights').
+    # At CPython's 5 ms default every launch could wait a whole slice to get it back
+    # (benchmarks/gil_slices.py: a loop of short GIL-releasing calls beside a busy thread ran
+    # 3-54x slower than alone at 5 ms, ~2.2x at 0.5 ms).
     sys.setswitchinterval(GIL_SLICE_S)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
