@@ -15,9 +15,11 @@
 #          the GPU tests the changes touch
 #   part 2: where the tokenizer's load goes, start to ready with bytecode; the multimodal
 #          benchmark against transformers (issue 15)
+#   part 3: start to ready again once the scheduler reads its grammar vocabulary without
+#          transformers; the GPU tests of that path
 # The device tool brings back at most 8 files per call: each part tars $OUT.
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 source "$(dirname "$0")/step.sh"
 tok=.gpu/tok
 cfg=(--config llama-3.1-8b --tokenizer "$tok")
@@ -46,7 +48,7 @@ if [ "$part" = 1 ]; then
     TAIL=6 step 60 choices python benchmarks/skinny_choices.py --cache "$root/triton" \
         --out "$OUT/r/skinny_gemm.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
-else
+elif [ "$part" = 2 ]; then
     # Why the tokenizer takes 10+ s here (part 1: the scheduler waited 7-11 s for it): the time
     # to import transformers and load the tokenizer, without bytecode (as the machine runs
     # Python) and with it (PYTHONPYCACHEPREFIX: written by the first run, read by the second),
@@ -66,5 +68,16 @@ print(d, 'has __pycache__:', os.path.isdir(os.path.join(d, '__pycache__')))"
     TAIL=24 step 200 startup_bytecode python benchmarks/startup.py "${cfg[@]}" --repeats 2 \
         --server-args "--load-format dummy" --out "$OUT/r/startup_8b_bytecode_cuda.json"
     TAIL=8 step 280 multimodal python benchmarks/multimodal.py --out "$OUT/r/multimodal_cuda.json"
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+elif [ "$part" = 3 ]; then
+    # After part 2: the scheduler's grammar vocabulary read without transformers. Start to
+    # ready with bytecode (a fresh machine: the first start writes it, the later ones are
+    # second starts), and the GPU tests of the constrained rows and the wait before capture.
+    export PYTHONPYCACHEPREFIX=/tmp/pyc
+    unset PYTHONDONTWRITEBYTECODE
+    TAIL=24 step 200 startup_vocab python benchmarks/startup.py "${cfg[@]}" --repeats 2 \
+        --server-args "--load-format dummy" --out "$OUT/r/startup_8b_vocab_cuda.json"
+    TAIL=4 step 150 pytest_gpu python -m pytest -q -m gpu tests/runtime/test_overlap.py \
+        tests/runtime/test_cuda_graph.py tests/runtime/test_constrained.py -p no:cacheprovider
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

@@ -260,6 +260,78 @@ def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes(backen
     assert m.is_final
 
 
+def _vocabulary_dirs(tmp_path, smollm2_dir):
+    from tests.runtime.tiny_tokenizers import build_byte_level_bpe
+
+    build_sentencepiece_style(tmp_path / "sp")
+    return [smollm2_dir, build_byte_level_bpe(tmp_path / "bpe"), tmp_path / "sp"]
+
+
+def test_the_schedulers_vocabulary_is_what_transformers_reads(tmp_path, smollm2_dir):
+    """`load_vocabulary` (the scheduler's, without transformers) gives the grammar compiler
+    what transformers' fast tokenizer gives: SmolLM2's byte-level BPE, a tiny trained one and
+    a SentencePiece-style one with byte fallback and named special tokens."""
+    from braid.runtime.tokenizer.tokenizer import FastVocabulary, load_tokenizer, load_vocabulary
+
+    texts = ['{"name": "Ann", "age": 4}', " héllo\n\tworld 😀", "</s> <s> <|endoftext|> x", "a  b"]
+    for path in _vocabulary_dirs(tmp_path, smollm2_dir):
+        fast, hf = load_vocabulary(path), load_tokenizer(path)
+        assert isinstance(fast, FastVocabulary), path
+        assert (fast.eos_token_id, len(fast)) == (hf.eos_token_id, len(hf)), path
+        assert fast.all_special_ids == sorted(hf.all_special_ids), path
+        assert set(fast.added_tokens_decoder) == set(hf.added_tokens_decoder), path
+        got, got_map = token_vocab(fast)
+        want, want_map = token_vocab(hf)
+        assert got_map == want_map and got.token_bytes == want.token_bytes, path
+        assert (got.eos_token_id, got.size, got.byte_tokens) == (
+            want.eos_token_id,
+            want.size,
+            want.byte_tokens,
+        ), path
+        for text in texts:
+            assert got.encode(text) == want.encode(text), (path, text)
+
+
+def test_the_schedulers_vocabulary_loads_without_transformers(smollm2_dir):
+    """The point of `load_vocabulary`: at start the scheduler builds its grammar compiler and
+    the default backend over the vocabulary without importing transformers (2-4 s of its start
+    on the H200 machine)."""
+    import subprocess
+    import sys
+
+    from braid.runtime.config import DEFAULT_GRAMMAR_BACKEND
+
+    code = (
+        "import sys\n"
+        "from braid.runtime.tokenizer.tokenizer import load_vocabulary\n"
+        "from braid.runtime.constrained.grammar import GrammarCompiler\n"
+        f"c = GrammarCompiler(load_vocabulary({str(smollm2_dir)!r}), {DEFAULT_GRAMMAR_BACKEND!r})\n"
+        f"c.get_backend({DEFAULT_GRAMMAR_BACKEND!r})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_a_vocabulary_transformers_would_extend_is_left_to_transformers(tmp_path, smollm2_dir):
+    """A special token named in tokenizer_config.json but missing from the vocabulary
+    (transformers adds it), or no EOS named: `load_vocabulary` loads transformers' tokenizer."""
+    import json
+    import shutil
+
+    from braid.runtime.tokenizer.tokenizer import FastVocabulary, load_vocabulary
+
+    for change in ({"pad_token": "<|not-a-token|>"}, {"eos_token": None}):
+        path = tmp_path / f"changed-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(smollm2_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg.update(change)
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+        assert not isinstance(load_vocabulary(path), FastVocabulary), change
+
+
 # ---- random models: every output is a prefix the grammar accepts ------------------------------
 TINY_SPECS = [
     ("regex", r"(yes|no)"),

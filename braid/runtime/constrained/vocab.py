@@ -47,7 +47,7 @@ def token_bytes(tokenizer) -> tuple[int, dict[bytes, list[int]]]:
     out: dict[bytes, list[int]] = {}
     sp = _is_sentencepiece(vocab)
     u2b = _unicode_to_byte()
-    for tok, tid in vocab.items():
+    for tok, tid in sorted(vocab.items(), key=lambda kv: kv[1]):  # ids in order, any source
         if tid in special or tid == eos:
             continue
         if sp:

@@ -42,7 +42,7 @@ from braid.runtime.ipc.to_tokenizer import (
 )
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.scheduler.scheduler import Scheduler
-from braid.runtime.tokenizer.tokenizer import has_tokenizer
+from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +65,20 @@ def build_scheduler(
     model_config = ModelConfig.from_dir(model_path)
     tokenizer = None
     if config.torch_device.type == "cuda" and has_tokenizer(model_path):
-        # The grammar compiler needs the tokenizer, and importing transformers' tokenizers
-        # takes seconds (measured: the first constrained request on an H200 waited ~7 s for
-        # it): on a GPU it loads while the weights do, so constraints are ready at start. The
-        # decode graphs are captured once it has loaded: both are Python that holds the GIL, and
-        # side by side they took turns (H200: the start sizes' capture took 10 s beside the
-        # load, against 1.9 s alone).
+        # The grammar compiler needs the tokenizer's vocabulary (`load_vocabulary`: read from
+        # tokenizer.json without transformers where it can be, whose import took 2-4 s of this
+        # process's start on the H200 machine). On a GPU it loads while the weights do, so
+        # constraints are ready at start, and the decode graphs are captured once it has:
+        # side by side, both holding the GIL, they took turns (H200: the start sizes' capture
+        # took 10.9-13.7 s beside transformers' tokenizer loading, 1.7 s after it).
         tokenizer = concurrent.futures.ThreadPoolExecutor(1, "braid-tokenizer").submit(
-            _load_tokenizer, model_path
+            load_vocabulary, model_path
         )
 
     def grammar_compiler():
         from braid.runtime.constrained.grammar import GrammarCompiler
 
-        tok = tokenizer.result() if tokenizer is not None else _load_tokenizer(model_path)
+        tok = tokenizer.result() if tokenizer is not None else load_vocabulary(model_path)
         return GrammarCompiler(tok, config.effective_grammar_backend)
 
     capture, aux = False, ()
@@ -102,12 +102,6 @@ def build_scheduler(
         eos_token_ids=eos_token_ids,
         grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
     )
-
-
-def _load_tokenizer(path: Path):
-    from braid.runtime.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 class SchedulerLoop:
