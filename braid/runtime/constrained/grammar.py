@@ -23,7 +23,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from braid.runtime.constrained import GRAMMAR_BACKENDS, get_grammar_backend
@@ -195,15 +195,38 @@ class GrammarCompiler:
         self._build_lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def candidates(self, kind: str, spec: Any) -> list[str]:
+    def candidates(self, kind: str, spec: Any) -> Iterator[str]:
         """The backends to try for (kind, spec), in order: the configured one if it may enforce
         it, then those in FALLBACK_ORDER that may (each may still refuse when compiling: then
-        the next is tried). `ValueError` naming the field if the spec is malformed or no
-        backend can enforce it."""
+        the next is tried). The first is found before this returns; each later one only when
+        the caller asks for it, so a backend is imported only once those before it refused
+        (importing xgrammar imports transformers: seconds of Python holding the scheduler
+        process's GIL). `ValueError` naming the field if the spec is malformed or no backend
+        can enforce it."""
         spec = check_spec(kind, spec)
-        names, reasons = [], []
         order = (self.backend, *FALLBACK_ORDER) if self.fallback else (self.backend,)
-        for name in dict.fromkeys(order):
+        names, reasons = iter(dict.fromkeys(order)), []
+        first = self._next_candidate(kind, spec, names, reasons)
+        if first is None:
+            if len(reasons) == 1:
+                raise ValueError(reasons[0])
+            raise ValueError(f"{reasons[0]}; no other grammar backend can enforce it either")
+
+        def each() -> Iterator[str]:
+            name = first
+            while name is not None:
+                yield name
+                name = self._next_candidate(kind, spec, names, reasons)
+
+        return each()
+
+    @staticmethod
+    def _next_candidate(
+        kind: str, spec: Any, names: Iterator[str], reasons: list[str]
+    ) -> str | None:
+        """The next of `names` whose backend is installed and may enforce (kind, spec), or None;
+        each one passed over adds its reason to `reasons`."""
+        for name in names:
             try:
                 cls = get_grammar_backend(name)
             except ImportError as e:
@@ -211,14 +234,9 @@ class GrammarCompiler:
                 continue
             reason = cls.refusal(kind, spec)
             if reason is None:
-                names.append(name)
-            else:
-                reasons.append(reason)
-        if names:
-            return names
-        if len(reasons) == 1:
-            raise ValueError(reasons[0])
-        raise ValueError(f"{reasons[0]}; no other grammar backend can enforce it either")
+                return name
+            reasons.append(reason)
+        return None
 
     def get_backend(self, name: str) -> GrammarBackend:
         """The backend `name` over this vocabulary, built on first use (holds the build lock:
