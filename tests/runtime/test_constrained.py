@@ -317,14 +317,15 @@ def test_the_schedulers_vocabulary_loads_without_transformers(smollm2_dir):
 
 
 def test_a_vocabulary_transformers_would_extend_is_left_to_transformers(tmp_path, smollm2_dir):
-    """A special token named in tokenizer_config.json but missing from the vocabulary
+    """A special or added token of tokenizer_config.json missing from tokenizer.json
     (transformers adds it), or no EOS named: `load_vocabulary` loads transformers' tokenizer."""
     import json
     import shutil
 
     from braid.runtime.tokenizer.tokenizer import FastVocabulary, load_vocabulary
 
-    for change in ({"pad_token": "<|not-a-token|>"}, {"eos_token": None}):
+    added = {"added_tokens_decoder": {"49152": {"content": "<|new|>", "special": True}}}
+    for change in ({"pad_token": "<|not-a-token|>"}, {"eos_token": None}, added):
         path = tmp_path / f"changed-{len(list(tmp_path.iterdir()))}"
         shutil.copytree(smollm2_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
         cfg = json.loads((path / "tokenizer_config.json").read_text())

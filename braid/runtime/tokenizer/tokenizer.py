@@ -58,12 +58,17 @@ class FastVocabulary(FastDecoder):
     vocabulary with added tokens, the special ids, EOS, encoding without special tokens),
     straight from tokenizer.json and tokenizer_config.json like `FastDecoder`. The scheduler
     process loads it without importing transformers, which took 2-4 s of its start on the H200
-    machine (with bytecode; 8-13 s without). `load_vocabulary` builds it only where it gives
-    what transformers' fast tokenizer gives."""
+    machine (with bytecode; 8-13 s without). `ValueError` where transformers would change
+    the vocabulary (a special or added token of tokenizer_config.json missing from
+    tokenizer.json): `load_vocabulary` then loads transformers' tokenizer."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         self.added_tokens_decoder = self._tok.get_added_tokens_decoder()
+        for tid, token in self._config.get("added_tokens_decoder", {}).items():
+            content = token.get("content") if isinstance(token, dict) else None
+            if not isinstance(content, str) or self._tok.token_to_id(content) != int(tid):
+                raise ValueError(f"added token {tid} ({content!r}) is not in tokenizer.json")
         ids = {name: self._special_ids(self._config.get(name)) for name in _SPECIAL_TOKEN_KEYS}
         listed = [self._config.get(name) for name in _SPECIAL_LIST_KEYS]
         named = [i for v in ids.values() for i in v]
@@ -74,8 +79,7 @@ class FastVocabulary(FastDecoder):
     def _special_ids(self, value: Any) -> list[int]:
         """The ids of one tokenizer_config.json special-token entry: a token (its text or an
         {"content": ...} dict), a list or a {name: token} map of them, or nothing. `ValueError`
-        for a token outside the vocabulary (transformers would add it: `load_vocabulary`
-        leaves such tokenizers to transformers)."""
+        for a token outside the vocabulary (transformers would add it)."""
         if value is None:
             return []
         if isinstance(value, dict) and "content" not in value:
