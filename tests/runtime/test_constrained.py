@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -260,11 +262,35 @@ def test_sentencepiece_vocabulary_maps_metaspace_and_byte_tokens_to_bytes(backen
     assert m.is_final
 
 
+def _copy_tokenizer(src: Path, dst: Path, config: dict) -> Path:
+    """`src`'s tokenizer files in `dst`, with `config` merged into tokenizer_config.json."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg.update(config)
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _v4_style(smollm2_dir: Path, path: Path) -> Path:
+    """SmolLM2's tokenizer with its config as transformers 4 saved configs: the added tokens
+    in `added_tokens_decoder` (which makes transformers ignore special_tokens_map.json; this
+    one's EOS differs), `add_bos_token`, the chat tokens as additional special tokens and a
+    model-specific `*_token` entry."""
+    tok = json.loads((smollm2_dir / "tokenizer.json").read_text())
+    added = {str(t.pop("id")): t for t in tok["added_tokens"]}
+    config = {"added_tokens_decoder": added, "add_bos_token": False, "image_token": "<|im_end|>"}
+    config["additional_special_tokens"] = [added["3"]["content"], added["4"]["content"]]
+    _copy_tokenizer(smollm2_dir, path, config)
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return path
+
+
 def _vocabulary_dirs(tmp_path, smollm2_dir):
     from tests.runtime.tiny_tokenizers import build_byte_level_bpe
 
     build_sentencepiece_style(tmp_path / "sp")
-    return [smollm2_dir, build_byte_level_bpe(tmp_path / "bpe"), tmp_path / "sp"]
+    bpe = build_byte_level_bpe(tmp_path / "bpe")
+    return [smollm2_dir, _v4_style(smollm2_dir, tmp_path / "v4"), bpe, tmp_path / "sp"]
 
 
 def test_the_schedulers_vocabulary_is_what_transformers_reads(tmp_path, smollm2_dir):
@@ -316,22 +342,29 @@ def test_the_schedulers_vocabulary_loads_without_transformers(smollm2_dir):
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
-def test_a_vocabulary_transformers_would_extend_is_left_to_transformers(tmp_path, smollm2_dir):
-    """A special or added token of tokenizer_config.json missing from tokenizer.json
-    (transformers adds it), or no EOS named: `load_vocabulary` loads transformers' tokenizer."""
-    import json
-    import shutil
-
+def test_a_vocabulary_transformers_would_change_is_left_to_transformers(tmp_path, smollm2_dir):
+    """Where transformers would change what tokenizer.json says (add a special or added token,
+    re-flag one, read a special_tokens_map.json, fix a Mistral regex) or no EOS is named,
+    `load_vocabulary` loads transformers' tokenizer."""
     from braid.runtime.tokenizer.tokenizer import FastVocabulary, load_vocabulary
 
-    added = {"added_tokens_decoder": {"49152": {"content": "<|new|>", "special": True}}}
-    for change in ({"pad_token": "<|not-a-token|>"}, {"eos_token": None}, added):
-        path = tmp_path / f"changed-{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(smollm2_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-        cfg.update(change)
-        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    first = json.loads((smollm2_dir / "tokenizer.json").read_text())["added_tokens"][0]
+    changes = [
+        {"pad_token": "<|not-a-token|>"},  # transformers adds it
+        {"pad_token": "hello"},  # an ordinary token, which transformers makes an added one
+        {"image_token": "hello"},  # model-specific special tokens count too
+        {"eos_token": None},
+        {"added_tokens_decoder": {"49152": {"content": "<|new|>", "special": True}}},
+        {"added_tokens_decoder": {str(first["id"]): {**first, "lstrip": True}}},
+        {"fix_mistral_regex": True},
+    ]
+    for n, change in enumerate(changes):
+        path = _copy_tokenizer(smollm2_dir, tmp_path / str(n), change)
         assert not isinstance(load_vocabulary(path), FastVocabulary), change
+    # No added_tokens_decoder: transformers reads special_tokens_map.json on top.
+    path = _copy_tokenizer(smollm2_dir, tmp_path / "map", {})
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert not isinstance(load_vocabulary(path), FastVocabulary)
 
 
 # ---- random models: every output is a prefix the grammar accepts ------------------------------

@@ -228,11 +228,11 @@ class GrammarCompiler:
         each one passed over adds its reason to `reasons`."""
         for name in names:
             try:
-                cls = get_grammar_backend(name)
+                reason = get_grammar_backend(name).refusal(kind, spec)
             except ImportError as e:
-                reasons.append(f"{kind}: the {name} grammar backend is not installed ({e})")
-                continue
-            reason = cls.refusal(kind, spec)
+                reason = f"{kind}: the {name} grammar backend is not installed ({e})"
+            except Exception as e:  # a later one is looked at while compiling: never raise there
+                reason = f"{kind}: the {name} grammar backend failed ({type(e).__name__}: {e})"
             if reason is None:
                 return name
             reasons.append(reason)

@@ -47,10 +47,7 @@ class FastDecoder:
         return text
 
 
-# The tokenizer_config.json entries naming one special token each, and those naming lists.
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token")
-_SPECIAL_TOKEN_KEYS += ("cls_token", "mask_token")
-_SPECIAL_LIST_KEYS = ("additional_special_tokens", "extra_special_tokens")
+_ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
 
 
 class FastVocabulary(FastDecoder):
@@ -58,28 +55,48 @@ class FastVocabulary(FastDecoder):
     vocabulary with added tokens, the special ids, EOS, encoding without special tokens),
     straight from tokenizer.json and tokenizer_config.json like `FastDecoder`. The scheduler
     process loads it without importing transformers, which took 2-4 s of its start on the H200
-    machine (with bytecode; 8-13 s without). `ValueError` where transformers would change
-    the vocabulary (a special or added token of tokenizer_config.json missing from
-    tokenizer.json): `load_vocabulary` then loads transformers' tokenizer."""
+    machine (with bytecode; 8-13 s without).
+
+    Only a config that changes nothing in tokenizer.json is read this way: each token of its
+    `added_tokens_decoder`, and each special token it names (every `*_token` entry, then
+    `extra_special_tokens`, else `additional_special_tokens`), is already an added token of
+    tokenizer.json with the same flags, and neither a Mistral regex fix nor, for a config
+    without `added_tokens_decoder`, a special_tokens_map.json or added_tokens.json (each of
+    which transformers applies on top). Anything else is a `ValueError`, and `load_vocabulary`
+    then loads transformers' tokenizer."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
+        path, cfg = Path(path), self._config
+        if cfg.get("fix_mistral_regex"):
+            raise ValueError("fix_mistral_regex: transformers replaces the pre-tokenizer")
+        for extra in ("special_tokens_map.json", "added_tokens.json"):
+            if "added_tokens_decoder" not in cfg and (path / extra).is_file():
+                raise ValueError(f"{extra}: transformers reads it")
         self.added_tokens_decoder = self._tok.get_added_tokens_decoder()
-        for tid, token in self._config.get("added_tokens_decoder", {}).items():
-            content = token.get("content") if isinstance(token, dict) else None
-            if not isinstance(content, str) or self._tok.token_to_id(content) != int(tid):
-                raise ValueError(f"added token {tid} ({content!r}) is not in tokenizer.json")
-        ids = {name: self._special_ids(self._config.get(name)) for name in _SPECIAL_TOKEN_KEYS}
-        listed = [self._config.get(name) for name in _SPECIAL_LIST_KEYS]
-        named = [i for v in ids.values() for i in v]
-        named += [i for v in listed for i in self._special_ids(v)]
-        self.all_special_ids = sorted(set(named))
-        self.eos_token_id = ids["eos_token"][0] if ids["eos_token"] else None
+        for tid, token in cfg.get("added_tokens_decoder", {}).items():
+            have = self.added_tokens_decoder.get(int(tid))
+            if (
+                not isinstance(token, dict)
+                or have is None
+                or any(getattr(have, k) != v for k, v in token.items() if k in _ADDED_TOKEN_FIELDS)
+            ):
+                raise ValueError(f"added token {tid} ({token!r}) differs from tokenizer.json's")
+        named = {
+            k: self._special_ids(v)
+            for k, v in cfg.items()
+            if k.endswith("_token") and isinstance(v, (str, dict))  # not add_bos_token etc.
+        }
+        extra = cfg.get("extra_special_tokens")
+        listed = extra if extra else cfg.get("additional_special_tokens")
+        ids = [i for v in named.values() for i in v] + self._special_ids(listed)
+        self.all_special_ids = sorted(set(ids))
+        self.eos_token_id = named["eos_token"][0] if named.get("eos_token") else None
 
     def _special_ids(self, value: Any) -> list[int]:
         """The ids of one tokenizer_config.json special-token entry: a token (its text or an
         {"content": ...} dict), a list or a {name: token} map of them, or nothing. `ValueError`
-        for a token outside the vocabulary (transformers would add it)."""
+        for a token that is not an added token of tokenizer.json (transformers would add it)."""
         if value is None:
             return []
         if isinstance(value, dict) and "content" not in value:
@@ -88,8 +105,8 @@ class FastVocabulary(FastDecoder):
             return [i for v in value for i in self._special_ids(v)]
         text = value.get("content") if isinstance(value, dict) else value
         tid = self._tok.token_to_id(text) if isinstance(text, str) else None
-        if tid is None:
-            raise ValueError(f"special token {value!r} is not in the vocabulary")
+        if tid is None or tid not in self.added_tokens_decoder:
+            raise ValueError(f"special token {value!r} is not an added token of tokenizer.json")
         return [tid]
 
     def get_vocab(self) -> dict[str, int]:
