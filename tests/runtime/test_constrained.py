@@ -295,8 +295,9 @@ def _vocabulary_dirs(tmp_path, smollm2_dir):
 
 def test_the_schedulers_vocabulary_is_what_transformers_reads(tmp_path, smollm2_dir):
     """`load_vocabulary` (the scheduler's, without transformers) gives the grammar compiler
-    what transformers' fast tokenizer gives: SmolLM2's byte-level BPE, a tiny trained one and
-    a SentencePiece-style one with byte fallback and named special tokens."""
+    what transformers' fast tokenizer gives: SmolLM2's byte-level BPE, the same with a
+    transformers-4-style config, a tiny trained one and a SentencePiece-style one with byte
+    fallback and named special tokens."""
     from braid.runtime.tokenizer.tokenizer import FastVocabulary, load_tokenizer, load_vocabulary
 
     texts = ['{"name": "Ann", "age": 4}', " héllo\n\tworld 😀", "</s> <s> <|endoftext|> x", "a  b"]

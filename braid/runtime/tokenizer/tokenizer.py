@@ -121,8 +121,8 @@ class FastVocabulary(FastDecoder):
 
 def load_vocabulary(path: str | Path):
     """What the grammar compiler needs of the model's tokenizer: a `FastVocabulary` where
-    tokenizer.json and tokenizer_config.json exist and name an EOS token in the vocabulary,
-    else the full transformers tokenizer."""
+    tokenizer.json and tokenizer_config.json exist, the config names an EOS token and changes
+    nothing in tokenizer.json (see `FastVocabulary`), else the full transformers tokenizer."""
     path = Path(path)
     if (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file():
         try:
