@@ -7,9 +7,12 @@ The model is Llama-3.1-8B's config with random weights (`load_format="dummy"`) a
 tokenizer (its vocabulary sets `vocab_size`), so a grammar compiles against a real BPE
 vocabulary. Each request has random prompt tokens and asks for `--output-len` tokens with
 `ignore_eos`; the constrained run adds the regex `[a-z0-9 ,.]*`, which masks every step of every
-row and forces nothing (no jump-forward). Both runs go through one engine, interleaved, best of
-`--repeats` each, with fresh prompts every run (the prefix cache never shortens a prefill);
-overhead = constrained / free wall time - 1, per batch size. The engine's first request (free)
+row and forces nothing (no jump-forward), and with `--workloads regex,json` also a JSON schema
+of records (`RECORDS`: every step masked, rows in many grammar states, forced keys). Both runs
+go through one engine, interleaved, best of `--repeats` each, with fresh prompts every run (the
+prefix cache never shortens a prefill); overhead = constrained / free wall time - 1, per
+workload and batch size, with the grammar's host time per row (`host_per_row`). The engine's
+first request (free)
 and the first constrained one after it are timed on their own: the second shows what the
 grammar adds to a first request (compile, the mask path's first use).
 
@@ -44,6 +47,23 @@ from benchmarks.offline_throughput import make_prompts  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 REGEX = "[a-z0-9 ,.]*"
+# The JSON-schema workload: records no output of 128 tokens can finish (`minItems`), so every
+# step is masked, with rows in many different grammar states (inside keys, strings, numbers,
+# between items) and forced text (keys, punctuation) that jump-forward appends.
+RECORDS = {
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+    },
+}
+WORKLOADS = {"regex": {"regex": REGEX}, "json": {"json_schema": RECORDS}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -72,6 +92,32 @@ def model_dir(config: str, tokenizer: Path, out: Path) -> Path:
         if (tokenizer / name).is_file():
             shutil.copy(tokenizer / name, out / name)
     return out
+
+
+# The scheduler's grammar counters (`GrammarManager.counters`), summed over a batch size's
+# constrained runs for `host_per_row`.
+HOST_COUNTERS = (
+    "grammar_masked_rows",
+    "grammar_early_rows",
+    "grammar_mask_seconds",
+    "grammar_wait_seconds",
+    "grammar_advance_seconds",
+    "decode_steps",
+)
+
+
+def host_per_row(c: dict[str, float]) -> dict[str, float]:
+    """Microseconds per constrained row: filling its mask (in the mask thread or not),
+    advancing its grammar, and the scheduler's thread waiting for the mask thread; and the
+    share of rows the mask thread filled."""
+    rows = max(c["grammar_masked_rows"], 1.0)
+    return {
+        "fill_us": 1e6 * c["grammar_mask_seconds"] / rows,
+        "advance_us": 1e6 * c["grammar_advance_seconds"] / rows,
+        "wait_us": 1e6 * c["grammar_wait_seconds"] / rows,
+        "early_share": c["grammar_early_rows"] / rows,
+        "decode_steps": c["decode_steps"],
+    }
 
 
 def timed(llm, prompts: list[list[int]], sp: braid.SamplingParams) -> float:
@@ -117,6 +163,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
+        "--workloads",
+        default="regex",
+        help="comma-separated: regex (the regex on every row), json (a JSON schema of records)",
+    )
+    ap.add_argument(
         "--out", default=None, help="result path (default results/structured_gpu_<device>.json)"
     )
     ap.add_argument(
@@ -160,9 +211,6 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         try:
             free = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-            masked = braid.SamplingParams(
-                temperature=0.0, max_tokens=n_out, ignore_eos=True, regex=REGEX
-            )
             first = braid.SamplingParams(
                 temperature=0.0, max_tokens=20, ignore_eos=True, regex=REGEX
             )
@@ -175,8 +223,13 @@ def main() -> None:
             # The same again: what a constrained request costs once its first-use costs are paid.
             second_s = timed(llm, make_prompts(1, n_in, vocab, seed=5), first)
             rows, seed = [], 2
-            for bs in tqdm(batches, desc="batch sizes"):
+            cases = [(w, bs) for w in args.workloads.split(",") for bs in batches]
+            for workload, bs in tqdm(cases, desc="workloads x batch sizes"):
+                masked = braid.SamplingParams(
+                    temperature=0.0, max_tokens=n_out, ignore_eos=True, **WORKLOADS[workload]
+                )
                 runs = {"free": [], "constrained": []}
+                host = dict.fromkeys(HOST_COUNTERS, 0.0)
                 for rep in range(args.repeats):
                     for name, sp in (("free", free), ("constrained", masked)):
                         prompts = make_prompts(bs, n_in, vocab, seed=seed)
@@ -184,17 +237,24 @@ def main() -> None:
                         path = None
                         if bs == args.profile_batch and rep == args.repeats - 1:
                             path = args.profile_dir / f"stacks_{name}_{bs}.txt"
+                        before = llm.stats() if name == "constrained" else None
                         with sampled_stacks(path):
                             runs[name].append(timed(llm, prompts, sp))
+                        if before is not None:
+                            after = llm.stats()
+                            for k in HOST_COUNTERS:
+                                host[k] += after.get(k, 0.0) - before.get(k, 0.0)
                 best_free, best_masked = min(runs["free"]), min(runs["constrained"])
                 rows.append(
                     {
+                        "workload": workload,
                         "batch": bs,
                         "free_s": runs["free"],
                         "constrained_s": runs["constrained"],
                         "overhead": best_masked / best_free - 1,
                         "free_tok_s": bs * n_out / best_free,
                         "constrained_tok_s": bs * n_out / best_masked,
+                        "grammar_host": host_per_row(host),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -227,7 +287,7 @@ def main() -> None:
     print(f"second constrained request (20 tokens): {second_s:.2f} s")
     print(f"bitmask fill: {result['mask_us_per_row']:.1f} us per constrained row")
     for r in rows:
-        print(f"batch {r['batch']:>4}: overhead {100 * r['overhead']:+.1f}%")
+        print(f"{r['workload']:>5} batch {r['batch']:>4}: overhead {100 * r['overhead']:+.1f}%")
 
 
 if __name__ == "__main__":

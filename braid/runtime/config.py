@@ -231,6 +231,11 @@ class EngineConfig:
     disable_jump_forward: bool = setting(
         False, "sample every token a grammar forces instead of appending it, for A/B measurement"
     )
+    disable_grammar_mask_thread: bool = setting(
+        False,
+        "fill the masks of a decode step run ahead on the scheduler's thread once the step "
+        "before is applied, instead of in a thread beside it, for A/B measurement",
+    )
     cuda_graph_max_bs: int = setting(
         256,
         "decode batches of up to this many rows (requests, or with speculative decoding the "

@@ -1,7 +1,8 @@
-"""A step's constrained rows in batch: masks filled and grammars advanced many at a time by the
-grammar library's own native threads (llguidance's `LLExecutor`, xgrammar's
-`BatchGrammarMatcher`), which must give exactly what one matcher at a time gives. These
-machines have too few CPUs for the threads to pay, so the tests lower the threshold
+"""A step's constrained rows in batch: masks filled (and xgrammar's grammars advanced) many at a
+time by the grammar library's own native threads (llguidance's `LLExecutor`, xgrammar's
+`BatchGrammarMatcher`), which must give exactly what one matcher at a time gives, and the
+masks of a step run ahead filled in the grammar manager's mask thread beside the scheduler's.
+These machines have too few CPUs for the threads to pay, so the tests lower the threshold
 (`PARALLEL_MIN_CPUS`) to run the threaded path here."""
 
 from __future__ import annotations
@@ -135,3 +136,82 @@ def test_a_batch_of_constrained_requests_gets_the_same_tokens_threaded(
         xgrammar_backend._batch.cache_clear()
     assert threaded == plain
     assert len(plain) == PARALLEL_MIN_ROWS + 8
+
+
+MARK = 30  # ">" in the tiny byte-level BPE: never allowed by WORDS
+# Long stretches the overlap schedule runs ahead through, then text to jump over.
+WORDS = r"[a-z]{3,40} is done\."
+
+
+def _mixed_requests() -> list[GenerateReq]:
+    """Constrained requests, greedy and sampled; every fourth one's grammar waits for the end
+    of its thinking (a marker its bias forces first), every fourth after that one's first token
+    decides whether it thinks."""
+    out = []
+    for i in range(PARALLEL_MIN_ROWS + 8):
+        sp = SamplingParams(
+            max_tokens=30,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            regex=WORDS,
+            logit_bias={MARK: 100.0} if i % 4 in (1, 3) else None,
+        )
+        after = [MARK] if i % 4 in (1, 3) else []
+        msg = GenerateReq(f"r{i}", [3, 4, 5 + i % 7], sp, i, grammar_after=after)
+        msg.grammar_open = MARK if i % 4 == 3 else None
+        out.append(msg)
+    return out
+
+
+@pytest.mark.parametrize("backend", THREADED)
+def test_masks_filled_beside_the_step_give_the_same_tokens(tiny_constrained, backend, threaded):
+    """With the overlap schedule the mask thread fills a step's rows (`start_fill`) while the
+    scheduler applies the step before: the same tokens as without overlap, with jump-forward
+    waiting for the fill, and rows whose grammar waits for the end of thinking (filled after
+    it) in the same batch."""
+    path, eos = tiny_constrained
+    got = {}
+    for overlap in (False, True):
+        sched = local_scheduler(
+            path,
+            frozenset({eos}),
+            kv_tokens=2048,
+            dtype="float32",
+            device="cpu",
+            grammar_backend=backend,
+            overlap_schedule=overlap,
+        )
+        for msg in _mixed_requests():
+            sched.handle(msg)
+        got[overlap] = run_to_end(sched)
+    assert got[True] == got[False]
+    assert len(got[True]) == PARALLEL_MIN_ROWS + 8
+    assert sum(ids[0] == MARK for ids in got[True].values()) >= PARALLEL_MIN_ROWS // 2
+    assert sched.stats.constrained_steps_ahead > 10
+    assert sched.grammars.early_rows >= PARALLEL_MIN_ROWS * 10
+    assert sched.stats.jump_forward_tokens > 0
+
+
+def test_masks_are_filled_in_the_step_without_the_mask_thread(tiny_constrained, threaded):
+    """`disable_grammar_mask_thread`: the same tokens, every row filled when the step
+    samples."""
+    path, eos = tiny_constrained
+    sched = local_scheduler(
+        path,
+        frozenset({eos}),
+        kv_tokens=2048,
+        dtype="float32",
+        overlap_schedule=True,
+        disable_grammar_mask_thread=True,
+    )
+    for msg in _mixed_requests():
+        sched.handle(msg)
+    got = run_to_end(sched)
+    assert sched.grammars.early_rows == 0 and sched.stats.constrained_steps_ahead > 10
+    sched = local_scheduler(
+        path, frozenset({eos}), kv_tokens=2048, dtype="float32", overlap_schedule=True
+    )
+    for msg in _mixed_requests():
+        sched.handle(msg)
+    assert run_to_end(sched) == got
+    assert sched.grammars.early_rows > 0

@@ -5,6 +5,13 @@ Every node's edge holds a whole number of pages: `key` is `len(pages) * page_siz
 `lock_ref` counts the running requests whose cached prefix ends in its subtree; a locked node
 is never evicted. Unlocked leaves are evicted least recently used first.
 
+Eviction pops a heap of candidate leaves (`_heap`), each pushed when it may have become an
+unlocked leaf (inserted, unlocked, its last child evicted) and checked when popped (still in the
+tree, a leaf, unlocked, not used since: else dropped or pushed again at its new time), so an
+eviction costs what it evicts, not a walk over the whole tree: with 4000 cached requests the
+walk took 5.3 ms a call on a 2-core VM, and on the H200 a cache this full made every admission
+pay it (docs/benchmarks.md, Structured outputs on the H200, fourth session).
+
 Ownership: a page is free (in the allocator), held by exactly one running request, or held by
 exactly one tree node. `PrefixCache` is the interface the scheduler uses; `NoPrefixCache` is
 the same interface with caching off (`disable_radix_cache`).
@@ -13,6 +20,7 @@ the same interface with caching off (`disable_radix_cache`).
 from __future__ import annotations
 
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -158,6 +166,10 @@ class RadixCache(PrefixCache):
         self._evictable = 0  # pages in nodes with lock_ref == 0
         self._total = 0
         self.evicted_pages = 0  # lifetime counter, for stats
+        # Eviction candidates: (last_access when pushed, push order, node), checked when popped.
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._pushes = itertools.count()
+        self.heap_rebuilds = 0  # candidates rebuilt from the whole tree (stale entries piled up)
 
     # ---- helpers --------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -235,6 +247,7 @@ class RadixCache(PrefixCache):
                 node.children[self._page_key(tokens, pos)] = leaf
                 self._total += len(leaf.pages)
                 self._evictable += len(leaf.pages)
+                self._offer(leaf)
                 break
             m = self._matched_pages(child, tokens, pos)
             if m < len(child.pages):
@@ -259,24 +272,50 @@ class RadixCache(PrefixCache):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable += len(node.pages)
+                self._offer(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+        """Free at least `num_pages` pages (fewer if not that many are evictable), unlocked
+        leaves least recently used first; returns how many were freed."""
+        if len(self._heap) > 2 * self._total + 64:
+            self._rebuild()  # mostly stale entries (nodes locked, grown or used again)
+        freed, rebuilt = 0, False
+        while freed < num_pages and self._evictable:
+            if not self._heap:
+                if rebuilt:
+                    break
+                self._rebuild()  # a leaf never offered: not expected, but never lose pages
+                rebuilt = True
+                continue
+            access, _, leaf = heapq.heappop(self._heap)
+            if leaf.parent is None or not leaf.is_leaf or leaf.lock_ref:
+                continue  # evicted already, grown a child, or locked: unlocking offers it again
+            if access != leaf.last_access:
+                self._offer(leaf)  # used since it was pushed: its turn comes later
+                continue
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key, 0)]
+            leaf.parent = None
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self._total -= len(leaf.pages)
             self._evictable -= len(leaf.pages)
-            if parent is not self._root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if parent is not self._root:
+                self._offer(parent)
         self.evicted_pages += freed
         return freed
+
+    def _offer(self, node: TreeNode) -> None:
+        """Make `node` an eviction candidate if it is an unlocked leaf now."""
+        if node.lock_ref == 0 and node.is_leaf:
+            heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
+
+    def _rebuild(self) -> None:
+        self.heap_rebuilds += 1
+        self._heap = [(n.last_access, next(self._pushes), n) for n in self._leaves()]
+        self._heap = [e for e in self._heap if e[2].lock_ref == 0]
+        heapq.heapify(self._heap)
 
     def _leaves(self) -> list[TreeNode]:
         out, stack = [], [self._root]
@@ -310,6 +349,7 @@ class RadixCache(PrefixCache):
         self.evicted_pages += self._total
         self._root.children = {}
         self._total = self._evictable = 0
+        self._heap = []
 
     def cached_pages(self) -> list[int]:
         return [p for n in self._nodes() for p in n.pages]

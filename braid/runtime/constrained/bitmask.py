@@ -141,20 +141,31 @@ class BitmaskBuffer:
         (`GrammarMatcher.fill_many`). Valid until the next `fill` (on the CPU the bitmask is a
         view of the buffer)."""
         n = len(matchers)
-        buf = self.rows(n)
+        self.rows(n)
+        self.write(matchers, range(n))
+        self.allow(extra)
+        return self.send(n, rows)
+
+    def write(self, matchers: Sequence[GrammarMatcher], positions: Sequence[int]) -> None:
+        """Buffer row `positions[i]` := `matchers[i]`'s mask; those of one backend together
+        (`GrammarMatcher.fill_many`). The buffer must already hold the rows (`rows`)."""
+        buf = self._buf
+        assert not positions or buf.shape[0] > max(positions), "rows() first"
         by_class: dict[type[GrammarMatcher], list[int]] = {}
         for i, m in enumerate(matchers):
             by_class.setdefault(type(m), []).append(i)
-        for cls, positions in by_class.items():
-            cls.fill_many([matchers[i] for i in positions], buf, positions)
-        if extra:
-            octets = buf.view(torch.uint8)  # token t: bit t % 8 of byte t // 8 of a row
-            for i, token in extra:
-                octets[i, token >> 3] |= 1 << (token & 7)
-        return self.send(n, rows)
+        for cls, idx in by_class.items():
+            cls.fill_many([matchers[i] for i in idx], buf, [positions[i] for i in idx])
+
+    def allow(self, extra: Sequence[tuple[int, int]]) -> None:
+        """For each (i, token): buffer row i also allows `token`."""
+        octets = self._buf.view(torch.uint8)  # token t: bit t % 8 of byte t // 8 of a row
+        for i, token in extra:
+            octets[i, token >> 3] |= 1 << (token & 7)
 
     def rows(self, n: int) -> torch.Tensor:
-        """The CPU buffer, at least `n` rows, for a caller writing rows itself (then `send`)."""
+        """The CPU buffer, at least `n` rows, for a caller writing rows itself (then `send`).
+        Growing it drops what was written."""
         if self._buf.shape[0] < n:
             self._buf = torch.empty(
                 max(n, 2 * self._buf.shape[0]),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +48,16 @@ class Constrained(Protocol):
     def unverified(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class _EarlyFill:
+    """A fill running in the mask thread: the masks of `reqs[i]` for i in `rows`, at buffer
+    positions 0, 1, ... in that order."""
+
+    reqs: list[Any]
+    rows: list[int]
+    done: Future
+
+
 class GrammarManager:
     def __init__(
         self,
@@ -64,9 +76,16 @@ class GrammarManager:
         self.jump_forward_enabled = jump_forward
         self._bitmask: BitmaskBuffer | None = None
         # Host time spent writing bitmask rows, and the rows written (the mask's cost per
-        # constrained token).
+        # constrained token); of those, the rows the mask thread wrote (`start_fill`), and how
+        # long the scheduler's thread waited for it. Time spent advancing grammars in batch.
         self.mask_seconds = 0.0
         self.masked_rows = 0
+        self.early_rows = 0
+        self.wait_seconds = 0.0
+        self.advance_seconds = 0.0
+        self.fill_early = True  # `start_fill` may start fills (off: disable_grammar_mask_thread)
+        self._thread: ThreadPoolExecutor | None = None
+        self._early: _EarlyFill | None = None
 
     @property
     def compiler(self) -> GrammarCompiler | None:
@@ -130,9 +149,12 @@ class GrammarManager:
         a None row is left unmasked (its sample is dropped). A request whose first token decides
         whether its grammar waits for the end of thinking (`grammar_undecided`) may take the
         grammar's tokens or the one that opens the thinking."""
-        rows, matchers, extra = [], [], []
+        early = self._take_early(reqs)
+        rows = list(early.rows) if early is not None else []
+        done = set(rows)  # rows the mask thread wrote, at the buffer's first positions
+        matchers, extra = [], []
         for i, r in enumerate(reqs):
-            if r is None:
+            if r is None or i in done:
                 continue
             if r.grammar is not None:
                 rows.append(i)
@@ -143,13 +165,82 @@ class GrammarManager:
                 matchers.append(r.waiting_grammar)
         if not rows:
             return {}
-        if self._bitmask is None:
-            self._bitmask = BitmaskBuffer(bitmask_words(self.compiler.vocab.size), self.device)
         t0 = time.perf_counter()
-        mask, idx = self._bitmask.fill(matchers, rows, extra)
+        buf = self._buffer()
+        if early is None:
+            mask, idx = buf.fill(matchers, rows, extra)
+        else:
+            buf.rows(len(rows))  # already as large: `start_fill` made room for every row
+            buf.write(matchers, range(len(done), len(rows)))
+            buf.allow(extra)
+            mask, idx = buf.send(len(rows), rows)
         self.mask_seconds += time.perf_counter() - t0
         self.masked_rows += len(rows)
         return {"bitmask": mask, "bitmask_rows": idx}
+
+    def start_fill(self, reqs: list[Constrained]) -> bool:
+        """Start writing, in the mask thread, the mask rows of `reqs` (the requests of a step
+        queued ahead, whose grammars have taken the step before's tokens) whose grammar
+        applies and stays (no grammar waiting for the end of thinking), if their backend
+        fills them natively (`GrammarMatcher.fills_natively`: the others are filled in `mask`,
+        with the rest); the scheduler's thread goes on
+        with the step before's tokens meanwhile. Until `settle`, nothing may use those
+        matchers (jump-forward waits). `mask(reqs)`, with a row None where its sample will
+        be dropped, sends these rows with the rest. Whether a fill started."""
+        if not self.fill_early or self._early is not None:
+            return False
+        settled = [
+            i for i, r in enumerate(reqs) if r.grammar is not None and r.waiting_grammar is None
+        ]
+        count: dict[type, int] = {}
+        for i in settled:
+            count[type(reqs[i].grammar)] = count.get(type(reqs[i].grammar), 0) + 1
+        rows = [
+            i for i in settled if type(reqs[i].grammar).fills_natively(count[type(reqs[i].grammar)])
+        ]
+        if not rows:
+            return False
+        matchers = [reqs[i].grammar for i in rows]
+        buf = self._buffer()
+        buf.rows(len(reqs))
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="braid-masks")
+        done = self._thread.submit(self._write, buf, matchers)
+        self._early = _EarlyFill(list(reqs), rows, done)
+        self.early_rows += len(rows)
+        return True
+
+    def settle(self) -> None:
+        """Wait for the fill `start_fill` started, if any (raising what it raised)."""
+        if self._early is not None:
+            self._wait(self._early)
+
+    def _write(self, buf: BitmaskBuffer, matchers: list[GrammarMatcher]) -> None:
+        t0 = time.perf_counter()
+        buf.write(matchers, range(len(matchers)))
+        self.mask_seconds += time.perf_counter() - t0
+
+    def _take_early(self, reqs: list[Constrained | None]) -> _EarlyFill | None:
+        """The fill `start_fill` started, finished, if it was for `reqs` (the same request at
+        every row, or None); one for other requests is waited for and dropped."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        self._wait(early)
+        same = len(reqs) == len(early.reqs) and all(
+            r is None or r is e for r, e in zip(reqs, early.reqs)
+        )
+        return early if same else None
+
+    def _wait(self, early: _EarlyFill) -> None:
+        t0 = time.perf_counter()
+        early.done.result()
+        self.wait_seconds += time.perf_counter() - t0
+
+    def _buffer(self) -> BitmaskBuffer:
+        if self._bitmask is None:
+            self._bitmask = BitmaskBuffer(bitmask_words(self.compiler.vocab.size), self.device)
+        return self._bitmask
 
     def mask_drafts(
         self,
@@ -166,11 +257,10 @@ class GrammarManager:
         todo = [(r, d, f) for r, d, f in zip(reqs, drafts, first_rows) if r.grammar is not None]
         if not todo:
             return {}
-        if self._bitmask is None:
-            self._bitmask = BitmaskBuffer(bitmask_words(self.compiler.vocab.size), self.device)
+        self._take_early([])  # none is started for a verify step; the buffer is free
         t0 = time.perf_counter()
         n = sum(1 + len(d) for _, d, _ in todo)
-        buf = self._bitmask.rows(n)
+        buf = self._buffer().rows(n)
         rows: list[int] = []
         for req, tree, first in todo:
             base = len(rows)
@@ -181,13 +271,14 @@ class GrammarManager:
                 _fill_tree(req.grammar, tree, buf[base:], eos_ids)
         self.mask_seconds += time.perf_counter() - t0
         self.masked_rows += n
-        mask, idx = self._bitmask.send(n, rows)
+        mask, idx = self._buffer().send(n, rows)
         return {"bitmask": mask, "bitmask_rows": idx}
 
     def advance(self, reqs: list[Constrained], tokens: list[int]) -> list[str | None]:
         """Advance each request's grammar by its sampled token, those of one backend together
         (`GrammarMatcher.advance_many`); the error of each whose grammar refused it, else
         None."""
+        t0 = time.perf_counter()
         errors: list[str | None] = [None] * len(reqs)
         by_class: dict[type, list[int]] = {}
         for i, r in enumerate(reqs):
@@ -196,10 +287,17 @@ class GrammarManager:
             got = cls.advance_many([reqs[i].grammar for i in idx], [tokens[i] for i in idx])
             for i, e in zip(idx, got):
                 errors[i] = e
+        self.advance_seconds += time.perf_counter() - t0
         return errors
 
     def counters(self) -> dict[str, float]:
-        return {"grammar_mask_seconds": self.mask_seconds, "grammar_masked_rows": self.masked_rows}
+        return {
+            "grammar_mask_seconds": self.mask_seconds,
+            "grammar_masked_rows": self.masked_rows,
+            "grammar_early_rows": self.early_rows,
+            "grammar_wait_seconds": self.wait_seconds,
+            "grammar_advance_seconds": self.advance_seconds,
+        }
 
     # ---- jump-forward ---------------------------------------------------------------------
     def jump_forward(self, req: Constrained) -> int:

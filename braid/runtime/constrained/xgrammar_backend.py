@@ -207,10 +207,14 @@ class XGrammarMatcher(GrammarMatcher):
         self._words = grammar.words
 
     @classmethod
+    def fills_natively(cls, n: int) -> bool:
+        return _batch() is not None and n >= PARALLEL_MIN_ROWS
+
+    @classmethod
     def fill_many(cls, matchers: Sequence[XGrammarMatcher], buf: Any, rows: Sequence[int]) -> None:
-        batch = _batch()
-        if batch is None or len(matchers) < PARALLEL_MIN_ROWS:
+        if not cls.fills_natively(len(matchers)):
             return super().fill_many(matchers, buf, rows)
+        batch = _batch()
         assert all(m._words == buf.shape[1] for m in matchers), "a row is not one mask wide"
         batch.batch_fill_next_token_bitmask([m._m for m in matchers], buf, list(rows))
 

@@ -4,6 +4,7 @@ jump-forward tokens, caching what a prefill computed, and finishing requests."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -49,10 +50,13 @@ class OutputProcessor:
         result: SampleResult | None,
         logits: torch.Tensor | None,
         dropped: frozenset[int] = frozenset(),
+        on_advanced: Callable[[], bool] | None = None,
     ) -> list[TokenOut]:
         """Apply a step's samples. `logits` are needed only by an extend (jump verification,
         prompt logprobs); a decode's requests already count its KV (from its launch). The
-        rows of requests whose `id` is in `dropped` are skipped (see `overlap.Launched`)."""
+        rows of requests whose `id` is in `dropped` are skipped (see `overlap.Launched`).
+        `on_advanced` runs once the grammars have taken their tokens; if it says a mask fill
+        started (`GrammarManager.start_fill`), jump-forward waits for that fill to end."""
         prefilled = plan.batch.mode is ForwardMode.EXTEND
         if prefilled:
             for req, end in zip(plan.reqs, plan.ends):
@@ -67,6 +71,7 @@ class OutputProcessor:
             next_ids = result.next_ids.tolist()
             logprobs = token_logprobs(result) if result.logprobs is not None else None
             advanced = self._advance_grammars(plan.sampling, next_ids, dropped)
+            jumps: list[Req] | None = [] if on_advanced is not None and on_advanced() else None
             for i, req in enumerate(plan.sampling):
                 if req.finished or id(req) in dropped:
                     continue  # aborted, or stopped or jumped the step before this ran ahead
@@ -81,6 +86,7 @@ class OutputProcessor:
                         logits,
                         i in advanced,
                         advanced.get(i),
+                        jumps,
                     )
                 out = self.token_out(req, req.take_unreported())
                 out.error = error
@@ -98,6 +104,10 @@ class OutputProcessor:
                     self.reqs.discard(req)
                     self.stats.finished_requests += 1
                 outs.append(out)
+            if jumps is not None:
+                self.grammars.settle()
+                for req in jumps:  # reported with their next tokens
+                    self.jump_forward(req)
         if prefilled:
             # Cache what was just computed, so requests admitted next step can share it (a
             # mixed step's decode rows are cached as a decode step's are: when they finish).
@@ -243,11 +253,13 @@ class OutputProcessor:
         logits: torch.Tensor | None,
         advanced: bool = False,
         grammar_error: str | None = None,
+        jumps: list[Req] | None = None,
     ) -> str | None:
         """Append the token sampled for `req` (or the model's own token where it rejects
         jump-forward tokens), advance its grammar (unless `advanced`: done already, failing
-        with `grammar_error` if that is set), check whether it finished, and jump forward;
-        returns the error that failed it, if any."""
+        with `grammar_error` if that is set), check whether it finished, and jump forward
+        (or add it to `jumps`, for the caller to jump later); returns the error that failed
+        it, if any."""
         if req.unverified:
             rows = logits[last_row - req.unverified : last_row]
             chosen, rejected = self.grammars.verify(req, rows, self._greedy)
@@ -271,7 +283,10 @@ class OutputProcessor:
             req.check_finished(tok)
         req.release_grammar()  # the thinking just ended: the constraint applies from here
         if req.grammar is not None and not req.finished:
-            self.jump_forward(req)
+            if jumps is None:
+                self.jump_forward(req)
+            else:
+                jumps.append(req)
         return error
 
     def _greedy(self, req: Req, rows: torch.Tensor, mask: torch.Tensor) -> list[int]:

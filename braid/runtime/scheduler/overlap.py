@@ -19,7 +19,10 @@ What that costs and why it stays exact:
   already reached. Any other request in the batch makes the step wait.
 - A grammar's mask for step n+1 needs step n's token, so a step with constrained rows is
   queued in two halves: its forward before step n is read back, its sampling after (the host
-  advances the grammars with step n's tokens and fills the masks while the forward runs). A
+  advances the grammars with step n's tokens and fills the masks while the forward runs). The
+  masks are filled in a thread (`GrammarManager.start_fill`, where the backend fills without
+  the GIL) while the scheduler's thread applies step n's tokens, so the two host costs add up
+  to the longer of them, not their sum; jump-forward waits for the fill. A
   request that step n finishes, or whose grammar then forces text (jump-forward), has its row
   of step n+1 dropped (`Launched.dropped`); a jumped request also gives back the KV that row
   wrote, so the extend for its forced tokens recomputes it exactly as without overlap.

@@ -118,6 +118,7 @@ class Scheduler:
             self.device,
             jump_forward=not config.disable_jump_forward,
         )
+        self.grammars.fill_early = not config.disable_grammar_mask_thread
         self.grammars.warm()
         self.kv.pin_ttl = self.programs.pin_ttl
         drafter = None
@@ -244,7 +245,12 @@ class Scheduler:
         launched, self._launched = self._launched, None
         if launched is not None:
             ahead = self._run_ahead(launched)
-            outs += self.output.process(launched.plan, launched.result, None, launched.dropped)
+            fill = None
+            if ahead is not None and ahead.result is None:  # its masks can start right away
+                fill = lambda: self.grammars.start_fill(ahead.plan.sampling)  # noqa: E731
+            outs += self.output.process(
+                launched.plan, launched.result, None, launched.dropped, fill
+            )
             if ahead is not None:
                 if ahead.result is None:
                     ahead = self._sample_ahead(ahead)

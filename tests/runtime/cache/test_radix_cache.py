@@ -8,6 +8,9 @@ a locked path. Page conservation is checked against the allocator after every op
 
 from __future__ import annotations
 
+import heapq
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,13 +80,32 @@ class Harness:
     def evict(self, n: int) -> None:
         locked = {p for _, ps in self.locks for p in ps}
         before = dict(self.ref)
+        want = lru_victims(self.cache, n)
         freed = self.cache.evict(n)
         remaining = set(self.cache.cached_pages())
+        assert set(before.values()) - remaining == want, "not the least recently used leaves"
         self.ref = {p: pg for p, pg in self.ref.items() if pg in remaining}
         assert len(before) - len(self.ref) == freed
         assert locked <= set(self.ref), "a locked prefix was evicted"
         # Whole leaves go, so more than asked may be freed; less only when nothing is left.
         assert freed >= n or self.cache.evictable_pages == 0
+
+
+def lru_victims(cache: RadixCache, n: int) -> set[int]:
+    """The pages evicting `n` pages frees, found by brute force: every unlocked leaf of the
+    whole tree in a heap by last use, a parent joining it once its last child is gone."""
+    children = {id(node): len(node.children) for node in [cache.root, *cache._nodes()]}
+    heap = [(x.last_access, i, x) for i, x in enumerate(cache._leaves()) if x.lock_ref == 0]
+    heapq.heapify(heap)
+    pages: set[int] = set()
+    while len(pages) < n and heap:
+        _, _, leaf = heapq.heappop(heap)
+        pages.update(leaf.pages)
+        parent = leaf.parent
+        children[id(parent)] -= 1
+        if parent is not cache.root and children[id(parent)] == 0 and parent.lock_ref == 0:
+            heapq.heappush(heap, (parent.last_access, -len(pages), parent))
+    return pages
 
 
 tokens_st = st.lists(st.integers(0, ALPHABET - 1), min_size=0, max_size=24)
@@ -109,6 +131,31 @@ def test_random_operations_match_the_reference(page_size, ops):
     h.check()
     h.cache.reset()
     assert h.alloc.free_pages == h.alloc.capacity_pages
+    assert h.cache.heap_rebuilds == 0  # every leaf that could go was offered when it could
+
+
+def test_eviction_does_not_walk_the_tree():
+    """A cache of many requests evicts what it must without a walk over every node: each
+    call pops its victims (a walk would visit all 3000 leaves per call)."""
+    rng = random.Random(0)
+    alloc = PageAllocator(3000 * 16 + 1, 1)
+    cache = RadixCache(alloc)
+    for _ in range(3000):
+        cache.insert([rng.randrange(1000) for _ in range(16)], alloc.alloc(16))
+    visited = 0
+    leaves = cache._leaves
+
+    def counting():
+        nonlocal visited
+        got = leaves()
+        visited += len(got)
+        return got
+
+    cache._leaves = counting
+    for _ in range(200):
+        assert cache.evict(4) >= 4
+    assert visited == 0 and cache.heap_rebuilds == 0
+    cache.check_invariants()
 
 
 def test_lru_evicts_the_least_recently_used_leaf_first():
@@ -138,3 +185,18 @@ def test_partial_page_never_matches():
     h.insert([1, 2, 3, 4, 5, 6, 7, 8])
     assert h.cache.match_prefix([1, 2, 3, 4, 5, 6, 7]).pages == h.ref_match([1, 2, 3, 4])
     assert len(h.cache.match_prefix([1, 2, 3]).pages) == 0
+
+
+def test_a_leaf_skipped_while_locked_is_evicted_in_turn_once_unlocked():
+    h = Harness(page_size=1)
+    h.insert([0, 0])
+    h.insert([1, 1])
+    h.lock([0, 0])
+    h.evict(1)  # [0, 0] is older but locked: [1, 1] goes
+    assert set(h.ref) == {(0,), (0, 0)}
+    h.unlock(0)
+    h.insert([2, 2])
+    h.evict(1)  # [0, 0] is now the least recently used unlocked leaf
+    assert set(h.ref) == {(2,), (2, 2)}
+    assert h.cache.heap_rebuilds == 0
+    h.check()
