@@ -17,7 +17,8 @@
 #          extends): with the radix cache's eviction no longer walking the tree, and
 #          llguidance advancing one grammar at a time, the workloads again, jump-forward off
 #          (what the masks alone cost: the regex forces nothing either way) for llguidance
-#          and xgrammar; then the JSON workload at batch 64 with jump-forward on
+#          and xgrammar; then the JSON workload at batch 64 with jump-forward on, its
+#          extends alone and carrying the running requests' decode rows (mixed chunks)
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
 part=${1:?part 1 or 2}
@@ -40,15 +41,15 @@ if [ "$part" = 1 ]; then
         --repeats 5 --out "$OUT/r/grammar_batch_h200.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 elif [ "$part" = 2 ]; then
-    sg() { python benchmarks/structured_gpu.py --tokenizer "$tok" --repeats 4 "$@"; }
-    TAIL=12 step 210 structured sg --workloads regex,json --batch-sizes 1,64,256 \
+    sg() { python benchmarks/structured_gpu.py --tokenizer "$tok" --repeats 3 "$@"; }
+    TAIL=12 step 170 structured sg --workloads regex,json --batch-sizes 1,64,256 \
         --engine-arg disable_jump_forward=true --out "$OUT/r/structured_gpu_nojump_cuda.json"
-    TAIL=8 step 150 structured_xgrammar sg --workloads regex,json --batch-sizes 64,256 \
+    TAIL=8 step 120 structured_xgrammar sg --workloads regex,json --batch-sizes 64,256 \
         --engine-arg disable_jump_forward=true --engine-arg grammar_backend=xgrammar \
         --out "$OUT/r/structured_gpu_nojump_xgrammar_cuda.json"
-    TAIL=6 step 90 structured_jump sg --workloads json --batch-sizes 64 \
+    TAIL=6 step 60 structured_jump sg --workloads json --batch-sizes 64 \
         --out "$OUT/r/structured_gpu_json_jump_cuda.json"
-    TAIL=4 step 60 pytest_gpu python -m pytest -q -m gpu tests/runtime/test_overlap.py \
-        tests/runtime/test_constrained.py -p no:cacheprovider
+    TAIL=6 step 60 structured_jump_mixed sg --workloads json --batch-sizes 64 \
+        --engine-arg enable_mixed_chunk=true --out "$OUT/r/structured_gpu_json_jump_mixed_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

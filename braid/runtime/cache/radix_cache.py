@@ -10,7 +10,7 @@ unlocked leaf (inserted, unlocked, its last child evicted) and checked when popp
 tree, a leaf, unlocked, not used since: else dropped or pushed again at its new time), so an
 eviction costs what it evicts, not a walk over the whole tree: with 4000 cached requests the
 walk took 5.3 ms a call on a 2-core VM, and on the H200 a cache this full made every admission
-pay it (docs/benchmarks.md, Structured outputs on the H200, fourth session).
+pay it (docs/benchmarks.md: Structured outputs on the H200, 2026-12-03).
 
 Ownership: a page is free (in the allocator), held by exactly one running request, or held by
 exactly one tree node. `PrefixCache` is the interface the scheduler uses; `NoPrefixCache` is

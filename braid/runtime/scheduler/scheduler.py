@@ -116,7 +116,7 @@ class Scheduler:
             config.grammar_compile_timeout_s,
             self.vocab_size,
             self.device,
-            jump_forward=not config.disable_jump_forward,
+            jump_forward=config.use_jump_forward,
         )
         self.grammars.fill_early = not config.disable_grammar_mask_thread
         self.grammars.warm()
