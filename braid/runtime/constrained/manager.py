@@ -146,9 +146,11 @@ class GrammarManager:
 
     def mask(self, reqs: list[Constrained | None]) -> dict[str, torch.Tensor]:
         """The sampler's bitmask arguments for the constrained rows of `reqs` (none if none);
-        a None row is left unmasked (its sample is dropped). A request whose first token decides
-        whether its grammar waits for the end of thinking (`grammar_undecided`) may take the
-        grammar's tokens or the one that opens the thinking."""
+        a None row is left unmasked (its sample is dropped), unless the mask thread filled it
+        for these requests (`start_fill`): its mask is sent as filled, harmless on a sample
+        that is dropped. A request whose first token decides whether its grammar waits for the
+        end of thinking (`grammar_undecided`) may take the grammar's tokens or the one that
+        opens the thinking."""
         early = self._take_early(reqs)
         rows = list(early.rows) if early is not None else []
         done = set(rows)  # rows the mask thread wrote, at the buffer's first positions
