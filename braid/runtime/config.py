@@ -1,17 +1,18 @@
 """`EngineConfig`: every knob of the runtime, declared once and validated at construction.
 
-Each field is declared with `setting(default, doc, ...)`: its default, its doc, SGLang's names
-for it and, where it has one, its set of values. `LLM(**overrides)` resolves its keywords
-against these fields (`resolve_overrides`), `braid serve` generates its flags from them
-(`braid.runtime.server.cli`), and the scheduler reads the config object itself.
+Each field is declared with `setting(default, doc, ...)` (`config_fields.py`): its default, its
+doc, SGLang's names for it and, where it has one, its set of values. `LLM(**overrides)` resolves
+its keywords against these fields (`resolve_overrides`), `braid serve` generates its flags from
+them (`braid.runtime.server.cli`), and the scheduler reads the config object itself.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
-from dataclasses import Field, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from braid.runtime.config_fields import check_choices, setting
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the server's front
     import torch  # end starts the runtime's processes without paying for its import first
@@ -31,51 +32,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEFAULT_GRAMMAR_BACKEND = "llguidance"
 # New tokens one prefill batch may hold when `max_prefill_tokens` is unset.
 _DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
-
-
-def setting(
-    default: Any,
-    doc: str,
-    *,
-    aliases: Sequence[str] = (),
-    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
-    off_flag: str | None = None,
-) -> Any:
-    """A settings field, declared once: its `default` and its `doc` (the `--help` text; it says
-    what an unset value, None, means).
-
-    `aliases`: SGLang's flag names for the field ("--max-total-tokens"); `LLM` accepts their
-    Python spelling (`max_total_tokens`) as a keyword too. `choices`: the values it may take,
-    either a fixed tuple (the CLI refuses others) or a function returning them (an open
-    registry: checked at construction, listed in `--help`); None is allowed besides them when
-    the default is None. `off_flag`: SGLang's flag that sets a bool field to False."""
-    return field(
-        default=default,
-        metadata={"doc": doc, "aliases": tuple(aliases), "choices": choices, "off_flag": off_flag},
-    )
-
-
-def choices_of(f: Field) -> list[Any] | None:
-    """The values field `f` may take besides None, or None when any value of its type goes."""
-    choices = f.metadata.get("choices")
-    if choices is None:
-        return None
-    return list(choices() if callable(choices) else choices)
-
-
-def check_choices(settings: Any) -> None:
-    """`ValueError` for a field of the settings dataclass whose value is not one of its
-    choices (None passes where the default is None)."""
-    for f in fields(settings):
-        allowed, v = choices_of(f), getattr(settings, f.name)
-        if allowed is not None and not (v is None and f.default is None) and v not in allowed:
-            none = "None or " if f.default is None else ""
-            raise ValueError(f"{f.name} must be {none}one of {allowed}, got {v!r}")
-
-
-def python_name(flag: str) -> str:
-    """A flag's Python spelling: "--max-total-tokens" -> "max_total_tokens"."""
-    return flag.lstrip("-").replace("-", "_")
 
 
 def _grammar_backends() -> list[str]:

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from braid.runtime.config import EngineConfig, python_name
+from braid.runtime.config import EngineConfig
+from braid.runtime.config_fields import python_name
 
 
 def keyword_names() -> dict[str, str]:

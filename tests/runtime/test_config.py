@@ -13,7 +13,8 @@ import pytest
 
 import braid
 from braid.runtime import engine
-from braid.runtime.config import EngineConfig, choices_of, python_name
+from braid.runtime.config import EngineConfig
+from braid.runtime.config_fields import choices_of, python_name
 from braid.runtime.config_keywords import keyword_names, resolve_overrides
 from braid.runtime.server.cli import (
     SERVE_DEFAULTS,

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from braid._logging import configure_logging
-from braid.runtime.config import EngineConfig, check_choices, choices_of, setting
+from braid.runtime.config import EngineConfig
+from braid.runtime.config_fields import check_choices, choices_of, setting
 from braid.runtime.config_keywords import speculative_settings
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
