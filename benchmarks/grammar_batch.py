@@ -1,6 +1,7 @@
 """What a step's grammar work costs on this machine's CPUs: filling the bitmask rows of a batch
 and advancing its matchers, one matcher at a time against the library's own threads
-(`GrammarMatcher.fill_many` / `advance_many`), per backend, grammar and batch size.
+(`GrammarMatcher.fill_many` / `advance_many`) with each thread count of `--threads`, per
+backend, grammar and batch size.
 
     python benchmarks/grammar_batch.py --tokenizer DIR      # e.g. the embedded model's directory
 
@@ -47,19 +48,31 @@ def _walk(matchers, rng: random.Random, steps: int, eos: int) -> None:
             m.advance(rng.choice(allowed))
 
 
-def measure(compiler: GrammarCompiler, backend: str, spec, batch: int, repeats: int) -> dict:
+def measure(
+    compiler: GrammarCompiler, backend: str, spec, batch: int, repeats: int, threads: list[str]
+) -> dict:
+    """Per-row fill and advance times one matcher at a time, and through the library's batch
+    calls with each thread count in `threads` ("all": every CPU; the pool is built and used
+    once before the timing)."""
     grammar = compiler.compile(*spec)
     words = (compiler.vocab.size + 31) // 32
     rng = random.Random(0)
     out = {}
-    for mode, min_cpus in (("one_at_a_time", 10**6), ("library_threads", 1)):
+    modes = [("one_at_a_time", 10**6, None)]
+    modes += [(f"threads_{k}", 1, None if k == "all" else k) for k in threads]
+    for mode, min_cpus, cap in modes:
         grammar_module.PARALLEL_MIN_CPUS = min_cpus
+        if cap is None:
+            os.environ.pop("BRAID_GRAMMAR_THREADS", None)
+        else:
+            os.environ["BRAID_GRAMMAR_THREADS"] = cap
         _clear_pools(backend)
         matchers = [grammar.matcher() for _ in range(batch)]
         _walk(matchers, rng, 6, compiler.eos_token_id)
         cls = type(matchers[0])
         buf = torch.zeros(batch, words, dtype=torch.int32)
         rows = list(range(batch))
+        cls.fill_many(matchers, buf, rows)  # builds the pool, outside the timing
         fill = adv = 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -103,6 +116,9 @@ def main() -> None:
     ap.add_argument("--backends", default="llguidance,xgrammar")
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--threads", default="all", help="comma-separated thread counts for the batch calls"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -114,13 +130,14 @@ def main() -> None:
         path = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(str(path))
     cpus = len(os.sched_getaffinity(0))
+    threads = args.threads.split(",")
     rows = []
     for backend in args.backends.split(","):
         compiler = GrammarCompiler(tok, backend, fallback=False)
         for name, spec in SPECS.items():
             for batch in (int(b) for b in args.batches.split(",")):
                 r = {"backend": backend, "grammar": name, "batch": batch}
-                r |= measure(compiler, backend, spec, batch, args.repeats)
+                r |= measure(compiler, backend, spec, batch, args.repeats, threads)
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     write_result("grammar_batch", f"{cpus}cpu", args.out, {"cpus": cpus, "rows": rows})

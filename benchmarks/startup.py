@@ -18,6 +18,7 @@ Writes benchmarks/results/startup_<device>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -35,11 +36,42 @@ from braid.runtime.ipc.sockets import free_port  # noqa: E402
 READY = re.compile(r"ready at http://\S+ \((.*)\) in ([\d.]+) s: (.*)$")
 INSIDE_LOAD = re.compile(r"model \S+ loaded: |CUDA graphs: ")
 ALL_GRAPHS = "every decode batch size captured"
+# The first constrained request's schema (`--first-request`): a small record.
+FIRST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
-def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
-    """One `braid serve` start until its ready line, then SIGTERM; its total, its phases and
-    the scheduler's model-load and graph-capture lines (which split the scheduler's load)."""
+def first_constrained_s(port: int) -> float:
+    """Seconds for one JSON-schema completion (20 tokens of a token-id prompt) sent the moment
+    the server is ready: what a first constrained request waits for (its compile, the grammar
+    library's load, the mask path's first use)."""
+    import httpx
+
+    body = {
+        "prompt": list(range(100, 116)),
+        "max_tokens": 20,
+        "temperature": 0.0,
+        "json_schema": json.dumps(FIRST_SCHEMA),
+    }
+    t0 = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+    elapsed = time.perf_counter() - t0
+    r.raise_for_status()
+    return elapsed
+
+
+def start_once(overlap: bool, extra: list[str], timeout: float, first_request: bool) -> dict:
+    """One `braid serve` start until its ready line (then, with `first_request`, one
+    constrained request), then SIGTERM; its total, its phases and the scheduler's model-load
+    and graph-capture lines (which split the scheduler's load)."""
     port = free_port()
     env = {**os.environ, "BRAID_OVERLAP_STARTUP": "1" if overlap else "0"}
     with tempfile.TemporaryFile("w+") as log:
@@ -58,6 +90,7 @@ def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
                 log.seek(0)
                 line = next((x for x in log.read().splitlines() if READY.search(x)), None)
             ready_at = time.monotonic()
+            first = first_constrained_s(port) if first_request else None
             # Decode graphs left for idle time: how long after ready until all are captured.
             log.seek(0)
             if "captured while the scheduler is idle" in log.read():
@@ -77,6 +110,7 @@ def start_once(overlap: bool, extra: list[str], timeout: float) -> dict:
     inside = [x.split("] ", 1)[-1][:1200] for x in text.splitlines() if INSIDE_LOAD.search(x)]
     return {
         "total_s": float(m.group(2)),
+        "first_constrained_request_s": first,
         "all_graphs_after_ready_s": all_graphs_after_ready,
         "phases": m.group(3),
         "model": m.group(1),
@@ -96,6 +130,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="starts of each setting")
     ap.add_argument("--server-args", default="", help="extra `braid serve` flags")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--first-request",
+        action="store_true",
+        help="time one JSON-schema completion sent the moment each start is ready",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tokenizer and not args.config:
@@ -112,9 +151,14 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in runs:
             start += 1
-            r = {"start": start, **start_once(name == "overlap", extra, args.timeout)}
+            r = {
+                "start": start,
+                **start_once(name == "overlap", extra, args.timeout, args.first_request),
+            }
             runs[name].append(r)
             print(f"{start}. {name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
+            if r["first_constrained_request_s"] is not None:
+                print(f"    first constrained request: {r['first_constrained_request_s']:.2f} s")
             if r["all_graphs_after_ready_s"] is not None:
                 print(f"    every graph captured {r['all_graphs_after_ready_s']:.2f} s after ready")
             for x in r["scheduler_lines"]:

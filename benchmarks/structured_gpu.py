@@ -193,6 +193,7 @@ def main() -> None:
     n_in = args.input_len or (16 if tiny else 128)
     n_out = args.output_len or (8 if tiny else 128)
     from benchmarks.gpu import parse_engine_args
+    from braid.runtime.config import EngineConfig
 
     engine_args = parse_engine_args(args.engine_arg)
     tokenizer = args.tokenizer or embedded_tokenizer_dir()
@@ -206,6 +207,7 @@ def main() -> None:
             show_progress=False,
         )
         kwargs.update(engine_args)
+        config = EngineConfig(**kwargs)  # what the engine runs with, for the record
         t0 = time.perf_counter()
         llm = braid.LLM(path, **kwargs)
         load_s = time.perf_counter() - t0
@@ -270,6 +272,9 @@ def main() -> None:
         "input_len": n_in,
         "output_len": n_out,
         "engine_args": {k: str(v) for k, v in engine_args.items()},
+        "grammar_backend": config.effective_grammar_backend,
+        "jump_forward": config.use_jump_forward,
+        "grammar_threads": os.environ.get("BRAID_GRAMMAR_THREADS", "all"),
         "load_s": load_s,
         "first_request_s": first_free_s,
         "first_constrained_request_s": first_s,

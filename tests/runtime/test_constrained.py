@@ -321,19 +321,22 @@ def test_the_schedulers_vocabulary_is_what_transformers_reads(tmp_path, smollm2_
 
 def test_the_schedulers_vocabulary_loads_without_transformers(smollm2_dir):
     """The point of `load_vocabulary`: the scheduler builds its grammar compiler and compiles
-    with the default backend without importing transformers (2-4 s of its start on the H200
-    machine), nor the fallback backends, which are imported only once the default refuses
-    (xgrammar's import imports transformers)."""
+    with the CPU's default backend without importing transformers (2-4 s of a start on the
+    H200 machine), nor the fallback backends, which are imported only once the default refuses
+    (xgrammar's import imports transformers: on CUDA, where xgrammar is the default, it is
+    imported while the weights load)."""
     import subprocess
     import sys
 
-    from braid.runtime.config import DEFAULT_GRAMMAR_BACKEND
+    from braid.runtime.config import DEFAULT_GRAMMAR_BACKENDS
+
+    backend = DEFAULT_GRAMMAR_BACKENDS["cpu"]
 
     code = (
         "import sys\n"
         "from braid.runtime.tokenizer.tokenizer import load_vocabulary\n"
         "from braid.runtime.constrained.grammar import GrammarCompiler\n"
-        f"c = GrammarCompiler(load_vocabulary({str(smollm2_dir)!r}), {DEFAULT_GRAMMAR_BACKEND!r})\n"
+        f"c = GrammarCompiler(load_vocabulary({str(smollm2_dir)!r}), {backend!r})\n"
         "c.compile('json_schema', '{\"type\": \"object\"}')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'xgrammar')))\n"
     )

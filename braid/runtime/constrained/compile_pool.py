@@ -29,12 +29,14 @@ worker). (Sizes and times measured: docs/benchmarks.md, Figures behind design ch
 
 Threads: each driver thread takes tasks from a shared queue; it starts a worker of the
 configured backend at once, one of another backend the first time a task goes there, and a
-replacement as soon as one ends, before the next task. The
-caller's thread only queues tasks and, when one overruns, writes a byte that wakes the driver,
-which terminates the worker (SIGKILL after `STOP_GRACE_S`). Nothing starts before the first
-`submit`, so a server without constrained requests pays nothing. The drivers are daemon
-threads, and each worker dies with the driver thread that started it (PR_SET_PDEATHSIG) or when
-its task pipe closes, so the scheduler process exits promptly and leaves no worker behind.
+replacement as soon as one ends, before the next task. A worker starts before its payload is
+made, and imports its library meanwhile. The caller's thread only queues tasks and, when one
+overruns, writes a byte that wakes the driver, which terminates the worker (SIGKILL after
+`STOP_GRACE_S`). Nothing starts before the first `submit` or `start` (which a GPU scheduler
+calls as its load begins: the workers import their library while the weights load), so a CPU
+server without constrained requests pays nothing. The drivers are daemon threads, and each
+worker dies with the driver thread that started it (PR_SET_PDEATHSIG) or when its task pipe
+closes, so the scheduler process exits promptly and leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class _Worker:
     """A compile worker process of one backend, and its pipes. Used by its driver thread
     alone, except `stop`, which the pool calls under its lock."""
 
-    def __init__(self, backend: str, payload: bytes) -> None:
+    def __init__(self, backend: str) -> None:
+        """Start the process, which imports `backend`'s library and waits for `send_payload`."""
         self.backend = backend
         tasks_in, self._tasks = os.pipe()
         self._results, results_out = os.pipe()
@@ -88,7 +91,7 @@ class _Worker:
         argv = [sys.executable, "-m", _WORKER_MODULE, str(tasks_in), str(results_out)]
         try:
             self.proc = subprocess.Popen(
-                [*argv, str(os.getpid())],
+                [*argv, str(os.getpid()), backend],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(tasks_in, results_out),
                 env=env,
@@ -102,10 +105,12 @@ class _Worker:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._results, selectors.EVENT_READ)
         self._selector.register(self._wake_in, selectors.EVENT_READ)
+
+    def send_payload(self, payload: bytes) -> None:
+        """Send the backend's `worker_payload`, before any task; `OSError` if the worker died."""
         try:
-            write_frame(self._tasks, pickle.dumps((backend, payload), pickle.HIGHEST_PROTOCOL))
+            write_frame(self._tasks, payload)
         except BrokenPipeError:
-            self.close()
             raise OSError(f"the compile worker {self.exit_status} at start-up") from None
 
     @property
@@ -177,10 +182,19 @@ class AsyncGrammarCompiler:
     `submit` and `overran` never wait for a process; they are meant for one thread (the
     scheduler's)."""
 
-    def __init__(self, make_compiler: Callable[[], GrammarCompiler], workers: int = 2) -> None:
+    def __init__(
+        self,
+        make_compiler: Callable[[], GrammarCompiler],
+        workers: int = 2,
+        backend: str | None = None,
+    ) -> None:
+        """`backend`: the compiler's configured backend, if known before it is built: `start`
+        then starts its workers before the compiler is built, and they import their library
+        meanwhile."""
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self._make_compiler = make_compiler
+        self._backend = backend
         self._workers = workers
         self._compiler: GrammarCompiler | None = None
         self._payloads: dict[str, bytes] = {}  # each worker backend's, for its workers
@@ -287,7 +301,7 @@ class AsyncGrammarCompiler:
         """Start a worker of the configured backend, so the first compiles do not wait for one
         (a failure is logged; the first task tries again and reports it)."""
         try:
-            self._start_worker(self._get_compiler().backend, workers)
+            self._start_worker(self._backend or self._get_compiler().backend, workers)
         except Exception as e:  # reported to the first request, which tries again
             logger.warning("a grammar compile worker did not start: %s: %s", type(e).__name__, e)
 
@@ -378,9 +392,16 @@ class AsyncGrammarCompiler:
         return payload
 
     def _start_worker(self, name: str, workers: dict[str, _Worker]) -> _Worker:
-        worker = _Worker(name, self._payload(name))
+        """A new worker of backend `name` in `workers`. It is started before its payload is
+        made (which on first use builds the compiler), and imports its library meanwhile."""
+        worker = _Worker(name)
         with self._lock:
             self._live.add(worker)
+        try:
+            worker.send_payload(self._payload(name))
+        except BaseException:
+            self._end(worker)
+            raise
         workers[name] = worker
         return worker
 

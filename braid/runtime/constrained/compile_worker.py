@@ -1,12 +1,14 @@
 """A grammar compile worker: a small process that compiles grammars of one backend for
 `compile_pool`, which starts it as
-`python -m braid.runtime.constrained.compile_worker TASKS RESULTS PARENT_PID` and kills it when
-a compile overruns its time limit.
+`python -m braid.runtime.constrained.compile_worker TASKS RESULTS PARENT_PID BACKEND` and kills
+it when a compile overruns its time limit.
 
 TASKS and RESULTS are pipe fds. Each message is a frame: an 8-byte little-endian length, then
-that many bytes of pickle. The parent sends `(backend name, payload)` first (the backend's
-`worker_payload`: outlines-core's pickled `Vocabulary`, xgrammar's serialized `TokenizerInfo`),
-then one `(kind, spec)` task at a time; the worker answers each with `(artifact, None)` (the
+that many bytes. The worker imports BACKEND's library first (seconds for xgrammar, which
+imports torch and transformers), while the parent builds what it sends first: the backend's
+`worker_payload` as it is (outlines-core's pickled `Vocabulary`, xgrammar's serialized
+`TokenizerInfo`). Then come the tasks, pickled, one `(kind, spec)` at a time; the worker
+answers each, pickled, with `(artifact, None)` (the
 backend's `worker_build`: an outlines-core `Index`, a serialized xgrammar `CompiledGrammar`) or
 `(None, message)`, the message naming the field as the backend's `ValueError` does.
 
@@ -80,17 +82,16 @@ def _die_with_parent_thread() -> None:
 
 
 def main(argv: list[str]) -> None:
-    tasks, results, parent_pid = (int(a) for a in argv)
+    tasks, results, parent_pid = (int(a) for a in argv[:3])
     _die_with_parent_thread()
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() != parent_pid:
         return  # the parent died before the line above took effect
-    data = read_frame(tasks)
-    if data is None:
+    backend = get_grammar_backend(argv[3])
+    payload = read_frame(tasks)
+    if payload is None:
         return
-    name, payload = pickle.loads(data)
-    backend = get_grammar_backend(name)
     state = backend.worker_load(payload)
     while (data := read_frame(tasks)) is not None:
         answer = compile_task(backend, state, pickle.loads(data))

@@ -41,10 +41,20 @@ PARALLEL_MIN_ROWS = 16
 PARALLEL_MIN_CPUS = 4
 
 
+def thread_cap() -> int | None:
+    """BRAID_GRAMMAR_THREADS, for measuring: the most native threads one batch call may use;
+    None where unset."""
+    cap = os.environ.get("BRAID_GRAMMAR_THREADS")
+    return max(1, int(cap)) if cap else None
+
+
 def parallel_cpus() -> int:
-    """CPUs a batch operation may spread over (0 when too few to be worth it)."""
+    """CPUs a batch operation may spread over, at most `thread_cap()` (0 when the process may
+    use fewer than PARALLEL_MIN_CPUS: then the batch calls are not used)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return n if (n or 0) >= PARALLEL_MIN_CPUS else 0
+    if (n or 0) < PARALLEL_MIN_CPUS:
+        return 0
+    return min(n, thread_cap() or n)
 
 
 class CompiledGrammar(ABC):

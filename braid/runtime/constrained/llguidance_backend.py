@@ -38,6 +38,7 @@ from braid.runtime.constrained.grammar import (
     GrammarBackend,
     GrammarMatcher,
     parallel_cpus,
+    thread_cap,
 )
 from braid.runtime.constrained.jump_forward import tokens_spelling
 from braid.runtime.constrained.schema_support import closed_objects
@@ -193,7 +194,7 @@ def _executor() -> llg.LLExecutor | None:
     """llguidance's thread pool for a batch's masks and advances (None on a machine with too
     few CPUs for it to pay)."""
     cpus = parallel_cpus()
-    return llg.LLExecutor() if cpus else None
+    return llg.LLExecutor(num_threads=thread_cap()) if cpus else None
 
 
 class LLGuidanceMatcher(GrammarMatcher):

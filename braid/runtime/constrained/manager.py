@@ -61,16 +61,18 @@ class _EarlyFill:
 class GrammarManager:
     def __init__(
         self,
-        compiler: Callable[[], GrammarCompiler] | None,
+        compiler: AsyncGrammarCompiler | Callable[[], GrammarCompiler] | None,
         compile_timeout_s: float,
         vocab_size: int,
         device: torch.device,
         jump_forward: bool,
     ) -> None:
+        """`compiler`: the compile pool, or what builds the pool's `GrammarCompiler`; None for
+        a model without a tokenizer."""
         self.has_tokenizer = compiler is not None
-        self.waiting: PendingGrammars[Constrained] = PendingGrammars(
-            AsyncGrammarCompiler(compiler or _no_tokenizer), compile_timeout_s
-        )
+        if not isinstance(compiler, AsyncGrammarCompiler):
+            compiler = AsyncGrammarCompiler(compiler or _no_tokenizer)
+        self.waiting: PendingGrammars[Constrained] = PendingGrammars(compiler, compile_timeout_s)
         self.vocab_size = vocab_size
         self.device = device
         self.jump_forward_enabled = jump_forward

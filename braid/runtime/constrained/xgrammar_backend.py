@@ -36,6 +36,7 @@ from braid.runtime.constrained.grammar import (
     GrammarBackend,
     GrammarMatcher,
     parallel_cpus,
+    thread_cap,
 )
 from braid.runtime.constrained.jump_forward import tokens_spelling
 from braid.runtime.constrained.schema_support import CORE, SchemaSupport, unenforced
@@ -59,6 +60,12 @@ SUPPORT = SchemaSupport(
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # Threads one compile may use (xgrammar splits the mask cache between them).
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Threads of one batch mask fill. One: on the H200 machine's 16 CPUs a JSON-schema row took
+# 10 us alone against 26-48 us with 2, 4 or 16 threads at 64 rows (9.6 against 10.5-11.9 at
+# 256; a regex row 4.4 against 30-58 at 64), and on the 2-core VM 5 against 38-64 us
+# (`benchmarks/grammar_batch.py --threads`). The call releases the GIL either way, so the
+# mask thread fills beside the scheduler's.
+FILL_THREADS = 1
 
 
 def _message(e: BaseException) -> str:
@@ -194,10 +201,11 @@ class XGrammarBackend(GrammarBackend):
 
 @functools.cache
 def _batch() -> xgr.BatchGrammarMatcher | None:
-    """xgrammar's thread pool for a batch's masks (None on a machine with too few CPUs for it
-    to pay)."""
-    cpus = parallel_cpus()
-    return xgr.BatchGrammarMatcher(max_threads=cpus) if cpus else None
+    """xgrammar's batch calls for a batch's masks, on FILL_THREADS native threads (None on a
+    machine with too few CPUs for the mask thread to pay)."""
+    if not parallel_cpus():
+        return None
+    return xgr.BatchGrammarMatcher(max_threads=thread_cap() or FILL_THREADS)
 
 
 class XGrammarMatcher(GrammarMatcher):

@@ -16,6 +16,8 @@ import zmq
 
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
+from braid.runtime.constrained.grammar import GrammarCompiler
 from braid.runtime.distributed.group import TPGroup
 from braid.runtime.errors import error_param
 from braid.runtime.executor.model_runner import ModelRunner
@@ -63,23 +65,32 @@ def build_scheduler(
     """Load the model and build the scheduler over it (in whatever process calls this); `tp`:
     this process is rank 0 of that tensor-parallel group."""
     model_config = ModelConfig.from_dir(model_path)
-    tokenizer = None
+    backend = config.effective_grammar_backend
+    prepared = None
     if config.torch_device.type == "cuda" and has_tokenizer(model_path):
-        # The grammar compiler needs the tokenizer's vocabulary (`load_vocabulary`: read from
-        # tokenizer.json without transformers where it can be, whose import took 2-4 s of this
-        # process's start on the H200 machine). On a GPU it loads while the weights do, so
-        # constraints are ready at start, and the decode graphs are captured once it has:
-        # side by side, both holding the GIL, they took turns (H200: the start sizes' capture
-        # took 10.9-13.7 s beside transformers' tokenizer loading, 1.7 s after it).
-        tokenizer = concurrent.futures.ThreadPoolExecutor(1, "braid-tokenizer").submit(
-            load_vocabulary, model_path
+        # On a GPU the grammar compiler is built while the weights load, so constraints are
+        # ready at start: the vocabulary (`load_vocabulary`: tokenizer.json read without
+        # transformers where it can be) and the default backend's view of it (xgrammar's import
+        # brings transformers': seconds of Python, which beside a serving scheduler made the
+        # first constrained request take 9.4 s on the H200 machine). The decode graphs are
+        # captured once it is built: side by side, both holding the GIL, they took turns (H200:
+        # the start sizes' capture took 10.9-13.7 s beside transformers' tokenizer loading, 1.7
+        # s after it). The compile pool's workers start at once and import their library
+        # meanwhile, in their own processes (xgrammar's took 3-4 s there).
+        prepared = concurrent.futures.ThreadPoolExecutor(1, "braid-grammar").submit(
+            prepare_grammar_compiler, model_path, backend
         )
 
     def grammar_compiler():
-        from braid.runtime.constrained.grammar import GrammarCompiler
+        if prepared is not None:
+            return prepared.result()
+        return GrammarCompiler(load_vocabulary(model_path), backend)
 
-        tok = tokenizer.result() if tokenizer is not None else load_vocabulary(model_path)
-        return GrammarCompiler(tok, config.effective_grammar_backend)
+    pool = None
+    if has_tokenizer(model_path):
+        pool = AsyncGrammarCompiler(grammar_compiler, backend=backend)
+        if prepared is not None:
+            pool.start()
 
     capture, aux = False, ()
     if config.speculative_algorithm is not None:
@@ -94,14 +105,26 @@ def build_scheduler(
         capture_hidden=capture,
         aux_layers=aux,
         tp=tp,
-        before_graphs=None if tokenizer is None else lambda: concurrent.futures.wait([tokenizer]),
+        before_graphs=None if prepared is None else lambda: concurrent.futures.wait([prepared]),
     )
     return Scheduler(
         runner,
         config,
         eos_token_ids=eos_token_ids,
-        grammar_compiler=grammar_compiler if has_tokenizer(model_path) else None,
+        grammar_compiler=pool,
     )
+
+
+def prepare_grammar_compiler(model_path: Path, backend: str) -> GrammarCompiler:
+    """The grammar compiler over the vocabulary of `model_path`'s tokenizer, with `backend`
+    built (its library imported); a backend that fails to build is left for the first compile
+    to report (or fall back from)."""
+    compiler = GrammarCompiler(load_vocabulary(model_path), backend)
+    try:
+        compiler.get_backend(backend)
+    except Exception as e:  # reported again to the first constrained request
+        logger.warning("grammar backend %s did not build: %s: %s", backend, type(e).__name__, e)
+    return compiler
 
 
 class SchedulerLoop:

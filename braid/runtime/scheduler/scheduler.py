@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, RadixCache
 from braid.runtime.config import EngineConfig
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
 from braid.runtime.constrained.grammar import GrammarCompiler
 from braid.runtime.constrained.manager import GrammarManager
 from braid.runtime.errors import ParamError
@@ -58,7 +59,7 @@ class Scheduler:
         config: EngineConfig,
         *,
         eos_token_ids: frozenset[int],
-        grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+        grammar_compiler: AsyncGrammarCompiler | Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         self.runner = runner
         self.executor = Executor(runner)
