@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import Timer  # noqa: E402
+from benchmarks.kernel_timings import Timer  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DECODE = [(1, 4096), (32, 4096), (256, 4096)]  # (batch, context)

@@ -68,12 +68,12 @@ def first_constrained_s(port: int) -> float:
     return elapsed
 
 
-def start_once(overlap: bool, extra: list[str], timeout: float, first_request: bool) -> dict:
-    """One `braid serve` start until its ready line (then, with `first_request`, one
-    constrained request), then SIGTERM; its total, its phases and the scheduler's model-load
-    and graph-capture lines (which split the scheduler's load)."""
+def start_once(env: dict[str, str], extra: list[str], timeout: float, first_request: bool) -> dict:
+    """One `braid serve` start, with `env` added to the environment, until its ready line
+    (then, with `first_request`, one constrained request), then SIGTERM; its total, its phases
+    and the scheduler's model-load and graph-capture lines (which split the scheduler's load)."""
     port = free_port()
-    env = {**os.environ, "BRAID_OVERLAP_STARTUP": "1" if overlap else "0"}
+    env = {**os.environ, **env}
     with tempfile.TemporaryFile("w+") as log:
         cmd = [sys.executable, "-m", "braid", "serve", "--port", str(port), *extra]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -135,6 +135,17 @@ def main() -> None:
         action="store_true",
         help="time one JSON-schema completion sent the moment each start is ready",
     )
+    ap.add_argument(
+        "--ab-env",
+        default=None,
+        help="alternate this environment variable between 1 and 0 (start-up overlap on) "
+        "instead of the start-up overlap",
+    )
+    ap.add_argument(
+        "--fresh-triton",
+        action="store_true",
+        help="each start with an empty Triton cache (a fresh machine's compiles)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tokenizer and not args.config:
@@ -146,14 +157,25 @@ def main() -> None:
         tok = args.tokenizer or embedded_tokenizer_dir()
         model = str(model_dir(args.config, tok, Path(tempfile.mkdtemp()) / args.config))
     extra = (["--model", model] if model else []) + args.server_args.split()
-    runs: dict[str, list[dict]] = {"overlap": [], "in_turn": []}
+    if args.ab_env:
+        settings = {
+            f"{args.ab_env}={v}": {args.ab_env: v, "BRAID_OVERLAP_STARTUP": "1"} for v in "10"
+        }
+    else:
+        settings = {
+            "overlap": {"BRAID_OVERLAP_STARTUP": "1"},
+            "in_turn": {"BRAID_OVERLAP_STARTUP": "0"},
+        }
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
     start = 0
     for _ in range(args.repeats):
-        for name in runs:
+        for name, env in settings.items():
             start += 1
+            if args.fresh_triton:
+                env = {**env, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-")}
             r = {
                 "start": start,
-                **start_once(name == "overlap", extra, args.timeout, args.first_request),
+                **start_once(env, extra, args.timeout, args.first_request),
             }
             runs[name].append(r)
             print(f"{start}. {name:>8}: ready in {r['total_s']:.2f} s: {r['phases']}", flush=True)
@@ -178,6 +200,8 @@ def main() -> None:
         "model": args.config or args.model or "smollm2-135m",
         "cpus": os.cpu_count(),
         "summary": summary,
+        "fresh_triton": args.fresh_triton,
+        "ab_env": args.ab_env,
     }
     write_result("startup", device, args.out, {**fields, "runs": runs})
 

@@ -15,6 +15,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_no_script_shadows_an_installed_module():
+    """A script runs with its own directory first on sys.path, so a script named like an
+    installed module hides that module from every import, transformers' included:
+    transformers 5.25 imports the `kernels` package, which `benchmarks/kernels.py` (now
+    `kernel_timings.py`) hid, and every benchmark that loads a transformers model failed."""
+    import importlib.util
+
+    clashes = []
+    for folder in ("benchmarks", "examples", "tools"):
+        for script in sorted((ROOT / folder).glob("*.py")):
+            spec = importlib.util.find_spec(script.stem)
+            if spec is not None and spec.origin and Path(spec.origin).parent != script.parent:
+                clashes.append(f"{folder}/{script.name} hides {spec.origin}")
+    assert not clashes, clashes
+
+
 def test_offline_throughput_runs_and_matches_transformers(tmp_path):
     out = tmp_path / "r.json"
     subprocess.run(

@@ -337,19 +337,19 @@ def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_graphs_are_captured_once_the_grammar_compiler_is_built(tmp_path, tiny_model_dirs):
+def test_the_grammar_compiler_is_built_during_the_load(tmp_path, tiny_model_dirs):
     """On a GPU the scheduler builds its grammar compiler (the tokenizer's vocabulary, and the
-    default backend, xgrammar, imported with transformers) beside the weights and waits for it
-    before capturing (both hold the GIL, and side by side they took turns): the phases run
-    weights, KV cache, the wait, graphs; the compile pool's workers start as the load begins.
-    A model without a tokenizer waits for nothing."""
+    default backend, xgrammar, imported with transformers) beside the weights' load and the
+    capture, and waits for it after them: the phases run weights, KV cache, graphs, grammar;
+    the compile pool's workers start as the load begins. A model without a tokenizer waits
+    for nothing."""
     import sys
 
     from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
 
     path, _ = build_tiny_constrained_model(tmp_path / "with-tokenizer")
     sched = local_scheduler(path, kv_tokens=4096, cuda_graph_max_bs=4)
-    assert list(sched.runner.phases) == ["weights", "kv cache", "before graphs", "graphs"]
+    assert list(sched.runner.phases) == ["weights", "kv cache", "graphs", "grammar"]
     assert sched.runner.graph_runner is not None
     assert "xgrammar" in sys.modules
     pool = sched.grammars.waiting.compiler

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,11 +62,7 @@ class ModelRunner:
     `tp`: this rank's tensor-parallel group (None: the whole model here). Each rank holds its
     heads' KV; the pool is sized by the rank with the least room. On rank 0, `plans` sends
     every forward, and the table and KV writes before it, to the other ranks
-    (`distributed.plan`); theirs is None.
-
-    `before_graphs`: called after the weights and KV cache are in place and before the decode
-    graphs are captured, timed as the "before graphs" phase (the scheduler waits there for its
-    tokenizer, loaded alongside the weights, so the load does not contend with capture)."""
+    (`distributed.plan`); theirs is None."""
 
     def __init__(
         self,
@@ -78,7 +73,6 @@ class ModelRunner:
         capture_hidden: bool = False,
         aux_layers: tuple[int, ...] = (),
         tp: TPGroup | None = None,
-        before_graphs: Callable[[], None] | None = None,
     ):
         self.config = config
         self.tp = tp
@@ -93,7 +87,7 @@ class ModelRunner:
                 f"context_length {config.context_length} exceeds the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
-        # Start-up phases in seconds (the ready line's): weights, KV cache, [before graphs,] graphs.
+        # Start-up phases in seconds (the ready line's): weights, KV cache, graphs.
         self.phases: dict[str, float] = {}
         mark = time.perf_counter()
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
@@ -203,10 +197,6 @@ class ModelRunner:
         # Chosen once: decode batches the runner accepts replay a graph, the rest run eagerly.
         self.graph_runner: CudaGraphRunner | None = None
         if config.use_cuda_graph:
-            if before_graphs is not None:
-                mark = time.perf_counter()
-                before_graphs()
-                self.phases["before graphs"] = time.perf_counter() - mark
             mark = time.perf_counter()
             depth = config.speculative_steps if config.speculative_tree_nodes else 0
             # Tensor-parallel ranks capture in lockstep (their graphs hold collectives), so

@@ -31,7 +31,7 @@ SiluMulDown = Callable[[torch.Tensor, RowParallelLinear], torch.Tensor]
 # Rows up to which the MLP fuses its activation into the down projection on CUDA (a batch-1
 # decode step). More rows run the fused kernel's tl.dot form, which repeats the activation per
 # output block and per warp: correct, but not measured to pay; raise this after measuring
-# (benchmarks/kernels.py has a down_proj M=16 fused row).
+# (benchmarks/kernel_timings.py has a down_proj M=16 fused row).
 FUSED_MLP_MAX_ROWS = 1
 
 # Whether a one-token forward on CUDA (batch-1 decode) runs each layer's norms, projections and
@@ -115,7 +115,7 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
     launches fewer per layer, with every rounding point of the unfused path (the sums in the
     projections may add in another order). Under tensor parallelism the row-parallel
     projections' partial sums are all-reduced after their kernels, as their own forward does.
-    Both costs were measured on an H200 with `benchmarks/kernels.py` and
+    Both costs were measured on an H200 with `benchmarks/kernel_timings.py` and
     `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind design choices). None in a
     model built for quantized weights.
     """

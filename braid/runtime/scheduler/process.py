@@ -68,15 +68,17 @@ def build_scheduler(
     backend = config.effective_grammar_backend
     prepared = None
     if config.torch_device.type == "cuda" and has_tokenizer(model_path):
-        # On a GPU the grammar compiler is built while the weights load, so constraints are
-        # ready at start: the vocabulary (`load_vocabulary`: tokenizer.json read without
-        # transformers where it can be) and the default backend's view of it (xgrammar's import
-        # brings transformers': seconds of Python, which beside a serving scheduler made the
-        # first constrained request take 9.4 s on the H200 machine). The decode graphs are
-        # captured once it is built: side by side, both holding the GIL, they took turns (H200:
-        # the start sizes' capture took 10.9-13.7 s beside transformers' tokenizer loading, 1.7
-        # s after it). The compile pool's workers start at once and import their library
-        # meanwhile, in their own processes (xgrammar's took 3-4 s there).
+        # On a GPU the grammar compiler is built during the load, so constraints are ready at
+        # start: the vocabulary (`load_vocabulary`: tokenizer.json read without transformers
+        # where it can be) and the default backend's view of it (xgrammar's import brings
+        # transformers': seconds of Python, which beside a serving scheduler made the first
+        # constrained request take 9.4 s on the H200 machine). It runs beside the weights'
+        # load and the graphs' capture, and is waited for after them (the ready line's
+        # "grammar"): on the H200 machine, with a fresh machine's kernel compiles, the wait was
+        # 0.00 s and ready came 0.7-2.1 s sooner than with the capture waiting for it (0.75-0.77
+        # s), and a second start's capture took 1.42 s beside it (1.2-1.5 s after it). The
+        # compile pool's workers start at once and import their library meanwhile, in their
+        # own processes (xgrammar's took 3-4 s there).
         prepared = concurrent.futures.ThreadPoolExecutor(1, "braid-grammar").submit(
             prepare_grammar_compiler, model_path, backend
         )
@@ -105,8 +107,11 @@ def build_scheduler(
         capture_hidden=capture,
         aux_layers=aux,
         tp=tp,
-        before_graphs=None if prepared is None else lambda: concurrent.futures.wait([prepared]),
     )
+    if prepared is not None:
+        mark = time.perf_counter()
+        concurrent.futures.wait([prepared])
+        runner.phases["grammar"] = time.perf_counter() - mark
     return Scheduler(
         runner,
         config,

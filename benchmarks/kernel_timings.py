@@ -1,9 +1,9 @@
 """Micro-benchmarks of braid's Triton kernels at Llama-3.1-8B shapes in bfloat16, each against
 the torch code it replaces and, for the memory-bound ones, against the memory bound.
 
-    python benchmarks/kernels.py                      # needs a CUDA GPU
-    python benchmarks/kernels.py --kernels decode_attention,rmsnorm --repeats 50
-    python benchmarks/kernels.py --smoke              # tiny shapes, CPU interpreter: a check
+    python benchmarks/kernel_timings.py                      # needs a CUDA GPU
+    python benchmarks/kernel_timings.py --kernels decode_attention,rmsnorm --repeats 50
+    python benchmarks/kernel_timings.py --smoke              # tiny shapes, CPU interpreter: a check
                                                       # that the script runs, not a figure
 
 Timing: CUDA events around `--per-repeat` back-to-back calls, `--repeats` times after a
@@ -615,8 +615,8 @@ def main(argv: list[str] | None = None) -> None:
     has_cuda = torch.cuda.is_available()
     if not has_cuda and not args.smoke:
         sys.exit(
-            "benchmarks/kernels.py measures Triton kernels on a CUDA GPU, and this machine has "
-            "none (torch.cuda.is_available() is False). Run it on the GPU machine, or pass "
+            "benchmarks/kernel_timings.py measures Triton kernels on a CUDA GPU, and this machine "
+            "has none (torch.cuda.is_available() is False). Run it on the GPU machine, or pass "
             "--smoke to check on CPU that the script runs (no figures)."
         )
     if not has_cuda:
