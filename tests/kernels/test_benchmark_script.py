@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py runs (tiny shapes; on CPU through the interpreter), so the GPU
+"""benchmarks/kernel_timings.py runs (tiny shapes; on CPU through the interpreter), so the GPU
 benchmark does not rot unseen; without CUDA its real run refuses with a clear message.
 In-process (`main(argv)`): a subprocess would pay the torch and Triton imports again."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.kernels import KERNELS, main
+from benchmarks.kernel_timings import KERNELS, main
 
 
 def test_smoke_run_times_every_kernel_and_writes_json(tmp_path, capsys):
