@@ -106,6 +106,10 @@ HOST_COUNTERS = (
 )
 
 
+# The scheduler's step counts, per run of each kind (free, constrained).
+STEP_COUNTERS = ("decode_steps", "prefill_steps")
+
+
 def host_per_row(c: dict[str, float]) -> dict[str, float]:
     """Microseconds per constrained row: filling its mask (in the mask thread or not),
     advancing its grammar, and the scheduler's thread waiting for the mask thread; and the
@@ -232,6 +236,7 @@ def main() -> None:
                 )
                 runs = {"free": [], "constrained": []}
                 host = dict.fromkeys(HOST_COUNTERS, 0.0)
+                steps = {f"{n}_{k}": 0.0 for n in ("free", "constrained") for k in STEP_COUNTERS}
                 for rep in range(args.repeats):
                     for name, sp in (("free", free), ("constrained", masked)):
                         prompts = make_prompts(bs, n_in, vocab, seed=seed)
@@ -239,11 +244,13 @@ def main() -> None:
                         path = None
                         if bs == args.profile_batch and rep == args.repeats - 1:
                             path = args.profile_dir / f"stacks_{name}_{bs}.txt"
-                        before = llm.stats() if name == "constrained" else None
+                        before = llm.stats()
                         with sampled_stacks(path):
                             runs[name].append(timed(llm, prompts, sp))
-                        if before is not None:
-                            after = llm.stats()
+                        after = llm.stats()
+                        for k in STEP_COUNTERS:
+                            steps[f"{name}_{k}"] += after.get(k, 0.0) - before.get(k, 0.0)
+                        if name == "constrained":
                             for k in HOST_COUNTERS:
                                 host[k] += after.get(k, 0.0) - before.get(k, 0.0)
                 best_free, best_masked = min(runs["free"]), min(runs["constrained"])
@@ -257,6 +264,7 @@ def main() -> None:
                         "free_tok_s": bs * n_out / best_free,
                         "constrained_tok_s": bs * n_out / best_masked,
                         "grammar_host": host_per_row(host),
+                        "steps_per_run": {k: v / args.repeats for k, v in steps.items()},
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)

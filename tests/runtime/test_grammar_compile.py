@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from braid import SamplingParams
-from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
-from braid.runtime.constrained.grammar import GrammarCompiler
+from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars, _Worker
+from braid.runtime.constrained.grammar import GrammarCompiler, thread_cap
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 from tests.conftest import local_scheduler, run_to_end
@@ -306,7 +306,7 @@ def test_a_worker_that_dies_fails_its_compile_and_is_replaced(make_pool):
 _PARENT = """
 import sys, time
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
-from braid.runtime.constrained.grammar import GrammarCompiler
+from braid.runtime.constrained.grammar import GrammarCompiler, thread_cap
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer(sys.argv[1])
@@ -410,13 +410,64 @@ def test_a_pool_told_its_backend_starts_workers_before_the_compiler_is_built(tin
     pool = AsyncGrammarCompiler(make_compiler, workers=1, backend="outlines")
     pools.append(pool)
     pool.start()
-    deadline = time.monotonic() + 30
-    while not pool.worker_pids and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pool.worker_pids and pool.compiler is None
-    (pid,) = pool.worker_pids
-    cmdline = psutil.Process(pid).cmdline()
-    assert cmdline[-1] == "outlines" and "compile_worker" in " ".join(cmdline)
-    release.set()
+    try:
+        deadline = time.monotonic() + 30
+        while not pool.worker_pids and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.worker_pids and pool.compiler is None
+        (pid,) = pool.worker_pids
+        cmdline = psutil.Process(pid).cmdline()
+        assert cmdline[-1] == "outlines" and "compile_worker" in " ".join(cmdline)
+    finally:
+        release.set()
     grammar = pool.submit("regex", "ab+c").result(timeout=60)
     assert grammar.backend == "outlines" and pool.worker_pids == [pid]
+
+
+def test_a_pool_shut_down_while_a_worker_waits_for_its_payload_ends_that_worker(
+    tiny_tokenizer, pools
+):
+    """A worker started before the compiler was built (a GPU scheduler's, as its load begins)
+    is ended once the payload is made if the pool was shut down meanwhile (a failed load):
+    no task will ever reach it, so it must not outlive the pool."""
+    release = threading.Event()
+
+    def make_compiler() -> GrammarCompiler:
+        release.wait(30)
+        return GrammarCompiler(tiny_tokenizer, "outlines")
+
+    pool = AsyncGrammarCompiler(make_compiler, workers=1, backend="outlines")
+    pools.append(pool)
+    pool.start()
+    try:
+        assert _wait_for(lambda: bool(pool.worker_pids), 30)
+        (pid,) = pool.worker_pids
+        pool.shutdown(0)
+    finally:
+        release.set()
+    assert _wait_for(lambda: _gone(pid) and not pool.worker_pids, 10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit("regex", "ab+c")
+
+
+def test_a_worker_that_dies_before_its_payload_says_how_it_ended():
+    """A worker whose process ended before its payload was sent (here: a backend name its
+    registry does not know) is reaped, so the error says how it ended, not "is running"."""
+    worker = _Worker("no-such-backend")
+    try:
+        assert _wait_for(lambda: psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE, 30)
+        with pytest.raises(OSError, match="compile worker exited with code 1 at start-up"):
+            worker.send_payload(b"x" * (1 << 20))  # past a pipe's buffer: the write must fail
+    finally:
+        worker.close()
+
+
+def test_a_bad_grammar_thread_cap_is_ignored_with_a_warning(monkeypatch, caplog):
+    """BRAID_GRAMMAR_THREADS that is not a whole number is ignored (one warning), rather than
+    failing every batch call that reads it."""
+    monkeypatch.setenv("BRAID_GRAMMAR_THREADS", "four")
+    with caplog.at_level("WARNING"):
+        assert thread_cap() is None and thread_cap() is None
+    assert sum("BRAID_GRAMMAR_THREADS" in r.message for r in caplog.records) <= 1
+    monkeypatch.setenv("BRAID_GRAMMAR_THREADS", "3")
+    assert thread_cap() == 3

@@ -111,6 +111,10 @@ class _Worker:
         try:
             write_frame(self._tasks, payload)
         except BrokenPipeError:
+            try:  # reaped, so that the message says how it ended
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
             raise OSError(f"the compile worker {self.exit_status} at start-up") from None
 
     @property
@@ -303,7 +307,10 @@ class AsyncGrammarCompiler:
         try:
             self._start_worker(self._backend or self._get_compiler().backend, workers)
         except Exception as e:  # reported to the first request, which tries again
-            logger.warning("a grammar compile worker did not start: %s: %s", type(e).__name__, e)
+            if not self._closed:
+                logger.warning(
+                    "a grammar compile worker did not start: %s: %s", type(e).__name__, e
+                )
 
     def _run(self, task: _Task, workers: dict[str, _Worker]) -> None:
         """Compile `task` on the first of its candidate backends that compiles it (a backend
@@ -399,6 +406,8 @@ class AsyncGrammarCompiler:
             self._live.add(worker)
         try:
             worker.send_payload(self._payload(name))
+            if self._closed:  # shut down while the payload was made: no task will come
+                raise RuntimeError("the grammar compiler has been shut down")
         except BaseException:
             self._end(worker)
             raise

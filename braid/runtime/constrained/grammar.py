@@ -19,6 +19,8 @@ Imports no torch (the compile workers import the backends through this module).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -29,6 +31,8 @@ from typing import Any, ClassVar
 from braid.runtime.constrained import GRAMMAR_BACKENDS, get_grammar_backend
 from braid.runtime.constrained.spec import check_spec, grammar_key
 from braid.runtime.constrained.vocab import TokenVocab, token_vocab
+
+logger = logging.getLogger(__name__)
 
 # Where a constraint goes when the configured backend cannot enforce it: llguidance refuses
 # what it cannot enforce itself and covers the most of JSON Schema; then xgrammar.
@@ -44,8 +48,19 @@ PARALLEL_MIN_CPUS = 4
 def thread_cap() -> int | None:
     """BRAID_GRAMMAR_THREADS, for measuring: the most native threads one batch call may use;
     None where unset."""
-    cap = os.environ.get("BRAID_GRAMMAR_THREADS")
-    return max(1, int(cap)) if cap else None
+    cap = os.environ.get("BRAID_GRAMMAR_THREADS", "").strip()
+    if not cap:
+        return None
+    try:
+        return max(1, int(cap))
+    except ValueError:
+        return _bad_thread_cap(cap)
+
+
+@functools.cache
+def _bad_thread_cap(value: str) -> None:
+    """None, with one warning per bad value of BRAID_GRAMMAR_THREADS."""
+    logger.warning("BRAID_GRAMMAR_THREADS=%r is not a whole number: ignored", value)
 
 
 def parallel_cpus() -> int:

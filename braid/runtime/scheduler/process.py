@@ -100,18 +100,26 @@ def build_scheduler(
 
         proposer = PROPOSERS.get(config.speculative_algorithm)
         capture, aux = proposer.target_capture(config, model_config)
-    runner = ModelRunner(
-        config,
-        model_config,
-        None if config.load_format == "dummy" else model_path,
-        capture_hidden=capture,
-        aux_layers=aux,
-        tp=tp,
-    )
+    try:
+        runner = ModelRunner(
+            config,
+            model_config,
+            None if config.load_format == "dummy" else model_path,
+            capture_hidden=capture,
+            aux_layers=aux,
+            tp=tp,
+        )
+    except BaseException:
+        if pool is not None:  # its workers started with the load (an in-process caller lives on)
+            pool.shutdown(0)
+        raise
     if prepared is not None:
         mark = time.perf_counter()
         concurrent.futures.wait([prepared])
         runner.phases["grammar"] = time.perf_counter() - mark
+        if prepared.exception() is not None:  # the first constrained request fails with it too
+            e = prepared.exception()
+            logger.warning("the grammar compiler did not build: %s: %s", type(e).__name__, e)
     return Scheduler(
         runner,
         config,
