@@ -103,11 +103,13 @@ HOST_COUNTERS = (
     "grammar_wait_seconds",
     "grammar_advance_seconds",
     "decode_steps",
+    "grammar_split_fills",
 )
 
 
-# The scheduler's step counts, per run of each kind (free, constrained).
-STEP_COUNTERS = ("decode_steps", "prefill_steps")
+# The scheduler's step counts and its wait for the device to finish each step it reads back,
+# per run of each kind (free, constrained): a wait near zero means the host sets the pace.
+STEP_COUNTERS = ("decode_steps", "prefill_steps", "readback_wait_seconds")
 
 
 def host_per_row(c: dict[str, float]) -> dict[str, float]:
@@ -121,6 +123,7 @@ def host_per_row(c: dict[str, float]) -> dict[str, float]:
         "wait_us": 1e6 * c["grammar_wait_seconds"] / rows,
         "early_share": c["grammar_early_rows"] / rows,
         "decode_steps": c["decode_steps"],
+        "split_fills": c["grammar_split_fills"],
     }
 
 
@@ -265,6 +268,14 @@ def main() -> None:
                         "constrained_tok_s": bs * n_out / best_masked,
                         "grammar_host": host_per_row(host),
                         "steps_per_run": {k: v / args.repeats for k, v in steps.items()},
+                        "readback_wait_ms_per_step": {
+                            name: 1e3
+                            * steps[f"{name}_readback_wait_seconds"]
+                            / max(
+                                1.0, steps[f"{name}_decode_steps"] + steps[f"{name}_prefill_steps"]
+                            )
+                            for name in ("free", "constrained")
+                        },
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -282,7 +293,8 @@ def main() -> None:
         "engine_args": {k: str(v) for k, v in engine_args.items()},
         "grammar_backend": config.effective_grammar_backend,
         "jump_forward": config.use_jump_forward,
-        "grammar_threads": os.environ.get("BRAID_GRAMMAR_THREADS", "all"),
+        "grammar_threads": os.environ.get("BRAID_GRAMMAR_THREADS", "default"),
+        "grammar_fill_splits": os.environ.get("BRAID_GRAMMAR_FILL_SPLITS", "1"),
         "load_s": load_s,
         "first_request_s": first_free_s,
         "first_constrained_request_s": first_s,

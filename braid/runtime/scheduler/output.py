@@ -4,6 +4,7 @@ jump-forward tokens, caching what a prefill computed, and finishing requests."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -67,7 +68,9 @@ class OutputProcessor:
                     self.reqs.move(req, ReqStatus.RUNNING)
         outs = self._pool(plan) if plan.pooling else []
         if result is not None:
+            t0 = time.perf_counter()
             result = result.on_host()
+            self.stats.readback_wait_seconds += time.perf_counter() - t0
             next_ids = result.next_ids.tolist()
             logprobs = token_logprobs(result) if result.logprobs is not None else None
             advanced = self._advance_grammars(plan.sampling, next_ids, dropped)

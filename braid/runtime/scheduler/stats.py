@@ -23,6 +23,9 @@ class SchedulerStats:
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
     jump_forward_rejected: int = 0  # of those, dropped because greedy decoding chose otherwise
     constrained_steps_ahead: int = 0  # decode steps with grammar rows queued before the last read
+    # Time the scheduler's thread waited for the device to finish a step it reads back: near
+    # zero a step means the host, not the device, sets the pace.
+    readback_wait_seconds: float = 0.0
     # Speculative decoding: verify steps, request-steps in them (a request verifying drafts
     # in a step), draft tokens verified and kept, and tokens those request-steps appended.
     spec_verify_steps: int = 0
