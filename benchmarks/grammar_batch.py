@@ -107,7 +107,7 @@ def _clear_pools(backend: str) -> None:
     elif backend == "xgrammar":
         from braid.runtime.constrained import xgrammar_backend
 
-        xgrammar_backend._forget_batches()
+        xgrammar_backend._batch.cache_clear()
 
 
 def main() -> None:

@@ -103,7 +103,6 @@ HOST_COUNTERS = (
     "grammar_wait_seconds",
     "grammar_advance_seconds",
     "decode_steps",
-    "grammar_split_fills",
 )
 
 
@@ -123,7 +122,6 @@ def host_per_row(c: dict[str, float]) -> dict[str, float]:
         "wait_us": 1e6 * c["grammar_wait_seconds"] / rows,
         "early_share": c["grammar_early_rows"] / rows,
         "decode_steps": c["decode_steps"],
-        "split_fills": c["grammar_split_fills"],
     }
 
 
@@ -294,7 +292,6 @@ def main() -> None:
         "grammar_backend": config.effective_grammar_backend,
         "jump_forward": config.use_jump_forward,
         "grammar_threads": os.environ.get("BRAID_GRAMMAR_THREADS", "default"),
-        "grammar_fill_splits": os.environ.get("BRAID_GRAMMAR_FILL_SPLITS", "1"),
         "load_s": load_s,
         "first_request_s": first_free_s,
         "first_constrained_request_s": first_s,

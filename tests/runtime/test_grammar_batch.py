@@ -35,11 +35,11 @@ def threaded(monkeypatch):
 
     monkeypatch.setattr(grammar_module, "PARALLEL_MIN_CPUS", 1)
     llguidance_backend._executor.cache_clear()
-    xgrammar_backend._forget_batches()
+    xgrammar_backend._batch.cache_clear()
     assert llguidance_backend._executor() is not None and xgrammar_backend._batch() is not None
     yield
     llguidance_backend._executor.cache_clear()
-    xgrammar_backend._forget_batches()
+    xgrammar_backend._batch.cache_clear()
 
 
 def _matchers(compiler, tok, n: int):
@@ -128,12 +128,12 @@ def test_a_batch_of_constrained_requests_gets_the_same_tokens_threaded(
     plain = _run(*tiny_constrained, backend)
     monkeypatch.setattr(grammar_module, "PARALLEL_MIN_CPUS", 1)
     llguidance_backend._executor.cache_clear()
-    xgrammar_backend._forget_batches()
+    xgrammar_backend._batch.cache_clear()
     try:
         threaded = _run(*tiny_constrained, backend)
     finally:
         llguidance_backend._executor.cache_clear()
-        xgrammar_backend._forget_batches()
+        xgrammar_backend._batch.cache_clear()
     assert threaded == plain
     assert len(plain) == PARALLEL_MIN_ROWS + 8
 
@@ -215,33 +215,3 @@ def test_masks_are_filled_in_the_step_without_the_mask_thread(tiny_constrained, 
         sched.handle(msg)
     assert run_to_end(sched) == got
     assert sched.grammars.early_rows > 0
-
-
-def test_an_early_fill_shared_by_threads_gives_the_same_tokens(
-    tiny_constrained, threaded, monkeypatch
-):
-    """BRAID_GRAMMAR_FILL_SPLITS=2 (xgrammar, whose batch fills may run at once in several
-    threads): a step's early fill is shared between the mask thread and a helper, each
-    writing a slice of the rows: the same tokens as one thread filling them all."""
-    path, eos = tiny_constrained
-    got, shared = {}, {}
-    for splits in ("1", "2"):
-        monkeypatch.setenv("BRAID_GRAMMAR_FILL_SPLITS", splits)
-        sched = local_scheduler(
-            path,
-            frozenset({eos}),
-            kv_tokens=4096,
-            dtype="float32",
-            device="cpu",
-            grammar_backend="xgrammar",
-            overlap_schedule=True,
-        )
-        for i in range(3 * PARALLEL_MIN_ROWS):
-            temperature = 0.0 if i % 2 else 0.9
-            sp = SamplingParams(max_tokens=30, temperature=temperature, seed=i, regex=WORDS)
-            sched.handle(GenerateReq(f"r{i}", [3, 4, 5 + i % 7], sp, i))
-        got[splits] = run_to_end(sched)
-        shared[splits] = sched.grammars.split_fills
-        assert sched.grammars.early_rows >= PARALLEL_MIN_ROWS * 10
-    assert got["2"] == got["1"] and len(got["1"]) == 3 * PARALLEL_MIN_ROWS
-    assert shared["1"] == 0 and shared["2"] > 5

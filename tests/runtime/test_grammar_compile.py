@@ -22,7 +22,7 @@ import pytest
 
 from braid import SamplingParams
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars, _Worker
-from braid.runtime.constrained.grammar import GrammarCompiler, fill_splits, thread_cap
+from braid.runtime.constrained.grammar import GrammarCompiler, thread_cap
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 from tests.conftest import local_scheduler, run_to_end
@@ -306,7 +306,7 @@ def test_a_worker_that_dies_fails_its_compile_and_is_replaced(make_pool):
 _PARENT = """
 import sys, time
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler
-from braid.runtime.constrained.grammar import GrammarCompiler, fill_splits, thread_cap
+from braid.runtime.constrained.grammar import GrammarCompiler, thread_cap
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 
 tokenizer = load_tokenizer(sys.argv[1])
@@ -471,17 +471,3 @@ def test_a_bad_grammar_thread_cap_is_ignored_with_a_warning(monkeypatch, caplog)
     assert sum("BRAID_GRAMMAR_THREADS" in r.message for r in caplog.records) <= 1
     monkeypatch.setenv("BRAID_GRAMMAR_THREADS", "3")
     assert thread_cap() == 3
-
-
-def test_fill_splits_read_from_the_environment_capped_by_the_cpus(monkeypatch):
-    from braid.runtime.constrained import grammar as grammar_module
-
-    monkeypatch.setattr(grammar_module, "PARALLEL_MIN_CPUS", 1)
-    monkeypatch.setattr(grammar_module.os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    monkeypatch.delenv("BRAID_GRAMMAR_THREADS", raising=False)
-    for value, want in (("", 1), ("2", 2), ("8", 3), ("0", 1), ("two", 1)):
-        monkeypatch.setenv("BRAID_GRAMMAR_FILL_SPLITS", value)
-        assert fill_splits() == want, value
-    monkeypatch.setattr(grammar_module, "PARALLEL_MIN_CPUS", 4)  # too few CPUs: no sharing
-    monkeypatch.setenv("BRAID_GRAMMAR_FILL_SPLITS", "2")
-    assert fill_splits() == 1

@@ -63,25 +63,6 @@ def _bad_thread_cap(value: str) -> None:
     logger.warning("BRAID_GRAMMAR_THREADS=%r is not a whole number: ignored", value)
 
 
-def fill_splits() -> int:
-    """BRAID_GRAMMAR_FILL_SPLITS, for measuring: how many threads share a step's early mask
-    fill (`GrammarManager.start_fill`), each filling a slice of the rows through its own batch
-    call, where the backend allows it (`GrammarMatcher.fills_concurrently`); 1 where unset.
-    At most `parallel_cpus()`; 1 where that is 0."""
-    value = os.environ.get("BRAID_GRAMMAR_FILL_SPLITS", "").strip()
-    try:
-        splits = max(1, int(value)) if value else 1
-    except ValueError:
-        splits = _bad_fill_splits(value)
-    return max(1, min(splits, parallel_cpus()))
-
-
-@functools.cache
-def _bad_fill_splits(value: str) -> int:
-    logger.warning("BRAID_GRAMMAR_FILL_SPLITS=%r is not a whole number: ignored", value)
-    return 1
-
-
 def parallel_cpus() -> int:
     """CPUs a batch operation may spread over, at most `thread_cap()` (0 when the process may
     use fewer than PARALLEL_MIN_CPUS: then the batch calls are not used)."""
@@ -150,10 +131,6 @@ class GrammarMatcher(ABC):
         tensor of exactly `ceil(vocab.size / 32)` words a row; the matchers are of this class."""
         for m, r in zip(matchers, rows):
             m.fill_bitmask(buf[r])
-
-    # Whether `fill_many` may run on several threads at once over disjoint matchers and rows
-    # (each thread's calls then use their own native state).
-    fills_concurrently: ClassVar[bool] = False
 
     @classmethod
     def fills_natively(cls, n: int) -> bool:

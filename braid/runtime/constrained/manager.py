@@ -19,12 +19,7 @@ import torch
 
 from braid.runtime.constrained.bitmask import BitmaskBuffer, apply_token_bitmask, bitmask_words
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
-from braid.runtime.constrained.grammar import (
-    PARALLEL_MIN_ROWS,
-    GrammarCompiler,
-    GrammarMatcher,
-    fill_splits,
-)
+from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
 from braid.runtime.constrained.jump_forward import jump_tokens
 
 # Picks the next token at each row of the logits given, under the bitmask row of the same index
@@ -92,10 +87,6 @@ class GrammarManager:
         self.advance_seconds = 0.0
         self.fill_early = True  # `start_fill` may start fills (off: disable_grammar_mask_thread)
         self._thread: ThreadPoolExecutor | None = None
-        # Threads sharing an early fill with the mask thread (`fill_splits`, for measuring).
-        self.fill_splits = fill_splits()
-        self.split_fills = 0  # early fills that were shared out
-        self._helpers: ThreadPoolExecutor | None = None
         self._early: _EarlyFill | None = None
 
     @property
@@ -218,7 +209,7 @@ class GrammarManager:
         buf.rows(len(reqs))
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="braid-masks")
-        done = self._thread.submit(self._write, buf, matchers, self._splits(matchers))
+        done = self._thread.submit(self._write, buf, matchers)
         self._early = _EarlyFill(list(reqs), rows, done)
         self.early_rows += len(rows)
         return True
@@ -228,35 +219,9 @@ class GrammarManager:
         if self._early is not None:
             self._wait(self._early)
 
-    def _splits(self, matchers: list[GrammarMatcher]) -> int:
-        """How many threads share the fill of `matchers` (see `fill_splits`): one unless their
-        class fills concurrently and each share has PARALLEL_MIN_ROWS rows or more."""
-        if self.fill_splits < 2 or not type(matchers[0]).fills_concurrently:
-            return 1
-        if any(type(m) is not type(matchers[0]) for m in matchers):
-            return 1
-        return max(1, min(self.fill_splits, len(matchers) // PARALLEL_MIN_ROWS))
-
-    def _write(self, buf: BitmaskBuffer, matchers: list[GrammarMatcher], splits: int) -> None:
-        """Buffer rows 0, 1, ... := the masks of `matchers`, in `splits` slices: the first in
-        this thread (the mask thread), the others in helper threads at once."""
+    def _write(self, buf: BitmaskBuffer, matchers: list[GrammarMatcher]) -> None:
         t0 = time.perf_counter()
-        n = len(matchers)
-        cuts = [n * k // splits for k in range(splits + 1)]
-        others = []
-        if splits > 1:
-            self.split_fills += 1
-            if self._helpers is None:  # splits <= fill_splits
-                self._helpers = ThreadPoolExecutor(
-                    self.fill_splits - 1, thread_name_prefix="braid-masks+"
-                )
-            others = [
-                self._helpers.submit(buf.write, matchers[a:b], range(a, b))
-                for a, b in zip(cuts[1:-1], cuts[2:])
-            ]
-        buf.write(matchers[: cuts[1]], range(cuts[1]))
-        for f in others:
-            f.result()
+        buf.write(matchers, range(len(matchers)))
         self.mask_seconds += time.perf_counter() - t0
 
     def _take_early(self, reqs: list[Constrained | None]) -> _EarlyFill | None:
@@ -336,7 +301,6 @@ class GrammarManager:
             "grammar_early_rows": self.early_rows,
             "grammar_wait_seconds": self.wait_seconds,
             "grammar_advance_seconds": self.advance_seconds,
-            "grammar_split_fills": self.split_fills,
         }
 
     # ---- jump-forward ---------------------------------------------------------------------

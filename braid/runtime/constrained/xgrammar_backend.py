@@ -19,10 +19,10 @@ the grammar if there are any.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import tempfile
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -199,30 +199,16 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarGrammar(kind, compiled, self.vocab)
 
 
-_local = threading.local()
-
-
+@functools.cache
 def _batch() -> xgr.BatchGrammarMatcher | None:
-    """This thread's xgrammar batch calls for a batch's masks, on FILL_THREADS native threads
-    (None on a machine with too few CPUs for the mask thread to pay). One per thread, so that
-    threads sharing a fill (`fills_concurrently`) do not share its native state."""
+    """xgrammar's batch calls for a batch's masks, on FILL_THREADS native threads (None on a
+    machine with too few CPUs for the mask thread to pay)."""
     if not parallel_cpus():
         return None
-    threads = thread_cap() or FILL_THREADS
-    held = getattr(_local, "batch", None)
-    if held is None or held[0] != threads:
-        held = _local.batch = (threads, xgr.BatchGrammarMatcher(max_threads=threads))
-    return held[1]
-
-
-def _forget_batches() -> None:
-    """Drop this thread's batch calls (the next `_batch()` builds them anew)."""
-    _local.batch = None
+    return xgr.BatchGrammarMatcher(max_threads=thread_cap() or FILL_THREADS)
 
 
 class XGrammarMatcher(GrammarMatcher):
-    fills_concurrently = True
-
     def __init__(self, grammar: XGrammarGrammar) -> None:
         self.grammar = grammar
         self._m = xgr.GrammarMatcher(grammar.compiled)
