@@ -16,9 +16,16 @@
 #   part 2 (part 1: the scheduler waited 4-7 ms a step to read each step back at 256, so the
 #          device set the pace, and two fill threads changed nothing): the regex and JSON
 #          workloads at 1, 64 and 256, 5 repeats, the defaults
+#   part 3 (issue 18: fp8 at batch 1 was 1.27x bf16, its GEMVs at 0.46-0.73 of the copy rate,
+#          converting and multiplying each weight on the CUDA cores): the fp8 GEMV with its
+#          products on the tensor cores (GemvConfig.dot) beside the CUDA-core one, each
+#          checked and timed at one row (quant_kernels.py, bf16 beside it), the fastest per
+#          shape written to braid/kernels/configs/quant_gemv.json; then batch-1 decode and
+#          the 8k prefill through braid.LLM, bf16 and fp8 (quantization.py), with that table;
+#          the GEMV GPU tests first
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 source "$(dirname "$0")/step.sh"
 tok=.gpu/tok
 sg() { python benchmarks/structured_gpu.py --tokenizer "$tok" --repeats 5 \
@@ -36,5 +43,14 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 2 ]; then
     TAIL=12 step 300 structured sg --batch-sizes 1,64,256 \
         --out "$OUT/r/structured_gpu_readback_cuda.json"
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+elif [ "$part" = 3 ]; then
+    TAIL=4 step 120 pytest_gemv python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+        -p no:cacheprovider
+    TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py --methods bf16,fp8 \
+        --rows 1 --write-config --out "$OUT/r/quant_kernels_fp8_dot_cuda.json"
+    cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
+    TAIL=30 step 330 quantization python benchmarks/quantization.py --methods float,fp8 \
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_fp8_dot_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

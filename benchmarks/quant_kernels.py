@@ -79,6 +79,22 @@ BYTE_SWEEP = [
     (16, 1024, 4, 4, 2),
     (32, 256, 8, 2, 3),
 ]
+# fp8 on the tensor cores (GemvConfig.dot): tiles of 64 or 128 rows, the narrowest the
+# H100/H200 tensor-core product takes along N, with K split until the small layers fill the GPU.
+FP8_DOT_SWEEP = [
+    (64, 128, 1, 4, 4),
+    (64, 256, 1, 4, 3),
+    (64, 256, 2, 4, 3),
+    (64, 256, 4, 4, 3),
+    (64, 256, 8, 4, 3),
+    (64, 512, 1, 4, 3),
+    (64, 512, 2, 4, 2),
+    (64, 512, 4, 4, 2),
+    (128, 128, 4, 4, 4),
+    (128, 256, 1, 4, 3),
+    (128, 256, 2, 8, 3),
+    (128, 256, 4, 4, 3),
+]
 PLANAR_SWEEP = {
     16: [(16, 64, 4, 3), (16, 128, 4, 3), (16, 32, 4, 4)],
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)],
@@ -177,7 +193,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 
     def cfg_name(c):
-        return "bn{}_bk{}_split{}_w{}_s{}".format(*c)
+        return "bn{}_bk{}_split{}_w{}_s{}".format(*c) + ("_dot" if len(c) > 5 and c[5] else "")
 
     out: list[tuple[str, Callable]] = []
     if method == "bf16":
@@ -221,7 +237,9 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         out.append(("int8_linear", lambda x, w: int8_linear(x, w[0], w[1])))
     elif method == "fp8":
         if m == 1:
-            for c in BYTE_SWEEP if not smoke else [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2)]:
+            sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
+            smoke_sweep = [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2), (16, 64, 2, 4, 2, True)]
+            for c in sweep if not smoke else smoke_sweep:
                 cfg = GemvConfig(*c)
 
                 def gemv_fp8(x, w, cfg=cfg):
@@ -262,6 +280,8 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes, rows = (SMOKE["shapes"], SMOKE["rows"]) if args.smoke else (SHAPES, ROWS)
+    if args.rows:
+        rows = tuple(int(m) for m in args.rows.split(","))
     results = []
     for shape, (n, k) in shapes.items():
         copies = 2 if args.smoke else max(2, -(-COLD_BYTES // weight_bytes("int4", n, k)))
@@ -349,7 +369,9 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
     for (_, m, method), r in best.items():
         if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
             parts = r["variant"].removeprefix("gemv:").split("_")
-            nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts)
+            nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts[:5])
+            if parts[5:] == ["dot"]:
+                nums += (True,)
             tables[f"{method.upper()}_CONFIGS"][(r["n"], r["k"])] = nums
     # The smallest M at which dequant+cublas beats the planar kernel on every shape.
     crossover = None
@@ -367,6 +389,25 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
     return lines, tables
 
 
+def write_config(tables: dict, device_name: str, path: Path) -> None:
+    """Merge the one-row choices of `summarize`'s tables into `path` (quant_gemv.json) under
+    `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot]}."""
+    import json
+
+    from braid.kernels.quant_gemv import tuned_key
+
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    entry = data.setdefault(device_name, {})
+    for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
+        kind = name.removesuffix("_CONFIGS").lower()
+        for (n, k), c in tables[name].items():
+            entry[tuned_key(kind, n, k)] = [*c[:5], bool(c[5:] and c[5])]
+    data[device_name] = dict(sorted(entry.items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {len(entry)} configurations for {device_name} to {path}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (interpreter)")
@@ -374,6 +415,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=32, help="calls per timed graph replay")
     ap.add_argument("--repeats", type=int, default=7, help="timed replays (median)")
     ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument(
+        "--rows", default=None, help="comma-separated row counts (default 1,16,128,8192)"
+    )
+    ap.add_argument(
+        "--write-config",
+        action="store_true",
+        help="record the fastest correct one-row configuration per method and shape for this "
+        "GPU in braid/kernels/configs/quant_gemv.json",
+    )
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -415,6 +465,10 @@ def main(argv: list[str] | None = None) -> None:
         body = ", ".join(f"{nk}: GemvConfig{c}" for nk, c in sorted(tables[name].items()))
         print(f"{name} = {{{body}}}")
     print(f"DEQUANTIZE_MIN_ROWS = {tables['DEQUANTIZE_MIN_ROWS']}")
+    if args.write_config and not args.smoke:
+        from braid.kernels.quant_gemv import TUNED_CONFIGS
+
+        write_config(tables, torch.cuda.get_device_name(dev), TUNED_CONFIGS)
     write_result(
         "quant_kernels",
         args.device,

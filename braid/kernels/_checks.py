@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,3 +105,9 @@ def check_window(window: int | None) -> int:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
     return window
+
+
+@functools.cache
+def cuda_device_name(index: int | None) -> str:
+    """`torch.cuda.get_device_name`, asked once per device (the tuned-config tables' key)."""
+    return torch.cuda.get_device_name(index)

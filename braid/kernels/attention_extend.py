@@ -36,6 +36,7 @@ from braid.kernels._checks import (
     check_shape,
     check_tensor,
     check_window,
+    cuda_device_name,
     dot_precision,
     next_pow2,
 )
@@ -388,11 +389,6 @@ def tuned_key(head_dim: int, dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def _device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-@functools.cache
 def _tuned(device_name: str, key: str) -> tuple[int, int, int, int] | None:
     if not TUNED_CONFIGS.is_file():
         return None
@@ -409,7 +405,7 @@ def _blocks(
     unmasked causal blocks rely on it)."""
     block_d = next_pow2(head_dim)
     if tuned and device.type == "cuda":
-        config = _tuned(_device_name(device.index), tuned_key(head_dim, dtype))
+        config = _tuned(cuda_device_name(device.index), tuned_key(head_dim, dtype))
         if config is not None:
             return config
     if block_d <= 128:

@@ -19,15 +19,20 @@ the same bits whatever order the programs ran in. The counters return to zero af
 call, so one workspace serves any number of sequential calls (CUDA graphs included) but not
 two kernels running at once.
 
-Configurations (BLOCK_N, BLOCK_K or SUBS, SPLIT_K, warps, stages) come from the `*_CONFIGS`
-tables keyed by (N, K), written from `benchmarks/quant_kernels.py`'s measurements on an
-H200; other shapes take a rule of thumb. No autotuning at run time: a launch never
-synchronises with the host. Under TRITON_INTERPRET=1 the same kernels run on the CPU.
+Configurations (BLOCK_N, BLOCK_K or SUBS, SPLIT_K, warps, stages; fp8's tensor-core form)
+come from the GPU's entry in `configs/quant_gemv.json` (`benchmarks/quant_kernels.py
+--write-config`), else from the `*_CONFIGS` tables keyed by (N, K), written from that
+benchmark's measurements on an H200; other shapes take a rule of thumb. No autotuning at run
+time: a launch never synchronises with the host. Under TRITON_INTERPRET=1 the same kernels run
+on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -39,6 +44,7 @@ from braid.kernels._checks import (
     check_same_dtype,
     check_shape,
     check_tensor,
+    cuda_device_name,
     next_pow2,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
@@ -59,6 +65,7 @@ class GemvConfig:
     split_k: int = 1
     warps: int = 4
     stages: int = 2
+    dot: bool = False  # fp8: the products on the tensor cores (`_fp8_gemv_kernel`'s DOT)
 
 
 # Best measured on an H200 per (N, K) (benchmarks/quant_kernels.py writes these; run of
@@ -96,7 +103,32 @@ def default_config(kind: str, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n, block_k, split, 4, 2)
 
 
-def config_for(kind: str, n: int, k: int) -> GemvConfig:
+# Configurations measured per GPU that override the tables above on that GPU
+# (`benchmarks/quant_kernels.py --write-config`): {device name: {"kind/N/K": [block_n,
+# block_k, split_k, warps, stages, dot]}}.
+TUNED_CONFIGS = Path(__file__).parent / "configs" / "quant_gemv.json"
+
+
+def tuned_key(kind: str, n: int, k: int) -> str:
+    """The key of one case in `TUNED_CONFIGS`."""
+    return f"{kind}/{n}/{k}"
+
+
+@functools.cache
+def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
+    if not TUNED_CONFIGS.is_file():
+        return {}
+    table = json.loads(TUNED_CONFIGS.read_text()).get(device_name, {})
+    return {key: GemvConfig(*c[:5], dot=bool(c[5:] and c[5])) for key, c in table.items()}
+
+
+def config_for(kind: str, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
+    """The launch shape for an [n, k] weight of `kind` ("int4", "int8", "fp8"): the one
+    measured on this GPU (`TUNED_CONFIGS`), else the tables', else `default_config`."""
+    if device is not None and device.type == "cuda":
+        tuned = _tuned_table(cuda_device_name(device.index)).get(tuned_key(kind, n, k))
+        if tuned is not None:
+            return tuned
     table = {"int4": INT4_CONFIGS, "int8": INT8_CONFIGS, "fp8": FP8_CONFIGS}[kind]
     return table.get((n, k)) or default_config(kind, n, k)
 
@@ -125,7 +157,7 @@ class GemvWorkspace:
     @classmethod
     def for_launch(cls, kind: str, n: int, k: int, device: torch.device) -> GemvWorkspace:
         """Scratch for the launches of an [n, k] weight of `kind` ("int4", "int8", "fp8")."""
-        cfg = config_for(kind, n, k)
+        cfg = config_for(kind, n, k, device)
         return cls(device, cfg.split_k * n, triton.cdiv(n, cfg.block_n))
 
     def take(self, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,6 +331,10 @@ def _int8_gemv_kernel(
     )  # fmt: skip
 
 
+# The columns of the activation block in `_fp8_gemv_kernel`'s tensor-core products.
+DOT_COLS: tl.constexpr = tl.constexpr(16)
+
+
 @triton.jit
 def _fp8_gemv_kernel(
     X,
@@ -318,7 +354,13 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
+    DOT: tl.constexpr,
 ):
+    """DOT: each block's products on the tensor cores, as an e4m3 matmul of the weight tile
+    [BLOCK_N, BLOCK_K] by the activation's codes repeated in DOT_COLS columns (the narrowest
+    a tensor-core product takes; every column the same, one kept): no conversion of the
+    weights, and one matmul instruction per many products instead of a conversion and an FMA
+    per weight. Otherwise each weight is converted and multiplied on the CUDA cores."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from L2).
@@ -332,7 +374,10 @@ def _fp8_gemv_kernel(
     w_rows = W + rows.to(tl.int64)[:, None] * K
     first = tl.program_id(1) * SPLIT_LEN
     end = tl.minimum(first + SPLIT_LEN, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if DOT:
+        acc = tl.zeros([BLOCK_N, DOT_COLS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(first, end, BLOCK_K, num_stages=STAGES):
         ks = k0 + offs
         kmask = ks < end
@@ -341,11 +386,19 @@ def _fp8_gemv_kernel(
         # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
         # float32, so the sum differs from _scaled_mm's only in its order.
         xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
-        acc += w.to(tl.float32) * xq[None, :]
+        if DOT:
+            xt = tl.broadcast_to(xq[:, None], [BLOCK_K, DOT_COLS]).to(W.dtype.element_ty)
+            # Each block's sum comes out in float32 and is added to the total in float32.
+            acc += tl.dot(w, xt, out_dtype=tl.float32)
+        else:
+            acc += w.to(tl.float32) * xq[None, :]
+    if DOT:
+        y = tl.max(acc, axis=1)  # the columns are equal
+    else:
+        y = tl.sum(acc, axis=1)
     _finish(
-        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Scales, x_scale, Partials, Counters, N,
-        SPLIT_K, HAS_BIAS, True,
-    )  # fmt: skip
+        y, rows, rmask, Out, Bias, Scales, x_scale, Partials, Counters, N, SPLIT_K, HAS_BIAS, True
+    )
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -430,7 +483,7 @@ def int4_gemv(
     check_shape("meta", meta, (groups, n))
     check_contiguous("meta", meta)
     out = _check_out(x, n, bias, out, x.dtype)
-    cfg = config or config_for("int4", n, k)
+    cfg = config or config_for("int4", n, k, x.device)
     subs = cfg.block_k // PLANAR_BLOCK
     if subs < 1 or cfg.block_k % PLANAR_BLOCK:
         raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
@@ -477,7 +530,7 @@ def int8_gemv(
     to x's dtype, as `int8_linear`."""
     n, k = _check_byte_weight(x, weight, scales, torch.int8)
     out = _check_out(x, n, bias, out, x.dtype)
-    cfg = config or config_for("int8", n, k)
+    cfg = config or config_for("int8", n, k, x.device)
     split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
     _int8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
@@ -505,12 +558,12 @@ def fp8_gemv(
     order of the float32 sum, in one launch."""
     n, k = _check_byte_weight(x, weight, scales, FP8_DTYPE)
     out = _check_out(x, n, bias, out, out_dtype)
-    cfg = config or config_for("fp8", n, k)
+    cfg = config or config_for("fp8", n, k, x.device)
     split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
     _fp8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-        **_launch_meta(cfg),
+        DOT=cfg.dot, **_launch_meta(cfg),
     )  # fmt: skip
     return out

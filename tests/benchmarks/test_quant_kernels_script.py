@@ -43,3 +43,48 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
         "DEQUANTIZE_MIN_ROWS",
     }
     assert "DEQUANTIZE_MIN_ROWS =" in p.stdout and "INT8_CONFIGS = {(" in p.stdout
+    assert any(r["variant"].endswith("_dot") and r["method"] == "fp8" for r in rows)
+
+
+def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
+    """`--write-config`: each method's one-row choice per shape, fp8's tensor-core flag
+    included, merged into quant_gemv.json under the GPU's name (other GPUs' entries kept),
+    and read back by `config_for` on that GPU."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.quant_kernels import write_config
+    from braid.kernels import quant_gemv
+
+    path = tmp_path / "quant_gemv.json"
+    path.write_text(json.dumps({"Other GPU": {"fp8/1/2": [16, 512, 1, 4, 3, False]}}))
+    tables = {
+        "INT4_CONFIGS": {(4096, 4096): (256, 128, 8, 4, 3)},
+        "INT8_CONFIGS": {},
+        "FP8_CONFIGS": {(4096, 14336): (64, 256, 4, 4, 3, True)},
+    }
+    write_config(tables, "Some GPU", path)
+    data = json.loads(path.read_text())
+    assert data["Other GPU"] == {"fp8/1/2": [16, 512, 1, 4, 3, False]}
+    assert data["Some GPU"] == {
+        "fp8/4096/14336": [64, 256, 4, 4, 3, True],
+        "int4/4096/4096": [256, 128, 8, 4, 3, False],
+    }
+    old = quant_gemv.TUNED_CONFIGS
+    try:
+        quant_gemv.TUNED_CONFIGS = path
+        quant_gemv._tuned_table.cache_clear()
+        names = {0: "Some GPU", 1: "Other GPU"}
+        real = quant_gemv.cuda_device_name
+        quant_gemv.cuda_device_name = names.get
+        try:
+            cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+            got = quant_gemv.config_for("fp8", 4096, 14336, cuda0)
+            assert got == quant_gemv.GemvConfig(64, 256, 4, 4, 3, dot=True)
+            # Not measured on that GPU, or not a GPU: the tables' choice.
+            table = quant_gemv.FP8_CONFIGS[(4096, 14336)]
+            assert quant_gemv.config_for("fp8", 4096, 14336, cuda1) == table
+            assert quant_gemv.config_for("fp8", 4096, 14336, torch.device("cpu")) == table
+        finally:
+            quant_gemv.cuda_device_name = real
+    finally:
+        quant_gemv.TUNED_CONFIGS = old
+        quant_gemv._tuned_table.cache_clear()

@@ -169,8 +169,12 @@ def test_int8_gemv_matches_the_dequantized_matmul(device, dtype, config, n, k):
     _close(got, int8_linear_reference(x, w, scales, bias))
 
 
+# The fp8 GEMV's tensor-core form too (`dot`): a ragged split, a tile wider than N.
+FP8_CONFIGS = [*BYTE_CONFIGS, GemvConfig(16, 64, 3, dot=True), GemvConfig(64, 32, 1, dot=True)]
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("config", BYTE_CONFIGS)
+@pytest.mark.parametrize("config", FP8_CONFIGS)
 @pytest.mark.parametrize("n,k", [(40, 200), (16, 512)])
 def test_fp8_gemv_is_w8a8_with_the_per_token_codes(device, dtype, config, n, k):
     g = torch.Generator().manual_seed(k)
@@ -223,6 +227,10 @@ def test_gpu_gemvs_at_llama_8b_shapes_in_bf16(shape):
     wf = (torch.randn(n, k, device=dev) * 0.3).to(FP8_DTYPE)
     sf = torch.rand(n, device=dev) / 100
     _close(fp8_gemv(x, wf, sf), fp8_linear_reference(x, wf, sf))
+    for cfg in (GemvConfig(64, 256, 4, 4, 3, dot=True), GemvConfig(128, 256, 1, 4, 3, dot=True)):
+        got = fp8_gemv(x, wf, sf, out_dtype=torch.float32, config=cfg)
+        want = fp8_linear_reference(x, wf, sf, None, torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the order of a sum only
 
 
 @pytest.mark.gpu
