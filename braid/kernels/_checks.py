@@ -107,7 +107,12 @@ def check_window(window: int | None) -> int:
     return window
 
 
-@functools.cache
 def cuda_device_name(index: int | None) -> str:
-    """`torch.cuda.get_device_name`, asked once per device (the tuned-config tables' key)."""
+    """`torch.cuda.get_device_name`, asked once per device (the tuned-config tables' key);
+    None is the current device."""
+    return _device_name(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)

@@ -387,7 +387,7 @@ def _fp8_gemv_kernel(
         w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
         # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
-        # float32, so the sum differs from _scaled_mm's only in its order.
+        # float32, so on the CUDA cores the sum differs from _scaled_mm's only in its order.
         xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
         if DOT:
             xt = tl.broadcast_to(xq[:, None], [BLOCK_K, DOT_COLS]).to(W.dtype.element_ty)

@@ -183,8 +183,10 @@ def test_fp8_gemv_is_w8a8_with_the_per_token_codes(device, dtype, config, n, k):
     x, bias = _x(1, k, dtype, device, scale=5.0), _x(1, n, dtype, device, seed=2).reshape(n)
     got = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config)
     want = fp8_linear_reference(x, w, scales, bias, torch.float32)
-    # e4m3 products are exact in float32: only the order of the sum differs.
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if config.dot and got.is_cuda:  # sums of 32 products rounded in the tensor cores
+        assert ((got - want).norm() / want.norm()).item() < 2e-4
+    else:  # e4m3 products are exact in float32: only the order of the sum differs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Not the unquantized product: the activation really went through e4m3.
     exact = x.float() @ (w.float() * scales[:, None]).T + bias.float()
     assert (got - exact).abs().max() > 1e-3

@@ -422,7 +422,10 @@ class AsyncGrammarCompiler:
         try:
             self._start_worker(name, workers)
         except Exception as e:  # reported to the next request as well
-            logger.warning("a grammar compile worker did not start: %s: %s", type(e).__name__, e)
+            if not self._closed:
+                logger.warning(
+                    "a grammar compile worker did not start: %s: %s", type(e).__name__, e
+                )
 
     def _end(self, worker: _Worker) -> None:
         worker.close()

@@ -47,7 +47,7 @@ PARALLEL_MIN_CPUS = 4
 
 def thread_cap() -> int | None:
     """BRAID_GRAMMAR_THREADS, for measuring: the most native threads one batch call may use;
-    None where unset."""
+    None where unset or not a whole number."""
     cap = os.environ.get("BRAID_GRAMMAR_THREADS", "").strip()
     if not cap:
         return None
