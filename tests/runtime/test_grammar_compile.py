@@ -397,19 +397,26 @@ def test_start_builds_the_compiler_and_a_worker_before_any_request(make_pool):
     assert len(built) == 1
 
 
-def test_a_pool_told_its_backend_starts_workers_before_the_compiler_is_built(tiny_tokenizer, pools):
-    """Given the backend (`backend=`, as a GPU scheduler does at the start of its load), the
-    workers start before the compiler is built and load their library meanwhile: they are up
-    while the compiler is still being made, and then compile as usual."""
+def _started_before_its_compiler(tokenizer, pools) -> tuple[AsyncGrammarCompiler, threading.Event]:
+    """A pool told its backend (outlines), started, whose compiler is built only once the
+    returned event is set."""
     release = threading.Event()
 
     def make_compiler() -> GrammarCompiler:
         release.wait(30)
-        return GrammarCompiler(tiny_tokenizer, "outlines")
+        return GrammarCompiler(tokenizer, "outlines")
 
     pool = AsyncGrammarCompiler(make_compiler, workers=1, backend="outlines")
     pools.append(pool)
     pool.start()
+    return pool, release
+
+
+def test_a_pool_told_its_backend_starts_workers_before_the_compiler_is_built(tiny_tokenizer, pools):
+    """Given the backend (`backend=`, as a GPU scheduler does at the start of its load), the
+    workers start before the compiler is built and load their library meanwhile: they are up
+    while the compiler is still being made, and then compile as usual."""
+    pool, release = _started_before_its_compiler(tiny_tokenizer, pools)
     try:
         deadline = time.monotonic() + 30
         while not pool.worker_pids and time.monotonic() < deadline:
@@ -430,15 +437,7 @@ def test_a_pool_shut_down_while_a_worker_waits_for_its_payload_ends_that_worker(
     """A worker started before the compiler was built (a GPU scheduler's, as its load begins)
     is ended once the payload is made if the pool was shut down meanwhile (a failed load):
     no task will ever reach it, so it must not outlive the pool."""
-    release = threading.Event()
-
-    def make_compiler() -> GrammarCompiler:
-        release.wait(30)
-        return GrammarCompiler(tiny_tokenizer, "outlines")
-
-    pool = AsyncGrammarCompiler(make_compiler, workers=1, backend="outlines")
-    pools.append(pool)
-    pool.start()
+    pool, release = _started_before_its_compiler(tiny_tokenizer, pools)
     try:
         assert _wait_for(lambda: bool(pool.worker_pids), 30)
         (pid,) = pool.worker_pids
