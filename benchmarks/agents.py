@@ -13,6 +13,8 @@ exceeds 4x that; the four setups are compared at that rate (the issue's load poi
 
     python benchmarks/programs.py --agent-traffic            # via programs.py
     python benchmarks/agents.py --programs 64 --rates 1,2,3   # directly
+    python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer DIR   # H200: 8B shapes,
+                                                # random bf16 weights, SmolLM2's tokenizer
 """
 
 from __future__ import annotations
@@ -121,8 +123,12 @@ SETUPS = {  # name -> (schedule_policy, program pins)
 }
 
 
-def measure(model: str | None, kv_tokens: int, policy: str, programs, pins: bool) -> dict:
-    with sgl.LLM(model, kv_tokens=kv_tokens, schedule_policy=policy, show_progress=False) as llm:
+def measure(
+    model: str | None, kv_tokens: int, policy: str, programs, pins: bool, **engine: object
+) -> dict:
+    with sgl.LLM(
+        model, kv_tokens=kv_tokens, schedule_policy=policy, show_progress=False, **engine
+    ) as llm:
         backend = EngineBackend(llm)
         react.run(backend=backend, task="warm up", tools_ms=[1])  # imports, first forwards
         llm.flush_cache()
@@ -138,14 +144,20 @@ def measure(model: str | None, kv_tokens: int, policy: str, programs, pins: bool
 
 
 def agent_traffic(
-    model: str | None, n: int, rates: list[float], kv_tokens: int, seed: int = 0
+    model: str | None,
+    n: int,
+    rates: list[float],
+    kv_tokens: int,
+    seed: int = 0,
+    **engine: object,
 ) -> dict:
-    alone = measure(model, kv_tokens, "lpm", workload(1, 1.0, seed), False)
+    """`engine`: further braid.LLM arguments (the GPU run's dummy weights and dtype)."""
+    alone = measure(model, kv_tokens, "lpm", workload(1, 1.0, seed), False, **engine)
     unloaded = alone["p50_s"]
     print(f"agents: unloaded program latency {unloaded:.2f} s", flush=True)
     sweep, chosen = [], rates[-1]
     for rate in rates:
-        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed), False)
+        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed), False, **engine)
         row["rate"] = rate
         sweep.append(row)
         print(f"agents: lpm at {rate}/s: {row}", flush=True)
@@ -158,7 +170,7 @@ def agent_traffic(
         if name == "lpm" and sweep[-1]["rate"] == chosen:
             setups[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
         else:
-            setups[name] = measure(model, kv_tokens, policy, programs, pins)
+            setups[name] = measure(model, kv_tokens, policy, programs, pins, **engine)
         print(f"agents: {name} at {chosen}/s: {setups[name]}", flush=True)
     lpm_p50 = setups["lpm"]["p50_s"]
     for row in setups.values():
@@ -179,11 +191,41 @@ def main() -> None:
     ap.add_argument("--programs", type=int, default=64)
     ap.add_argument("--rates", default="0.5,1,2,4", help="programs per second, tried in order")
     ap.add_argument("--kv-tokens", type=int, default=4096)
+    ap.add_argument(
+        "--gpu-config",
+        default=None,
+        help="a config under benchmarks/configs (e.g. llama-3.1-8b): its shapes with random "
+        "bf16 weights on CUDA, instead of --model",
+    )
+    ap.add_argument(
+        "--tokenizer", type=Path, default=None, help="with --gpu-config (default: SmolLM2's)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    res = agent_traffic(args.model, args.programs, rates, args.kv_tokens)
-    write_result("agents", "cpu", args.out, res)
+    if args.gpu_config is None:
+        res = agent_traffic(args.model, args.programs, rates, args.kv_tokens)
+        write_result("agents", "cpu", args.out, res)
+    else:
+        import tempfile
+
+        from structured_gpu import embedded_tokenizer_dir, model_dir
+
+        tokenizer = args.tokenizer or embedded_tokenizer_dir()
+        with tempfile.TemporaryDirectory() as tmp:
+            model = str(model_dir(args.gpu_config, tokenizer, Path(tmp) / "m"))
+            res = agent_traffic(
+                model,
+                args.programs,
+                rates,
+                args.kv_tokens,
+                load_format="dummy",
+                dtype="bfloat16",
+            )
+        res["config"] = args.gpu_config
+        import torch
+
+        write_result("agents", "cuda" if torch.cuda.is_available() else "cpu", args.out, res)
     for name, row in res["setups"].items():
         print(
             f"{name:>13}: p50 {row['p50_s']:.2f} s  p99 {row['p99_s']:.2f} s  "

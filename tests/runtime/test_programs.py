@@ -15,7 +15,7 @@ from braid.runtime.cache.radix_cache import RadixCache
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler import policy
 from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, ProgramTable
-from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.sessions import SessionPins
 from tests.conftest import local_scheduler, run_to_end
 
@@ -61,8 +61,8 @@ def test_programs_are_named_by_id_or_session_root_and_learn_their_pauses():
         table.arrive(r)
     assert table.get(a) is table.get(fork) and table.get(a).in_flight == 2
     assert table.get(other).id == "agent-7" and table.get(_req("x")) is None
-    table.serve(a, 10)
-    table.serve(fork, 5)
+    table.serve(a, 0, 10)
+    table.serve(fork, 0, 5)
     assert table.service(a) == 15
     assert table.pin_ttl(a) == PIN_TTL_FIRST_S  # no pause seen yet
     table.leave(a)
@@ -124,12 +124,64 @@ def test_a_programs_calls_are_counted_by_session_and_position():
     assert (p.pinned_tokens, p.pinned_sessions) == (64, 1)  # listed while it holds a pin
 
 
+def test_tokens_computed_again_are_not_service():
+    """A session's next prompt repeats its last sequence: tokens of it computed again (the
+    cache lost them, or the request was retracted) are not the program's service."""
+    table = ProgramTable()
+    first = _req("s0", n=8, session="p.0")
+    table.arrive(first)
+    table.serve(first, 0, 8)  # the prompt
+    first.output_ids = [20, 21, 22]
+    table.serve(first, 8, 9)  # decode steps give KV to every sample but the last
+    table.serve(first, 9, 10)
+    table.leave(first)
+    assert table.service(first) == 10
+    nxt = _req("s1", n=8, session="p.0")
+    nxt.input_ids = list(range(1, 9)) + [20, 21, 22, 30, 31]
+    table.arrive(nxt)
+    assert nxt.program_seen == 10  # 1..8, 20, 21 had KV; 22 never did
+    table.serve(nxt, 0, 13)  # the cache lost all of it
+    assert table.service(nxt) == 10 + 3 and table.stats()["program_tokens_recomputed"] == 10
+    table.serve(nxt, 0, 13)  # retracted and computed once more: all of it again
+    table.serve(nxt, 13, 14)
+    assert table.service(nxt) == 14 and table.stats()["program_tokens_recomputed"] == 23
+    table.leave(nxt)
+    other = _req("s2", n=6, session="p.0")  # a prompt that is not the sequence so far
+    other.input_ids = [9, 9, 9, 9, 9, 9]
+    table.arrive(other)
+    table.serve(other, 0, 6)
+    assert other.program_seen == 6 and table.service(other) == 20
+    elsewhere = _req("t0", n=13, session="p.1")  # another session has seen nothing
+    elsewhere.input_ids = list(nxt.input_ids)
+    table.arrive(elsewhere)
+    assert elsewhere.program_seen == 0
+
+
+def test_a_program_whose_cache_was_flushed_is_charged_only_for_new_tokens(tiny_model_dirs):
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 500) for _ in range(30)]
+    s.handle(GenerateReq("a/0", prompt, sp, 0, session_id="a.0", program_position=0))
+    out = run_to_end(s)["a/0"]
+    (info,) = s.program_infos()
+    assert info.service == 30 + 4 - 1
+    assert s.close_session("a.0") and s.flush_cache()  # its pin and its cached KV are gone
+    s.handle(GenerateReq("a/1", prompt + out + [5, 6], sp, 0, session_id="a.0"))
+    run_to_end(s)
+    (info,) = s.program_infos()
+    stats = s.control("stats")
+    assert stats["program_tokens_recomputed"] == 30 + 4 - 1
+    assert info.service == (30 + 4 - 1) + (1 + 2 + 4 - 1)  # the last sample, 2 new, decodes
+    s.check_invariants()
+
+
 def test_programs_are_listed_by_pinned_tokens_then_service():
     table = ProgramTable()
     for rid, program, service in (("a", "busy", 500), ("b", "idle-pinned", 10), ("c", "new", 0)):
         r = _req(rid, program=program)
         table.arrive(r)
-        table.serve(r, service)
+        table.serve(r, 0, service)
         if program == "idle-pinned":
             table.leave(r)
     pinned = {"idle-pinned": (32, 1), "gone": (16, 2)}  # a pin outliving its program's entry
@@ -197,8 +249,8 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
     )
     for r in (heavy1, light, heavy2, loner):
         table.arrive(r)
-    table.serve(heavy1, 5000)  # level 3
-    table.serve(light, 100)  # level 0
+    table.serve(heavy1, 0, 5000)  # level 3
+    table.serve(light, 0, 100)  # level 0
     waiting = [heavy1, light, heavy2, loner]
     order = [c.req.rid for c in policy.candidates(waiting, cache, "program", table, now=0.0)]
     # light and the lone request are level 0 (light waited first); heavy's two stay together.
@@ -215,6 +267,30 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
         "h2",
         "solo",
     ]
+
+
+def test_a_programs_waits_in_earlier_calls_count_toward_its_aging():
+    """Under a backlog, a program under way that has waited for admission in its earlier calls
+    goes ahead of a fresh one, though it has had more service."""
+    cache = RadixCache(PageAllocator(65, 1))
+    clock = Clock()
+    table = ProgramTable(clock=clock)
+    reqs = RequestTable(table, clock)
+    first = _req("old/0", program="old")
+    reqs.add(first, ReqStatus.WAITING)
+    clock.now = 2.5 * policy.PROGRAM_AGING_S
+    reqs.move(first, ReqStatus.PREFILLING)  # admitted after waiting 2.5 levels' worth
+    table.serve(first, 0, 300)  # level 1
+    reqs.discard(first)
+    assert table.waited_s(first) == 2.5 * policy.PROGRAM_AGING_S
+    fresh, nxt = _req("new/0", program="new"), _req("old/1", program="old")
+    reqs.add(fresh, ReqStatus.WAITING)
+    reqs.add(nxt, ReqStatus.WAITING)
+    order = policy.candidates([fresh, nxt], cache, "program", table, now=clock.now)
+    assert [c.req.rid for c in order] == ["old/1", "new/0"]  # level 1 - 2 against 0
+    table._programs["old"].waited_s = 0.0  # the same without the earlier wait
+    order = policy.candidates([fresh, nxt], cache, "program", table, now=clock.now)
+    assert [c.req.rid for c in order] == ["new/0", "old/1"]
 
 
 # ---- the policy in a running scheduler, against a reference simulation -------------------------
@@ -385,7 +461,18 @@ def test_pins_follow_their_ttl_and_give_way_to_running_requests():
         cache.insert(tokens, alloc.alloc(8))
         pins.pin(s, tokens, ttl)
     clock.now = 6.0
+    pins.busy = lambda program: program == "a"  # a's program has a call in flight
+    assert pins.expire() == 0 and len(pins) == 3  # held past its TTL for that call
+    pins.busy = lambda program: False
     assert pins.expire() == 1 and pins.expired == 1  # a's 5 s are up
+    cache.insert([ord("a")] * 8, alloc.alloc(8))  # pinned again, held again
+    pins.pin("a", [ord("a")] * 8, 5.0)
+    pins.busy = lambda program: True
+    clock.now = 12.0
+    assert pins.expire() == 0
+    assert pins.release_overdue() and pins.expired == 2  # a waiting request needs its room
+    assert not pins.release_overdue()  # b and c are within their TTLs
+    pins.busy = lambda program: False
     assert pins.release_soonest() and pins.released_for_room == 1  # b before c
     assert pins.nodes() == [cache.match_prefix([ord("c")] * 8).node]
     clock.now = 99.0
@@ -427,6 +514,53 @@ def test_a_pinned_step_survives_a_flood_within_its_ttl_and_not_after(tiny_model_
     assert s.control("stats")["pins_expired"] >= 1
     late = run("agent/2", nxt + hit.output_ids + [3], "agent")
     assert late.cached_tokens < 40
+
+
+def test_a_pin_holds_while_its_programs_next_call_waits(tiny_model_dirs):
+    """The TTL covers the tool call: once the program's next call has arrived, its pin does not
+    expire while the call waits for admission, and it does once the program is idle again."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program")
+    clock = Clock()
+    s.kv.sessions.clock = clock
+    s.programs.clock = clock
+    rng = random.Random(8)
+    agent = [rng.randrange(1, 500) for _ in range(40)]
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("agent/0", agent, sp, 0, session_id="agent"))
+    step0 = s.requests.get("agent/0")
+    run_to_end(s)
+    clock.now = 0.5 * PIN_TTL_FIRST_S  # the tool call, within the pin's TTL
+    s.handle(GenerateReq("agent/1", agent + step0.output_ids + [9], sp, 0, session_id="agent"))
+    nxt = s.requests.get("agent/1")
+    clock.now = 3 * PIN_TTL_FIRST_S  # the call waited in the queue past the TTL
+    s.expire()
+    assert s.control("stats")["pins_expired"] == 0 and s.control("stats")["pinned_tokens"] >= 40
+    run_to_end(s)
+    assert nxt.cached_tokens >= 40
+    clock.now = 10 * PIN_TTL_FIRST_S  # idle now, past the new pin's TTL
+    s.expire()
+    assert s.control("stats")["pins_expired"] == 1 and s.control("stats")["pinned_tokens"] == 0
+    s.check_invariants()
+
+
+def test_a_pin_gives_way_to_a_waiting_request_when_nothing_else_would_free_room(
+    tiny_model_dirs,
+):
+    """A long prompt waits ahead of the pinned program's next call and needs the pin's room,
+    with nothing running: the pin gives way at once (the scheduler used to stall)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="fcfs")
+    rng = random.Random(9)
+    agent = [rng.randrange(1, 500) for _ in range(40)]
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("agent/0", agent, sp, 0, session_id="agent"))
+    step0 = s.requests.get("agent/0")
+    run_to_end(s)
+    long = [rng.randrange(1, 500) for _ in range(230)]
+    s.handle(GenerateReq("long", long, sp, 0))
+    s.handle(GenerateReq("agent/1", agent + step0.output_ids + [9], sp, 0, session_id="agent"))
+    tokens = run_to_end(s)
+    assert len(tokens["long"]) == len(tokens["agent/1"]) == 4
+    assert s.control("stats")["pins_released_for_room"] == 1
 
 
 def test_pins_are_released_before_a_running_request_is_retracted(tiny_model_dirs):

@@ -83,7 +83,7 @@ class DecodePlanner:
         self.stats.decode_steps += 1
         if self.reqs.programs is not None:
             for r in reqs:
-                self.reqs.programs.serve(r, 1)
+                self.reqs.programs.serve(r, r.kv_len, r.kv_len + 1)
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )

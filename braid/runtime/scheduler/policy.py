@@ -7,10 +7,13 @@ caches it; the deferred one hits it a step later). `fcfs` takes requests in arri
 
 `program` orders by program (Autellix's least attained service): requests of the program
 that has received the least service so far come first, at a level of PROGRAM_LEVELS, so a
-short agent's next step is not stuck behind long ones; a request rises one level for every
-PROGRAM_AGING_S it waits (no starvation); a program's waiting requests stay together (its
-fork branches are admitted one after the other), and within a level and program the longest
-cached prefix goes first. It defers in-batch sharers as lpm does.
+short agent's next step is not stuck behind long ones. A request rises one level for every
+PROGRAM_AGING_S its program has waited for admission, in this call and its earlier ones (no
+starvation; as in Autellix, the program's own waiting counts, so under a backlog the programs
+that have waited longest, mostly those already under way, go ahead of new ones). A program's
+waiting requests stay together (its fork branches are admitted one after the other), and
+within a level and program the longest cached prefix goes first. It defers in-batch sharers
+as lpm does.
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ def _by_program(cands: list[Candidate], programs: ProgramTable | None, now: floa
         req = c.req
         group = program_of(req) or ("request", req.rid)
         service = programs.service(req) if programs is not None else req.kv_len
-        aged = program_level(service) - int(max(0.0, now - req.waiting_since) / PROGRAM_AGING_S)
+        waited = max(0.0, now - req.waiting_since)
+        if programs is not None:
+            waited += programs.waited_s(req)
+        aged = program_level(service) - int(waited / PROGRAM_AGING_S)
         level, first = best.get(group, (aged, i))
         best[group] = (min(level, aged), first)
         keys.append(group)

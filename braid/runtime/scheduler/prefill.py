@@ -91,7 +91,7 @@ class PrefillPlanner:
         for req, end in items:
             self.stats.prefill_tokens_computed += end - req.kv_len
             if self.reqs.programs is not None:
-                self.reqs.programs.serve(req, end - req.kv_len)
+                self.reqs.programs.serve(req, req.kv_len, end)
         self.stats.prefill_steps += 1
         rows = self._decode_rows(running)
         if rows:
@@ -153,6 +153,8 @@ class PrefillPlanner:
                 self.kv.cache.lock(match.node)
             grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
             fits = self.fits(grow, running + [r for r, _ in items] + [req])
+            while not fits and self._release_pin(running, items):
+                fits = self.fits(grow, running + [r for r, _ in items] + [req])
             if not fits or not self.kv.make_room(grow):
                 if match is not None:
                     self.kv.cache.unlock(match.node)
@@ -165,6 +167,14 @@ class PrefillPlanner:
             budget -= end - req.kv_len
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
+
+    def _release_pin(self, running: list[Req], items: list[tuple[Req, int]]) -> bool:
+        """Give up a session pin for a waiting request that does not fit: one past its TTL
+        (held for its program's waiting call); when nothing runs or is being admitted,
+        whatever pin expires soonest, since nothing else would ever free the room. Whether
+        one was released."""
+        pins = self.kv.sessions
+        return pins.release_overdue() or (not running and not items and pins.release_soonest())
 
     def _jumped_items(self) -> list[tuple[Req, int]]:
         """Extend items computing the KV of jump-forward tokens; a request that cannot get the

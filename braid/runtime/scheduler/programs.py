@@ -4,7 +4,10 @@ each, for the `program` scheduling policy and for pinning a program's KV across 
 A request names its program (`GenerateReq.program_id`, else the root of its `session_id`: a
 program's forks have sessions "<root>.<i>") and its call's position in the program
 (`GenerateReq.program_position`). Per program the table keeps the service it has received
-(prompt and output tokens computed for it: Autellix's attained service), its requests in
+(prompt and output tokens computed for it: Autellix's attained service; tokens computed again,
+because the cache evicted them or the request was retracted, are not service: the program did
+not ask for them, and charging it would push the programs the cache failed further back, where
+they wait and lose their KV again), its requests in
 flight, its calls (received, served, the last position), and the pauses between a call
 finishing and its next call arriving (the program's tool calls or Python work), from which
 `pin_ttl` sets how long its KV stays pinned after a call (as Continuum: a little longer than
@@ -25,6 +28,7 @@ grows with each call a program has had served.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,6 +68,7 @@ class Program:
     id: str
     started: float
     service: int = 0  # tokens computed for its requests
+    waited_s: float = 0.0  # time its requests spent in the waiting queue, before admission
     in_flight: int = 0
     calls: int = 0  # calls received
     last_position: int | None = None  # the highest position a request carried
@@ -73,6 +78,9 @@ class Program:
     # calls with requests in flight (how many each).
     positions: dict[str | None, int] = field(default_factory=dict)
     open_calls: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
+    # Each session's last finished sequence (prompt and output, less the last sample, which
+    # has no KV): what its next request's prompt repeats of it was computed before.
+    sequences: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def calls_served(self) -> int:
@@ -95,6 +103,7 @@ class ProgramTable:
         self.clock = clock
         self._programs: dict[str, Program] = {}
         self.ended = 0  # programs closed or forgotten
+        self.recomputed = 0  # tokens computed again for a program (not service)
 
     def get(self, req: Req) -> Program | None:
         pid = program_of(req)
@@ -122,6 +131,9 @@ class ProgramTable:
             p.last_position = pos if p.last_position is None else max(p.last_position, pos)
         call = _call_of(req)
         p.open_calls[call] = p.open_calls.get(call, 0) + 1
+        last = p.sequences.get(req.session_id) if req.session_id is not None else None
+        if last:
+            req.program_seen = len(os.path.commonprefix([last, req.input_ids]))
 
     def leave(self, req: Req) -> None:
         """`req` finished or was aborted."""
@@ -135,12 +147,37 @@ class ProgramTable:
             p.open_calls[call] = left
         if p.in_flight == 0:
             p.idle_since = self.clock()
+        if req.session_id is not None and req.error is None:
+            # Every token but the last sample had its KV computed.
+            p.sequences[req.session_id] = (req.input_ids + req.output_ids)[: req.seq_len - 1]
 
-    def serve(self, req: Req, tokens: int) -> None:
-        """`tokens` of `req` were computed (prefill or decode)."""
+    def waited(self, req: Req, seconds: float) -> None:
+        """`req` left the waiting queue after `seconds` there."""
         p = self.get(req)
         if p is not None:
-            p.service += tokens
+            p.waited_s += max(0.0, seconds)
+
+    def waited_s(self, req: Req) -> float:
+        """How long `req`'s program has waited for admission so far, in earlier calls (a
+        request of no program: nothing)."""
+        p = self.get(req)
+        return p.waited_s if p is not None else 0.0
+
+    def busy(self, program_id: str) -> bool:
+        """Whether the program has requests in flight (waiting or running)."""
+        p = self._programs.get(program_id)
+        return p is not None and p.in_flight > 0
+
+    def serve(self, req: Req, start: int, end: int) -> None:
+        """The KV of `req`'s tokens `start`..`end` was computed (a prefill chunk, or a decode
+        step's one token): service, except where the program had them computed before."""
+        p = self.get(req)
+        if p is None:
+            return
+        again = max(0, min(end, req.program_seen) - start)
+        p.service += end - start - again
+        self.recomputed += again
+        req.program_seen = max(req.program_seen, end)
 
     def service(self, req: Req) -> int:
         """The service `req`'s program has received (a request of no program: its own
@@ -211,6 +248,7 @@ class ProgramTable:
             "programs_in_flight": float(sum(1 for p in self._programs.values() if p.in_flight)),
             "programs_known": float(len(self._programs)),
             "programs_ended": float(self.ended),
+            "program_tokens_recomputed": float(self.recomputed),
         }
 
     def __len__(self) -> int:

@@ -87,6 +87,9 @@ class Req:
     program_position: int | None = None  # the call's position in its program run
     session_ttl_s: float | None = None  # the client's TTL for its session pin (else adaptive)
     waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
+    # Leading tokens its program has had computed before (its session's last request's
+    # sequence, then this request's own KV): computing them again is not service.
+    program_seen: int = 0
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
     # The prompt's images, in order, and where each one's tokens start in `input_ids`.
     images: list[ImageData] = field(default_factory=list)
@@ -334,6 +337,9 @@ class RequestTable:
 
     def move(self, req: Req, status: ReqStatus, front: bool = False) -> None:
         assert self._by_rid.get(req.rid) is req, f"{req.rid} is not in the table"
+        leaves_queue = req.status is ReqStatus.WAITING and status is not ReqStatus.WAITING
+        if leaves_queue and self.programs is not None:
+            self.programs.waited(req, self.clock() - req.waiting_since)
         del self._queues[req.status][req.rid]
         queue = self._queues[status]
         if front:
