@@ -15,7 +15,7 @@ from braid.runtime.cache.radix_cache import RadixCache
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler import policy
 from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, ProgramTable
-from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
+from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
 from tests.conftest import local_scheduler, run_to_end
 
@@ -36,10 +36,11 @@ def _req(
     session: str | None = None,
     program: str | None = None,
     position: int | None = None,
+    ids: list[int] | None = None,
 ) -> Req:
     return Req(
         rid=rid,
-        input_ids=list(range(1, n + 1)),
+        input_ids=list(range(1, n + 1)) if ids is None else ids,
         params=braid.SamplingParams(max_tokens=4),
         seed=0,
         eos_ids=frozenset(),
@@ -236,6 +237,32 @@ def test_a_schedulers_program_list_shows_positions_service_and_pins(tiny_model_d
     s.check_invariants()
 
 
+def test_program_policy_breaks_a_levels_tie_by_the_cached_prefix():
+    """Two programs at one level: the one whose context is still cached goes first, though it
+    started waiting later; a program at a lower level still goes before both."""
+    alloc = PageAllocator(257, 1)
+    cache = RadixCache(alloc)
+    table = ProgramTable(clock=Clock())
+    fresh, warm, light = (
+        _req("fresh", n=40, program="a"),
+        _req("warm", program="b", ids=[7] * 40),
+        _req("light", n=40, program="c"),
+    )
+    cache.insert([7] * 30, alloc.alloc(30))  # b's context so far
+    for r, service in ((fresh, 300), (warm, 300), (light, 0)):  # a and b: level 1
+        table.arrive(r)
+        table.serve(r, 0, service)
+    order = policy.candidates([fresh, warm, light], cache, "program", table, now=0.0)
+    assert [c.req.rid for c in order] == ["light", "warm", "fresh"]
+    assert order[1].matched_tokens == 30
+    many = [_req(f"q{i}", program=f"p{i}") for i in range(policy.LPM_MAX_QUEUE + 1)]
+    for r in many:  # level 1 too
+        table.arrive(r)
+        table.serve(r, 0, 300)
+    order = policy.candidates(many + [warm], cache, "program", table, now=0.0)
+    assert order[0].req is warm  # prefixes are looked up however long the queue
+
+
 def test_program_policy_orders_by_attained_service_keeps_programs_together_and_ages():
     alloc = PageAllocator(257, 1)
     cache = RadixCache(alloc)
@@ -269,30 +296,6 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
     ]
 
 
-def test_a_programs_waits_in_earlier_calls_count_toward_its_aging():
-    """Under a backlog, a program under way that has waited for admission in its earlier calls
-    goes ahead of a fresh one, though it has had more service."""
-    cache = RadixCache(PageAllocator(65, 1))
-    clock = Clock()
-    table = ProgramTable(clock=clock)
-    reqs = RequestTable(table, clock)
-    first = _req("old/0", program="old")
-    reqs.add(first, ReqStatus.WAITING)
-    clock.now = 2.5 * policy.PROGRAM_AGING_S
-    reqs.move(first, ReqStatus.PREFILLING)  # admitted after waiting 2.5 levels' worth
-    table.serve(first, 0, 300)  # level 1
-    reqs.discard(first)
-    assert table.waited_s(first) == 2.5 * policy.PROGRAM_AGING_S
-    fresh, nxt = _req("new/0", program="new"), _req("old/1", program="old")
-    reqs.add(fresh, ReqStatus.WAITING)
-    reqs.add(nxt, ReqStatus.WAITING)
-    order = policy.candidates([fresh, nxt], cache, "program", table, now=clock.now)
-    assert [c.req.rid for c in order] == ["old/1", "new/0"]  # level 1 - 2 against 0
-    table._programs["old"].waited_s = 0.0  # the same without the earlier wait
-    order = policy.candidates([fresh, nxt], cache, "program", table, now=clock.now)
-    assert [c.req.rid for c in order] == ["new/0", "old/1"]
-
-
 # ---- the policy in a running scheduler, against a reference simulation -------------------------
 # Heavy programs generate many tokens per step, light ones few: least attained service lets
 # the light programs through first; fcfs does not.
@@ -309,7 +312,7 @@ def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
     """Run WORKLOAD on scheduler `s` (one request at a time): each program's next step is sent
     when its previous one finishes, its prompt the program's text so far plus new tokens.
     Returns (the order programs finished in, each step's output tokens)."""
-    rng = random.Random(seed)
+    rngs = {p: random.Random(f"{seed}/{p}") for p in WORKLOAD}  # a step's tokens: not order's
     context = {p: [] for p in WORKLOAD}
     step_no = {p: 0 for p in WORKLOAD}
     outputs: dict[tuple[str, int], list[int]] = {}
@@ -317,7 +320,7 @@ def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
 
     def send(p: str) -> None:
         steps, new, out = WORKLOAD[p]
-        context[p] = context[p] + [rng.randrange(1, 500) for _ in range(new)]
+        context[p] = context[p] + [rngs[p].randrange(1, 500) for _ in range(new)]
         sp = braid.SamplingParams(max_tokens=out, **GREEDY)
         s.handle(GenerateReq(f"{p}/{step_no[p]}", list(context[p]), sp, 0, session_id=p))
 
@@ -345,17 +348,21 @@ def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
 def _simulate() -> list[str]:
     """The `program` policy's choices, one request at a time, from the workload alone:
     service per step = new prompt tokens + 1 (the previous output's last token, which has
-    no KV yet) + output tokens - 1 (the first comes from the prefill), no aging."""
+    no KV yet) + output tokens - 1 (the first comes from the prefill), no aging; within a
+    level, the longest cached prefix first: a program's sequence so far less its last sample
+    (the pool holds every program's context), none before its first step."""
     service = {p: 0 for p in WORKLOAD}
+    cached = {p: 0 for p in WORKLOAD}
     step_no = {p: 0 for p in WORKLOAD}
     waiting = list(WORKLOAD)  # arrival order
     done = []
     while waiting:
         first = {p: i for i, p in reversed(list(enumerate(waiting)))}
-        p = min(waiting, key=lambda q: (policy.program_level(service[q]), first[q]))
+        p = min(waiting, key=lambda q: (policy.program_level(service[q]), -cached[q], first[q]))
         waiting.remove(p)
         steps, new, out = WORKLOAD[p]
         service[p] += new + (1 if step_no[p] else 0) + out - 1
+        cached[p] += new + out
         step_no[p] += 1
         if step_no[p] < steps:
             waiting.append(p)
@@ -461,18 +468,7 @@ def test_pins_follow_their_ttl_and_give_way_to_running_requests():
         cache.insert(tokens, alloc.alloc(8))
         pins.pin(s, tokens, ttl)
     clock.now = 6.0
-    pins.busy = lambda program: program == "a"  # a's program has a call in flight
-    assert pins.expire() == 0 and len(pins) == 3  # held past its TTL for that call
-    pins.busy = lambda program: False
     assert pins.expire() == 1 and pins.expired == 1  # a's 5 s are up
-    cache.insert([ord("a")] * 8, alloc.alloc(8))  # pinned again, held again
-    pins.pin("a", [ord("a")] * 8, 5.0)
-    pins.busy = lambda program: True
-    clock.now = 12.0
-    assert pins.expire() == 0
-    assert pins.release_overdue() and pins.expired == 2  # a waiting request needs its room
-    assert not pins.release_overdue()  # b and c are within their TTLs
-    pins.busy = lambda program: False
     assert pins.release_soonest() and pins.released_for_room == 1  # b before c
     assert pins.nodes() == [cache.match_prefix([ord("c")] * 8).node]
     clock.now = 99.0
@@ -514,33 +510,6 @@ def test_a_pinned_step_survives_a_flood_within_its_ttl_and_not_after(tiny_model_
     assert s.control("stats")["pins_expired"] >= 1
     late = run("agent/2", nxt + hit.output_ids + [3], "agent")
     assert late.cached_tokens < 40
-
-
-def test_a_pin_holds_while_its_programs_next_call_waits(tiny_model_dirs):
-    """The TTL covers the tool call: once the program's next call has arrived, its pin does not
-    expire while the call waits for admission, and it does once the program is idle again."""
-    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program")
-    clock = Clock()
-    s.kv.sessions.clock = clock
-    s.programs.clock = clock
-    rng = random.Random(8)
-    agent = [rng.randrange(1, 500) for _ in range(40)]
-    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
-    s.handle(GenerateReq("agent/0", agent, sp, 0, session_id="agent"))
-    step0 = s.requests.get("agent/0")
-    run_to_end(s)
-    clock.now = 0.5 * PIN_TTL_FIRST_S  # the tool call, within the pin's TTL
-    s.handle(GenerateReq("agent/1", agent + step0.output_ids + [9], sp, 0, session_id="agent"))
-    nxt = s.requests.get("agent/1")
-    clock.now = 3 * PIN_TTL_FIRST_S  # the call waited in the queue past the TTL
-    s.expire()
-    assert s.control("stats")["pins_expired"] == 0 and s.control("stats")["pinned_tokens"] >= 40
-    run_to_end(s)
-    assert nxt.cached_tokens >= 40
-    clock.now = 10 * PIN_TTL_FIRST_S  # idle now, past the new pin's TTL
-    s.expire()
-    assert s.control("stats")["pins_expired"] == 1 and s.control("stats")["pinned_tokens"] == 0
-    s.check_invariants()
 
 
 def test_a_pin_gives_way_to_a_waiting_request_when_nothing_else_would_free_room(

@@ -7,13 +7,14 @@ caches it; the deferred one hits it a step later). `fcfs` takes requests in arri
 
 `program` orders by program (Autellix's least attained service): requests of the program
 that has received the least service so far come first, at a level of PROGRAM_LEVELS, so a
-short agent's next step is not stuck behind long ones. A request rises one level for every
-PROGRAM_AGING_S its program has waited for admission, in this call and its earlier ones (no
-starvation; as in Autellix, the program's own waiting counts, so under a backlog the programs
-that have waited longest, mostly those already under way, go ahead of new ones). A program's
-waiting requests stay together (its fork branches are admitted one after the other), and
-within a level and program the longest cached prefix goes first. It defers in-batch sharers
-as lpm does.
+short agent's next step is not stuck behind long ones; a request rises one level for every
+PROGRAM_AGING_S it waits (no starvation). Within a level, the program whose waiting request
+has the longest cached prefix goes first (the cache match as the tie-break: a program whose
+context is still cached costs only its new tokens, and running it before the cache loses that
+context saves computing it again), then the program that started waiting first. A program's
+waiting requests stay together (its fork branches are admitted one after the other), the
+longest cached prefix first. It defers in-batch sharers as lpm does, and unlike lpm it looks
+up every waiting request's prefix however long the queue.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def candidates(
     since making room for earlier admissions may evict); program reads `programs`' service
     and ages requests by `now` (the request table's clock)."""
     out = []
-    lookup = policy == "lpm" or (policy == "program" and len(waiting) <= LPM_MAX_QUEUE)
+    lookup = policy in ("lpm", "program")
     for req in waiting:
         use_cache = match_limit(req) > 0
         match = None
@@ -100,20 +101,18 @@ def candidates(
 
 
 def _by_program(cands: list[Candidate], programs: ProgramTable | None, now: float):
-    """Order for the `program` policy: by each program's best (lowest) aged level, then the
-    program's first waiting request; within a program, the longest cached prefix first."""
-    best: dict[object, tuple[int, int]] = {}  # program -> (aged level, first position)
+    """Order for the `program` policy: by each program's best (lowest) aged level, then its
+    longest cached prefix, then its first waiting request; within a program, the longest
+    cached prefix first."""
+    best: dict[object, tuple[int, int, int]] = {}  # program -> (level, -matched, first)
     keys = []
     for i, c in enumerate(cands):
         req = c.req
         group = program_of(req) or ("request", req.rid)
         service = programs.service(req) if programs is not None else req.kv_len
-        waited = max(0.0, now - req.waiting_since)
-        if programs is not None:
-            waited += programs.waited_s(req)
-        aged = program_level(service) - int(waited / PROGRAM_AGING_S)
-        level, first = best.get(group, (aged, i))
-        best[group] = (min(level, aged), first)
+        aged = program_level(service) - int(max(0.0, now - req.waiting_since) / PROGRAM_AGING_S)
+        level, matched, first = best.get(group, (aged, -c.matched_tokens, i))
+        best[group] = (min(level, aged), min(matched, -c.matched_tokens), first)
         keys.append(group)
     order = sorted(
         range(len(cands)),

@@ -169,12 +169,10 @@ class PrefillPlanner:
                 break  # one prompt between chunks at a time
 
     def _release_pin(self, running: list[Req], items: list[tuple[Req, int]]) -> bool:
-        """Give up a session pin for a waiting request that does not fit: one past its TTL
-        (held for its program's waiting call); when nothing runs or is being admitted,
-        whatever pin expires soonest, since nothing else would ever free the room. Whether
-        one was released."""
-        pins = self.kv.sessions
-        return pins.release_overdue() or (not running and not items and pins.release_soonest())
+        """Give up the session pin that expires soonest for a waiting request that does not
+        fit, when nothing runs or is being admitted: nothing else would ever free the room
+        (the scheduler stalled). Whether one was released."""
+        return not running and not items and self.kv.sessions.release_soonest()
 
     def _jumped_items(self) -> list[tuple[Req, int]]:
         """Extend items computing the KV of jump-forward tokens; a request that cannot get the

@@ -68,7 +68,6 @@ class Program:
     id: str
     started: float
     service: int = 0  # tokens computed for its requests
-    waited_s: float = 0.0  # time its requests spent in the waiting queue, before admission
     in_flight: int = 0
     calls: int = 0  # calls received
     last_position: int | None = None  # the highest position a request carried
@@ -150,23 +149,6 @@ class ProgramTable:
         if req.session_id is not None and req.error is None:
             # Every token but the last sample had its KV computed.
             p.sequences[req.session_id] = (req.input_ids + req.output_ids)[: req.seq_len - 1]
-
-    def waited(self, req: Req, seconds: float) -> None:
-        """`req` left the waiting queue after `seconds` there."""
-        p = self.get(req)
-        if p is not None:
-            p.waited_s += max(0.0, seconds)
-
-    def waited_s(self, req: Req) -> float:
-        """How long `req`'s program has waited for admission so far, in earlier calls (a
-        request of no program: nothing)."""
-        p = self.get(req)
-        return p.waited_s if p is not None else 0.0
-
-    def busy(self, program_id: str) -> bool:
-        """Whether the program has requests in flight (waiting or running)."""
-        p = self._programs.get(program_id)
-        return p is not None and p.in_flight > 0
 
     def serve(self, req: Req, start: int, end: int) -> None:
         """The KV of `req`'s tokens `start`..`end` was computed (a prefill chunk, or a decode

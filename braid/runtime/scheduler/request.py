@@ -337,9 +337,6 @@ class RequestTable:
 
     def move(self, req: Req, status: ReqStatus, front: bool = False) -> None:
         assert self._by_rid.get(req.rid) is req, f"{req.rid} is not in the table"
-        leaves_queue = req.status is ReqStatus.WAITING and status is not ReqStatus.WAITING
-        if leaves_queue and self.programs is not None:
-            self.programs.waited(req, self.clock() - req.waiting_since)
         del self._queues[req.status][req.rid]
         queue = self._queues[status]
         if front:

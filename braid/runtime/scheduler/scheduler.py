@@ -122,7 +122,6 @@ class Scheduler:
         self.grammars.fill_early = not config.disable_grammar_mask_thread
         self.grammars.warm()
         self.kv.pin_ttl = self.programs.pin_ttl
-        self.kv.sessions.busy = self.programs.busy
         drafter = None
         if self.proposer is not None:
             self.kv.on_release = self.proposer.release

@@ -5,11 +5,7 @@ Any client can name a session, so pins are bounded three ways: all pins together
 `max_pages` pages (half the pool), one session at most half of that, and at most
 `max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
 also expires after its TTL: `ttl_s`, or the one its pin asks for (a program's, adapted to its
-tool calls: `programs.ProgramTable.pin_ttl`), but not while its program has a request in flight
-(`busy`): the TTL covers the program's tool call, and once the next call has arrived, the pin
-holds until that call is served, however long it waits for admission (a pin lost then would
-make the waiting call compute its context again), unless a waiting request needs its room
-(`release_overdue`). Under memory pressure the scheduler releases
+tool calls: `programs.ProgramTable.pin_ttl`). Under memory pressure the scheduler releases
 pins, the soonest to expire first, before it retracts a running request (`release_soonest`).
 """
 
@@ -46,8 +42,6 @@ class SessionPins:
         # session -> (locked node, pages, expiry time, program)
         self._pins: OrderedDict[str, tuple[TreeNode, int, float, str]] = OrderedDict()
         self.expired = 0  # pins that reached their TTL
-        # Whether a program has requests in flight (its pins do not expire meanwhile).
-        self.busy: Callable[[str], bool] = lambda program: False
         self.released_for_room = 0  # pins given up to keep running requests going
 
     def pin(
@@ -78,30 +72,13 @@ class SessionPins:
             self.cache.unlock(old[0])
 
     def expire(self) -> int:
-        """Release the pins past their TTL whose programs have nothing in flight; how many."""
+        """Release the pins past their TTL; how many."""
         now = self.clock()
-        stale = [
-            s
-            for s, (_, _, until, program) in self._pins.items()
-            if until < now and not self.busy(program)
-        ]
+        stale = [s for s, (_, _, until, _) in self._pins.items() if until < now]
         for s in stale:
             self.close(s)
         self.expired += len(stale)
         return len(stale)
-
-    def release_overdue(self) -> bool:
-        """Release the pin longest past its TTL (one `expire` kept for its busy program), to
-        make room for a waiting request; whether there was one. Without this, pins held for
-        waiting calls could keep the request ahead of those calls from being admitted, and so
-        the calls themselves, for good."""
-        now = self.clock()
-        overdue = [s for s, (_, _, until, _) in self._pins.items() if until < now]
-        if not overdue:
-            return False
-        self.close(min(overdue, key=lambda s: self._pins[s][2]))
-        self.expired += 1
-        return True
 
     def release_soonest(self) -> bool:
         """Release the pin that would expire first (to make room); whether there was one."""
