@@ -49,3 +49,35 @@ def test_agent_traffic_runs_every_setup(tmp_path):
         assert row["prefill_tokens_computed"] > 0, (name, row)
     assert res["setups"]["lpm"]["p50_vs_lpm"] == 1.0
     assert res["unloaded_s"] > 0 and res["lpm_sweep"][0]["rate"] == 50.0
+
+
+def test_agent_traffic_runs_on_a_configs_shapes_with_random_weights(tmp_path):
+    """The H200 run's path (`--gpu-config`: a config's shapes, random bf16 weights, SmolLM2's
+    tokenizer) at toy size on the CPU."""
+    out = tmp_path / "agents.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/agents.py",
+            "--gpu-config",
+            "tiny-llama",
+            "--programs",
+            "2",
+            "--rates",
+            "50",
+            "--kv-tokens",
+            "8192",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["config"] == "tiny-llama" and res["device"] == "cpu"
+    assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins"}
+    for name, row in res["setups"].items():
+        assert row["programs"] == 2 and row["prefill_tokens_computed"] > 0, (name, row)

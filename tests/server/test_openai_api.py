@@ -406,6 +406,8 @@ def test_session_pin_ttl_over_http_shows_in_stats_and_metrics(server):
     assert stats["pinned_tokens"] > 0
     for name in ("pinned_sessions", "pinned_tokens"):
         assert _metric(url, f"braid_{name}", stats[name]) == stats[name]
+    recomputed = stats["program_tokens_recomputed"]
+    assert _metric(url, "braid_program_tokens_recomputed_total", recomputed) == recomputed
     generate("A short-lived session:", session_params={"id": "short", "ttl": 1})
     for _ in range(200):
         stats = httpx.get(f"{url}/get_server_info").json()["stats"]

@@ -141,7 +141,14 @@ class ServerMetrics:
             (
                 "braid_pins_released_for_room_total",
                 "pins_released_for_room",
-                "Session pins released early to make room for running requests.",
+                "Session pins released early to make room for running requests (or for a "
+                "waiting one when nothing runs).",
+            ),
+            (
+                "braid_program_tokens_recomputed_total",
+                "program_tokens_recomputed",
+                "Tokens computed again for programs (their KV evicted or retracted), not "
+                "counted as their service.",
             ),
             (
                 "braid_spec_draft_tokens_total",
