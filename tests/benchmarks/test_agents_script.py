@@ -13,35 +13,29 @@ from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run(tmp_path: Path, *args: str) -> dict:
+    """Run the benchmark at one rate (50 programs/s) on an 8192-token pool; its JSON."""
+    out = tmp_path / "agents.json"
+    cmd = [sys.executable, *args, "--rates", "50", "--kv-tokens", "8192", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_agent_traffic_runs_every_setup(tmp_path):
     model, _ = build_tiny_constrained_model(tmp_path / "tiny")
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 4096  # a ReAct program's context outgrows 512
     (model / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "agents.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/programs.py",
-            "--agent-traffic",
-            "--model",
-            str(model),
-            "--programs",
-            "3",
-            "--rates",
-            "50",
-            "--kv-tokens",
-            "8192",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    res = _run(
+        tmp_path,
+        "benchmarks/programs.py",
+        "--agent-traffic",
+        "--model",
+        str(model),
+        "--programs",
+        "3",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(out.read_text())
     assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins"}
     for name, row in res["setups"].items():
         assert row["programs"] == 3, name
@@ -54,29 +48,7 @@ def test_agent_traffic_runs_every_setup(tmp_path):
 def test_agent_traffic_runs_on_a_configs_shapes_with_random_weights(tmp_path):
     """The H200 run's path (`--gpu-config`: a config's shapes, random bf16 weights, SmolLM2's
     tokenizer) at toy size on the CPU."""
-    out = tmp_path / "agents.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/agents.py",
-            "--gpu-config",
-            "tiny-llama",
-            "--programs",
-            "2",
-            "--rates",
-            "50",
-            "--kv-tokens",
-            "8192",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _run(tmp_path, "benchmarks/agents.py", "--gpu-config", "tiny-llama", "--programs", "2")
     assert res["config"] == "tiny-llama" and res["device"] == "cpu"
     assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins"}
     for name, row in res["setups"].items():

@@ -64,8 +64,8 @@ def match_limit(req: Req) -> int:
 
 
 def effective_policy(policy: str, num_waiting: int) -> str:
-    """lpm turns into fcfs past LPM_MAX_QUEUE waiting requests (`program` then orders by
-    program without looking up prefixes: see `candidates`)."""
+    """lpm turns into fcfs past LPM_MAX_QUEUE waiting requests (`program` looks prefixes up
+    however long the queue: see `candidates`)."""
     return "fcfs" if policy == "lpm" and num_waiting > LPM_MAX_QUEUE else policy
 
 
