@@ -180,14 +180,23 @@ class RadixCache(PrefixCache):
         return tuple(tokens[start : start + self.page_size])
 
     def _matched_pages(self, node: TreeNode, tokens: list[int], start: int) -> int:
-        """How many whole pages of `node.key` equal `tokens[start:]`."""
+        """How many whole pages of `node.key` equal `tokens[start:]`. Slices are compared
+        whole (one C-level comparison), and a partial match is found by bisection: comparing
+        page by page in Python cost ~0.15 us a token, 38 ms for 256 lookups of ~1k tokens,
+        paid by lpm and the program policy at every admission."""
         ps = self.page_size
-        n = min(len(node.key), len(tokens) - start) // ps
-        for i in range(n):
-            a = i * ps
-            if node.key[a : a + ps] != tokens[start + a : start + a + ps]:
-                return i
-        return n
+        key = node.key
+        n = min(len(key), len(tokens) - start) // ps
+        if key[: n * ps] == tokens[start : start + n * ps]:
+            return n
+        lo, hi = 0, n  # pages [0, lo) match; the first mismatching page is in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key[lo * ps : mid * ps] == tokens[start + lo * ps : start + mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, node: TreeNode, pages: int) -> TreeNode:
         """Split `node`'s edge after `pages` pages; returns the new upper node."""
