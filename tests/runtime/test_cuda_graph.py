@@ -192,6 +192,7 @@ def test_a_backend_without_graph_support_says_so_and_the_runner_refuses_it():
 def test_cpu_runs_eagerly_on_torch_native_with_the_torch_layers(tiny_model_dirs):
     sched = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, device="cpu")
     assert sched.runner.graph_runner is None
+    assert sched.control("stats")["cuda_graph_sizes_pending"] == 0.0  # none to wait for
     assert type(sched.runner.attn_backend).__name__ == "TorchNativeBackend"
     cos, sin = sched.runner.model.model.rotary.lookup(torch.tensor([0, 3]))
     assert isinstance(sin, torch.Tensor) and cos.shape == sin.shape
@@ -317,6 +318,7 @@ def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
     )
     runner = sched.runner.graph_runner
     assert sorted(runner._graphs) == [1, 2, 4, 8, 16, 32, 40] and runner.pending == [24]
+    assert sched.control("stats")["cuda_graph_sizes_pending"] == 1.0
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     rng = random.Random(5)
     first = [[rng.randrange(512) for _ in range(5 + i)] for i in range(20)]
@@ -324,6 +326,7 @@ def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
     assert got == [hf_greedy(hf, p, 6, eos=False) for p in first]
     assert runner.replays[32] > 0 and runner.replays[24] == 0
     assert runner.capture_pending() and runner.pending == []
+    assert sched.control("stats")["cuda_graph_sizes_pending"] == 0.0
     assert not runner.capture_pending()
     # Each second-round prompt is a first-round prompt and its output: a cache hit up to the
     # last decoded token, whose KV the last replays wrote.

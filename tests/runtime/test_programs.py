@@ -12,11 +12,14 @@ import pytest
 import braid
 from braid.runtime.cache.memory_pool import PageAllocator
 from braid.runtime.cache.radix_cache import RadixCache
+from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler import policy
-from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, ProgramTable
+from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, SEQUENCES_KEPT, ProgramTable
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
+from braid.runtime.server.metrics import ServerMetrics
+from braid.runtime.speculative.base import Proposer
 from tests.conftest import local_scheduler, run_to_end
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -49,6 +52,19 @@ def _req(
         program_id=program,
         program_position=position,
     )
+
+
+def _call(table: ProgramTable, req: Req, output: list[int]) -> Req:
+    """`req` arrives, its prompt is computed (none of it cached), it samples `output` (the
+    KV of each sample but the last computed by a decode step) and finishes."""
+    table.arrive(req)
+    table.serve(req, 0, req.prompt_len)
+    for k in range(1, len(output)):
+        table.serve(req, req.prompt_len + k - 1, req.prompt_len + k)
+    req.output_ids = list(output)
+    req.finish_reason = "stop"
+    table.leave(req)
+    return req
 
 
 # ---- accounting -----------------------------------------------------------------------------
@@ -152,10 +168,10 @@ def test_tokens_computed_again_are_not_service():
     table.arrive(other)
     table.serve(other, 0, 6)
     assert other.program_seen == 6 and table.service(other) == 20
-    elsewhere = _req("t0", n=13, session="p.1")  # another session has seen nothing
-    elsewhere.input_ids = list(nxt.input_ids)
-    table.arrive(elsewhere)
-    assert elsewhere.program_seen == 0
+    stranger = _req("t0", n=13, session="q.0")  # another program has seen nothing
+    stranger.input_ids = list(nxt.input_ids)
+    table.arrive(stranger)
+    assert stranger.program_seen == 0
 
 
 def test_a_program_whose_cache_was_flushed_is_charged_only_for_new_tokens(tiny_model_dirs):
@@ -167,7 +183,8 @@ def test_a_program_whose_cache_was_flushed_is_charged_only_for_new_tokens(tiny_m
     out = run_to_end(s)["a/0"]
     (info,) = s.program_infos()
     assert info.service == 30 + 4 - 1
-    assert s.close_session("a.0") and s.flush_cache()  # its pin and its cached KV are gone
+    # Its pin and its cached KV are gone (the session is not closed: it goes on).
+    assert s.kv.sessions.close("a.0") and s.flush_cache()
     s.handle(GenerateReq("a/1", prompt + out + [5, 6], sp, 0, session_id="a.0"))
     run_to_end(s)
     (info,) = s.program_infos()
@@ -175,6 +192,136 @@ def test_a_program_whose_cache_was_flushed_is_charged_only_for_new_tokens(tiny_m
     assert stats["program_tokens_recomputed"] == 30 + 4 - 1
     assert info.service == (30 + 4 - 1) + (1 + 2 + 4 - 1)  # the last sample, 2 new, decodes
     s.check_invariants()
+
+
+def test_fork_branches_and_the_call_after_a_select_repeat_what_their_program_computed():
+    """A fork's branches (sessions of their own) repeat their parent's text, and the call after
+    a select goes on from the chosen choice, which need not be the last to finish: what the
+    program computed of either is not service when the cache has lost it."""
+    table = ProgramTable()
+    parent = _call(table, _req("p0", session="p", position=0, ids=list(range(1, 21))), [50, 51])
+    branches = [
+        _req(f"b{i}", session=f"p.{i}", position=1, ids=parent.tokens() + [60 + i] * 3)
+        for i in range(2)
+    ]
+    for b in branches:
+        table.arrive(b)
+    assert [b.program_seen for b in branches] == [21, 21]  # all but the parent's last sample
+    before = table.service(parent)
+    for b in branches:
+        table.serve(b, 0, b.prompt_len)  # the parent's text was evicted: computed again
+    assert table.service(parent) - before == 2 * (1 + 3)
+    assert table.stats()["program_tokens_recomputed"] == 2 * 21
+    # A select's three choices: one call; the program picks the second, the third ends last.
+    prompt = [7] * 10
+    choices = [_req(f"c{i}", session="s", position=0, ids=prompt + [80 + i] * 4) for i in range(3)]
+    for c in choices:
+        _call(table, c, [90 + int(c.rid[1:])])
+    nxt = _req("s1", session="s", position=1, ids=choices[1].tokens() + [5, 5, 5])
+    table.arrive(nxt)
+    assert nxt.program_seen == 14  # the second choice's prompt, not just the shared 10
+
+
+def test_a_program_remembers_a_bounded_set_of_sequences_and_none_of_closed_sessions(
+    tiny_model_dirs,
+):
+    table = ProgramTable()
+    n = SEQUENCES_KEPT + 4
+    for i in range(n):  # a fork of many branches
+        _call(table, _req(f"b{i}", session=f"p.{i}", position=1, ids=[i + 1] * 8), [99])
+    p = table.get(_req("x", session="p"))
+
+    def sessions() -> list[str | None]:
+        return [q.session for q in p.sequences]
+
+    assert sessions() == [f"p.{i}" for i in range(4, n)]  # the oldest went first
+    nxt = _req("b4.1", session="p.4", position=2, ids=[5] * 8 + [99, 3])
+    _call(table, nxt, [98])
+    assert sessions().count("p.4") == 1 and len(p.sequences) == SEQUENCES_KEPT  # replaced
+    table.close_session("p.5")
+    assert "p.5" not in sessions() and len(p.sequences) == SEQUENCES_KEPT - 1
+    # Only the program policy orders by service: other policies remember no sequence.
+    for name, remembers in (("program", True), ("lpm", False)):
+        s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy=name)
+        assert s.programs.remember is remembers
+        sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+        s.handle(GenerateReq("a/0", list(range(1, 9)), sp, 0, session_id="a.1"))
+        req = s.requests.get("a/0")
+        run_to_end(s)
+        assert len(s.programs.get(req).sequences) == int(remembers)
+        s.close_session("a.1")
+        assert s.programs.get(req).sequences == []
+
+
+def test_an_aborted_request_leaves_only_what_was_computed_of_it():
+    table = ProgramTable()
+    first = _call(table, _req("a0", session="p", ids=list(range(1, 11))), [50, 51])
+    nxt = _req("a1", session="p", ids=first.tokens() + list(range(60, 80)))
+    table.arrive(nxt)
+    assert nxt.program_seen == 11
+    table.serve(nxt, 11, 16)  # one chunk, then the client aborts it
+    nxt.finish_reason = "abort"
+    table.leave(nxt)
+    retry = _req("a2", session="p", ids=list(nxt.input_ids))
+    table.arrive(retry)
+    assert retry.program_seen == 16  # not the 31 tokens of its prompt but the last
+    retry.finish_reason, retry.error = "abort", "grammar: refused"  # failed before computing
+    table.leave(retry)
+    again = _req("a3", session="p", ids=list(nxt.input_ids))
+    table.arrive(again)
+    assert again.program_seen == 16
+
+
+class _Oracle(Proposer):
+    """Drafts the tokens a plain run gave each request (by rid)."""
+
+    name = "ORACLE"
+
+    def __init__(self, futures: dict[str, list[int]]) -> None:
+        self.futures = futures
+
+    @classmethod
+    def from_config(cls, config, target):  # built by the test itself
+        raise NotImplementedError
+
+    def propose(self, reqs, limits) -> list[list[int]]:
+        return [
+            self.futures.get(r.rid, [])[len(r.output_ids) : len(r.output_ids) + k]
+            for r, k in zip(reqs, limits)
+        ]
+
+
+def test_a_verify_step_charges_the_drafts_it_keeps(tiny_model_dirs):
+    """With speculative decoding a step keeps several tokens' KV: the program is charged for
+    all of them, as for the same tokens decoded one a step."""
+    cfg = dict(kv_tokens=512, schedule_policy="program", dtype="float32")
+    sp = braid.SamplingParams(max_tokens=16, **GREEDY)
+    prompt = list(range(3, 23))
+    plain = local_scheduler(tiny_model_dirs["llama"], **cfg)
+    plain.handle(GenerateReq("r", prompt, sp, 0, session_id="p"))
+    want = run_to_end(plain)["r"]
+    s = local_scheduler(tiny_model_dirs["llama"], speculative_algorithm="NGRAM", **cfg)
+    s.proposer = s.decode.drafter.proposer = _Oracle({"r": want})
+    s.kv.on_release = s.proposer.release
+    s.handle(GenerateReq("r", prompt, sp, 0, session_id="p"))
+    got = run_to_end(s)["r"]
+    assert s.stats.spec_accepted_tokens > 8
+    (info,) = s.program_infos()
+    assert info.service == len(prompt) + len(got) - 1 == plain.program_infos()[0].service
+    # The next call repeats the whole sequence but its last sample: nothing of it is new.
+    s.handle(GenerateReq("r2", prompt + got + [5], sp, 0, session_id="p"))
+    assert s.requests.get("r2").program_seen == len(prompt) + len(got) - 1
+    s.abort_all()
+
+
+def test_the_recompute_metric_says_what_it_counts():
+    text = ServerMetrics().render({"program_tokens_recomputed": 3.0}, [])
+    (help_line,) = [
+        line
+        for line in text.splitlines()
+        if line.startswith("# HELP braid_program_tokens_recomputed_total")
+    ]
+    assert "overlap schedule" in help_line and "retraction" in help_line
 
 
 def test_programs_are_listed_by_pinned_tokens_then_service():
@@ -530,6 +677,32 @@ def test_a_pin_gives_way_to_a_waiting_request_when_nothing_else_would_free_room(
     tokens = run_to_end(s)
     assert len(tokens["long"]) == len(tokens["agent/1"]) == 4
     assert s.control("stats")["pins_released_for_room"] == 1
+
+
+def test_pins_give_way_one_at_a_time_to_a_prompt_between_chunks_when_nothing_runs(
+    tiny_model_dirs,
+):
+    """Two pins hold ~96 of 256 tokens; a 200-token prompt is admitted by its first chunk and
+    its third chunk does not fit, with nothing running: the pin that expires first gives way,
+    and only it (the scheduler used to stall). A prompt longer than the pool is refused at
+    admission, costing no pin."""
+    s = local_scheduler(
+        tiny_model_dirs["llama"], kv_tokens=256, chunked_prefill_size=64, schedule_policy="fcfs"
+    )
+    rng = random.Random(11)
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    for rid, n in (("first", 60), ("second", 30)):
+        s.handle(GenerateReq(rid, [rng.randrange(1, 500) for _ in range(n)], sp, 0, session_id=rid))
+        run_to_end(s)
+    assert s.control("stats")["pinned_sessions"] == 2
+    with pytest.raises(ParamError):
+        s.handle(GenerateReq("huge", [7] * 300, sp, 0))
+    s.handle(GenerateReq("long", [rng.randrange(1, 500) for _ in range(200)], sp, 0))
+    tokens = run_to_end(s)
+    assert len(tokens["long"]) == 4
+    stats = s.control("stats")
+    assert stats["pins_released_for_room"] == 1 and stats["pinned_sessions"] == 1
+    assert set(s.kv.sessions.by_program()) == {"second"}  # the later pin, expiring later
 
 
 def test_pins_are_released_before_a_running_request_is_retracted(tiny_model_dirs):

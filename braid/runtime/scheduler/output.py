@@ -151,8 +151,8 @@ class OutputProcessor:
         token is the target's sample at its parent's row, then keep the target's sample after
         the last node followed; the tokens are appended one by one until one finishes the
         request. The KV of the nodes kept ends up at their positions (a tree's is moved
-        there); the rest is freed, never cached. `plan.kept_rows` records each request's rows
-        whose KV it kept."""
+        there); the rest is freed, never cached, and only the drafts kept are charged to the
+        request's program. `plan.kept_rows` records each request's rows whose KV it kept."""
         result = result.on_host()
         ids = result.next_ids.tolist()
         logprobs = token_logprobs(result) if result.logprobs is not None else None
@@ -188,6 +188,8 @@ class OutputProcessor:
         for i, rows, accepted, kept, error in walked:
             req, tree = plan.reqs[i], plan.drafts[i]
             self.kv.trim(req, plan.roots[i] + len(plan.kept_rows[i]))
+            if self.reqs.programs is not None:  # the step's plan charged its last token's KV
+                self.reqs.programs.serve(req, plan.roots[i] + 1, req.kv_len)
             req.spec_steps += 1
             req.spec_drafts += len(tree)
             req.spec_accepted += accepted

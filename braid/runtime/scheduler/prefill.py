@@ -7,7 +7,10 @@ is not a short one). A
 request is admitted when its table row, its first chunk and the decode reserve of everything
 running fit in free and evictable pages (a request admitted alone needs no reserve); admission
 stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
-chunks, one prompt at a time.
+chunks, one prompt at a time. When nothing runs and nothing else is in the step, session pins
+give way, the soonest to expire first and one at a time, until the first request in policy
+order, or the next chunk of the prompt between chunks, fits (`_pins_give_way`): else nothing
+would free the room, and the scheduler would stall.
 
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
@@ -76,14 +79,14 @@ class PrefillPlanner:
             req = prefilling
             end = self._chunk_end(req.kv_len, req, budget)
             grow = self.kv.pages_to_grow(req, end)
-            if self.kv.make_room(grow):
+            if self.kv.make_room(grow, release_pins=self._pins_give_way(end, items)):
                 self.kv.grow(req, grow)
                 items.append((req, end))
                 budget -= end - req.kv_len
                 if end == req.seq_len and self.reqs.count(ReqStatus.WAITING):
                     self._admit(items, budget)  # the prompt's last chunk leaves room for more
             elif not items:
-                return None  # wait for decodes to finish and free pages
+                return None  # wait for running requests to finish and free pages
         elif self.reqs.count(ReqStatus.WAITING):
             self._admit(items, budget)
         if not items:
@@ -153,7 +156,9 @@ class PrefillPlanner:
                 self.kv.cache.lock(match.node)
             grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
             fits = self.fits(grow, running + [r for r, _ in items] + [req])
-            while not fits and self._release_pin(running, items):
+            while not fits and self._pins_give_way(end, items):
+                if not self.kv.sessions.release_soonest():
+                    break
                 fits = self.fits(grow, running + [r for r, _ in items] + [req])
             if not fits or not self.kv.make_room(grow):
                 if match is not None:
@@ -168,11 +173,18 @@ class PrefillPlanner:
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
 
-    def _release_pin(self, running: list[Req], items: list[tuple[Req, int]]) -> bool:
-        """Give up the session pin that expires soonest for a waiting request that does not
-        fit, when nothing runs or is being admitted: nothing else would ever free the room
-        (the scheduler stalled). Whether one was released."""
-        return not running and not items and self.kv.sessions.release_soonest()
+    def _pins_give_way(self, end: int, items: list[tuple[Req, int]]) -> bool:
+        """Whether session pins may be released (the soonest to expire first, one at a time
+        until it fits) for a request that does not fit with its KV up to `end` (a waiting
+        request's first chunk, or a prompt's next chunk): only when nothing runs and nothing
+        else is in this step, so nothing else would ever free the room (the scheduler would
+        stall). Then the request and the pins hold all KV, so it fits once enough pins are
+        gone, as long as the pool holds `end` tokens: admission refuses longer prompts (the
+        context length is capped at the pool's size), and no pin goes for a request that could
+        not fit anyway."""
+        if items or self.reqs.count(ReqStatus.RUNNING):
+            return False
+        return self.kv.allocator.pages_for(end) <= self.kv.allocator.capacity_pages
 
     def _jumped_items(self) -> list[tuple[Req, int]]:
         """Extend items computing the KV of jump-forward tokens; a request that cannot get the

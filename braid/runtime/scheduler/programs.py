@@ -7,9 +7,9 @@ program's forks have sessions "<root>.<i>") and its call's position in the progr
 (prompt and output tokens computed for it: Autellix's attained service; tokens computed again,
 because the cache evicted them or the request was retracted, are not service: the program did
 not ask for them, and charging it would push the programs the cache failed further back, where
-they wait and lose their KV again), its requests in
-flight, its calls (received, served, the last position), and the pauses between a call
-finishing and its next call arriving (the program's tool calls or Python work), from which
+they wait and lose their KV again), its requests in flight, its calls (received, served, the
+last position), and the pauses between a call finishing and its next call arriving (the
+program's tool calls or Python work), from which
 `pin_ttl` sets how long its KV stays pinned after a call (as Continuum: a little longer than
 its tool calls have taken). A program ends when its root session is closed, or after `idle_s`
 with nothing in flight.
@@ -24,12 +24,28 @@ its depth in the program's graph of calls (Autellix's view of a program): the mo
 any chain that finished before it; branches running side by side share positions. Positions are
 kept for accounting, not used for ordering: the `program` policy's attained service already
 grows with each call a program has had served.
+
+What a program had computed before: a request's own KV (computed again after a retraction, or
+after a step gave some of it back: the overlap schedule's row of a request that jumped forward,
+rejected jump-forward tokens), and, with `remember` (the scheduler sets it for the
+`program` policy, the one that orders by service), the leading tokens its prompt shares with
+any of its program's remembered sequences. A program remembers at most SEQUENCES_KEPT
+finished sequences (the oldest goes first): per session, those of its latest call (a select's
+choices, a gen's samples; a request without a position replaces all of its session's), none of
+a closed session, each only as far as its KV was computed (`Req.program_seen`; an aborted
+request's prompt may not have been). So a fork branch's prompt repeating its parent's text,
+and the next call after a select repeating the chosen choice, count what the program had
+computed as recomputed, not as new service; a prompt repeating a sequence the program computed
+but no longer remembers (or one still in flight) is charged again. Without `remember` (other
+policies, where service is only reported), nothing is remembered across requests: a session's
+next prompt computed again counts as service. The lookup costs an arriving request at most
+SEQUENCES_KEPT x log2(prompt) slice compares of its prompt, in C.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +61,8 @@ PIN_TTL_MIN_S = 1.0
 PIN_TTL_FIRST_S = 30.0
 # Programs listed (`ProgramTable.infos`) beyond those holding pins.
 PROGRAMS_LISTED = 64
+# Finished sequences remembered per program (with `ProgramTable.remember`).
+SEQUENCES_KEPT = 8
 
 
 def program_of(req: Req) -> str | None:
@@ -63,6 +81,38 @@ def _call_of(req: Req) -> tuple[str | None, int | None]:
     return req.session_id, req.program_position
 
 
+def common_prefix_len(a: array, b: array) -> int:
+    """How many leading tokens `a` and `b` share (slices compared in C: a binary search over
+    the prefix length when they differ)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class SeenSequence:
+    """A finished request's sequence as far as its KV was computed, with its call."""
+
+    session: str | None
+    position: int | None
+    tokens: array  # 32-bit token ids: half a list's pointers, and no int objects
+
+    def supersedes(self, other: SeenSequence) -> bool:
+        """Whether `other` is of an earlier call of this one's session (this one replaces it):
+        not when both carry the same position (two requests of one call)."""
+        if other.session != self.session:
+            return False
+        return self.position is None or other.position != self.position
+
+
 @dataclass
 class Program:
     id: str
@@ -77,9 +127,9 @@ class Program:
     # calls with requests in flight (how many each).
     positions: dict[str | None, int] = field(default_factory=dict)
     open_calls: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
-    # Each session's last finished sequence (prompt and output, less the last sample, which
-    # has no KV): what its next request's prompt repeats of it was computed before.
-    sequences: dict[str, list[int]] = field(default_factory=dict)
+    # Its latest finished sequences, oldest first (see the module's docstring): what a new
+    # request's prompt repeats of one of them was computed before.
+    sequences: list[SeenSequence] = field(default_factory=list)
 
     @property
     def calls_served(self) -> int:
@@ -89,17 +139,21 @@ class Program:
 
 class ProgramTable:
     """The programs with requests in flight or recently so. `max_ttl_s` caps a pin's TTL
-    (the `session_ttl_s` setting); `idle_s`: a program quiet this long is forgotten."""
+    (the `session_ttl_s` setting); `idle_s`: a program quiet this long is forgotten;
+    `remember`: keep programs' finished sequences, so a prompt repeating one is not charged
+    again (see the module's docstring)."""
 
     def __init__(
         self,
         max_ttl_s: float = 600.0,
         idle_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        remember: bool = True,
     ) -> None:
         self.max_ttl_s = max_ttl_s
         self.idle_s = idle_s
         self.clock = clock
+        self.remember = remember
         self._programs: dict[str, Program] = {}
         self.ended = 0  # programs closed or forgotten
         self.recomputed = 0  # tokens computed again for a program (not service)
@@ -130,9 +184,9 @@ class ProgramTable:
             p.last_position = pos if p.last_position is None else max(p.last_position, pos)
         call = _call_of(req)
         p.open_calls[call] = p.open_calls.get(call, 0) + 1
-        last = p.sequences.get(req.session_id) if req.session_id is not None else None
-        if last:
-            req.program_seen = len(os.path.commonprefix([last, req.input_ids]))
+        if p.sequences:
+            prompt = array("i", req.input_ids)
+            req.program_seen = max(common_prefix_len(q.tokens, prompt) for q in p.sequences)
 
     def leave(self, req: Req) -> None:
         """`req` finished or was aborted."""
@@ -146,9 +200,13 @@ class ProgramTable:
             p.open_calls[call] = left
         if p.in_flight == 0:
             p.idle_since = self.clock()
-        if req.session_id is not None and req.error is None:
-            # Every token but the last sample had its KV computed.
-            p.sequences[req.session_id] = (req.input_ids + req.output_ids)[: req.seq_len - 1]
+        # What was computed of it (an aborted request's prompt may not have been), never the
+        # last sample (whose KV only a step run ahead computes).
+        done = min(req.program_seen, req.seq_len - 1)
+        if self.remember and done > 0:
+            new = SeenSequence(req.session_id, req.program_position, array("i", req.tokens(done)))
+            p.sequences = [q for q in p.sequences if not new.supersedes(q)] + [new]
+            del p.sequences[:-SEQUENCES_KEPT]
 
     def serve(self, req: Req, start: int, end: int) -> None:
         """The KV of `req`'s tokens `start`..`end` was computed (a prefill chunk, or a decode
@@ -160,6 +218,16 @@ class ProgramTable:
         p.service += end - start - again
         self.recomputed += again
         req.program_seen = max(req.program_seen, end)
+
+    def close_session(self, session: str) -> None:
+        """`session` was closed: its program forgets its sequences and position (a program
+        named by `program_id` rather than by its sessions' root keeps them until they age out
+        or the program ends)."""
+        p = self._programs.get(session.split(".", 1)[0])
+        if p is None:
+            return
+        p.sequences = [q for q in p.sequences if q.session != session]
+        p.positions.pop(session, None)
 
     def service(self, req: Req) -> int:
         """The service `req`'s program has received (a request of no program: its own

@@ -87,8 +87,9 @@ class Req:
     program_position: int | None = None  # the call's position in its program run
     session_ttl_s: float | None = None  # the client's TTL for its session pin (else adaptive)
     waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
-    # Leading tokens its program has had computed before (its session's last request's
-    # sequence, then this request's own KV): computing them again is not service.
+    # Leading tokens its program has had computed before (the longest prefix its prompt shares
+    # with a sequence the program remembers, then this request's own KV): computing them
+    # again is not service (`programs.ProgramTable.serve`).
     program_seen: int = 0
     status: ReqStatus | None = None  # None: not (or no longer) in a `RequestTable`
     # The prompt's images, in order, and where each one's tokens start in `input_ids`.

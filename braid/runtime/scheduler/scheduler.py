@@ -98,8 +98,14 @@ class Scheduler:
         # What the proposer reads of each forward (the decode graphs were captured with it).
         self.capture_hidden = runner.capture_hidden
         self.stats = SchedulerStats()
-        # Programs (braid programs, sessions): per-program service and pin TTLs.
-        self.programs = ProgramTable(config.session_ttl_s, config.session_ttl_s)
+        # Programs (braid programs, sessions): per-program service and pin TTLs; only the
+        # program policy orders by service, so only it keeps programs' sequences to tell
+        # tokens computed again from new ones.
+        self.programs = ProgramTable(
+            config.session_ttl_s,
+            config.session_ttl_s,
+            remember=config.schedule_policy == "program",
+        )
         self.requests = RequestTable(self.programs)
         allocator = runner.kv_pool.allocator
         cache = NoPrefixCache(allocator) if config.disable_radix_cache else RadixCache(allocator)
@@ -437,16 +443,21 @@ class Scheduler:
         return self.programs.infos(self.kv.pinned_by_program())
 
     def close_session(self, session: str) -> bool:
-        """Release `session`'s pin; whether it had one. Closing a program's root session
-        ends the program."""
+        """Release `session`'s pin; whether it had one. Its program forgets the session;
+        closing a program's root session ends the program."""
+        self.programs.close_session(session)
         if "." not in session:
             self.programs.end(session)
         return self.kv.sessions.close(session)
 
     def usage(self) -> dict[str, float]:
+        graphs = self.runner.graph_runner
         return {
             "running_requests": float(self.requests.count(*ACTIVE)),
             "queued_requests": float(self.requests.count(*QUEUED)),
+            # Decode batch sizes still to be captured in idle time (a request arriving
+            # meanwhile may wait for one capture).
+            "cuda_graph_sizes_pending": float(len(graphs.pending) if graphs else 0),
         } | self.kv.usage()
 
     def image_stats(self) -> dict[str, float]:

@@ -6,7 +6,8 @@ Any client can name a session, so pins are bounded three ways: all pins together
 `max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
 also expires after its TTL: `ttl_s`, or the one its pin asks for (a program's, adapted to its
 tool calls: `programs.ProgramTable.pin_ttl`). Under memory pressure the scheduler releases
-pins, the soonest to expire first, before it retracts a running request (`release_soonest`).
+pins, the soonest to expire first, before it retracts a running request, and when nothing
+runs, one at a time until the next prefill fits (`release_soonest`).
 """
 
 from __future__ import annotations

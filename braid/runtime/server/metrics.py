@@ -147,8 +147,11 @@ class ServerMetrics:
             (
                 "braid_program_tokens_recomputed_total",
                 "program_tokens_recomputed",
-                "Tokens computed again for programs (their KV evicted or retracted), not "
-                "counted as their service.",
+                "Tokens computed again for programs, not counted as their service: KV the "
+                "prefix cache evicted or a retraction dropped, and KV a request computed and "
+                "gave back (the overlap schedule's run-ahead row of a request that jumped "
+                "forward, rejected jump-forward tokens). Across a program's requests (a prompt "
+                "repeating an earlier sequence) only under --schedule-policy program.",
             ),
             (
                 "braid_spec_draft_tokens_total",
