@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import wait_for_graphs, write_result  # noqa: E402
 
 import braid as sgl  # noqa: E402
 from braid.lang.backends.engine import EngineBackend  # noqa: E402
@@ -129,6 +129,7 @@ def measure(
     with sgl.LLM(
         model, kv_tokens=kv_tokens, schedule_policy=policy, show_progress=False, **engine
     ) as llm:
+        wait_for_graphs(llm)
         backend = EngineBackend(llm)
         react.run(backend=backend, task="warm up", tools_ms=[1])  # imports, first forwards
         llm.flush_cache()

@@ -304,7 +304,7 @@ def _du(path: Path | None) -> int | None:
 def _one_pass(variants, limit_s: float | None = None) -> tuple[float, list[dict]]:
     def run(i: int) -> dict:
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "jit", "--one", str(i)]
+        cmd = [sys.executable, __file__, "jit", "--one", str(JIT_VARIANTS.index(variants[i]))]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
             ok, tail = p.returncode == 0, (p.stdout + p.stderr)[-800:] if p.returncode else ""
@@ -360,7 +360,8 @@ def cmd_jit(args) -> None:
     if args.clean and cache is not None and cache.exists():
         shutil.rmtree(cache)
     before = _du(cache) or 0
-    cold, rows = _one_pass(JIT_VARIANTS)
+    variants = [JIT_VARIANTS[int(i)] for i in args.variants.split(",")] if args.variants else None
+    cold, rows = _one_pass(variants or JIT_VARIANTS)
     for r in rows:
         print(f"  {r['variant']}: {r['seconds']} s {'ok' if r['ok'] else 'FAILED'}\n{r['tail']}")
     print(f"cold build, all variants at once: {cold} s", flush=True)
@@ -368,6 +369,7 @@ def cmd_jit(args) -> None:
         "flashinfer": _fi_version(),
         "cpu_count": os.cpu_count(),
         "max_jobs": os.environ.get("MAX_JOBS"),
+        "prefill_kernels": os.environ.get("BRAID_FLASHINFER_PREFILL") or "default",
         "cold_wall_s": cold,
         "cold": rows,
         "cache_dir": str(cache),
@@ -378,7 +380,9 @@ def cmd_jit(args) -> None:
     fields["aot_modules"] = install_aot(cache, args.aot_out)
     script = "benchmarks/attention_backends.py"
     write_result("flashinfer_jit", "cuda", args.out, fields, script=script)  # before pass 2
-    fields["cached_wall_s"], fields["cached"] = _one_pass(JIT_VARIANTS, args.cached_limit)
+    fields["cached_wall_s"], fields["cached"] = _one_pass(
+        variants or JIT_VARIANTS, args.cached_limit
+    )
     print(f"second pass (cached): {fields['cached_wall_s']} s", flush=True)
     print(json.dumps({k: v for k, v in fields.items() if k not in ("cold", "cached")}))
     write_result("flashinfer_jit", "cuda", args.out, fields, script=script)
@@ -394,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", default=None)
     j = sub.add_parser("jit")
     j.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    j.add_argument("--variants", default=None, help="indices into JIT_VARIANTS (default: all)")
     j.add_argument("--clean", action="store_true", help="empty FlashInfer's cache first")
     j.add_argument("--aot-out", default=None, help="also copy the built modules here")
     j.add_argument("--cached-limit", type=float, default=90, help="seconds per cached load")

@@ -48,6 +48,21 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def wait_for_graphs(llm, limit_s: float = 300.0) -> float:
+    """Wait until the engine has captured every decode batch size it left for idle time, so
+    that no timed request waits behind a capture (seconds waited). A capture takes 0.1-2.6 s
+    on the H200 at the 8B shapes; timing before they end cost the 8k prefill 20% (2026-12-04,
+    docs/benchmarks.md)."""
+    t0 = time.perf_counter()
+    while llm.stats().get("cuda_graph_sizes_pending", 0) > 0:
+        if time.perf_counter() - t0 > limit_s:
+            raise RuntimeError(f"decode graphs still pending after {limit_s:.0f} s")
+        time.sleep(0.1)
+    waited = time.perf_counter() - t0
+    print(f"decode graphs all captured ({waited:.1f} s waited)", flush=True)
+    return waited
+
+
 def write_result(
     benchmark: str, device: str, out: str | None, fields: dict, *, script: str | None = None
 ) -> Path:

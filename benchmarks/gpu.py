@@ -39,7 +39,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.common import copy_bandwidth, matmul_rate, write_result  # noqa: E402
+from benchmarks.common import copy_bandwidth, matmul_rate, wait_for_graphs, write_result  # noqa: E402
 from benchmarks.gpu_cost import ModelCost, offline_bound  # noqa: E402
 from benchmarks.gpu_prefix import WordTokenizer, workload_chat_ids  # noqa: E402
 from benchmarks.offline_throughput import make_prompts, run_hf  # noqa: E402
@@ -153,6 +153,7 @@ def start_engine(run: Run, **overrides: object) -> tuple[braid.LLM, dict]:
     llm = braid.LLM(run.model_dir, **kwargs)
     info = {
         "load_s": time.perf_counter() - t0,
+        "graphs_wait_s": wait_for_graphs(llm),
         "kv_capacity_tokens": llm.ready.kv_capacity_tokens,
         "max_running_requests": llm.ready.max_running_requests,
         "context_length": llm.ready.context_length,

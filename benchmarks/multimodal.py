@@ -42,7 +42,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import wait_for_graphs, write_result  # noqa: E402
 from tests.multimodal.tiny_vlms import (  # noqa: E402
     build_vlm_tokenizer,
     qwen_image_processor_config,
@@ -190,6 +190,7 @@ def run_braid(
         kv_tokens=size["kv_tokens"],
         show_progress=False,
     ) as llm:
+        wait_for_graphs(llm)
         # Warm-up (kernels, graphs, the tower): one prefill step's worth of requests, so the
         # timed run meets no kernel specialisation it has not seen.
         llm.generate(requests[:warmup], sp, use_tqdm=False)

@@ -44,7 +44,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import wait_for_graphs, write_result  # noqa: E402
 from braid.runtime.server.launcher import start_server  # noqa: E402
 
 
@@ -255,6 +255,7 @@ def main() -> None:
     # Offline first, then the server (its ready line, with its start-up phases, is printed).
     if "offline" in modes:
         with braid.LLM(model, **engine_args, show_progress=False) as llm:
+            wait_for_graphs(llm)
             sp = braid.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
             llm.generate(prompts[:4], braid.SamplingParams(max_tokens=4), use_tqdm=False)
             for c in concurrencies:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import wait_for_graphs, write_result  # noqa: E402
 from benchmarks.offline_throughput import make_prompts  # noqa: E402
 from braid.runtime.config import EngineConfig  # noqa: E402
 from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq  # noqa: E402
@@ -255,6 +255,7 @@ def smollm2_speed(n_out: int, batches: list[int], steps: int, repeats: int) -> d
     for name, spec in engines.items():
         llm = braid.LLM(show_progress=False, **spec)
         try:
+            wait_for_graphs(llm)
             sp = braid.SamplingParams(temperature=0.0, max_tokens=n_out)
             convs = [[{"role": "user", "content": t}] for t in TASKS.values()]
             llm.chat(convs[0], sp, use_tqdm=False)  # warm-up

@@ -42,7 +42,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import braid  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import wait_for_graphs, write_result  # noqa: E402
 from benchmarks.offline_throughput import make_prompts  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -216,6 +216,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = braid.LLM(path, **kwargs)
         load_s = time.perf_counter() - t0
+        wait_for_graphs(llm)
         try:
             free = braid.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
             first = braid.SamplingParams(

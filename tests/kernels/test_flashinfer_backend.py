@@ -27,6 +27,7 @@ from braid.runtime.attention.flashinfer_backend import (
     attention_through_plan,
     import_flashinfer,
     plan_paged_kv,
+    prefill_kernels,
     window_left,
 )
 from braid.runtime.attention.torch_native import TorchNativeBackend
@@ -248,6 +249,16 @@ def test_window_left_counts_the_querys_own_key():
     assert window_left(None) == -1
     assert window_left(1) == 0  # a window of one key: the query's own
     assert window_left(4096) == 4095
+
+
+def test_prefill_kernels_default_to_fa2_and_an_unknown_choice_names_the_variable(monkeypatch):
+    monkeypatch.delenv("BRAID_FLASHINFER_PREFILL", raising=False)
+    assert prefill_kernels() == "fa2"
+    monkeypatch.setenv("BRAID_FLASHINFER_PREFILL", "fa3")
+    assert prefill_kernels() == "fa3"
+    monkeypatch.setenv("BRAID_FLASHINFER_PREFILL", "fa4")
+    with pytest.raises(ValueError, match=r"BRAID_FLASHINFER_PREFILL='fa4'.*fa2, fa3, auto"):
+        prefill_kernels()
 
 
 # ---- configuration: a missing package, bad names, per-phase choice ----------------------------

@@ -34,6 +34,7 @@ trees) are refused: `EngineConfig` refuses the combination at construction.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +59,26 @@ PAD_PAGE = 0
 # Decode groups at least this large run FlashInfer's tensor-core (prefill) kernel.
 TENSOR_CORE_MIN_GROUP = 4
 # FlashInfer's prefill implementation: "fa2" (its FlashAttention-2 kernels), not "auto", which
-# picks "fa3" on Hopper. fa2 is what was measured end to end on the H200 (flashinfer 0.5.3,
-# 2026-12-02: prefill 8k, batch-1 decode; see docs/benchmarks.md, "FlashInfer"), its JIT
-# build is a third of fa3's, and it is the module the tensor-core decode compiles anyway
-# (one module for both phases). fa3 passed the same correctness checks there and ran the offline
-# benchmark once (0.93x Triton's output rate), but neither kernel set has been compared with
-# the other at the same point: which is faster for prefill is still open.
+# picks "fa3" on Hopper. fa3 is the faster prefill on the H200 (prefill 8k MFU 0.750 against
+# fa2's 0.699, one machine, 2026-12-04; Triton's 0.757 there: docs/benchmarks.md, "FlashInfer"),
+# but its build takes 97-133 s for one shape against fa2's 64 s for four, fa2's module also
+# serves the tensor-core decode, and fa3 has not run the backend's GPU tests at every shape
+# they cover. BRAID_FLASHINFER_PREFILL (`PREFILL_KERNELS_ENV`) picks another for measuring.
 PREFILL_KERNELS = "fa2"
+PREFILL_KERNELS_ENV = "BRAID_FLASHINFER_PREFILL"
+PREFILL_KERNEL_CHOICES = ("fa2", "fa3", "auto")
+
+
+def prefill_kernels() -> str:
+    """FlashInfer's prefill implementation: `PREFILL_KERNELS`, or BRAID_FLASHINFER_PREFILL when
+    set (`ValueError` naming the variable for a value FlashInfer has no kernels for)."""
+    value = os.environ.get(PREFILL_KERNELS_ENV, "").strip() or PREFILL_KERNELS
+    if value not in PREFILL_KERNEL_CHOICES:
+        raise ValueError(
+            f"{PREFILL_KERNELS_ENV}={value!r}: FlashInfer's prefill kernels are one of "
+            f"{', '.join(PREFILL_KERNEL_CHOICES)}"
+        )
+    return value
 
 
 def import_flashinfer() -> Any:
@@ -289,7 +303,7 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=PREFILL_KERNELS
+            self.workspace, "NHD", backend=prefill_kernels()
         )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
