@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -116,3 +118,23 @@ def cuda_device_name(index: int | None) -> str:
 @functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+def tuned_configs(path: Path, device_name: str) -> dict:
+    """The entry of `device_name` in a tuned-configuration file (`{device name: {case key:
+    config}}`, written by a benchmark's `--write-config`); {} when the file or the entry is
+    absent. A file that is not such JSON raises `ValueError` naming it (hand-edited or cut
+    short), not a bare decoding error at some layer's first launch."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tuned kernel configurations {path}: not valid JSON ({e})") from e
+    entry = data.get(device_name, {}) if isinstance(data, dict) else None
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"tuned kernel configurations {path}: expected {{device name: {{case: config}}}}, "
+            f"got {type(data if entry is None else entry).__name__} for {device_name!r}"
+        )
+    return entry

@@ -20,7 +20,6 @@ braid does not, for that reason.)
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from braid.kernels._checks import (
     cuda_device_name,
     dot_precision,
     next_pow2,
+    tuned_configs,
 )
 from braid.kernels.kv_store import quantize_e4m3
 from braid.kernels.reference import (
@@ -390,9 +390,7 @@ def tuned_key(head_dim: int, dtype: torch.dtype) -> str:
 
 @functools.cache
 def _tuned(device_name: str, key: str) -> tuple[int, int, int, int] | None:
-    if not TUNED_CONFIGS.is_file():
-        return None
-    config = json.loads(TUNED_CONFIGS.read_text()).get(device_name, {}).get(key)
+    config = tuned_configs(TUNED_CONFIGS, device_name).get(key)
     return tuple(config) if config else None
 
 

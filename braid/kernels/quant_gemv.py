@@ -30,7 +30,6 @@ on the CPU.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from braid.kernels._checks import (
     check_tensor,
     cuda_device_name,
     next_pow2,
+    tuned_configs,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
 from braid.kernels.quant_gemm import MAGIC_BITS, _int8_to_float
@@ -116,9 +116,7 @@ def tuned_key(kind: str, n: int, k: int) -> str:
 
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
-    if not TUNED_CONFIGS.is_file():
-        return {}
-    table = json.loads(TUNED_CONFIGS.read_text()).get(device_name, {})
+    table = tuned_configs(TUNED_CONFIGS, device_name)
     return {key: GemvConfig(*c[:5], dot=bool(c[5:] and c[5])) for key, c in table.items()}
 
 

@@ -42,7 +42,6 @@ module is first imported.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from braid.kernels._checks import (
     check_tensor,
     dot_precision,
     next_pow2,
+    tuned_configs,
 )
 from braid.kernels.norm import rmsnorm_reference
 
@@ -305,9 +305,7 @@ def tuned_key(
 
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, list[int]]:
-    if not TUNED_CONFIGS.is_file():
-        return {}
-    return json.loads(TUNED_CONFIGS.read_text()).get(device_name, {})
+    return tuned_configs(TUNED_CONFIGS, device_name)
 
 
 def known_choice(configs: list, device_name: str, key: str) -> list:

@@ -200,3 +200,21 @@ def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
     assert [r["config"] for r in result["rows"]] == [[16, 16, 4, 1], [32, 16, 4, 2]]
     assert all(r["us"] > 0 and "error" not in r for r in result["rows"]), result["rows"]
     assert result["best"]["2x(5+20)"]["config"] in ([16, 16, 4, 1], [32, 16, 4, 2])
+
+
+def test_radix_lookup_matches_every_cached_token_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run(
+        [sys.executable, "benchmarks/radix_lookup.py", "--sequences", "12", "--system", "40"]
+        + ["--repeats", "2", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "radix_lookup" and r["sequences"] == 12
+    # Each prompt extends a cached sequence: all of it matches, the shared prefix once cached.
+    assert r["matched_tokens"] - r["cached_tokens"] == 40 * 11
+    assert len(r["pass_ms"]) == 2 and r["ms_per_pass"] > 0

@@ -300,3 +300,19 @@ def test_gpu_each_methods_layer_matches_its_reference(method, m):
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=3e-2)
     else:
         _close(got, want)
+
+
+def test_tuned_configuration_files_are_read_or_refused_naming_the_file(tmp_path):
+    from braid.kernels._checks import tuned_configs
+
+    path = tmp_path / "quant_gemv.json"
+    assert tuned_configs(path, "Some GPU") == {}  # no file: the built-in tables
+    path.write_text('{"Some GPU": {"int4/1/2": [16, 128, 1, 4, 2, false]}}')
+    assert tuned_configs(path, "Some GPU") == {"int4/1/2": [16, 128, 1, 4, 2, False]}
+    assert tuned_configs(path, "Other GPU") == {}
+    path.write_text('{"Some GPU": {"int4/1/2": [16, 128')  # cut short
+    with pytest.raises(ValueError, match=r"quant_gemv.json: not valid JSON"):
+        tuned_configs(path, "Some GPU")
+    path.write_text('{"Some GPU": [16, 128]}')
+    with pytest.raises(ValueError, match=r"quant_gemv.json: expected .* got list for 'Some GPU'"):
+        tuned_configs(path, "Some GPU")
