@@ -8,9 +8,10 @@
 # (SmolLM2's tokenizer files, from the converted embedded model in braid's cache).
 # Earlier sessions' parts are in this file's git history.
 #   part 1 (issue 18: int4 at batch 1 is 1.49x bf16, target 2.5x; its GEMV runs at 0.29-0.49
-#          of the copy rate): the int4 GEMV's new tensor-core form swept beside the CUDA-core
+#          of the copy rate): a tensor-core form of the int4 GEMV swept beside the CUDA-core
 #          one (quant_kernels.py --write-config), the GEMV GPU tests, then batch-1 decode
-#          float against int4 through braid.LLM with the chosen configurations
+#          float against int4 through braid.LLM (the form lost 2-7x and is not in the code
+#          any more: this part now sweeps the CUDA-core kernel alone)
 #   part 2 (issue 21: prefill 8k MFU 0.736 with Triton, target 0.75; FlashInfer's fa3 prefill
 #          was never timed against fa2): FlashInfer's kernels for the 8B shape built with fa3
 #          (checked against torch_native), then prefill 8k with Triton, FlashInfer fa3 and
