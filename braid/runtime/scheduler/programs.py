@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from braid.runtime.cache.radix_cache import common_prefix_len
 from braid.runtime.ipc.to_tokenizer import ProgramInfo
 from braid.runtime.scheduler.request import Req
 
@@ -79,22 +80,6 @@ def _call_of(req: Req) -> tuple[str | None, int | None]:
     if req.program_position is None:
         return req.rid, None
     return req.session_id, req.program_position
-
-
-def common_prefix_len(a: array, b: array) -> int:
-    """How many leading tokens `a` and `b` share (slices compared in C: a binary search over
-    the prefix length when they differ)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass(frozen=True)
