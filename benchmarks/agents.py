@@ -8,8 +8,13 @@ setup, all in one run:
 - program+pins: the same, each program's KV pinned across its tool calls for a TTL that
   follows how long its tool calls take (program sessions).
 
-First the unloaded latency (one program alone, lpm); then lpm at each `--rates` until its p99
-exceeds 4x that; the four setups are compared at that rate (the issue's load point).
+First the unloaded latency (the workload's first UNLOADED_SAMPLE programs, one at a time,
+lpm; its p99 is the sample's longest); then lpm at each `--rates` until its p99 exceeds 4x
+that; the setups are compared at that rate (the issue's load point), or at the last rate
+(`load_point_reached` false). `--mix heavy` gives each program its own thought length from a
+heavy-tailed (Pareto) distribution, where a few long programs hold much of the work: the mix
+in which least attained service has short programs to protect (Autellix's workloads);
+`uniform` (the default) thinks 12 tokens a step in every program.
 
     python benchmarks/programs.py --agent-traffic            # via programs.py
     python benchmarks/agents.py --programs 64 --rates 1,2,3   # directly
@@ -44,15 +49,20 @@ SYSTEM = (
     "search[Vienna]. Observation 2: Vienna lies on the Danube. Action 3: finish[the Danube].\n"
 )
 TOPICS = ["glaciers", "volcanoes", "coral reefs", "deserts", "rainforests", "tundra", "estuaries"]
-THOUGHT_TOKENS = 12
+THOUGHT_TOKENS = 12  # `--mix uniform`: every thought
+# `--mix heavy`: each program thinks at its own length, Pareto-distributed (shape 1.2: the
+# longest few programs hold most of the decode work, Autellix's case), from 8 tokens a thought
+# to at most 128.
+HEAVY_MIN, HEAVY_SHAPE, HEAVY_MAX = 8, 1.2, 128
+UNLOADED_SAMPLE = 8  # programs run one at a time for the unloaded latency
 
 
 @sgl.function
-def react(s, task, tools_ms):
+def react(s, task, tools_ms, thought_tokens=THOUGHT_TOKENS):
     s += SYSTEM + f"Question: {task}\n"
     for k, ms in enumerate(tools_ms):
         s += f"Thought {k + 1}:"
-        s += sgl.gen(f"thought{k}", max_tokens=THOUGHT_TOKENS, temperature=0, ignore_eos=True)
+        s += sgl.gen(f"thought{k}", max_tokens=thought_tokens, temperature=0, ignore_eos=True)
         s += f"\nAction {k + 1}: search["
         s[f"thought{k}"]  # the agent reads its thought to pick the tool call (waits for it)
         time.sleep(ms / 1000)  # the tool call
@@ -61,16 +71,27 @@ def react(s, task, tools_ms):
         s += "\n"
 
 
-def workload(n: int, rate: float, seed: int) -> list[tuple[float, dict]]:
+MIXES = ("uniform", "heavy")
+
+
+def workload(n: int, rate: float, seed: int, mix: str = "uniform") -> list[tuple[float, dict]]:
     """(arrival time, program arguments) of `n` programs at `rate` per second (Poisson), 3-8
-    steps each, tool calls of 50-500 ms."""
+    steps each, tool calls of 50-500 ms; thoughts of THOUGHT_TOKENS (`mix` uniform) or of a
+    Pareto-distributed length per program (heavy). The same seed gives the same programs at
+    every rate (and, uniform, the programs of earlier runs)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}: one of {', '.join(MIXES)}")
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(rate)
         steps = rng.randint(3, 8)
         task = f"what do {rng.choice(TOPICS)} have to do with {rng.choice(TOPICS)} (case {i})?"
-        out.append((t, {"task": task, "tools_ms": [rng.randint(50, 500) for _ in range(steps)]}))
+        args = {"task": task, "tools_ms": [rng.randint(50, 500) for _ in range(steps)]}
+        if mix == "heavy":
+            think = HEAVY_MIN * rng.paretovariate(HEAVY_SHAPE)
+            args["thought_tokens"] = min(HEAVY_MAX, int(think))
+        out.append((t, args))
     return out
 
 
@@ -124,8 +145,16 @@ SETUPS = {  # name -> (schedule_policy, program pins)
 
 
 def measure(
-    model: str | None, kv_tokens: int, policy: str, programs, pins: bool, **engine: object
+    model: str | None,
+    kv_tokens: int,
+    policy: str,
+    programs,
+    pins: bool,
+    alone: bool = False,
+    **engine: object,
 ) -> dict:
+    """One engine under `policy` runs `programs` at their arrival times; `alone`: one at a
+    time instead, each from an empty cache (the unloaded latency)."""
     with sgl.LLM(
         model, kv_tokens=kv_tokens, schedule_policy=policy, show_progress=False, **engine
     ) as llm:
@@ -133,6 +162,12 @@ def measure(
         backend = EngineBackend(llm)
         react.run(backend=backend, task="warm up", tools_ms=[1])  # imports, first forwards
         llm.flush_cache()
+        if alone:
+            times = []
+            for _, kwargs in programs:
+                times.append(run_traffic(backend, [(0.0, kwargs)], pins)["p50_s"])
+                llm.flush_cache()
+            return {"programs": len(times), "times_s": times}
         before = llm.stats()
         row = run_traffic(backend, programs, pins)
         after = llm.stats()
@@ -150,24 +185,34 @@ def agent_traffic(
     rates: list[float],
     kv_tokens: int,
     seed: int = 0,
+    mix: str = "uniform",
+    setups: tuple[str, ...] = tuple(SETUPS),
     **engine: object,
 ) -> dict:
-    """`engine`: further braid.LLM arguments (the GPU run's dummy weights and dtype)."""
-    alone = measure(model, kv_tokens, "lpm", workload(1, 1.0, seed), False, **engine)
-    unloaded = alone["p50_s"]
-    print(f"agents: unloaded program latency {unloaded:.2f} s", flush=True)
+    """`setups`: which of SETUPS to compare (lpm always). `engine`: further braid.LLM
+    arguments (the GPU run's dummy weights and dtype). The unloaded latency: the workload's
+    first UNLOADED_SAMPLE programs run one at a time under lpm; its p99 (the sample's longest)
+    is what lpm's p99 under load is held against."""
+    sample = workload(min(n, UNLOADED_SAMPLE), 1.0, seed, mix)
+    alone = measure(model, kv_tokens, "lpm", sample, False, alone=True, **engine)["times_s"]
+    unloaded, unloaded_p99 = statistics.median(alone), max(alone)
+    print(f"agents: unloaded p50 {unloaded:.2f} s, p99 {unloaded_p99:.2f} s: {alone}", flush=True)
     sweep, chosen = [], rates[-1]
     for rate in rates:
-        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed), False, **engine)
+        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed, mix), False, **engine)
         row["rate"] = rate
         sweep.append(row)
         print(f"agents: lpm at {rate}/s: {row}", flush=True)
-        if row["p99_s"] > 4 * unloaded:
+        if row["p99_s"] > 4 * unloaded_p99:
             chosen = rate
             break
-    programs = workload(n, chosen, seed)
-    setups = {}
-    for name, (policy, pins) in SETUPS.items():
+    programs = workload(n, chosen, seed, mix)
+    unknown = set(setups) - set(SETUPS)
+    if unknown:
+        raise ValueError(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
+    names, setups = [n for n in SETUPS if n in setups or n == "lpm"], {}
+    for name in names:
+        policy, pins = SETUPS[name]
         if name == "lpm" and sweep[-1]["rate"] == chosen:
             setups[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
         else:
@@ -179,7 +224,11 @@ def agent_traffic(
     return {
         "programs": n,
         "kv_tokens": kv_tokens,
-        "unloaded_s": unloaded,
+        "mix": mix,
+        "unloaded_s": round(unloaded, 3),
+        "unloaded_p99_s": round(unloaded_p99, 3),
+        "unloaded_times_s": alone,
+        "load_point_reached": sweep[-1]["p99_s"] > 4 * unloaded_p99,
         "lpm_sweep": sweep,
         "rate": chosen,
         "setups": setups,
@@ -193,6 +242,16 @@ def main() -> None:
     ap.add_argument("--rates", default="0.5,1,2,4", help="programs per second, tried in order")
     ap.add_argument("--kv-tokens", type=int, default=4096)
     ap.add_argument(
+        "--mix",
+        choices=MIXES,
+        default="uniform",
+        help="thought lengths: 12 tokens each (uniform) or Pareto-distributed per program, "
+        f"{HEAVY_MIN}-{HEAVY_MAX} tokens (heavy)",
+    )
+    ap.add_argument(
+        "--setups", default=",".join(SETUPS), help="which setups to compare (default: all)"
+    )
+    ap.add_argument(
         "--gpu-config",
         default=None,
         help="a config under benchmarks/configs (e.g. llama-3.1-8b): its shapes with random "
@@ -204,8 +263,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    names = tuple(args.setups.split(","))
     if args.gpu_config is None:
-        res = agent_traffic(args.model, args.programs, rates, args.kv_tokens)
+        res = agent_traffic(
+            args.model, args.programs, rates, args.kv_tokens, mix=args.mix, setups=names
+        )
         write_result("agents", "cpu", args.out, res)
     else:
         import tempfile
@@ -220,6 +282,8 @@ def main() -> None:
                 args.programs,
                 rates,
                 args.kv_tokens,
+                mix=args.mix,
+                setups=names,
                 load_format="dummy",
                 dtype="bfloat16",
             )

@@ -8,6 +8,19 @@ one block of `BLOCK_M` new tokens of one request for one query head, with an onl
 first over the prefix, read from the pool, then over the new keys, read from `k` and `v`
 directly, so the new tokens need not be in the pool yet.
 
+The packed form (`ExtendConfig.pack`) runs one program per KV head instead: its query tile holds
+the `BLOCK_M` new tokens of every one of the GROUP query heads that share the KV head, so each
+key and value block is loaded once for GROUP heads and each `tl.dot` is GROUP times taller,
+which pays where a program's own work is small (many short extends). `BLOCK_M` counts new tokens
+per program in both forms (the grid, the causal split and the rule that BLOCK_N divides BLOCK_M
+are the same); a packed tile has `BLOCK_M * GROUP` rows, token-major: row r is token
+`m_start + r // GROUP` of query head `kvh * GROUP + r % GROUP`. Token-major because that is the
+order of `q` and `out` in memory ([tokens, heads, head_dim]: the GROUP heads of one token are
+adjacent, so the tile is `BLOCK_M` contiguous runs of GROUP rows) and because the rows stay
+sorted by position, so every mask is a function of the row's token index alone, as in the
+unpacked tile. Packing needs GROUP a power of two (the tile's rows are a `tl.arange`) and at most
+`MAX_TILE_ROWS` rows; a GROUP of 1 packs to the unpacked kernel.
+
 With an fp8 pool (`float8_e4m3fn`, a K and a V scale) the prefix is read as `decode_attention`
 reads it (each value converted to q's dtype, the K scale folded into the scores' scale, the V
 scale applied to the output), and the new tokens' keys and values are rounded through e4m3
@@ -19,7 +32,9 @@ braid does not, for that reason.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -182,6 +197,7 @@ def _extend_kernel(
     stride_oh,
     stride_rt,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -190,31 +206,41 @@ def _extend_kernel(
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
+    """One program: `BLOCK_M` new tokens of request b for `HEADS` query heads (1: the head
+    `program_id(1)`; GROUP, packed: every head of the KV head `program_id(1)`), one tile row per
+    (token, head), token-major."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
     # The last blocks of queries first: they see the most keys, so a long prompt's slowest
     # programs start first rather than trailing the launch.
     m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     if m_start >= ext_len:
         return
-    kvh = h // GROUP
+    kvh = tl.program_id(1) * HEADS // GROUP
     prefix = tl.load(PrefixLens + b).to(tl.int32)
     q_start = tl.load(ExtendStart + b).to(tl.int64)
     row = tl.load(ReqIdx + b).to(tl.int64)
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    # Each row's token (its index among the request's new tokens) and query head.
+    if HEADS == 1:
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        head = tl.program_id(1)
+    else:
+        rows = tl.arange(0, BLOCK_M * HEADS)
+        offs_m = m_start + rows // HEADS
+        head = tl.program_id(1) * HEADS + rows % HEADS
     mask_m = offs_m < ext_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m) * stride_qt + head * stride_qh
     q = tl.load(
-        Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        Q + q_rows[:, None] + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )
-    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * HEADS], _M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * HEADS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * HEADS, BLOCK_D], dtype=tl.float32)
 
     # The cached prefix: every new token sees all of it (within the window).
     q_pos = prefix + offs_m
@@ -371,48 +397,145 @@ def _extend_kernel(
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:
         out = out * v_scale
+    o_rows = (q_start + offs_m) * stride_ot + head * stride_oh
     tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        O + o_rows[:, None] + offs_d[None, :],
         out,
         mask=mask_m[:, None] & mask_d[None, :],
     )
 
 
+# Query rows of one program's tile (BLOCK_M unpacked, BLOCK_M * GROUP packed): the accumulator
+# alone is rows x head_dim float32, in registers.
+MAX_TILE_ROWS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendConfig:
+    """A launch configuration of `extend_attention`.
+
+    `block_m`: new tokens per program (a packed tile has `block_m * GROUP` rows, at most
+    `MAX_TILE_ROWS` either way); `block_n`: keys per step, dividing `block_m` (the causal part's
+    unmasked key blocks must end where the program's tokens begin); both powers of two from 16
+    (`tl.dot`'s least size). `pack`: 1 for one program per KV head holding all GROUP query heads
+    (the module's docstring), 0 for one program per query head. As JSON (`TUNED_CONFIGS`,
+    benchmarks/tune_extend.py's results) it is `[block_m, block_n, num_warps, num_stages]`, with
+    `pack` as a fifth field when packed; a four-field entry is unpacked. A value that breaks these
+    rules raises `ValueError` naming it.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    pack: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not isinstance(value, int):
+                raise ValueError(f"extend_attention config: {name} must be an int, got {value!r}")
+        for name, value in (("BLOCK_M", self.block_m), ("BLOCK_N", self.block_n)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(
+                    f"extend_attention: {name} must be a power of two >= 16, got {value}"
+                )
+        if self.block_m % self.block_n:
+            raise ValueError(
+                f"extend_attention: BLOCK_N {self.block_n} must divide BLOCK_M {self.block_m}"
+            )
+        if self.block_m > MAX_TILE_ROWS:
+            raise ValueError(
+                f"extend_attention: BLOCK_M {self.block_m} exceeds {MAX_TILE_ROWS} tile rows"
+            )
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(
+                f"extend_attention: num_warps must be a power of two, got {self.num_warps}"
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"extend_attention: num_stages must be >= 1, got {self.num_stages}")
+        if self.pack not in (0, 1):
+            raise ValueError(f"extend_attention: pack must be 0 or 1, got {self.pack!r}")
+
+    @classmethod
+    def from_fields(cls, fields: Sequence[int]) -> ExtendConfig:
+        """From the JSON form: four fields (unpacked) or five (the last is `pack`)."""
+        if not isinstance(fields, (list, tuple)) or len(fields) not in (4, 5):
+            raise ValueError(
+                "extend_attention config must be (BLOCK_M, BLOCK_N, num_warps, num_stages"
+                f"[, pack]), got {fields!r}"
+            )
+        return cls(*fields)
+
+    def fields(self) -> list[int]:
+        """The JSON form: four fields unpacked, five (ending in 1) packed."""
+        fields = [self.block_m, self.block_n, self.num_warps, self.num_stages]
+        return fields + [1] if self.pack else fields
+
+    def rows(self, group: int) -> int:
+        """Query rows of a program's tile where GROUP query heads share a KV head."""
+        return self.block_m * group if self.pack else self.block_m
+
+    def unfit(self, group: int) -> str | None:
+        """Why this configuration cannot run where `group` query heads share a KV head; None
+        where it can (an unpacked one runs with any)."""
+        if not self.pack:
+            return None
+        if group & (group - 1):
+            return f"pack=1 needs GROUP (query heads per KV head) a power of two, got GROUP {group}"
+        if self.rows(group) > MAX_TILE_ROWS:
+            return (
+                f"pack=1 with BLOCK_M {self.block_m} and GROUP {group} makes "
+                f"{self.rows(group)} tile rows, more than {MAX_TILE_ROWS}"
+            )
+        return None
+
+
 # Launch configurations measured per GPU by benchmarks/tune_extend.py (`--write-config`):
-# {device name: {"<head dim>/<dtype>": [BLOCK_M, BLOCK_N, num_warps, num_stages]}}.
+# {device name: {tuned_key: ExtendConfig.fields()}}. A packed config is measured at one GROUP
+# and recorded under that GROUP's key; the key without a GROUP holds the best unpacked one.
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "extend_attention.json"
 
 
-def tuned_key(head_dim: int, dtype: torch.dtype) -> str:
-    """The key of a head size and dtype in `TUNED_CONFIGS`."""
-    return f"{next_pow2(head_dim)}/{str(dtype).removeprefix('torch.')}"
+def tuned_key(head_dim: int, dtype: torch.dtype, group: int | None = None) -> str:
+    """The key of a head size and dtype in `TUNED_CONFIGS` ("128/bfloat16"), with `group`
+    query heads per KV head for an entry that holds for that GROUP alone ("128/bfloat16/g4")."""
+    key = f"{next_pow2(head_dim)}/{str(dtype).removeprefix('torch.')}"
+    return key if group is None else f"{key}/g{group}"
 
 
 @functools.cache
-def _tuned(device_name: str, key: str) -> tuple[int, int, int, int] | None:
-    config = tuned_configs(TUNED_CONFIGS, device_name).get(key)
-    return tuple(config) if config else None
+def _tuned(device_name: str, key: str) -> ExtendConfig | None:
+    fields = tuned_configs(TUNED_CONFIGS, device_name).get(key)
+    if not fields:
+        return None
+    try:
+        return ExtendConfig.from_fields(fields)
+    except ValueError as e:
+        raise ValueError(f"tuned kernel configurations {TUNED_CONFIGS}: {key}: {e}") from e
 
 
 def _blocks(
-    head_dim: int, dtype: torch.dtype, device: torch.device, tuned: bool = True
-) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the configuration tuned for this GPU, head
-    size and dtype where one was measured (`TUNED_CONFIGS`; `tuned=False` skips it), else by
-    head size; float32 tiles take twice the registers. BLOCK_N divides BLOCK_M (the kernel's
-    unmasked causal blocks rely on it)."""
+    head_dim: int, dtype: torch.dtype, device: torch.device, group: int, tuned: bool = True
+) -> ExtendConfig:
+    """The configuration tuned for this GPU, head size and dtype (`TUNED_CONFIGS`; `tuned=False`
+    skips it), for this `group` where one was measured at it, else for any GROUP; else an
+    unpacked one by head size (float32 tiles take twice the registers). A tuned entry that
+    cannot run with this `group` (a packed one, hand-written) gives way rather than failing
+    the launch."""
     block_d = next_pow2(head_dim)
     if tuned and device.type == "cuda":
-        config = _tuned(cuda_device_name(device.index), tuned_key(head_dim, dtype))
-        if config is not None:
-            return config
+        name = cuda_device_name(device.index)
+        for key in (tuned_key(head_dim, dtype, group), tuned_key(head_dim, dtype)):
+            config = _tuned(name, key)
+            if config is not None and config.unfit(group) is None:
+                return config
     if block_d <= 128:
         m, n, warps = 64, 64, 4
     else:
         m, n, warps = 32, 32, 8
     if dtype == torch.float32 and device.type == "cuda":
         m, n = max(16, m // 2), max(16, n // 2)
-    return m, n, warps, 1
+    return ExtendConfig(m, n, warps, 1)
 
 
 def extend_attention(
@@ -433,7 +556,7 @@ def extend_attention(
     max_extend_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    config: tuple[int, int, int, int] | None = None,
+    config: ExtendConfig | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and themselves.
 
@@ -455,8 +578,12 @@ def extend_attention(
     and `v_scale`; ignored for a float cache): the prefix is dequantized, and the new tokens
     are used as the cache would store them (see the module's docstring).
 
-    `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the default launch
-    configuration (benchmarks/tune_extend.py sweeps it); BLOCK_N must divide BLOCK_M.
+    `config` replaces the launch configuration tuned for this GPU (or the built-in default): an
+    `ExtendConfig` or its fields, (BLOCK_M, BLOCK_N, num_warps, num_stages) for one program per
+    query head or (BLOCK_M, BLOCK_N, num_warps, num_stages, 1) for the packed form, one program
+    per KV head (benchmarks/tune_extend.py sweeps both). One that breaks `ExtendConfig`'s rules,
+    or asks to pack where GROUP (query heads per KV head) is not a power of two or
+    `BLOCK_M * GROUP` exceeds `MAX_TILE_ROWS`, raises `ValueError`.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     tokens, num_heads, _ = q.shape
@@ -482,13 +609,19 @@ def extend_attention(
         max_extend_len = int(extend_lens.max()) if batch > 0 else 0
     elif not isinstance(max_extend_len, int) or max_extend_len < 0:
         raise ValueError(f"max_extend_len must be a non-negative integer, got {max_extend_len!r}")
+    group = num_heads // kv_heads
+    if config is None:
+        config = _blocks(head_dim, q.dtype, device, group)
+    elif not isinstance(config, ExtendConfig):
+        config = ExtendConfig.from_fields(config)
+    unfit = config.unfit(group)
+    if unfit is not None:
+        raise ValueError(f"extend_attention: {unfit}")
     if batch == 0 or tokens == 0 or max_extend_len == 0:
         return out
 
-    block_m, block_n, warps, stages = config or _blocks(head_dim, q.dtype, device)
-    if block_m % block_n:
-        raise ValueError(f"extend_attention: BLOCK_N {block_n} must divide BLOCK_M {block_m}")
-    grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
+    heads_per_program = group if config.pack else 1
+    grid = (batch, num_heads // heads_per_program, triton.cdiv(max_extend_len, config.block_m))
     _extend_kernel[grid](
         q,
         k,
@@ -519,16 +652,17 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
-        GROUP=num_heads // kv_heads,
+        GROUP=group,
+        HEADS=heads_per_program,
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         USE_WINDOW=win > 0,
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=fp8,
-        num_warps=warps,
-        num_stages=stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 

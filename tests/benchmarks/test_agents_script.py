@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _run(tmp_path: Path, *args: str) -> dict:
@@ -47,9 +50,33 @@ def test_agent_traffic_runs_every_setup(tmp_path):
 
 def test_agent_traffic_runs_on_a_configs_shapes_with_random_weights(tmp_path):
     """The H200 run's path (`--gpu-config`: a config's shapes, random bf16 weights, SmolLM2's
-    tokenizer) at toy size on the CPU."""
-    res = _run(tmp_path, "benchmarks/agents.py", "--gpu-config", "tiny-llama", "--programs", "2")
-    assert res["config"] == "tiny-llama" and res["device"] == "cpu"
-    assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins"}
+    tokenizer) at toy size on the CPU, with the heavy-tailed mix and two setups."""
+    res = _run(
+        tmp_path,
+        "benchmarks/agents.py",
+        *("--gpu-config", "tiny-llama", "--programs", "2"),
+        *("--mix", "heavy", "--setups", "program+pins"),
+    )
+    assert res["config"] == "tiny-llama" and res["device"] == "cpu" and res["mix"] == "heavy"
+    assert set(res["setups"]) == {"lpm", "program+pins"}  # lpm always: the baseline
     for name, row in res["setups"].items():
         assert row["programs"] == 2 and row["prefill_tokens_computed"] > 0, (name, row)
+    assert len(res["unloaded_times_s"]) == 2 and res["unloaded_p99_s"] >= res["unloaded_s"]
+
+
+def test_the_heavy_mix_gives_each_program_its_own_thought_length():
+    import agents
+
+    uniform = agents.workload(256, 4.0, seed=0)
+    heavy = agents.workload(256, 4.0, seed=0, mix="heavy")
+    assert all("thought_tokens" not in args for _, args in uniform)
+    lengths = sorted(args["thought_tokens"] for _, args in heavy)
+    assert agents.HEAVY_MIN <= lengths[0] and lengths[-1] <= agents.HEAVY_MAX
+    # Heavy-tailed: most programs think briefly, a few at the cap.
+    assert lengths[len(lengths) // 2] < 3 * agents.HEAVY_MIN and lengths[-3] == agents.HEAVY_MAX
+    # Arrival times follow the rate alone: the same programs at every rate.
+    slower = agents.workload(256, 2.0, seed=0, mix="heavy")
+    assert [a for _, a in slower] == [a for _, a in heavy]
+    assert slower[-1][0] > heavy[-1][0]
+    with pytest.raises(ValueError, match="unknown mix 'long'"):
+        agents.workload(4, 1.0, seed=0, mix="long")

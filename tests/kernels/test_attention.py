@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
 from braid.kernels import decode_attention, extend_attention, store_kv
 from braid.kernels.attention_decode import decode_attention_reference, workspace_numel
-from braid.kernels.attention_extend import extend_attention_reference
+from braid.kernels.attention_extend import ExtendConfig, extend_attention_reference
 from braid.kernels.kv_store import store_kv_reference
 from braid.kernels.reference import dequantize_kv_reference, quantize_kv_reference
 from tests.kernels.conftest import CPU_DTYPES
@@ -210,16 +213,90 @@ def test_extend_matches_reference_on_ragged_batch_with_prefixes(
     _close(got, want, dtype)
 
 
-@pytest.mark.parametrize("config", [(32, 16, 4, 1), (16, 16, 4, 2), (64, 32, 8, 3)])
+@pytest.mark.parametrize(
+    "config",
+    [(32, 16, 4, 1), (16, 16, 4, 2), (64, 32, 8, 3), (32, 16, 4, 1, 1), (64, 32, 8, 3, 1)],
+)
 @pytest.mark.parametrize("window", [None, 9])
 def test_extend_launch_configs_give_the_same_result(device, config, window):
-    """Every launch configuration the tuning sweep tries: whole key blocks (prefix and causal)
-    run unmasked, partial and diagonal ones masked, the last query blocks launch first."""
+    """Every launch configuration the tuning sweep tries, packed (a fifth field 1) or not:
+    whole key blocks (prefix and causal) run unmasked, partial and diagonal ones masked, the
+    last query blocks launch first."""
     args = _extend_case([70, 0, 33], [70, 45, 1], 4, 2, 16, torch.float32, device)
     got = extend_attention(*args, 0.25, window=window, config=config)
     _close(got, extend_attention_reference(*args, 0.25, window=window), torch.float32)
     with pytest.raises(ValueError, match="BLOCK_N 32 must divide BLOCK_M 16"):
         extend_attention(*args, 0.25, config=(16, 32, 4, 1))
+
+
+# Packed (one program per KV head, its GROUP query heads in one tile) against the unpacked
+# kernel: the same keys in the same order, so equal but for the rounding of a taller tl.dot.
+PACKED_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads", [(2, 2), (4, 2), (8, 2), (8, 1)], ids=["g1", "g2", "g4", "g8"]
+)
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_packed_extend_matches_reference_and_the_unpacked_kernel(
+    device, heads, kv_heads, window, dtype
+):
+    # No prefix and extends of 5 and 37 (not multiples of BLOCK_M 16), a one-token extend
+    # after a 13-token prefix, 32 new tokens (two whole blocks) after a 40-token prefix.
+    args = _extend_case([0, 13, 40, 0], [5, 1, 32, 37], heads, kv_heads, 16, dtype, device)
+    got = extend_attention(*args, 0.25, window=window, config=(16, 16, 4, 1, 1))
+    _close(got, extend_attention_reference(*args, 0.25, window=window), dtype)
+    unpacked = extend_attention(*args, 0.25, window=window, config=(16, 16, 4, 1))
+    tol = PACKED_TOL[dtype]
+    torch.testing.assert_close(got, unpacked, atol=tol, rtol=tol)
+
+
+def test_packed_extend_leaves_rows_of_no_request_untouched(device):
+    """A packed tile's rows past its request's last token are not stored: the 3-token request
+    fills 12 of its tile's 64 rows (the rest would land on the next request's rows), the
+    20-token one 16 of its second tile's (the rest on rows of no request)."""
+    q, k, v, *rest = _extend_case([7, 0], [3, 20], 8, 2, 16, torch.float32, device)
+    pad = torch.full((5, 8, 16), 7.0, device=device)
+    q, k, v = (torch.cat([x, pad[:, : x.shape[1]]]) for x in (q, k, v))
+    out = torch.full_like(q, 7.0)
+    extend_attention(q, k, v, *rest, 0.3, out=out, config=(16, 16, 4, 1, 1))
+    assert torch.equal(out[-5:], pad)
+    _close(out[:-5], extend_attention_reference(q, k, v, *rest, 0.3)[:-5], torch.float32)
+
+
+@pytest.mark.parametrize(
+    "heads,config,message",
+    [
+        (8, (16, 16, 4, 1, 2), "pack must be 0 or 1, got 2"),
+        (8, (128, 16, 4, 1, 1), "BLOCK_M 128 and GROUP 4 makes 512 tile rows, more than 256"),
+        (6, (16, 16, 4, 1, 1), "power of two, got GROUP 3"),
+        (8, (16, 32, 4, 1, 1), "BLOCK_N 32 must divide BLOCK_M 16"),
+        (8, (48, 16, 4, 1, 1), "BLOCK_M must be a power of two >= 16, got 48"),
+        (8, (16, 8, 4, 1), "BLOCK_N must be a power of two >= 16, got 8"),
+        (8, (512, 16, 4, 1), "BLOCK_M 512 exceeds 256 tile rows"),
+        (8, (16, 16, 3, 1), "num_warps must be a power of two, got 3"),
+        (8, (16, 16, 4, 0), "num_stages must be >= 1, got 0"),
+        (8, (16, 16, 4), "got (16, 16, 4)"),
+        (8, (16.0, 16, 4, 1), "block_m must be an int, got 16.0"),
+    ],
+)
+def test_extend_rejects_configs_it_cannot_run(device, heads, config, message):
+    args = _extend_case([2, 0], [3, 4], heads, 2, 16, torch.float32, device)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        extend_attention(*args, 1.0, config=config)
+
+
+def test_packed_extend_runs_at_the_tile_row_limit(device):
+    args = _extend_case([5, 0], [40, 7], 16, 2, 16, torch.float32, device)  # GROUP 8
+    got = extend_attention(*args, 0.25, config=(32, 16, 4, 1, 1))  # 256 rows
+    _close(got, extend_attention_reference(*args, 0.25), torch.float32)
+
+
+def test_extend_with_a_group_of_three_runs_unpacked(device):
+    args = _extend_case([2, 17], [3, 20], 6, 2, 16, torch.float16, device)
+    got = extend_attention(*args, 0.25, config=(16, 16, 4, 1))
+    _close(got, extend_attention_reference(*args, 0.25), torch.float16)
 
 
 def test_extend_with_int32_lengths_strided_kv_and_given_out(device):
@@ -276,15 +353,22 @@ def test_decode_real_sizes_gpu(dtype, head_dim):
         _close(got, want, dtype)
 
 
+# Packed configurations at GROUP 4 (32 query heads, 8 KV heads): 64, 128 and 256 tile rows;
+# at head dim 256 only the smallest (a 128 x 256 float32 accumulator spills).
+GPU_PACKED = [(16, 16, 4, 2, 1), (32, 32, 4, 3, 1), (64, 32, 8, 2, 1)]
+GPU_EXTEND_CONFIGS = [(d, None) for d in (64, 128, 256)]
+GPU_EXTEND_CONFIGS += [(d, c) for d in (64, 128) for c in GPU_PACKED] + [(256, GPU_PACKED[0])]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_extend_real_sizes_gpu(dtype, head_dim):
+@pytest.mark.parametrize("head_dim,config", GPU_EXTEND_CONFIGS, ids=str)
+def test_extend_real_sizes_gpu(dtype, head_dim, config):
     dev = torch.device("cuda")
     args = _extend_case([0, 1000, 3000, 17], [1024, 333, 1000, 2048], 32, 8, head_dim, dtype, dev)
     scale = head_dim**-0.5
     for window in (None, 512):
-        got = extend_attention(*args, scale, window=window)
+        got = extend_attention(*args, scale, window=window, config=config)
         _close(got, extend_attention_reference(*args, scale, window=window), dtype)
 
 
@@ -452,17 +536,20 @@ def test_decode_over_fp8_cache_with_a_tree_tail(device):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize(
+    "heads,config", [(4, None), (4, (16, 16, 4, 1, 1)), (8, (16, 16, 4, 1, 1))], ids=str
+)
 def test_extend_over_fp8_cache_reads_new_tokens_as_the_cache_stores_them(
-    device, dtype, k_scale, v_scale
+    device, dtype, k_scale, v_scale, heads, config
 ):
     q, k, v, k_cache, v_cache, *rest = _extend_case(
-        [0, 13, 70], [5, 1, 9], 4, 2, 16, torch.float32, device
+        [0, 13, 70], [5, 1, 19], heads, 2, 16, torch.float32, device
     )
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     kq = quantize_kv_reference(k_cache * k_scale, k_scale)
     vq = quantize_kv_reference(v_cache * v_scale, v_scale)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    got = extend_attention(q, k, v, kq, vq, *rest, 0.25, window=6, **scales)
+    got = extend_attention(q, k, v, kq, vq, *rest, 0.25, window=6, config=config, **scales)
     want = extend_attention_reference(q, k, v, kq, vq, *rest, 0.25, window=6, **scales)
     _close(got, want, dtype)
 
@@ -480,6 +567,7 @@ def test_extend_over_fp8_cache_reads_new_tokens_as_the_cache_stores_them(
         *rest,
         0.25,
         window=6,
+        config=config,
     )
     _close(got, plain, dtype)
 
@@ -509,8 +597,10 @@ def test_fp8_cache_kernels_real_sizes_gpu(dtype):
     _close(got, want, dtype)
     q, k, v, kc, vc, *rest = _extend_case([0, 1000, 17], [1024, 333, 2048], 32, 8, 128, dtype, dev)
     kc, vc = quantize_kv_reference(kc, 0.05), quantize_kv_reference(vc, 0.02)
-    got = extend_attention(q, k, v, kc, vc, *rest, 128**-0.5, **kw)
-    _close(got, extend_attention_reference(q, k, v, kc, vc, *rest, 128**-0.5, **kw), dtype)
+    want = extend_attention_reference(q, k, v, kc, vc, *rest, 128**-0.5, **kw)
+    for config in (None, (32, 32, 4, 3, 1)):
+        got = extend_attention(q, k, v, kc, vc, *rest, 128**-0.5, config=config, **kw)
+        _close(got, want, dtype)
 
 
 def test_a_tuned_launch_config_is_read_per_gpu_head_size_and_dtype(tmp_path, monkeypatch):
@@ -525,8 +615,45 @@ def test_a_tuned_launch_config_is_read_per_gpu_head_size_and_dtype(tmp_path, mon
     try:
         assert ae.tuned_key(128, torch.bfloat16) == "128/bfloat16"
         assert ae.tuned_key(96, torch.float16) == "128/float16"
-        assert ae._tuned("NVIDIA H200", "128/bfloat16") == (128, 64, 8, 3)
+        assert ae.tuned_key(128, torch.bfloat16, 4) == "128/bfloat16/g4"
+        assert ae._tuned("NVIDIA H200", "128/bfloat16") == ExtendConfig(128, 64, 8, 3, pack=0)
         assert ae._tuned("NVIDIA H200", "128/float16") is None
         assert ae._tuned("NVIDIA A100-SXM4-80GB", "128/bfloat16") is None
+    finally:
+        ae._tuned.cache_clear()
+
+
+def test_a_packed_tuned_config_is_used_for_the_group_it_was_measured_at(tmp_path, monkeypatch):
+    """A five-field entry is packed. Under a GROUP's key it serves models of that GROUP, the
+    key without one every other model; an entry a model's GROUP cannot pack (hand-written)
+    gives way to the built-in default, never to a failing launch."""
+    from braid.kernels import attention_extend as ae
+
+    path = tmp_path / "extend_attention.json"
+    entries = {
+        "128/bfloat16": [64, 64, 4, 3],
+        "128/bfloat16/g4": [64, 32, 8, 3, 1],
+        "128/float16": [32, 32, 4, 3, 1],
+        "64/bfloat16/g4": [32, 16, 4, 3, 2],
+    }
+    path.write_text(json.dumps({"NVIDIA H200": entries}))
+    monkeypatch.setattr(ae, "TUNED_CONFIGS", path)
+    monkeypatch.setattr(ae, "cuda_device_name", lambda index: "NVIDIA H200")
+    ae._tuned.cache_clear()
+    try:
+        packed, unpacked = ExtendConfig(64, 32, 8, 3, pack=1), ExtendConfig(64, 64, 4, 3)
+        assert packed.fields() == [64, 32, 8, 3, 1] and unpacked.fields() == [64, 64, 4, 3]
+        cuda = torch.device("cuda", 0)
+        default = ae._blocks(128, torch.bfloat16, cuda, 4, tuned=False)
+        assert not default.pack and default != unpacked
+        assert ae._blocks(128, torch.bfloat16, cuda, 4) == packed
+        for group in (1, 2, 3, 8):
+            assert ae._blocks(128, torch.bfloat16, cuda, group) == unpacked
+        half_packed = ExtendConfig(32, 32, 4, 3, pack=1)
+        assert ae._blocks(128, torch.float16, cuda, 8) == half_packed  # 256 rows: the limit
+        assert ae._blocks(128, torch.float16, cuda, 16) == default  # 512 rows
+        assert ae._blocks(128, torch.float16, cuda, 5) == default
+        with pytest.raises(ValueError, match=r"extend_attention\.json: 64/bfloat16/g4: .*got 2"):
+            ae._blocks(64, torch.bfloat16, cuda, 4)
     finally:
         ae._tuned.cache_clear()

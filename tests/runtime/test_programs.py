@@ -340,6 +340,25 @@ def test_programs_are_listed_by_pinned_tokens_then_service():
     assert infos[2].service == 500 and infos[2].in_flight == 1
 
 
+def test_releasable_pages_leave_out_what_a_running_request_holds():
+    alloc = PageAllocator(129, 1)
+    cache = RadixCache(alloc)
+    pins = SessionPins(cache, max_pages=64)
+    shared, own = [1] * 8, [1] * 8 + [2] * 4
+    cache.insert(own, alloc.alloc(12))
+    cache.insert([3] * 6, alloc.alloc(6))
+    pins.pin("a", own)
+    pins.pin("b", [3] * 6)
+    assert pins.releasable_pages() == 18 == pins.pinned_pages
+    running = cache.match_prefix(shared).node  # a request whose prefix is a's first 8 pages
+    cache.lock(running)
+    assert pins.releasable_pages() == 10  # a's last 4 and b's 6: the shared 8 stay held
+    pins.pin("c", shared)  # a second pin on the shared pages changes nothing
+    assert pins.releasable_pages() == 10
+    cache.unlock(running)
+    assert pins.releasable_pages() == 18
+
+
 def test_pins_are_counted_per_program():
     alloc = PageAllocator(129, 1)
     cache = RadixCache(alloc)
@@ -677,6 +696,32 @@ def test_a_pin_gives_way_to_a_waiting_request_when_nothing_else_would_free_room(
     tokens = run_to_end(s)
     assert len(tokens["long"]) == len(tokens["agent/1"]) == 4
     assert s.control("stats")["pins_released_for_room"] == 1
+
+
+def test_a_pin_gives_way_to_the_head_of_the_queue_while_others_run(tiny_model_dirs):
+    """A 170-token prompt fits beside a running request only in the pinned program's room:
+    it is admitted while that request still runs, and the pin goes (a pin used to keep the
+    queue's head waiting for as long as anything ran: under a queue, pins holding half the
+    pool for paused programs halved what could run)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="fcfs")
+    rng = random.Random(12)
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("agent/0", [rng.randrange(1, 500) for _ in range(40)], sp, 0, "agent"))
+    run_to_end(s)
+    assert s.control("stats")["pinned_tokens"] >= 40
+    runner = braid.SamplingParams(max_tokens=40, **GREEDY)
+    s.handle(GenerateReq("runner", [rng.randrange(1, 500) for _ in range(20)], runner, 0))
+    s.step()  # the runner is admitted and runs
+    s.handle(GenerateReq("big", [rng.randrange(1, 500) for _ in range(170)], sp, 0))
+    finished = []
+    while s.has_work:
+        for out in s.step():
+            if out.finish_reason:
+                finished.append(out.rid)
+        s.check_invariants()
+    assert finished == ["big", "runner"]  # big did not wait for the runner's end
+    stats = s.control("stats")
+    assert stats["pins_released_for_room"] == 1 and stats["retractions"] == 0
 
 
 def test_pins_give_way_one_at_a_time_to_a_prompt_between_chunks_when_nothing_runs(

@@ -28,9 +28,13 @@ from braid.runtime.scheduler.programs import ProgramTable, program_of
 from braid.runtime.scheduler.request import Req
 
 # `program`: attained-service thresholds (tokens computed for the program) between its
-# priority levels, and the wait that lifts a request one level.
+# priority levels, and the wait that lifts a request one level. Aging bounds starvation (a
+# request waits at most about 5 x PROGRAM_AGING_S longer than a new program's), and must not
+# decide the order under an ordinary backlog: at 2 s a level, with waits of 20-80 s past the
+# CPU's throughput, it ordered by wait alone (as fcfs: p50 35.4 s against fcfs' 34.2 and lpm's
+# 24.9, `benchmarks/agents.py --programs 64 --mix heavy --rates 2`); at 30 s, 28.9 s.
 PROGRAM_LEVELS = (256, 1024, 4096, 16384, 65536)
-PROGRAM_AGING_S = 2.0
+PROGRAM_AGING_S = 30.0
 
 # Past this many waiting requests, lpm's per-request matching costs more than it saves.
 LPM_MAX_QUEUE = 128

@@ -7,10 +7,12 @@ is not a short one). A
 request is admitted when its table row, its first chunk and the decode reserve of everything
 running fit in free and evictable pages (a request admitted alone needs no reserve); admission
 stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
-chunks, one prompt at a time. When nothing runs and nothing else is in the step, session pins
-give way, the soonest to expire first and one at a time, until the first request in policy
-order, or the next chunk of the prompt between chunks, fits (`_pins_give_way`): else nothing
-would free the room, and the scheduler would stall.
+chunks, one prompt at a time. Session pins are the KV that goes first after the unpinned cache
+(`_pins_give_way`): they give way, the soonest to expire first and one at a time, to the first
+request in policy order when releasing them can make it fit (a pin never keeps the queue's
+head waiting: under a queue, pins that held half the pool for paused programs had halved what
+ran), and, when nothing runs and nothing else is in the step, to the next chunk of the prompt
+between chunks (else nothing would free the room, and the scheduler would stall).
 
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
@@ -155,8 +157,10 @@ class PrefillPlanner:
             if match is not None:
                 self.kv.cache.lock(match.node)
             grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
-            fits = self.fits(grow, running + [r for r, _ in items] + [req])
-            while not fits and self._pins_give_way(end, items):
+            decoding = running + [r for r, _ in items] + [req]
+            fits = self.fits(grow, decoding)
+            head = not admitted and self.fits(grow, decoding, self.kv.sessions.releasable_pages())
+            while not fits and self._pins_give_way(end, items, head):
                 if not self.kv.sessions.release_soonest():
                     break
                 fits = self.fits(grow, running + [r for r, _ in items] + [req])
@@ -173,18 +177,20 @@ class PrefillPlanner:
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
 
-    def _pins_give_way(self, end: int, items: list[tuple[Req, int]]) -> bool:
+    def _pins_give_way(self, end: int, items: list[tuple[Req, int]], head: bool = False) -> bool:
         """Whether session pins may be released (the soonest to expire first, one at a time
         until it fits) for a request that does not fit with its KV up to `end` (a waiting
-        request's first chunk, or a prompt's next chunk): only when nothing runs and nothing
-        else is in this step, so nothing else would ever free the room (the scheduler would
-        stall). Then the request and the pins hold all KV, so it fits once enough pins are
-        gone, as long as the pool holds `end` tokens: admission refuses longer prompts (the
-        context length is capped at the pool's size), and no pin goes for a request that could
-        not fit anyway."""
-        if items or self.reqs.count(ReqStatus.RUNNING):
+        request's first chunk, or a prompt's next chunk). `head`: the request is the first in
+        policy order this step and would fit were every pin released (`releasable_pages`: a
+        pin on a running request's prefix frees nothing); pins then give way
+        (after the unpinned cache, before anyone waits for them). Otherwise only when nothing
+        runs and nothing else is in this step, so nothing else would ever free the room (the
+        scheduler would stall); then the request and the pins hold all KV, so it fits once
+        enough pins are gone. Never for a request longer than the pool (admission refuses
+        longer prompts: the context length is capped at the pool's size)."""
+        if self.kv.allocator.pages_for(end) > self.kv.allocator.capacity_pages:
             return False
-        return self.kv.allocator.pages_for(end) <= self.kv.allocator.capacity_pages
+        return head or not (items or self.reqs.count(ReqStatus.RUNNING))
 
     def _jumped_items(self) -> list[tuple[Req, int]]:
         """Extend items computing the KV of jump-forward tokens; a request that cannot get the
@@ -210,8 +216,8 @@ class PrefillPlanner:
     def admits_now(self) -> bool:
         """Whether a prefill step now would admit a waiting request: the first in policy
         order, the one `plan` tries first (it stops at the first that does not fit), with its
-        cached prefix and, when chunking, only its first chunk. Under a backlog that must wait
-        for KV, decode steps keep running ahead."""
+        cached prefix and, when chunking, only its first chunk, in the room the pins would
+        give. Under a backlog that must wait for KV, decode steps keep running ahead."""
         waiting = self.reqs.view(ReqStatus.WAITING)
         running = self.reqs.view(ReqStatus.RUNNING)
         if not waiting or len(running) >= self.max_running:
@@ -232,12 +238,15 @@ class PrefillPlanner:
         chunks = self.chunked and req.params.prompt_logprobs is None
         if end - start > self.budget and chunks:
             end = self._chunk_end(start, req, self.budget)
-        return self.fits(self.kv.allocator.pages_for(end) - cached, running + [req])
+        grow = self.kv.allocator.pages_for(end) - cached
+        pinned = self.kv.sessions.releasable_pages()  # the head would take the pins' room
+        return self.fits(grow, running + [req], pinned)
 
-    def fits(self, grow: int, decoding: list[Req]) -> bool:
-        """Whether `grow` new pages fit in free and evictable pages with the decode reserve of
-        `decoding` (the running requests plus those being admitted); a request admitted alone
-        needs no reserve."""
-        room = self.kv.room
+    def fits(self, grow: int, decoding: list[Req], pinned: int = 0) -> bool:
+        """Whether `grow` new pages fit in free and evictable pages (and `pinned` pages that
+        releasing session pins would make evictable) with the decode reserve of `decoding`
+        (the running requests plus those being admitted); a request admitted alone needs no
+        reserve."""
+        room = self.kv.room + pinned
         reserve = self.decode.reserve(decoding)
         return grow + reserve <= room or (len(decoding) == 1 and grow <= room)

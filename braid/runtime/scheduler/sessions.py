@@ -5,9 +5,10 @@ Any client can name a session, so pins are bounded three ways: all pins together
 `max_pages` pages (half the pool), one session at most half of that, and at most
 `max_sessions` sessions are pinned (pinning one more releases the least recently used). A pin
 also expires after its TTL: `ttl_s`, or the one its pin asks for (a program's, adapted to its
-tool calls: `programs.ProgramTable.pin_ttl`). Under memory pressure the scheduler releases
-pins, the soonest to expire first, before it retracts a running request, and when nothing
-runs, one at a time until the next prefill fits (`release_soonest`).
+tool calls: `programs.ProgramTable.pin_ttl`). Pins are the KV that goes first after the
+unpinned cache: the scheduler releases them, the soonest to expire first, before it retracts
+a running request, and one at a time until the first waiting request in policy order fits
+(`release_soonest`; `prefill.PrefillPlanner._pins_give_way`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ class SessionPins:
             held, sessions = out.get(program, (0, 0))
             out[program] = (held + pages, sessions + 1)
         return out
+
+    def releasable_pages(self) -> int:
+        """Pages that releasing every pin would make evictable: those of pinned nodes (and
+        their ancestors) that nothing but pins holds (a running request's prefix stays)."""
+        pins_on: dict[int, int] = {}
+        nodes: dict[int, TreeNode] = {}
+        for node in self.nodes():
+            while node is not None and node.parent is not None:  # up to, not into, the root
+                pins_on[id(node)] = pins_on.get(id(node), 0) + 1
+                nodes[id(node)] = node
+                node = node.parent
+        return sum(len(n.pages) for k, n in nodes.items() if n.lock_ref == pins_on[k])
 
     @property
     def pinned_pages(self) -> int:
