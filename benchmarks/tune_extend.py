@@ -16,7 +16,7 @@ the bf16 matmul rate measured in the same run (attention FLOPs: 4 x head dim per
 key pair, causal), beside the built-in default's. The chosen configuration is the one whose
 worst case is nearest that case's best; `--write-config` records it for this GPU in
 braid/kernels/configs/extend_attention.json (`ExtendConfig.fields()`: four fields, or five
-ending in 1 when packed), which `_blocks` in braid/kernels/attention_extend.py reads: the best
+ending in 1 when packed), which `launch_config` in braid/kernels/extend_config.py reads: the best
 unpacked config under "128/bfloat16" for every model, and a packed winner under "128/bfloat16/g4"
 for models of this sweep's GROUP (4) alone. Configs are reported in that form too. Writes
 benchmarks/results/tune_extend_<device>.json.
@@ -38,11 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import _elapsed_s, matmul_rate, write_result  # noqa: E402
 from braid.kernels.attention_extend import (  # noqa: E402
-    TUNED_CONFIGS,
-    ExtendConfig,
-    _blocks,
     extend_attention,
     extend_attention_reference,
+)
+from braid.kernels.extend_config import (  # noqa: E402
+    TUNED_CONFIGS,
+    ExtendConfig,
+    launch_config,
     tuned_key,
 )
 
@@ -135,7 +137,7 @@ def main() -> None:
     configs = (unpacked if pack in ("0", "both") else []) + (
         [c for c in packed if c.unfit(group) is None] if pack in ("1", "both") else []
     )
-    default = _blocks(d, dtype, device, group, tuned=False)
+    default = launch_config(d, dtype, device, group, tuned=False)
     rows = []
     for batch, prefix, new in cases:
         inputs = case_inputs(batch, prefix, new, heads, kvh, d, dtype, device)

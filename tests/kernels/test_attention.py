@@ -10,7 +10,8 @@ import torch
 
 from braid.kernels import decode_attention, extend_attention, store_kv
 from braid.kernels.attention_decode import decode_attention_reference, workspace_numel
-from braid.kernels.attention_extend import ExtendConfig, extend_attention_reference
+from braid.kernels.attention_extend import extend_attention_reference
+from braid.kernels.extend_config import ExtendConfig
 from braid.kernels.kv_store import store_kv_reference
 from braid.kernels.reference import dequantize_kv_reference, quantize_kv_reference
 from tests.kernels.conftest import CPU_DTYPES
@@ -606,7 +607,7 @@ def test_fp8_cache_kernels_real_sizes_gpu(dtype):
 def test_a_tuned_launch_config_is_read_per_gpu_head_size_and_dtype(tmp_path, monkeypatch):
     """benchmarks/tune_extend.py --write-config records the chosen configuration per GPU;
     `_tuned` finds it by the device's name and `tuned_key`, and nothing for other GPUs."""
-    from braid.kernels import attention_extend as ae
+    from braid.kernels import extend_config as ae
 
     path = tmp_path / "extend_attention.json"
     path.write_text('{"NVIDIA H200": {"128/bfloat16": [128, 64, 8, 3]}}')
@@ -627,7 +628,7 @@ def test_a_packed_tuned_config_is_used_for_the_group_it_was_measured_at(tmp_path
     """A five-field entry is packed. Under a GROUP's key it serves models of that GROUP, the
     key without one every other model; an entry a model's GROUP cannot pack (hand-written)
     gives way to the built-in default, never to a failing launch."""
-    from braid.kernels import attention_extend as ae
+    from braid.kernels import extend_config as ae
 
     path = tmp_path / "extend_attention.json"
     entries = {
@@ -644,16 +645,16 @@ def test_a_packed_tuned_config_is_used_for_the_group_it_was_measured_at(tmp_path
         packed, unpacked = ExtendConfig(64, 32, 8, 3, pack=1), ExtendConfig(64, 64, 4, 3)
         assert packed.fields() == [64, 32, 8, 3, 1] and unpacked.fields() == [64, 64, 4, 3]
         cuda = torch.device("cuda", 0)
-        default = ae._blocks(128, torch.bfloat16, cuda, 4, tuned=False)
+        default = ae.launch_config(128, torch.bfloat16, cuda, 4, tuned=False)
         assert not default.pack and default != unpacked
-        assert ae._blocks(128, torch.bfloat16, cuda, 4) == packed
+        assert ae.launch_config(128, torch.bfloat16, cuda, 4) == packed
         for group in (1, 2, 3, 8):
-            assert ae._blocks(128, torch.bfloat16, cuda, group) == unpacked
+            assert ae.launch_config(128, torch.bfloat16, cuda, group) == unpacked
         half_packed = ExtendConfig(32, 32, 4, 3, pack=1)
-        assert ae._blocks(128, torch.float16, cuda, 8) == half_packed  # 256 rows: the limit
-        assert ae._blocks(128, torch.float16, cuda, 16) == default  # 512 rows
-        assert ae._blocks(128, torch.float16, cuda, 5) == default
+        assert ae.launch_config(128, torch.float16, cuda, 8) == half_packed  # 256 rows: the limit
+        assert ae.launch_config(128, torch.float16, cuda, 16) == default  # 512 rows
+        assert ae.launch_config(128, torch.float16, cuda, 5) == default
         with pytest.raises(ValueError, match=r"extend_attention\.json: 64/bfloat16/g4: .*got 2"):
-            ae._blocks(64, torch.bfloat16, cuda, 4)
+            ae.launch_config(64, torch.bfloat16, cuda, 4)
     finally:
         ae._tuned.cache_clear()
