@@ -193,6 +193,10 @@ def agent_traffic(
     arguments (the GPU run's dummy weights and dtype). The unloaded latency: the workload's
     first UNLOADED_SAMPLE programs run one at a time under lpm; its p99 (the sample's longest)
     is what lpm's p99 under load is held against."""
+    unknown = set(setups) - set(SETUPS)
+    if unknown:  # before minutes of runs
+        raise ValueError(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
+    names = [n for n in SETUPS if n in setups or n == "lpm"]
     sample = workload(min(n, UNLOADED_SAMPLE), 1.0, seed, mix)
     alone = measure(model, kv_tokens, "lpm", sample, False, alone=True, **engine)["times_s"]
     unloaded, unloaded_p99 = statistics.median(alone), max(alone)
@@ -207,19 +211,16 @@ def agent_traffic(
             chosen = rate
             break
     programs = workload(n, chosen, seed, mix)
-    unknown = set(setups) - set(SETUPS)
-    if unknown:
-        raise ValueError(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
-    names, setups = [n for n in SETUPS if n in setups or n == "lpm"], {}
+    rows = {}
     for name in names:
         policy, pins = SETUPS[name]
         if name == "lpm" and sweep[-1]["rate"] == chosen:
-            setups[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
+            rows[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
         else:
-            setups[name] = measure(model, kv_tokens, policy, programs, pins, **engine)
-        print(f"agents: {name} at {chosen}/s: {setups[name]}", flush=True)
-    lpm_p50 = setups["lpm"]["p50_s"]
-    for row in setups.values():
+            rows[name] = measure(model, kv_tokens, policy, programs, pins, **engine)
+        print(f"agents: {name} at {chosen}/s: {rows[name]}", flush=True)
+    lpm_p50 = rows["lpm"]["p50_s"]
+    for row in rows.values():
         row["p50_vs_lpm"] = round(lpm_p50 / row["p50_s"], 2)
     return {
         "programs": n,
@@ -231,7 +232,7 @@ def agent_traffic(
         "load_point_reached": sweep[-1]["p99_s"] > 4 * unloaded_p99,
         "lpm_sweep": sweep,
         "rate": chosen,
-        "setups": setups,
+        "setups": rows,
     }
 
 

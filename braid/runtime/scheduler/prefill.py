@@ -159,11 +159,16 @@ class PrefillPlanner:
             grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
             decoding = running + [r for r, _ in items] + [req]
             fits = self.fits(grow, decoding)
-            head = not admitted and self.fits(grow, decoding, self.kv.sessions.releasable_pages())
+            # The pinned paths are walked only for a head that does not fit without them.
+            head = (
+                not fits
+                and not admitted
+                and self.fits(grow, decoding, self.kv.sessions.releasable_pages())
+            )
             while not fits and self._pins_give_way(end, items, head):
                 if not self.kv.sessions.release_soonest():
                     break
-                fits = self.fits(grow, running + [r for r, _ in items] + [req])
+                fits = self.fits(grow, decoding)
             if not fits or not self.kv.make_room(grow):
                 if match is not None:
                     self.kv.cache.unlock(match.node)
@@ -239,8 +244,11 @@ class PrefillPlanner:
         if end - start > self.budget and chunks:
             end = self._chunk_end(start, req, self.budget)
         grow = self.kv.allocator.pages_for(end) - cached
-        pinned = self.kv.sessions.releasable_pages()  # the head would take the pins' room
-        return self.fits(grow, running + [req], pinned)
+        decoding = running + [req]
+        # Failing that, the head would take the pins' room.
+        return self.fits(grow, decoding) or self.fits(
+            grow, decoding, self.kv.sessions.releasable_pages()
+        )
 
     def fits(self, grow: int, decoding: list[Req], pinned: int = 0) -> bool:
         """Whether `grow` new pages fit in free and evictable pages (and `pinned` pages that
