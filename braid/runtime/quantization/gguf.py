@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,10 @@ class _Segment(ABC):
 
     @abstractmethod
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def kernel(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """The call itself, or a function that computes it with fewer steps on the way."""
+        return self
 
     @abstractmethod
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -143,10 +148,13 @@ class _CpuSegment(_Segment):
         super().__init__(start, rows)
         self.weight = weight
         self._dequantized: torch.Tensor | None = None
+        self._run = weight.linear_fn()
 
     def __call__(self, x, bias):
-        y = self.weight(x).to(x.dtype)
-        return y if bias is None else y + bias
+        return self._run(x, bias)
+
+    def kernel(self):
+        return self._run
 
     def reference(self, x, bias):
         # Unpacking goes through the kernel (an identity matrix's worth of it): done once, on
@@ -255,7 +263,7 @@ class GGUFLinearMethod(LinearMethod):
         self.segments = [self._segment(q, start, torch.cat(ts)) for q, start, ts in runs]
         segments = self.segments
         if len(segments) == 1:
-            self._kernel = segments[0]
+            self._kernel = segments[0].kernel()
         else:
 
             def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
