@@ -176,6 +176,8 @@ def measure(
         )
         row["retractions"] = int(after["retractions"] - before["retractions"])
         row["pins_expired"] = int(after.get("pins_expired", 0) - before.get("pins_expired", 0))
+        for key in ("pins_declined", "pins_released_for_room"):
+            row[key] = int(after.get(key, 0) - before.get(key, 0))
         return row
 
 

@@ -408,6 +408,9 @@ def test_session_pin_ttl_over_http_shows_in_stats_and_metrics(server):
         assert _metric(url, f"braid_{name}", stats[name]) == stats[name]
     recomputed = stats["program_tokens_recomputed"]
     assert _metric(url, "braid_program_tokens_recomputed_total", recomputed) == recomputed
+    declined = stats["pins_declined"]  # first calls of their sessions: no pause known, pinned
+    assert declined == before["pins_declined"]
+    assert _metric(url, "braid_pins_declined_total", declined) == declined
     generate("A short-lived session:", session_params={"id": "short", "ttl": 1})
     for _ in range(200):
         stats = httpx.get(f"{url}/get_server_info").json()["stats"]

@@ -49,6 +49,8 @@ class KVManager:
         # How long a finished session request's pin lasts (its program's TTL); None: the
         # sessions' own TTL.
         self.pin_ttl: Callable[[Req], float] | None = None
+        # Whether pinning it pays (`pin_cost.PinCost`); None: always.
+        self.pin_pays: Callable[[Req], bool] | None = None
 
     # ---- room -----------------------------------------------------------------------------
     def make_room(self, need: int, release_pins: bool = False) -> bool:
@@ -120,8 +122,8 @@ class KVManager:
     def release(self, req: Req, keep_kv: bool = True) -> None:
         """Give a request's KV back: whole pages to the prefix cache (which keeps what it did
         not already hold), the rest to the allocator; unlock its prefix; free its table row; pin
-        a finished session request's path. With `keep_kv` False, nothing new goes to the cache
-        (the KV of a failed step is suspect)."""
+        a finished session request's path where that pays (`pin_pays`). With `keep_kv` False,
+        nothing new goes to the cache (the KV of a failed step is suspect)."""
         if req.pool_row is None and not req.pages:
             return
         if self.on_release is not None:
@@ -134,9 +136,12 @@ class KVManager:
         own = set(req.pages[req.shared_pages :])
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
         if req.session_id is not None and req.finish_reason in ("stop", "length"):
-            ttl = self.pin_ttl(req) if self.pin_ttl is not None else None
-            tokens = req.cache_tokens(full * self.page_size)
-            self.sessions.pin(req.session_id, tokens, ttl, program_of(req))
+            if self.pin_pays is None or self.pin_pays(req):
+                ttl = self.pin_ttl(req) if self.pin_ttl is not None else None
+                tokens = req.cache_tokens(full * self.page_size)
+                self.sessions.pin(req.session_id, tokens, ttl, program_of(req))
+            else:
+                self.sessions.close(req.session_id)  # its earlier pin: this call supersedes it
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages, req.shared_pages, req.cache_node, req.kv_len = [], 0, None, 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 from braid.runtime.cache.radix_cache import NoPrefixCache, RadixCache
@@ -36,6 +37,7 @@ from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
+from braid.runtime.scheduler.pin_cost import PinCost
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
@@ -128,6 +130,9 @@ class Scheduler:
         self.grammars.fill_early = not config.disable_grammar_mask_thread
         self.grammars.warm()
         self.kv.pin_ttl = self.programs.pin_ttl
+        # Pins only where they pay on this device and pool (`pin_cost`): prefill steps are timed.
+        self.pin_cost = PinCost(allocator.capacity_pages * allocator.page_size)
+        self.kv.pin_pays = self._pin_pays
         drafter = None
         if self.proposer is not None:
             self.kv.on_release = self.proposer.release
@@ -293,8 +298,10 @@ class Scheduler:
         inputs = [r.sampling for r in plan.sampling]
         masks = lambda: self.grammars.mask(plan.sampling)  # noqa: E731
         self._capture(plan)
+        t0 = time.perf_counter()
         logits, result = self.executor.extend(plan.batch, plan.last_rows, inputs, masks)
-        outs += self.output.process(plan, result, logits)
+        outs += self.output.process(plan, result, logits)  # reads the samples back: synced
+        self.pin_cost.observe_prefill(plan.batch.num_tokens, time.perf_counter() - t0)
         if self.proposer is not None and plan.batch.capture_hidden:
             offsets = [0]
             for n in plan.batch.extend_lens[:-1]:
@@ -306,6 +313,13 @@ class Scheduler:
             ]
             self._observe(plan.reqs, plan.batch.prefix_lens, kept, plan.batch)
         return outs
+
+    def _pin_pays(self, req: Req) -> bool:
+        """Whether a finished session request's KV is worth pinning (a TTL the client set
+        always is)."""
+        if req.session_ttl_s is not None:
+            return True
+        return self.pin_cost.pays(self.programs.expected_pause(req))
 
     def _decoded_all(self, plan: StepPlan) -> bool:
         """Whether a mixed extend carries a decode row of every running request (then the
@@ -429,6 +443,7 @@ class Scheduler:
                 | self.image_stats()
                 | self.grammars.counters()
                 | self.programs.stats()
+                | {"pins_declined": float(self.pin_cost.declined)}
             )
         if op == "flush_cache":
             return {"flushed": float(self.flush_cache())}

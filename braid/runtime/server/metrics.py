@@ -145,6 +145,13 @@ class ServerMetrics:
                 "waiting one when nothing runs).",
             ),
             (
+                "braid_pins_declined_total",
+                "pins_declined",
+                "Session pins not made because holding the KV through the program's expected "
+                "pause would cost more than computing it again (the pool holds fewer tokens "
+                "than the device prefills in that pause).",
+            ),
+            (
                 "braid_program_tokens_recomputed_total",
                 "program_tokens_recomputed",
                 "Tokens computed again for programs, not counted as their service: KV the "
