@@ -14,6 +14,8 @@
 #   part 2 (pins cost the program policy on the H200 in part 1: 1.52x -> 1.25x heavy, 0.91x ->
 #          0.60x uniform; pins are now made only where they pay, `scheduler/pin_cost.py`):
 #          both mixes again, lpm, program and program + pins
+#   part 3 (how far one run is from the next; and a pool where the rule keeps pins): the heavy
+#          mix at 32/s again on 4096 KV tokens, then on 16384 (there C > p x r: pins are made)
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
 part=${1:?part 1 or 2}
@@ -37,5 +39,14 @@ if [ "$part" = 2 ]; then
         --out "$OUT/r/agents_heavy_paying_cuda.json"
     TAIL=8 step 200 agents_uniform_paying ag --mix uniform --rates 64 \
         --out "$OUT/r/agents_uniform_paying_cuda.json"
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+fi
+if [ "$part" = 3 ]; then
+    ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
+        --programs 256 --setups lpm,program,program+pins --mix heavy --rates 32 "$@"; }
+    TAIL=8 step 250 agents_heavy_again ag --kv-tokens 4096 \
+        --out "$OUT/r/agents_heavy_again_cuda.json"
+    TAIL=8 step 250 agents_heavy_16k ag --kv-tokens 16384 \
+        --out "$OUT/r/agents_heavy_16k_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

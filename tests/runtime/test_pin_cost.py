@@ -12,7 +12,7 @@ import braid
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler.pin_cost import PinCost
 from braid.runtime.scheduler.programs import ProgramTable
-from tests.conftest import local_scheduler
+from tests.conftest import local_scheduler, run_to_end
 from tests.runtime.test_programs import GREEDY, Clock, _call, _req
 
 
@@ -57,8 +57,15 @@ def test_a_programs_expected_pause_is_its_own_else_every_programs():
 
 
 @pytest.mark.parametrize("rate,pinned", [(1e9, False), (1e-3, True)])
-def test_the_scheduler_pins_a_finished_call_only_where_it_pays(tiny_model_dirs, rate, pinned):
-    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program")
+def test_under_a_queue_the_scheduler_pins_a_finished_call_only_where_it_pays(
+    tiny_model_dirs, rate, pinned
+):
+    s = local_scheduler(
+        tiny_model_dirs["llama"],
+        kv_tokens=256,
+        schedule_policy="program",
+        max_running_requests=1,
+    )
     clock = Clock()
     s.kv.sessions.clock = clock
     s.programs.clock = clock
@@ -69,22 +76,29 @@ def test_the_scheduler_pins_a_finished_call_only_where_it_pays(tiny_model_dirs, 
     prompt = [rng.randrange(1, 500) for _ in range(40)]
     sp = braid.SamplingParams(max_tokens=3, **GREEDY)
 
-    def call(rid: str, ids: list[int], ttl: float | None = None) -> list[int]:
+    def call(rid: str, ids: list[int], ttl: float | None = None, queue: bool = False):
         s.handle(GenerateReq(rid, ids, sp, 0, session_id="agent", session_ttl_s=ttl))
+        if queue:  # another request, which waits while the call runs (one runs at a time)
+            s.handle(GenerateReq(f"other-{rid}", [rng.randrange(1, 500) for _ in range(8)], sp, 0))
         req = s.requests.get(rid)
-        while s.has_work:
+        while not req.finished:
             s.step()
             s.check_invariants()
-        return req.output_ids
+        pinned_now = s.control("stats")["pinned_tokens"] >= 40
+        run_to_end(s)
+        return req.output_ids, pinned_now
 
-    out = call("agent/0", prompt)
-    assert s.control("stats")["pinned_tokens"] >= 40  # no pause known yet: pinned
+    out, pinned_now = call("agent/0", prompt, queue=True)
+    assert pinned_now  # no pause known yet: pinned, queue or not
     clock.now += 1.0  # the tool call
     prompt += out + [7]
-    out = call("agent/1", prompt)
-    stats = s.control("stats")
-    assert (stats["pinned_tokens"] >= 40) == pinned
-    assert stats["pins_declined"] == (0 if pinned else 1)
+    out, pinned_now = call("agent/1", prompt)
+    assert pinned_now  # a pause is known, but nothing waits: pinned
     clock.now += 1.0
-    call("agent/2", prompt + out + [8], ttl=5.0)  # the client asked for this pin: made
-    assert s.control("stats")["pinned_tokens"] >= 40
+    prompt += out + [8]
+    out, pinned_now = call("agent/2", prompt, queue=True)
+    assert pinned_now == pinned
+    assert s.control("stats")["pins_declined"] == (0 if pinned else 1)
+    clock.now += 1.0
+    _, pinned_now = call("agent/3", prompt + out + [9], ttl=5.0, queue=True)
+    assert pinned_now  # the client asked for this pin: made under the queue too

@@ -3,7 +3,8 @@
 Runs on CPU and CUDA. Extend (prefill on top of a cached prefix) goes request by request: each
 request's keys are gathered through the request-to-token table and its new tokens attend to the
 prefix and causally among themselves. Decode is one batched call: the keys of all requests are
-gathered into a padded [batch, max_len, kv_heads, head_dim] block with a length mask.
+gathered into a padded [batch, max_len, kv_heads, head_dim] block with a length mask (a lone
+sequence that sees all its keys: no padding and no mask).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _ExtendMeta:
 
 @dataclass
 class _DecodeMeta:
-    slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
+    slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0 ([max_len]: no mask)
     # [batch, 1, 1, max_len] True where the key is visible; None: every key is (one sequence)
     mask: torch.Tensor | None
 
@@ -87,7 +88,7 @@ class TorchNativeBackend(AttentionBackend):
             sees_all = window is None or max_len <= window
             if len(rows) == 1 and batch.tree_prefix is None and sees_all:
                 # One sequence that sees all its keys: no mask (SDPA's unmasked path is a
-                # quarter faster at a batch-1 step's sizes, with the same result).
+                # quarter faster at a batch-1 step's sizes; equal within float32 rounding).
                 batch.attn_metadata = _DecodeMeta(slots=slots.reshape(-1), mask=None)
                 return
             mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])

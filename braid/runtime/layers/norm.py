@@ -3,7 +3,8 @@
 On CUDA the norm runs as one Triton kernel (`braid.kernels.rmsnorm`, same rounding points).
 On the CPU a float32 weight runs torch's own `rms_norm` (one call where the plain torch form,
 `braid.kernels.reference.rmsnorm_reference`, makes seven: 8 against 13 us a row here; its
-results equal the plain form's bit for bit, which `tests/runtime/test_layers.py` checks);
+results equal the plain form's bit for bit with torch 2.13, which
+`tests/runtime/test_cpu_step_path.py` checks);
 other dtypes the plain form, whose rounding to the input dtype before the weight's product
 `rms_norm` does not share. The choice is made once, from the weight's device and dtype.
 """

@@ -15,9 +15,19 @@ policy's 1.52x lpm into 1.25x, and 0.91x into 0.60x on programs alike in length)
 (r about 1-3 thousand) they pay; with a production pool (C near a million) they pay
 everywhere. (Continuum pins for a TTL from tool-call times alone; this adds the device.)
 
-The rule needs a rate and a pause: until the scheduler has timed a prefill and seen a pause
-(the program's own, else any program's), a pin is made. A client that asked for a TTL
-(`session_ttl_s`) always gets its pin.
+The holding cost is paid only while requests wait for room, so the scheduler asks the rule
+only then (`Scheduler._pin_pays`): with no queue a pin keeps nothing out, and gives way to the
+queue's head if one forms. The rule needs a rate and a pause: until the scheduler has timed a
+prefill and seen a pause (the program's own, else any program's), a pin is made. A client
+that asked for a TTL (`session_ttl_s`) always gets its pin.
+
+The rate is measured over whole extend steps whose samples are read back (a chunk that
+samples nothing is only launched, on CUDA, and is not timed): each step's fixed cost (the
+launch, the host's work on the step, a first call's kernel compiles) counts, so it is lower
+than the rate at which a long context would be recomputed, most of all when short extends
+dominate (pinned contexts make them short). That errs towards pinning. On the H200 with a
+16384-token pool, where the rule pinned, pins still cost the program policy a little (p50
+5.04 against 4.60 s, below the load point: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ class PinCost:
         self.capacity_tokens = capacity_tokens
         self._tokens = 0.0  # decayed sums over timed prefill steps
         self._seconds = 0.0
-        self.declined = 0  # pins not made because they would not pay
+        self.declined = 0  # finished session requests whose KV was not pinned: it would not pay
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill step computed `tokens` tokens in `seconds` of wall time."""

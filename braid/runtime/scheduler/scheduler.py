@@ -300,8 +300,9 @@ class Scheduler:
         self._capture(plan)
         t0 = time.perf_counter()
         logits, result = self.executor.extend(plan.batch, plan.last_rows, inputs, masks)
-        outs += self.output.process(plan, result, logits)  # reads the samples back: synced
-        self.pin_cost.observe_prefill(plan.batch.num_tokens, time.perf_counter() - t0)
+        outs += self.output.process(plan, result, logits)
+        if result is not None:  # its samples were read back: the device is done with it
+            self.pin_cost.observe_prefill(plan.batch.num_tokens, time.perf_counter() - t0)
         if self.proposer is not None and plan.batch.capture_hidden:
             offsets = [0]
             for n in plan.batch.extend_lens[:-1]:
@@ -315,9 +316,10 @@ class Scheduler:
         return outs
 
     def _pin_pays(self, req: Req) -> bool:
-        """Whether a finished session request's KV is worth pinning (a TTL the client set
-        always is)."""
-        if req.session_ttl_s is not None:
+        """Whether a finished session request's KV is worth pinning: always with a TTL the
+        client set, or when no request waits (the pin then keeps nothing out, and gives way to
+        the queue's head if one comes); under a queue, where `pin_cost` says it pays."""
+        if req.session_ttl_s is not None or not self.requests.count(ReqStatus.WAITING):
             return True
         return self.pin_cost.pays(self.programs.expected_pause(req))
 

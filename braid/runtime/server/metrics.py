@@ -147,9 +147,9 @@ class ServerMetrics:
             (
                 "braid_pins_declined_total",
                 "pins_declined",
-                "Session pins not made because holding the KV through the program's expected "
-                "pause would cost more than computing it again (the pool holds fewer tokens "
-                "than the device prefills in that pause).",
+                "Finished session requests whose KV was not pinned because holding it "
+                "through the program's expected pause would cost more than computing it "
+                "again (the pool holds fewer tokens than the device prefills in that pause).",
             ),
             (
                 "braid_program_tokens_recomputed_total",
