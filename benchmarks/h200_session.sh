@@ -16,6 +16,7 @@
 #          both mixes again, lpm, program and program + pins
 #   part 3 (how far one run is from the next; and a pool where the rule keeps pins): the heavy
 #          mix at 32/s again on 4096 KV tokens, then on 16384 (there C > p x r: pins are made)
+#   part 4 (the rule is now asked only while requests wait): part 2 again
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
 part=${1:?part 1 or 2}
@@ -32,13 +33,14 @@ if [ "$part" = 1 ]; then
         --setups lpm,program,program+pins --out "$OUT/r/agents_uniform_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
-if [ "$part" = 2 ]; then
+if [ "$part" = 2 ] || [ "$part" = 4 ]; then
+    v=paying; [ "$part" = 4 ] && v=queued
     ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
         --programs 256 --kv-tokens 4096 --setups lpm,program,program+pins "$@"; }
-    TAIL=8 step 260 agents_heavy_paying ag --mix heavy --rates 32 \
-        --out "$OUT/r/agents_heavy_paying_cuda.json"
-    TAIL=8 step 200 agents_uniform_paying ag --mix uniform --rates 64 \
-        --out "$OUT/r/agents_uniform_paying_cuda.json"
+    TAIL=8 step 260 "agents_heavy_$v" ag --mix heavy --rates 32 \
+        --out "$OUT/r/agents_heavy_${v}_cuda.json"
+    TAIL=8 step 200 "agents_uniform_$v" ag --mix uniform --rates 64 \
+        --out "$OUT/r/agents_uniform_${v}_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 3 ]; then
