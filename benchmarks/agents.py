@@ -175,8 +175,7 @@ def measure(
             after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
         )
         row["retractions"] = int(after["retractions"] - before["retractions"])
-        row["pins_expired"] = int(after.get("pins_expired", 0) - before.get("pins_expired", 0))
-        for key in ("pins_declined", "pins_released_for_room"):
+        for key in ("pins_expired", "pins_declined", "pins_released_for_room"):
             row[key] = int(after.get(key, 0) - before.get(key, 0))
         return row
 

@@ -1,7 +1,8 @@
 """The GGUF benchmarks still run at toy size on the CPU and write every figure their docstrings
 name: benchmarks/gguf_cpu.py (a tiny GGUF file, every braid method and transformers; no
 llama.cpp here) and benchmarks/gguf_gpu.py (its kernel loop under Triton's interpreter).
-benchmarks/perplexity.py runs whole in tests/runtime/test_perplexity.py."""
+benchmarks/cpu_step.py times a few forwards of the embedded model. benchmarks/perplexity.py
+runs whole in tests/runtime/test_perplexity.py."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
     rows = r["kernels"]
     assert {row["type"] for row in rows} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
     assert all(row["max_abs_err_vs_reference"] < 1e-2 for row in rows)
+
+
+def test_cpu_step_times_the_embedded_models_forward(tmp_path):
+    args = ["benchmarks/cpu_step.py", "--context", "16", "--steps", "2", "--rounds", "2"]
+    r = _run(args, tmp_path / "s.json")
+    assert (r["method"], r["context"], r["steps"]) == ("gguf", 16, 2)
+    assert len(r["rounds_ms"]) == 2 and r["forward_ms"] == min(r["rounds_ms"]) > 0

@@ -32,8 +32,26 @@ dominate (pinned contexts make them short). That errs towards pinning. On the H2
 
 from __future__ import annotations
 
-# Weight of the history in the decayed sums (per observation): the last few dozen count.
+# Weight of the history in a decayed ratio, per observation: the last few dozen count.
 DECAY = 0.95
+
+
+class DecayedRatio:
+    """Sum of the observed numerators over sum of their denominators, each sum decayed by
+    DECAY an observation: a mean of recent values (denominator 1 each), or a rate (tokens over
+    seconds, the longer observations weighing more). None before any observation."""
+
+    def __init__(self) -> None:
+        self._num = 0.0
+        self._den = 0.0
+
+    def add(self, num: float, den: float = 1.0) -> None:
+        self._num = self._num * DECAY + num
+        self._den = self._den * DECAY + den
+
+    @property
+    def value(self) -> float | None:
+        return self._num / self._den if self._den > 0 else None
 
 
 class PinCost:
@@ -41,21 +59,19 @@ class PinCost:
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = capacity_tokens
-        self._tokens = 0.0  # decayed sums over timed prefill steps
-        self._seconds = 0.0
+        self._rate = DecayedRatio()  # tokens over seconds of the timed prefill steps
         self.declined = 0  # finished session requests whose KV was not pinned: it would not pay
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill step computed `tokens` tokens in `seconds` of wall time."""
         if tokens > 0 and seconds > 0:
-            self._tokens = self._tokens * DECAY + tokens
-            self._seconds = self._seconds * DECAY + seconds
+            self._rate.add(tokens, seconds)
 
     @property
     def prefill_rate(self) -> float | None:
         """Tokens per second over the recent prefill steps (the larger weigh more); None
         before the first."""
-        return self._tokens / self._seconds if self._seconds > 0 else None
+        return self._rate.value
 
     def pays(self, pause_s: float | None) -> bool:
         """Whether a pin through an expected pause of `pause_s` seconds pays (True while the

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from braid.runtime.cache.radix_cache import common_prefix_len
 from braid.runtime.ipc.to_tokenizer import ProgramInfo
+from braid.runtime.scheduler.pin_cost import DecayedRatio
 from braid.runtime.scheduler.request import Req
 
 # Pauses between calls remembered per program, and how far the pin outlasts the longest.
@@ -60,8 +61,6 @@ PIN_TTL_FACTOR = 2.0
 PIN_TTL_MIN_S = 1.0
 # A program's first pin, before any pause is known (capped by the configured session TTL).
 PIN_TTL_FIRST_S = 30.0
-# Weight of the history in the mean of every program's pauses, per pause.
-PAUSE_DECAY = 0.95
 # Programs listed (`ProgramTable.infos`) beyond those holding pins.
 PROGRAMS_LISTED = 64
 # Finished sequences remembered per program (with `ProgramTable.remember`).
@@ -144,8 +143,7 @@ class ProgramTable:
         self._programs: dict[str, Program] = {}
         self.ended = 0  # programs closed or forgotten
         self.recomputed = 0  # tokens computed again for a program (not service)
-        self._pause_sum = 0.0  # every program's pauses, decayed (PAUSE_DECAY a pause)
-        self._pauses = 0.0
+        self._pauses = DecayedRatio()  # every program's pauses, the recent weighing more
 
     def get(self, req: Req) -> Program | None:
         pid = program_of(req)
@@ -163,8 +161,7 @@ class ProgramTable:
             p = self._programs[pid] = Program(pid, now)
         elif p.in_flight == 0 and p.idle_since is not None:
             p.pauses.append(now - p.idle_since)
-            self._pause_sum = self._pause_sum * PAUSE_DECAY + p.pauses[-1]
-            self._pauses = self._pauses * PAUSE_DECAY + 1
+            self._pauses.add(p.pauses[-1])
         p.in_flight += 1
         p.idle_since = None
         pos = req.program_position
@@ -244,7 +241,7 @@ class ProgramTable:
         p = self.get(req)
         if p is not None and p.pauses:
             return sum(p.pauses) / len(p.pauses)
-        return self._pause_sum / self._pauses if self._pauses else None
+        return self._pauses.value
 
     def end(self, program_id: str) -> bool:
         """Forget a program (its root session was closed); whether it was known."""

@@ -1,0 +1,104 @@
+"""A batch-1 decode forward of the embedded SmolLM2 on this CPU, in process: the model and
+the torch-native backend over a paged KV pool, no scheduler, no other process. What the
+forward itself costs, apart from the engine's host work (`gguf_cpu.py` times the whole
+engine beside llama.cpp).
+
+    python benchmarks/cpu_step.py                  # the file's blocks kept quantized
+    python benchmarks/cpu_step.py --method float32 # the file dequantized
+
+Each round times `--steps` forwards of one token at `--context` tokens of context (its KV
+slots shuffled, as a pool's are after some churn); the figure is the best round's mean.
+Writes benchmarks/results/cpu_step_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.gguf_cpu import engine_args  # noqa: E402
+from braid.runtime.attention.torch_native import TorchNativeBackend  # noqa: E402
+from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from braid.runtime.models.config import ModelConfig  # noqa: E402
+from braid.runtime.models.loader import build_model  # noqa: E402
+from braid.runtime.models.source import embedded_gguf_path  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="gguf", choices=("gguf", "float32", "int8"))
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    cpu = torch.device("cpu")
+    path, kw = engine_args(args.method, embedded_gguf_path())
+    cfg = ModelConfig.from_dir(path)
+    model = build_model(
+        cfg, path, dtype=torch.float32, device=cpu, max_positions=args.context + 1,
+        progress=False, quantization=kw.get("quantization"),
+    )  # fmt: skip
+    slots = 4 * args.context
+    pool = KVPool(cfg.num_layers, slots + 1, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
+    table = ReqToTokenPool(1, args.context, cpu)
+    table.table[0] = (
+        torch.randperm(slots, generator=torch.Generator().manual_seed(0))[: args.context] + 1
+    )
+    attn = TorchNativeBackend(pool, table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    n = args.context
+
+    def forward() -> None:
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.tensor([123]),
+            positions=torch.tensor([n - 1]),
+            out_cache_loc=table.table[0, n - 1 : n].clone(),
+            req_pool_indices=torch.tensor([0]),
+            seq_lens=torch.tensor([n]),
+            prefix_lens=[n - 1],
+            extend_lens=[1],
+            logits_indices=torch.tensor([0]),
+        )
+        attn.init_forward_metadata(batch)
+        model(batch, attn)
+
+    rounds = []
+    with torch.inference_mode():
+        for _ in range(5):
+            forward()
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                forward()
+            rounds.append((time.perf_counter() - t) / args.steps * 1e3)
+    best = min(rounds)
+    print(
+        f"{args.method}: {best:.2f} ms a forward (rounds: {', '.join(f'{r:.2f}' for r in rounds)})"
+    )
+    write_result(
+        "cpu_step",
+        "cpu",
+        args.out,
+        {
+            "method": args.method,
+            "context": args.context,
+            "steps": args.steps,
+            "torch_threads": torch.get_num_threads(),
+            "forward_ms": round(best, 3),
+            "rounds_ms": [round(r, 3) for r in rounds],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
