@@ -158,6 +158,7 @@ def start_engine(run: Run, **overrides: object) -> tuple[braid.LLM, dict]:
         "max_running_requests": llm.ready.max_running_requests,
         "context_length": llm.ready.context_length,
         "dtype": llm.ready.dtype,
+        "phases_s": dict(llm.ready.phases),  # start-up phases: weights, graphs, ...
     }
     print(f"braid engine ready: {json.dumps(info)}", flush=True)
     return llm, info
@@ -219,18 +220,36 @@ def release_memory(run: Run) -> None:
 def fig_decode(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[str, str]]]:
     """Batch-1 greedy decode through braid.LLM vs the bandwidth roofline (every weight byte read
     once per token at the measured copy rate, as the device README computes it)."""
-    n_in, n_out = args.input_len, args.output_len
-    vocab = run.model_config.vocab_size
     llm, engine = start_engine(run)
     try:
-        timed_generate(llm, make_prompts(1, n_in, vocab, seed=0), n_out)
-        full, first = [], []
-        # Fresh prompts every run, so the radix cache never shortens a prefill.
-        for r in tqdm(range(args.repeats), desc="braid decode runs"):
-            full.append(timed_generate(llm, make_prompts(1, n_in, vocab, seed=1 + 2 * r), n_out)[0])
-            first.append(timed_generate(llm, make_prompts(1, n_in, vocab, seed=2 + 2 * r), 1)[0])
+        res, table = measure_decode(llm, engine, run, args)
     finally:
         stop_engine(run, llm)
+    if not args.skip_hf:
+        n_in, n_out = args.input_len, args.output_len
+        hf = hf_model(run)
+        prompts = make_prompts(1, n_in, run.model_config.vocab_size, seed=0)
+        run_hf(hf, prompts, 2, run.device)
+        hf_s, _ = run_hf(hf, prompts, n_out, run.device)
+        del hf
+        release_memory(run)
+        res.update(hf_s=hf_s, hf_tok_s=n_out / hf_s)
+        table.append(("transformers tok/s", f"{n_out / hf_s:.1f}"))
+    return res, table
+
+
+def measure_decode(
+    llm: braid.LLM, engine: dict, run: Run, args: argparse.Namespace
+) -> tuple[dict, list[tuple[str, str]]]:
+    """`fig_decode`'s braid figures on a started engine."""
+    n_in, n_out = args.input_len, args.output_len
+    vocab = run.model_config.vocab_size
+    timed_generate(llm, make_prompts(1, n_in, vocab, seed=0), n_out)
+    full, first = [], []
+    # Fresh prompts every run, so the radix cache never shortens a prefill.
+    for r in tqdm(range(args.repeats), desc="braid decode runs"):
+        full.append(timed_generate(llm, make_prompts(1, n_in, vocab, seed=1 + 2 * r), n_out)[0])
+        first.append(timed_generate(llm, make_prompts(1, n_in, vocab, seed=2 + 2 * r), 1)[0])
     roofline = run.copy_bytes_per_s / run.cost.weight_bytes
     tok_s = n_out / min(full)
     steps_s = min(full) - min(first)
@@ -260,36 +279,32 @@ def fig_decode(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[str
         ("roofline tok/s", f"{roofline:.1f}"),
         ("fraction of roofline", f"{tok_s / roofline:.3f} (target {TARGETS['decode']})"),
     ]
-    if not args.skip_hf:
-        hf = hf_model(run)
-        prompts = make_prompts(1, n_in, vocab, seed=0)
-        run_hf(hf, prompts, 2, run.device)
-        hf_s, _ = run_hf(hf, prompts, n_out, run.device)
-        del hf
-        release_memory(run)
-        res.update(hf_s=hf_s, hf_tok_s=n_out / hf_s)
-        table.append(("transformers tok/s", f"{n_out / hf_s:.1f}"))
     return res, table
 
 
 def fig_prefill(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[str, str]]]:
     """One long prompt, one output token: tokens/s and model FLOP utilisation against the
     measured matmul rate. The time includes the round trip through braid's processes."""
-    n = args.prompt_len
-    vocab = run.model_config.vocab_size
     llm, engine = start_engine(run)
     try:
-        if n >= llm.context_length:
-            raise ValueError(
-                f"--prompt-len {n} must be below the context length {llm.context_length}"
-            )
-        timed_generate(llm, make_prompts(1, n, vocab, seed=0), 1)
-        times = [
-            timed_generate(llm, make_prompts(1, n, vocab, seed=1 + r), 1)[0]
-            for r in tqdm(range(args.repeats), desc="braid prefill runs")
-        ]
+        return measure_prefill(llm, engine, run, args)
     finally:
         stop_engine(run, llm)
+
+
+def measure_prefill(
+    llm: braid.LLM, engine: dict, run: Run, args: argparse.Namespace
+) -> tuple[dict, list[tuple[str, str]]]:
+    """`fig_prefill` on a started engine."""
+    n = args.prompt_len
+    vocab = run.model_config.vocab_size
+    if n >= llm.context_length:
+        raise ValueError(f"--prompt-len {n} must be below the context length {llm.context_length}")
+    timed_generate(llm, make_prompts(1, n, vocab, seed=0), 1)
+    times = [
+        timed_generate(llm, make_prompts(1, n, vocab, seed=1 + r), 1)[0]
+        for r in tqdm(range(args.repeats), desc="braid prefill runs")
+    ]
     flops = run.cost.forward_flops(n)
     mfu = flops / min(times) / run.matmul_flops_per_s
     res = {
@@ -318,45 +333,14 @@ def fig_prefill(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[st
 
 def fig_offline(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[str, str]]]:
     """Many prompts at once through braid.LLM vs transformers' generate at its best batch."""
-    n, n_in, n_out = args.num_prompts, args.input_len, args.output_len
-    vocab = run.model_config.vocab_size
     llm, engine = start_engine(run)
     try:
-        # The warm-up runs a full batch, so full-batch kernels are compiled before timing.
-        warm = min(n, engine["max_running_requests"])
-        timed_generate(llm, make_prompts(warm, n_in, vocab, seed=10**6), min(n_out, 8))
-        before = llm.stats()
-        braid_s, _ = timed_generate(llm, make_prompts(n, n_in, vocab, seed=1), n_out, use_tqdm=True)
-        after = llm.stats()
-        engine["steps"] = {
-            k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "retractions")
-        }
+        res, table = measure_offline(llm, engine, run, args)
     finally:
         stop_engine(run, llm)
-    tokens = n * n_out
-    batch = max(
-        1,
-        min(n, engine["max_running_requests"], engine["kv_capacity_tokens"] // (n_in + n_out)),
-    )
-    bound = offline_bound(
-        run.cost, n, n_in, n_out, batch, run.copy_bytes_per_s, run.matmul_flops_per_s
-    )
-    res = {
-        "num_prompts": n,
-        "input_len": n_in,
-        "output_len": n_out,
-        "engine": engine,
-        "braid_s": braid_s,
-        "braid_tok_s": tokens / braid_s,
-        "bound": bound,
-        "bound_tok_s": tokens / bound["bound_s"],
-        "fraction_of_bound": bound["bound_s"] / braid_s,
-    }
-    table = [
-        ("braid output tok/s", f"{tokens / braid_s:.0f}"),
-        ("bound tok/s", f"{tokens / bound['bound_s']:.0f}"),
-        ("fraction of bound", f"{bound['bound_s'] / braid_s:.3f}"),
-    ]
+    tokens = args.num_prompts * args.output_len
+    vocab = run.model_config.vocab_size
+    braid_s = res["braid_s"]
     if not args.skip_hf:
         hf_rows = run_hf_batches(run, args, vocab)
         ok = [r for r in hf_rows if "tok_s" in r]
@@ -381,6 +365,48 @@ def fig_offline(run: Run, args: argparse.Namespace) -> tuple[dict, list[tuple[st
                 (f"transformers tok/s (batch {best['batch_size']})", f"{hf_tok_s:.0f}"),
                 ("speedup", f"{ratio:.2f}x (target {TARGETS['offline']}x)"),
             ]
+    return res, table
+
+
+def measure_offline(
+    llm: braid.LLM, engine: dict, run: Run, args: argparse.Namespace
+) -> tuple[dict, list[tuple[str, str]]]:
+    """`fig_offline`'s braid figures on a started engine, against the bound of `run.cost`."""
+    n, n_in, n_out = args.num_prompts, args.input_len, args.output_len
+    vocab = run.model_config.vocab_size
+    # The warm-up runs a full batch, so full-batch kernels are compiled before timing.
+    warm = min(n, engine["max_running_requests"])
+    timed_generate(llm, make_prompts(warm, n_in, vocab, seed=10**6), min(n_out, 8))
+    before = llm.stats()
+    braid_s, _ = timed_generate(llm, make_prompts(n, n_in, vocab, seed=1), n_out, use_tqdm=True)
+    after = llm.stats()
+    engine["steps"] = {
+        k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "retractions")
+    }
+    tokens = n * n_out
+    batch = max(
+        1,
+        min(n, engine["max_running_requests"], engine["kv_capacity_tokens"] // (n_in + n_out)),
+    )
+    bound = offline_bound(
+        run.cost, n, n_in, n_out, batch, run.copy_bytes_per_s, run.matmul_flops_per_s
+    )
+    res = {
+        "num_prompts": n,
+        "input_len": n_in,
+        "output_len": n_out,
+        "engine": engine,
+        "braid_s": braid_s,
+        "braid_tok_s": tokens / braid_s,
+        "bound": bound,
+        "bound_tok_s": tokens / bound["bound_s"],
+        "fraction_of_bound": bound["bound_s"] / braid_s,
+    }
+    table = [
+        ("braid output tok/s", f"{tokens / braid_s:.0f}"),
+        ("bound tok/s", f"{tokens / bound['bound_s']:.0f}"),
+        ("fraction of bound", f"{bound['bound_s'] / braid_s:.3f}"),
+    ]
     return res, table
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from braid.runtime.distributed.group import TPGroup, sharding
+from braid.runtime.layers.parallel import head_shard
 from braid.runtime.models import get_model_class
 from braid.runtime.models.config import ModelConfig
 
@@ -24,21 +26,26 @@ class ModelCost:
     kv_bytes_per_token: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
-        with torch.device("meta"):
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> ModelCost:
+        """The whole model's costs, or with `tp` > 1 one tensor-parallel rank's: its shard
+        as braid builds it (rank 0 of `tp`), its share of the heads, the KV and the LM head."""
+        group = TPGroup(0, tp, 0, None, None)
+        with sharding(group), torch.device("meta"):
             model = get_model_class(cfg.architecture)(cfg, dtype, 8)
         size = torch.finfo(dtype).bits // 8
         params = dict(model.named_parameters())
         embed = next(p for n, p in params.items() if "embed_tokens" in n)
+        shard = head_shard(cfg.num_heads, cfg.num_kv_heads, 0, tp)
+        kv_share = shard.num_kv_heads / cfg.num_kv_heads
         return cls(
             weight_bytes=sum(p.numel() for p in params.values()) * size,
             embedding_bytes=embed.numel() * size,
             layer_matmul_params=sum(
                 p.numel() for n, p in params.items() if ".layers." in n and p.dim() == 2
             ),
-            lm_head_params=cfg.vocab_size * cfg.hidden_size,
-            attn_flops_per_pair=2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
-            kv_bytes_per_token=cfg.kv_bytes_per_token(size),
+            lm_head_params=-(-cfg.vocab_size // tp) * cfg.hidden_size,
+            attn_flops_per_pair=2 * 2 * cfg.num_layers * shard.num_heads * cfg.head_dim,
+            kv_bytes_per_token=round(cfg.kv_bytes_per_token(size) * kv_share),
         )
 
     def forward_flops(self, new_tokens: int, cached: int = 0, logits: int = 1) -> float:

@@ -214,6 +214,11 @@ class EngineConfig:
         "scheduler is idle (a batch pads to the next captured size meanwhile). Tensor "
         "parallelism always captures all at start",
     )
+    disable_custom_all_reduce: bool = setting(
+        False,
+        "tensor parallelism on CUDA: run every all-reduce through NCCL; by default those of a "
+        "decode step (up to 1 MiB) run as torch's symmetric-memory one-shot all-reduce",
+    )
     overlap_schedule: bool | None = setting(
         None,
         "queue each decode step on the device before reading back the one before it, so the "
@@ -349,7 +354,11 @@ class EngineConfig:
         bs = self.cuda_graph_max_bs
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
-        for name in ("cuda_graph_capture_all_at_start", "disable_cuda_graph"):
+        for name in (
+            "cuda_graph_capture_all_at_start",
+            "disable_cuda_graph",
+            "disable_custom_all_reduce",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.enable_mixed_chunk, bool):
@@ -399,11 +408,6 @@ class EngineConfig:
         if self.quantization is not None:
             raise ValueError(
                 f"quantization ({self.quantization}) with tp_size > 1 is not supported yet"
-            )
-        if self.overlap_schedule:
-            raise ValueError(
-                "overlap_schedule with tp_size > 1 is not supported yet (rank 0 sends each "
-                "step's plan before queuing it)"
             )
 
     def _check_attention_backends(self) -> None:
@@ -537,10 +541,10 @@ class EngineConfig:
 
     @property
     def use_overlap_schedule(self) -> bool:
-        """`overlap_schedule`, or when None: on with CUDA and one rank."""
+        """`overlap_schedule`, or when None: on with CUDA."""
         if self.overlap_schedule is not None:
             return self.overlap_schedule
-        return self.torch_device.type == "cuda" and self.tp_size == 1
+        return self.torch_device.type == "cuda"
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:

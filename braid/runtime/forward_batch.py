@@ -74,6 +74,12 @@ class ForwardBatch:
     decode_tail: int = 0
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+    # What a tensor-parallel plan sends (`distributed/plan.py`) without reading the device:
+    # the host values the builder made the tensors from (`host`, by field name), and for a
+    # decode fed by the previous decode's samples still on the device, which of their rows it
+    # takes (`sample_rows`; `input_ids` is then those samples).
+    host: dict[str, list[int]] | None = None
+    sample_rows: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

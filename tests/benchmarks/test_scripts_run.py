@@ -218,3 +218,41 @@ def test_radix_lookup_matches_every_cached_token_and_writes_json(tmp_path):
     # Each prompt extends a cached sequence: all of it matches, the shared prefix once cached.
     assert r["matched_tokens"] - r["cached_tokens"] == 40 * 11
     assert len(r["pass_ms"]) == 2 and r["ms_per_pass"] > 0
+
+
+def test_tensor_parallel_script_runs_tp1_and_tp2_at_toy_size_on_cpu(tmp_path):
+    """benchmarks/tensor_parallel.py's engine figures at tp=1 and tp=2 over gloo, each
+    against one rank's share: half the weights, and the all-reduces measured first."""
+    out = tmp_path / "tp.json"
+    cmd = ["benchmarks/tensor_parallel.py", "engine", "--tiny-cpu"]
+    cmd += ["--figures", "decode,prefill,offline", "--out", str(out)]
+    p = subprocess.run(
+        [sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    one, two = r["tp"]["1"], r["tp"]["2"]
+    ar = r["allreduce_batch1"][0]
+    assert (ar["hidden"], ar["rows"], ar["bytes"]) == (64, 1, 256) and ar["eager_us"] > 0
+    w1, w2 = one["decode"]["tp_roofline"], two["decode"]["tp_roofline"]
+    assert w1["allreduce_s"] == 0 and w2["allreduce_s"] == pytest.approx(4 * ar["eager_us"] * 1e-6)
+    # tiny-llama's rank 1 of 2 holds half of every matrix; the 5 norms stay whole.
+    assert w2["rank_weight_bytes"] == (w1["rank_weight_bytes"] + 4 * 5 * 64) // 2
+    for fig in ("decode", "prefill", "offline"):
+        ratio = two[fig]["braid_tok_s"] / one[fig]["braid_tok_s"]
+        assert r["tp2_over_tp1"][fig] == pytest.approx(ratio)
+    assert two["offline"]["bound"]["bound_s"] < one["offline"]["bound"]["bound_s"]
+
+
+def test_gpu_cost_of_one_rank_is_its_share_of_the_model():
+    from benchmarks.gpu_cost import ModelCost
+    from braid.runtime.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(ROOT / "benchmarks/configs/llama-3.1-70b")
+    whole, rank = ModelCost.of(cfg, torch.bfloat16), ModelCost.of(cfg, torch.bfloat16, 2)
+    assert whole.weight_bytes == pytest.approx(141.1e9, rel=1e-3)  # Llama-3.1-70B: 70.55 B
+    norms = 2 * (2 * 80 + 1) * 8192  # two per layer and the final one, bf16, on every rank
+    assert rank.weight_bytes == (whole.weight_bytes + norms) // 2
+    assert rank.kv_bytes_per_token * 2 == whole.kv_bytes_per_token
+    assert rank.attn_flops_per_pair * 2 == whole.attn_flops_per_pair
+    assert rank.lm_head_params * 2 == whole.lm_head_params

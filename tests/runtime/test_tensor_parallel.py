@@ -55,8 +55,6 @@ def test_settings_tensor_parallelism_cannot_carry_are_refused():
         EngineConfig(tp_size=2, speculative_algorithm="NGRAM")
     with pytest.raises(ValueError, match="quantization \\(w8a16\\) with tp_size > 1"):
         EngineConfig(tp_size=2, quantization="w8a16")
-    with pytest.raises(ValueError, match="overlap_schedule with tp_size > 1"):
-        EngineConfig(tp_size=2, overlap_schedule=True)
     with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
         EngineConfig(tp_size=2, nnodes=2)
     with pytest.raises(ValueError, match="must be a multiple of nnodes"):
@@ -66,6 +64,7 @@ def test_settings_tensor_parallelism_cannot_carry_are_refused():
     with pytest.raises(ValueError, match="dist_init_addr must be host:port"):
         EngineConfig(tp_size=2, dist_init_addr="localhost")
     assert not EngineConfig(tp_size=2, device="cpu").use_overlap_schedule
+    assert EngineConfig(tp_size=2, device="cuda").use_overlap_schedule
     with pytest.raises(ValueError, match="unknown engine setting"):
         braid.LLM(tensor_parallel_sise=2)
 
@@ -191,6 +190,40 @@ def test_tp2_matches_tp1_and_transformers_with_hits_chunks_and_retraction(tiny_m
         assert llm.stats()["retractions"] > 0
         assert [o.outputs[0].token_ids for o in outs] == expected_pressure
         llm.check_invariants()
+
+
+def test_overlapped_decode_at_tp2_gives_the_tokens_of_tp2_without_it(tmp_path_factory):
+    """The overlap schedule under tensor parallelism: a decode queued before the one before it
+    is read back takes that step's samples as input, which rank 0 shares with the other ranks
+    on the device (`PlanSender.share`). Greedy and seeded sampled rows, grammar rows (their
+    sampling queued after the forward), stops at EOS and at the length limit (the next step
+    keeps a subset of the samples' rows): the same tokens as without overlap."""
+    from tests.runtime.test_grammar_batch import KEYED
+    from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
+
+    path, _ = build_tiny_constrained_model(tmp_path_factory.mktemp("tp-overlap"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 30))] for _ in range(10)]
+    params = []
+    for i in range(len(prompts)):
+        kw = dict(max_tokens=[6, 11, 23, 30][i % 4], seed=i)
+        kw["temperature"] = 0.0 if i % 3 else 0.8
+        if i % 5 == 4:
+            kw["regex"] = KEYED
+        params.append(braid.SamplingParams(**kw))
+    got = {}
+    for overlap in (False, True):
+        cfg = dict(kv_tokens=1024, tp_size=2, overlap_schedule=overlap, show_progress=False)
+        with braid.LLM(path, **cfg) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got[overlap] = [o.outputs[0].token_ids for o in outs]
+            stats = llm.stats()
+            assert (stats["decode_steps_ahead"] > 20) is overlap, stats["decode_steps_ahead"]
+            assert (stats["constrained_steps_ahead"] > 0) is overlap
+            llm.check_invariants()
+    assert got[True] == got[False]
+    lengths = {len(t) for t in got[True]}
+    assert len(lengths) >= 4, lengths  # finishes by length (6, 11, 23, 30) and at EOS/grammar
 
 
 def _alive(pid: int) -> bool:

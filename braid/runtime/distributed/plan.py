@@ -50,7 +50,16 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
         raise RuntimeError("tensor parallelism carries text forwards only")
     if batch.capture_hidden or batch.aux_layers:
         raise RuntimeError("tensor parallelism does not capture hidden states")
-    out: dict[str, Any] = {name: getattr(batch, name).tolist() for name in _TENSORS}
+    # The builder's host values where it kept them: a tensor's `.tolist()` waits for the
+    # device, which would stall an overlapped decode behind the step before it.
+    host = batch.host or {}
+    out: dict[str, Any] = {
+        name: host[name] if name in host else getattr(batch, name).tolist()
+        for name in _TENSORS
+        if name != "input_ids" or batch.sample_rows is None
+    }
+    if batch.sample_rows is not None:
+        out["sample_rows"] = list(batch.sample_rows)
     out["mode"] = batch.mode.value
     out["prefix_lens"] = list(batch.prefix_lens)
     out["extend_lens"] = list(batch.extend_lens)
@@ -58,13 +67,24 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     return out
 
 
-def decode_batch(d: dict[str, Any], device: torch.device) -> ForwardBatch:
+def decode_batch(
+    d: dict[str, Any], device: torch.device, samples: torch.Tensor | None = None
+) -> ForwardBatch:
+    """The forward batch `encode_batch` described; a decode fed by the previous decode's
+    samples takes its `sample_rows` of `samples` (this rank's copy of rank 0's, `follow`)."""
+    tensors = {name: to_device(d[name], device) for name in _TENSORS if name in d}
+    rows = d.get("sample_rows")
+    if rows is not None:
+        if samples is None:
+            raise RuntimeError("a tensor-parallel plan reads samples no decode has shared")
+        keep = rows == list(range(samples.shape[0]))
+        tensors["input_ids"] = samples if keep else samples[to_device(rows, device)]
     return ForwardBatch(
         mode=ForwardMode(d["mode"]),
         prefix_lens=d["prefix_lens"],
         extend_lens=d["extend_lens"],
         decode_tail=d.get("decode_tail", 0),
-        **{name: to_device(d[name], device) for name in _TENSORS},
+        **tensors,
     )
 
 
@@ -73,12 +93,19 @@ def table_digest(table: torch.Tensor) -> str:
 
 
 class PlanSender:
-    """Rank 0's side: `journal` is the list the runner's table and KV pool record into."""
+    """Rank 0's side: `journal` is the list the runner's table and KV pool record into.
 
-    def __init__(self, group: TPGroup, table: torch.Tensor) -> None:
+    With `share_samples` (the overlap schedule), every decode's samples are broadcast to the
+    other ranks on the device once rank 0 has sampled them (`share`), and each follower
+    receives them after its forward of that decode: a decode queued before the previous one
+    is read back names the rows of those samples it takes as input (`sample_rows`), which no
+    rank's host has seen."""
+
+    def __init__(self, group: TPGroup, table: torch.Tensor, share_samples: bool = False) -> None:
         assert group.is_leader
         self.group = group
         self.table = table
+        self.share_samples = share_samples
         self.journal: list[tuple] = []
         self._sent_at = time.monotonic()
         self.stopped = False
@@ -90,7 +117,15 @@ class PlanSender:
     def forward(self, batch: ForwardBatch) -> None:
         """Send the writes so far and `batch`; rank 0 runs it next, as every rank does."""
         writes, self.journal[:] = list(self.journal), []
-        self._send(("forward", writes, encode_batch(batch)))
+        plan = encode_batch(batch)
+        plan["share"] = self.share_samples and batch.mode is ForwardMode.DECODE
+        self._send(("forward", writes, plan))
+
+    def share(self, next_ids: torch.Tensor) -> None:
+        """A decode's samples ([B] int64 on the device) to every rank, queued behind the
+        sampling; every decode `forward` sent with sharing on must be followed by this."""
+        if self.share_samples:
+            self.group.broadcast(next_ids.to(torch.int64).contiguous())
 
     def tick(self) -> None:
         """While idle: tell the ranks rank 0 is alive (and learn whether they are: the send
@@ -129,6 +164,7 @@ def follow(runner: Any, group: TPGroup) -> str:
     """A follower's loop: receive rank 0's plans and run them, until rank 0 says stop
     (returns "stop") or is gone (the group's error propagates)."""
     forwards = 0
+    samples: torch.Tensor | None = None  # the last shared decode's, as rank 0 sampled them
     while True:
         msg = group.broadcast_object()
         kind = msg[0]
@@ -137,8 +173,14 @@ def follow(runner: Any, group: TPGroup) -> str:
             return "stop"
         apply_writes(msg[1], runner.req_to_token, runner.kv_pool)
         if kind == "forward":
-            runner.forward(decode_batch(msg[2], runner.device))
+            plan = msg[2]
+            batch = decode_batch(plan, runner.device, samples)
+            runner.forward(batch)
             forwards += 1
+            if plan.get("share"):
+                rows = len(plan["extend_lens"])
+                samples = torch.empty(rows, dtype=torch.int64, device=runner.device)
+                group.broadcast(samples)
         elif kind == "check":
             same = table_digest(runner.req_to_token.table) == msg[2]
             if not same:

@@ -70,6 +70,7 @@ class Executor:
         """Queue the sampling of a decode forward's `logits` and start copying the samples to
         the host."""
         result = self.sampler.sample(logits, inputs, **masks(), ahead=ahead)
+        self.runner.share_samples(result.next_ids)
         result.copy_to_host_async()
         return result
 

@@ -112,6 +112,8 @@ class ModelRunner:
                 dequantize_gguf=config.dequantize_gguf,
             )
         self.phases["weights"] = time.perf_counter() - mark
+        if tp is not None and self.device.type == "cuda" and not config.disable_custom_all_reduce:
+            tp.enable_one_shot(self.dtype, self.device)
         mark = time.perf_counter()
         page = config.page_size
         if config.kv_tokens:
@@ -210,7 +212,9 @@ class ModelRunner:
         self.aux_layers = aux_layers
         self.plans: PlanSender | None = None
         if tp is not None and tp.is_leader:
-            self.plans = PlanSender(tp, self.req_to_token.table)
+            self.plans = PlanSender(
+                tp, self.req_to_token.table, share_samples=config.use_overlap_schedule
+            )
             self.kv_pool.journal = self.req_to_token.journal = self.plans.journal
 
     def _kv_scales(self, num_layers: int) -> dict[str, list[float]]:
@@ -260,6 +264,12 @@ class ModelRunner:
         return tokens, how
 
     @torch.inference_mode()
+    def share_samples(self, next_ids: torch.Tensor) -> None:
+        """Rank 0 of a tensor-parallel group: a decode's samples to the other ranks, which
+        feed a decode queued before they are read back (`PlanSender.share`)."""
+        if self.plans is not None:
+            self.plans.share(next_ids)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32. From a CUDA graph they are a
         view of the graph's static output, overwritten by the next forward: read them first.

@@ -171,8 +171,17 @@ def build_decode(
     rows_t, pos_t, locs_t = packed[:n], packed[m : m + n], packed[2 * m : 2 * m + n]
     rope_t = pos_t + packed[3 * m :] if shifted else pos_t
     table.write_at(rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
+    host = {
+        "out_cache_loc": locs,
+        "req_pool_indices": rows,
+        "seq_lens": [p + 1 for p in positions],
+        "logits_indices": list(range(n)),
+    }
+    if not shifted:
+        host["positions"] = positions
     if input_ids is None:
-        input_ids = to_device([r.output_ids[-1] for r in reqs], device)
+        host["input_ids"] = [r.output_ids[-1] for r in reqs]
+        input_ids = to_device(host["input_ids"], device)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=input_ids,
@@ -183,5 +192,6 @@ def build_decode(
         prefix_lens=positions,
         extend_lens=[1] * n,
         logits_indices=torch.arange(n, device=device),
+        host=host,
     )
     return StepPlan(reqs, reqs, batch, list(range(n)), {}, [p + 1 for p in positions])

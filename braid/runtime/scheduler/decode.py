@@ -73,11 +73,14 @@ class DecodePlanner:
             return plan, None
         return build_decode(running, self.kv.allocator, self.kv.table, self.device), None
 
-    def plan_ahead(self, reqs: list[Req], input_ids: torch.Tensor) -> StepPlan:
+    def plan_ahead(self, reqs: list[Req], input_ids: torch.Tensor, rows: list[int]) -> StepPlan:
         """The decode step after the one in flight for `reqs`, whose input tokens are that
-        step's samples still on the device (the caller made sure the pages are free)."""
+        step's samples still on the device, its `rows` (the caller made sure the pages are
+        free)."""
         self.count_step(reqs)
-        return build_decode(reqs, self.kv.allocator, self.kv.table, self.device, input_ids)
+        plan = build_decode(reqs, self.kv.allocator, self.kv.table, self.device, input_ids)
+        plan.batch.sample_rows = rows
+        return plan
 
     def count_step(self, reqs: list[Req]) -> None:
         self.stats.decode_steps += 1

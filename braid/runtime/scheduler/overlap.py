@@ -71,11 +71,12 @@ def next_step(
     admits_now: Callable[[], bool],
     make_room: Callable[[int], bool],
     page_size: int,
-) -> tuple[list[Req], torch.Tensor] | None:
+) -> tuple[list[Req], torch.Tensor, list[int]] | None:
     """Whether the decode step after `launched` should be queued now, fed by its samples on the
     device: when that step is what would run next anyway (no prompt mid-chunk, no jump-forward
     extend, nothing `admits_now`, every running request in the step and able to sample ahead,
-    pages free after `make_room`). Returns its requests and their input ids, or None."""
+    pages free after `make_room`). Returns its requests, their input ids and the rows of
+    `launched`'s samples those are, or None."""
     if launched.plan.batch.mode is not ForwardMode.DECODE:
         return None
     if reqs.count(ReqStatus.PREFILLING, ReqStatus.JUMPED):
@@ -97,4 +98,4 @@ def next_step(
     ids = launched.result.next_ids
     if len(keep) < len(in_step):
         ids = ids[to_device(keep, ids.device)]
-    return nxt, ids
+    return nxt, ids, keep

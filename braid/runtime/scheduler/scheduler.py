@@ -383,8 +383,9 @@ class Scheduler:
         )
         if step is None:
             return None
-        reqs, ids = step
-        plan = self.decode.plan_ahead(reqs, ids)
+        reqs, ids, rows = step
+        plan = self.decode.plan_ahead(reqs, ids, rows)
+        self.stats.decode_steps_ahead += 1
         if all(r.grammar is None and r.waiting_grammar is None for r in plan.sampling):
             return self._launch_decode(plan, ahead=1)
         # Constrained rows: the masks wait for this step's tokens (`_sample_ahead`).

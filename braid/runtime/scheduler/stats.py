@@ -22,7 +22,8 @@ class SchedulerStats:
     evicted_tokens: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without sampling
     jump_forward_rejected: int = 0  # of those, dropped because greedy decoding chose otherwise
-    constrained_steps_ahead: int = 0  # decode steps with grammar rows queued before the last read
+    decode_steps_ahead: int = 0  # decode steps queued before the step before them was read
+    constrained_steps_ahead: int = 0  # of those, steps with grammar rows
     # Time the scheduler's thread waited for the device to finish a step it reads back: near
     # zero a step means the host, not the device, sets the pace.
     readback_wait_seconds: float = 0.0
