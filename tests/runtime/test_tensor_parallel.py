@@ -218,6 +218,7 @@ def test_overlapped_decode_at_tp2_gives_the_tokens_of_tp2_without_it(tmp_path_fa
             outs = llm.generate(prompts, params, use_tqdm=False)
             got[overlap] = [o.outputs[0].token_ids for o in outs]
             stats = llm.stats()
+            assert stats["tp_one_shot_all_reduce"] == 0.0  # CPU: gloo for every all-reduce
             assert (stats["decode_steps_ahead"] > 20) is overlap, stats["decode_steps_ahead"]
             assert (stats["constrained_steps_ahead"] > 0) is overlap
             llm.check_invariants()
@@ -362,7 +363,10 @@ def test_gpu_tp2_over_nccl_with_graphs_equals_tp1_eager_in_float32(tiny_model_di
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
     cfg = dict(dtype="float32", tp_size=2, chunked_prefill_size=16, **GPU_TP)
     with braid.LLM(path, **cfg) as two:
+        # The decode all-reduces take the one-shot path, and the steps run ahead (overlap).
+        assert two.stats()["tp_one_shot_all_reduce"] == 1.0
         outs = two.generate(prompts, sp, use_tqdm=False)
+        assert two.stats()["decode_steps_ahead"] > 0
         assert [o.outputs[0].token_ids for o in outs] == expected
         again = two.generate(cached, sp, use_tqdm=False)  # the shared prefix is cached now
         assert all(o.num_cached_tokens >= 40 for o in again)

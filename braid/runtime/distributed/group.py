@@ -73,21 +73,37 @@ class TPGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
-    def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> bool:
+    @property
+    def one_shot(self) -> bool:
+        """Whether small all-reduces take the one-shot path (`enable_one_shot`)."""
+        return self._one_shot is not None
+
+    def enable_one_shot(self, dtype: torch.dtype, device: torch.device, allowed: bool) -> bool:
         """Set up the one-shot all-reduce for tensors of `dtype` up to `ONE_SHOT_BYTES`: a
         buffer every GPU of the group maps (torch's symmetric memory, no NVLink multicast),
         from which each rank reads its peers' values and sums them in one kernel (about 6 us
         at 8 KiB on two H200s against NCCL's 14-21 us in a CUDA graph, measured by
-        benchmarks/tensor_parallel.py). Checked against NCCL once; all ranks agree on
-        whether to use it, and fall back to NCCL alone (one log line) where it does not
-        run."""
-        ok, why = True, ""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+        benchmarks/tensor_parallel.py). Every rank calls this; they agree before each
+        collective step (a rank that cannot go on must not leave its peers waiting in one),
+        check the result against NCCL once, and fall back to NCCL alone (one log line) where
+        it does not run. `allowed` False (turned off, or ranks on several machines, whose
+        GPUs cannot map each other's memory) on any rank keeps NCCL on all."""
+        ok, why = allowed, "turned off, or the group spans machines"
+        buf = None
+        if ok:
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
 
+                size = torch.finfo(dtype).bits // 8
+                buf = symm_mem.empty(ONE_SHOT_BYTES // size, dtype=dtype, device=device)
+                ok = hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
+                why = "" if ok else "this torch has no one-shot all-reduce"
+            except Exception as e:  # not in this torch, or not on this machine
+                ok, why = False, f"{type(e).__name__}: {e}"
+        if not self.all_true(ok):
+            return self._fall_back(why)
+        try:
             name = self.device_group.group_name
-            size = torch.finfo(dtype).bits // 8
-            buf = symm_mem.empty(ONE_SHOT_BYTES // size, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, name)
             x = torch.arange(12, dtype=dtype, device=device).view(3, 4) * (self.rank + 1)
             want = x.clone()
@@ -97,20 +113,24 @@ class TPGroup:
             got = self.all_reduce(x)
             torch.cuda.synchronize(device)
             ok = torch.equal(got, want)
-            why = "its sum differs from NCCL's"
-        except Exception as e:  # not in this torch or not on this machine
+            why = "" if ok else "its sum differs from NCCL's"
+        except Exception as e:  # not on this machine
             ok, why = False, f"{type(e).__name__}: {e}"
         if not self.all_true(ok):
-            self._one_shot = None
-            if self.is_leader:
-                logger.info("one-shot all-reduce unavailable (%s): NCCL for every all-reduce", why)
-            return False
+            return self._fall_back(why)
         if self.is_leader:
             logger.info(
                 "all-reduces up to %d KiB: one-shot over symmetric memory; larger: NCCL",
                 ONE_SHOT_BYTES // 1024,
             )
         return True
+
+    def _fall_back(self, why: str) -> bool:
+        self._one_shot = None
+        if self.is_leader:
+            why = why or "another rank could not set it up"
+            logger.info("one-shot all-reduce not used (%s): NCCL for every all-reduce", why)
+        return False
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` ([..., n] each) side by side along the last dimension, rank order."""

@@ -112,8 +112,10 @@ class ModelRunner:
                 dequantize_gguf=config.dequantize_gguf,
             )
         self.phases["weights"] = time.perf_counter() - mark
-        if tp is not None and self.device.type == "cuda" and not config.disable_custom_all_reduce:
-            tp.enable_one_shot(self.dtype, self.device)
+        if tp is not None and self.device.type == "cuda":
+            # Every rank takes part, so that all agree (a node may have turned it off).
+            allowed = not config.disable_custom_all_reduce and config.nnodes == 1
+            tp.enable_one_shot(self.dtype, self.device, allowed)
         mark = time.perf_counter()
         page = config.page_size
         if config.kv_tokens:
@@ -263,13 +265,13 @@ class ModelRunner:
             )
         return tokens, how
 
-    @torch.inference_mode()
     def share_samples(self, next_ids: torch.Tensor) -> None:
         """Rank 0 of a tensor-parallel group: a decode's samples to the other ranks, which
         feed a decode queued before they are read back (`PlanSender.share`)."""
         if self.plans is not None:
             self.plans.share(next_ids)
 
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32. From a CUDA graph they are a
         view of the graph's static output, overwritten by the next forward: read them first.

@@ -470,13 +470,24 @@ class Scheduler:
 
     def usage(self) -> dict[str, float]:
         graphs = self.runner.graph_runner
-        return {
-            "running_requests": float(self.requests.count(*ACTIVE)),
-            "queued_requests": float(self.requests.count(*QUEUED)),
-            # Decode batch sizes still to be captured in idle time (a request arriving
-            # meanwhile may wait for one capture).
-            "cuda_graph_sizes_pending": float(len(graphs.pending) if graphs else 0),
-        } | self.kv.usage()
+        return (
+            {
+                "running_requests": float(self.requests.count(*ACTIVE)),
+                "queued_requests": float(self.requests.count(*QUEUED)),
+                # Decode batch sizes still to be captured in idle time (a request arriving
+                # meanwhile may wait for one capture).
+                "cuda_graph_sizes_pending": float(len(graphs.pending) if graphs else 0),
+            }
+            | self.kv.usage()
+            | self._tp_usage()
+        )
+
+    def _tp_usage(self) -> dict[str, float]:
+        tp = self.runner.tp
+        if tp is None:
+            return {}
+        # Whether a decode's all-reduces take the one-shot path (`TPGroup.enable_one_shot`).
+        return {"tp_one_shot_all_reduce": float(tp.one_shot)}
 
     def image_stats(self) -> dict[str, float]:
         """The vision-tower counters (none for a text-only model)."""
