@@ -7,7 +7,9 @@ engine beside llama.cpp).
     python benchmarks/cpu_step.py --method float32 # the file dequantized
 
 Each round times `--steps` forwards of one token at `--context` tokens of context (its KV
-slots shuffled, as a pool's are after some churn); the figure is the best round's mean.
+slots shuffled, as a pool's are after some churn; `--slots run`: one ascending run, as a
+fresh pool gives a request, which the attention reads in place); the figure is the best
+round's mean.
 Writes benchmarks/results/cpu_step_cpu.json.
 """
 
@@ -38,6 +40,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--slots",
+        default="shuffled",
+        choices=("shuffled", "run"),
+        help="the sequence's KV slots: shuffled (a pool after churn: gathered) or one "
+        "ascending run (a fresh pool's: read in place)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -51,9 +60,12 @@ def main() -> None:
     slots = 4 * args.context
     pool = KVPool(cfg.num_layers, slots + 1, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
     table = ReqToTokenPool(1, args.context, cpu)
-    table.table[0] = (
-        torch.randperm(slots, generator=torch.Generator().manual_seed(0))[: args.context] + 1
-    )
+    if args.slots == "run":
+        table.table[0] = torch.arange(1, args.context + 1)
+    else:
+        table.table[0] = (
+            torch.randperm(slots, generator=torch.Generator().manual_seed(0))[: args.context] + 1
+        )
     attn = TorchNativeBackend(pool, table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     n = args.context
 
@@ -91,6 +103,7 @@ def main() -> None:
         args.out,
         {
             "method": args.method,
+            "slots": args.slots,
             "context": args.context,
             "steps": args.steps,
             "torch_threads": torch.get_num_threads(),

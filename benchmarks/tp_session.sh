@@ -12,6 +12,7 @@
 #   part 3: the overlap schedule and the one-shot all-reduce at tp=2: the GPU tests, then 8B at
 #           tp=1 and tp=2 (decode, offline) and 70B at tp=2 (decode, prefill)
 #   part 4 (not run yet: the kind was withdrawn): part 3 with the tests given 240 s
+#   part 5: part 4's decode figures alone (for a call with little device time left)
 set -u
 part=${1:?part 1 or 2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -54,5 +55,14 @@ if [ "$part" = 3 ] || [ "$part" = 4 ]; then
         "${off[@]}" --out "$OUT/r/tensor_parallel_llama-3.1-8b_cuda.json"
     TAIL=10 step 110 tp_70b tp engine --model llama-3.1-70b --tp 2 --figures decode,prefill \
         "${off[@]}" --out "$OUT/r/tensor_parallel_llama-3.1-70b_cuda.json"
+fi
+if [ "$part" = 5 ]; then
+    # Part 4 in little device time: the decode figures alone, with the defaults (overlap
+    # schedule and one-shot all-reduce on), whose start-up log line says which all-reduce ran.
+    TAIL=8 step 120 tp_8b_decode tp engine --model llama-3.1-8b --tp 1,2 --figures decode \
+        --out "$OUT/r/tensor_parallel_llama-3.1-8b_decode_cuda.json"
+    TAIL=8 step 90 tp_70b_decode tp engine --model llama-3.1-70b --tp 2 --figures decode \
+        --out "$OUT/r/tensor_parallel_llama-3.1-70b_decode_cuda.json"
+    grep -h "one-shot\|all-reduces up to" "$OUT"/tp_*_decode.log | sort | uniq -c
 fi
 (cd "$OUT" && tar czf logs.tgz ./*.log r $(ls -d prof 2>/dev/null))

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -46,8 +48,9 @@ def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
     assert all(row["max_abs_err_vs_reference"] < 1e-2 for row in rows)
 
 
-def test_cpu_step_times_the_embedded_models_forward(tmp_path):
+@pytest.mark.parametrize("slots", ["shuffled", "run"])
+def test_cpu_step_times_the_embedded_models_forward(tmp_path, slots):
     args = ["benchmarks/cpu_step.py", "--context", "16", "--steps", "2", "--rounds", "2"]
-    r = _run(args, tmp_path / "s.json")
-    assert (r["method"], r["context"], r["steps"]) == ("gguf", 16, 2)
+    r = _run([*args, "--slots", slots], tmp_path / "s.json")
+    assert (r["method"], r["slots"], r["context"], r["steps"]) == ("gguf", slots, 16, 2)
     assert len(r["rounds_ms"]) == 2 and r["forward_ms"] == min(r["rounds_ms"]) > 0

@@ -77,6 +77,36 @@ def test_one_sequence_decodes_unmasked_as_it_does_beside_another(window):
     torch.testing.assert_close(got, want[:1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("first", [1, 17])
+def test_one_sequence_on_one_run_of_slots_reads_its_keys_in_place(first):
+    """A lone sequence whose slots ascend without a gap attends to a view of the pool's rows:
+    the same result, bit for bit, as gathering them; a gap, a descending run or an fp8 pool
+    gathers."""
+    heads, kv_heads, d = 6, 2, 16
+    pool = KVPool(1, 64, 1, kv_heads, d, torch.float32, torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    table = ReqToTokenPool(4, 32, torch.device("cpu"))
+    table.table[1, :11] = torch.arange(first, first + 11)
+    backend = TorchNativeBackend(pool, table, heads, kv_heads, d)
+    q = torch.randn(1, heads, d)
+    k, v = torch.randn(1, kv_heads, d), torch.randn(1, kv_heads, d)
+    batch = _decode_batch([1], [11], table)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.span == (first, 11)
+    got = backend.forward(q, k, v, 0, batch)
+    batch.attn_metadata.span = None  # the gathered path
+    assert torch.equal(got, backend.forward(q, k, v, 0, batch))
+    run = list(range(first, first + 11))
+    gap = [first, *range(first + 2, first + 12)]
+    swapped = [run[0], run[2], run[1], *run[3:]]  # same first and last: the full check
+    for slots in (gap, run[::-1], swapped):
+        table.table[1, :11] = torch.tensor(slots[:11])
+        batch = _decode_batch([1], [11], table)
+        backend.init_forward_metadata(batch)
+        assert batch.attn_metadata.span is None
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
 def test_gguf_cpu_layer_kernel_equals_the_weights_own_call(qtype):
     n, k = 48, 256

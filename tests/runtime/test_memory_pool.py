@@ -12,7 +12,7 @@ def test_allocator_never_hands_out_the_padding_page_and_conserves_pages():
     a = PageAllocator(num_pages=9, page_size=4)
     assert a.capacity_pages == 8 and a.capacity_tokens == 32
     got = a.alloc(8)
-    assert sorted(got) == list(range(1, 9))
+    assert got == list(range(1, 9))  # ascending: a fresh pool's sequence is one run of slots
     assert a.alloc(1) is None and a.free_pages == 0
     a.free(got[:3])
     assert a.free_pages == 3 and a.alloc(4) is None
@@ -85,3 +85,12 @@ def test_kv_scales_are_checked():
         _fp8_pool(v_scales=[1.0, -2.0])
     with pytest.raises(ValueError, match="fp8 KV cache"):
         KVPool(1, 3, 1, 1, 4, torch.float32, torch.device("cpu"), k_scales=[1.0])
+
+
+def test_allocator_hands_pages_back_in_the_order_they_were_freed():
+    a = PageAllocator(num_pages=9, page_size=1)
+    first, second = a.alloc(3), a.alloc(2)
+    assert (first, second) == ([1, 2, 3], [4, 5])
+    a.free(first)
+    assert a.alloc(3) == [1, 2, 3]  # last freed, first reused (hot pages), in their order
+    assert a.alloc(1) == [6]

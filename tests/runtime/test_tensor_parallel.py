@@ -409,3 +409,53 @@ def test_the_rank_plan_carries_a_mixed_extends_decode_tail():
     back = decode_batch(encode_batch(batch), torch.device("cpu"))
     assert back.decode_tail == 2 and back.extend_lens == [2, 1, 1]
     assert torch.equal(back.seq_lens, batch.seq_lens)
+
+
+def _payload(n: int) -> dict:
+    return {"n": n, "data": bytes(range(256)) * (n // 256) + b"x" * (n % 256)}
+
+
+def _broadcast_rank(rank: int, port: int, sizes: list[int], queue) -> None:
+    from braid.runtime.distributed.group import init_group
+
+    group = init_group(rank, 2, rank, f"127.0.0.1:{port}", torch.device("cpu"))
+    try:
+        got = []
+        for n in sizes:
+            obj = _payload(n)
+            back = group.broadcast_object(obj if rank == 0 else None)
+            got.append(back == obj)
+        samples = torch.arange(5) * 7 if rank == 0 else torch.zeros(5, dtype=torch.int64)
+        group.broadcast(samples)
+        got.append(samples.tolist() == [0, 7, 14, 21, 28])
+        queue.put((rank, got))
+    finally:
+        group.destroy()
+
+
+def test_objects_of_every_size_around_the_plan_slot_reach_the_other_rank():
+    """`broadcast_object` sends a plan in one message when it fits the slot and the rest in a
+    second; sizes on both sides of the slot's edge arrive whole, as do device broadcasts."""
+    import multiprocessing as mp
+    import pickle
+
+    from braid.runtime.distributed.group import OBJECT_SLOT
+
+    def pickled(n: int) -> int:
+        return len(pickle.dumps(_payload(n), protocol=pickle.HIGHEST_PROTOCOL))
+
+    # The payload whose pickle fills the slot after its 8-byte length exactly, and its
+    # neighbours on both sides.
+    edge = next(n for n in range(OBJECT_SLOT - 200, OBJECT_SLOT) if pickled(n) == OBJECT_SLOT - 8)
+    sizes = [0, 1000, *range(edge - 3, edge + 4), 3 * OBJECT_SLOT + 5]
+    assert pickled(edge - 1) < OBJECT_SLOT - 8 < pickled(edge + 1)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, sizes, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    assert results[0] == results[1] == [True] * (len(sizes) + 1)

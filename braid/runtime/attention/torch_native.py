@@ -33,6 +33,10 @@ class _DecodeMeta:
     slots: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0 ([max_len]: no mask)
     # [batch, 1, 1, max_len] True where the key is visible; None: every key is (one sequence)
     mask: torch.Tensor | None
+    # One sequence whose slots are one ascending run [start, start + n): its keys are a view
+    # of the pool's rows, nothing gathered (the allocator hands a request's pages out in
+    # order, so a sequence without a prefix hit usually has one run).
+    span: tuple[int, int] | None = None
 
 
 @BACKENDS.register
@@ -89,7 +93,8 @@ class TorchNativeBackend(AttentionBackend):
             if len(rows) == 1 and batch.tree_prefix is None and sees_all:
                 # One sequence that sees all its keys: no mask (SDPA's unmasked path is a
                 # quarter faster at a batch-1 step's sizes; equal within float32 rounding).
-                batch.attn_metadata = _DecodeMeta(slots=slots.reshape(-1), mask=None)
+                slots = slots.reshape(-1)
+                batch.attn_metadata = _DecodeMeta(slots, None, _ascending_run(slots))
                 return
             mask = self._visible((seq_lens - 1)[:, None], k_pos) & (k_pos < seq_lens[:, None])
             slots = torch.where(mask, slots, 0)
@@ -130,7 +135,11 @@ class TorchNativeBackend(AttentionBackend):
         # once per query head.
         if batch.mode is ForwardMode.DECODE:
             b = q.shape[0]
-            kk, vv = pool.read(layer_id, meta.slots.reshape(-1), q.dtype)
+            if meta.span is not None and not pool.quantized:
+                first, n = meta.span
+                kk, vv = pool.k[layer_id][first : first + n], pool.v[layer_id][first : first + n]
+            else:
+                kk, vv = pool.read(layer_id, meta.slots.reshape(-1), q.dtype)
             max_len = kk.shape[0] // b
             kk = kk.view(b, max_len, self.num_kv_heads, -1)
             vv = vv.view(b, max_len, self.num_kv_heads, -1)
@@ -160,3 +169,14 @@ class TorchNativeBackend(AttentionBackend):
             )
             out[start:end] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+
+def _ascending_run(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(first, n) when `slots` ([n]) are first, first + 1, ..., else None."""
+    n = slots.shape[0]
+    first, last = int(slots[0]), int(slots[-1])
+    if last - first != n - 1:
+        return None
+    if n > 2 and not torch.equal(slots, torch.arange(first, last + 1, device=slots.device)):
+        return None
+    return first, n

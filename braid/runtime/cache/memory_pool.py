@@ -56,10 +56,11 @@ class PageAllocator:
             return []
         out = self._free[-n:]
         del self._free[-n:]
+        out.reverse()  # ascending: a fresh pool gives a sequence one run of slots
         return out
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))  # `alloc` gives them back in this order
 
     def free_page_set(self) -> set[int]:
         return set(self._free)

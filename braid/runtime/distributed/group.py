@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -195,6 +196,10 @@ def init_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # NCCL's heartbeat monitor polls rank 0's TCP store: at every shutdown a follower's
+        # outlived the store and logged "Broken pipe" warnings (the two-H200 run). braid
+        # notices a failed rank itself (`tp_worker`), so the monitor is off unless asked for.
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     dist.init_process_group(
         backend,
         init_method=f"tcp://{init_addr}",
