@@ -459,3 +459,34 @@ def test_objects_of_every_size_around_the_plan_slot_reach_the_other_rank():
     for p in procs:
         p.join(10)
     assert results[0] == results[1] == [True] * (len(sizes) + 1)
+
+
+def _one_shot_rank(rank: int, port: int, allowed: list[bool], queue) -> None:
+    from braid.runtime.distributed.group import init_group
+
+    group = init_group(rank, 2, rank, f"127.0.0.1:{port}", torch.device("cpu"))
+    try:
+        on = group.enable_one_shot(torch.float32, torch.device("cpu"), allowed[rank])
+        x = group.all_reduce(torch.full((3,), float(rank + 1)))
+        queue.put((rank, on, group.one_shot, x.tolist()))
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("allowed", [[True, True], [True, False], [False, True]])
+def test_the_ranks_agree_on_the_one_shot_all_reduce_and_fall_back_together(allowed):
+    """Where the one-shot all-reduce cannot run on some rank (here: no CUDA at all, or turned
+    off on one rank only), no rank waits in a step its peer skipped: all take NCCL's place
+    (gloo here) together, and the all-reduce still sums."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, allowed, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r[0], r[1:]) for r in (queue.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(10)
+    assert results[0] == results[1] == (False, False, [3.0, 3.0, 3.0])
