@@ -565,6 +565,32 @@ def tiny_model_dir(tmp: str) -> Path:
     return path
 
 
+def make_run(
+    model_dir: Path,
+    model_name: str,
+    cfg: ModelConfig,
+    device: str,
+    dtype: str,
+    engine_args: dict[str, object],
+    rates: tuple[dict, dict],
+    tp: int = 1,
+) -> Run:
+    """The `Run` of `model_dir` on a device measured at `rates` (`measure_rates`), its costs
+    one of `tp` tensor-parallel ranks' (the whole model's at 1)."""
+    copy, mm = rates
+    return Run(
+        model_dir=model_dir,
+        model_name=model_name,
+        model_config=cfg,
+        device=device,
+        dtype=dtype,
+        engine_args=engine_args,
+        copy_bytes_per_s=copy["bytes_per_s"],
+        matmul_flops_per_s=mm["flops_per_s"],
+        cost=ModelCost.of(cfg, getattr(torch, dtype), tp),
+    )
+
+
 def measure_rates(device: str, dtype: torch.dtype, tiny: bool) -> tuple[dict, dict]:
     if tiny:
         return copy_bandwidth(device, 1 << 24, 5), matmul_rate(device, 256, dtype, 3, 2)
@@ -606,17 +632,8 @@ def main() -> None:
             f"matmul {mm['flops_per_s'] / 1e12:.1f} TFLOP/s",
             flush=True,
         )
-        run = Run(
-            model_dir=model_dir,
-            model_name="tiny-llama" if args.tiny_cpu and not args.model else model_dir.name,
-            model_config=cfg,
-            device=device,
-            dtype=dtype,
-            engine_args=engine_args,
-            copy_bytes_per_s=copy["bytes_per_s"],
-            matmul_flops_per_s=mm["flops_per_s"],
-            cost=ModelCost.of(cfg, torch_dtype),
-        )
+        name = "tiny-llama" if args.tiny_cpu and not args.model else model_dir.name
+        run = make_run(model_dir, name, cfg, device, dtype, engine_args, (copy, mm))
         res, table = FIGURES[args.figure](run, args)
 
     print(f"\n{args.figure}: {run.model_name} ({dtype}, {device}), engine args {engine_args}")

@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import gpu  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
-from benchmarks.gpu_cost import ModelCost  # noqa: E402
 from benchmarks.offline_throughput import make_prompts  # noqa: E402
 from braid.runtime.models.config import ModelConfig  # noqa: E402
 
@@ -167,6 +166,12 @@ def _one_shot(x: torch.Tensor, device: torch.device, dist) -> dict:
         return {"one_shot_error": f"{type(e).__name__}: {e}"[:300]}
 
 
+def best_us(row: dict) -> float:
+    """A row's all-reduce time per call: replayed from a CUDA graph where captured (as braid's
+    decode runs it), else eager."""
+    return row.get("graph_us", row["eager_us"])
+
+
 def measure_allreduce(size: int, shapes, dtype: str, timeout_s: float = 240.0) -> list[dict]:
     """Rank 0's rows of the all-reduce timings, measured by `size` spawned processes."""
     ctx = mp.get_context("spawn")
@@ -186,7 +191,7 @@ def measure_allreduce(size: int, shapes, dtype: str, timeout_s: float = 240.0) -
             if p.is_alive():
                 p.kill()
     for row in rows:
-        best = row.get("graph_us", row["eager_us"])
+        best = best_us(row)
         print(
             f"all-reduce {row['rows']} x {row['hidden']} ({row['bytes']} B): "
             f"eager {row['eager_us']:.1f} us, graph {row.get('graph_us', float('nan')):.1f} us, "
@@ -289,7 +294,7 @@ def run_engines(args: argparse.Namespace) -> dict:
         if max(tps) > 1:
             shape = (cfg.hidden_size, 1)
             ar_rows = measure_allreduce(max(tps), [shape], dtype)
-        per_call_s = (ar_rows[0].get("graph_us", ar_rows[0]["eager_us"]) * 1e-6) if ar_rows else 0
+        per_call_s = best_us(ar_rows[0]) * 1e-6 if ar_rows else 0.0
         result: dict = {
             "model": args.model if not args.tiny_cpu else "tiny-llama",
             "dtype": dtype,
@@ -303,16 +308,8 @@ def run_engines(args: argparse.Namespace) -> dict:
             engine_args = {"device": device, "tp_size": tp, **args.engine_args}
             if args.tiny_cpu:
                 engine_args.setdefault("kv_tokens", 16384)
-            run = gpu.Run(
-                model_dir=model_dir,
-                model_name=result["model"],
-                model_config=cfg,
-                device=device,
-                dtype=dtype,
-                engine_args=engine_args,
-                copy_bytes_per_s=copy["bytes_per_s"],
-                matmul_flops_per_s=mm["flops_per_s"],
-                cost=ModelCost.of(cfg, getattr(torch, dtype), tp),
+            run = gpu.make_run(
+                model_dir, result["model"], cfg, device, dtype, engine_args, (copy, mm), tp
             )
             print(f"\n== tp={tp}: {run.model_name}, engine args {engine_args}", flush=True)
             res = result["tp"].setdefault(str(tp), {})
@@ -402,12 +399,11 @@ def main() -> None:
         shapes = TINY_SHAPES if args.tiny_cpu else ALLREDUCE_SHAPES
         rows = measure_allreduce(2, shapes, "float32" if args.tiny_cpu else "bfloat16")
         for row in rows:
-            best = row.get("graph_us", row["eager_us"])
-            row["per_layer_us"] = 2 * best
+            row["per_layer_us"] = 2 * best_us(row)
         summary = {
             "ranks": 2,
             "rows": rows,
-            "median_graph_us": statistics.median(r.get("graph_us", r["eager_us"]) for r in rows),
+            "median_graph_us": statistics.median(best_us(r) for r in rows),
             "notes": "per call: the mean over back-to-back calls, best of 5 rounds; "
             "per_layer_us: the two all-reduces of a decoder layer (graph time where captured)",
         }

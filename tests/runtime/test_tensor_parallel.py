@@ -411,6 +411,23 @@ def test_the_rank_plan_carries_a_mixed_extends_decode_tail():
     assert torch.equal(back.seq_lens, batch.seq_lens)
 
 
+def _two_ranks(target, arg) -> dict:
+    """Run `target(rank, port, arg, queue)` as ranks 0 and 1 of a gloo group in two spawned
+    processes; what each puts on the queue as (rank, result), by rank."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, arg, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    return results
+
+
 def _payload(n: int) -> dict:
     return {"n": n, "data": bytes(range(256)) * (n // 256) + b"x" * (n % 256)}
 
@@ -436,7 +453,6 @@ def _broadcast_rank(rank: int, port: int, sizes: list[int], queue) -> None:
 def test_objects_of_every_size_around_the_plan_slot_reach_the_other_rank():
     """`broadcast_object` sends a plan in one message when it fits the slot and the rest in a
     second; sizes on both sides of the slot's edge arrive whole, as do device broadcasts."""
-    import multiprocessing as mp
     import pickle
 
     from braid.runtime.distributed.group import OBJECT_SLOT
@@ -449,15 +465,7 @@ def test_objects_of_every_size_around_the_plan_slot_reach_the_other_rank():
     edge = next(n for n in range(OBJECT_SLOT - 200, OBJECT_SLOT) if pickled(n) == OBJECT_SLOT - 8)
     sizes = [0, 1000, *range(edge - 3, edge + 4), 3 * OBJECT_SLOT + 5]
     assert pickled(edge - 1) < OBJECT_SLOT - 8 < pickled(edge + 1)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, sizes, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = _two_ranks(_broadcast_rank, sizes)
     assert results[0] == results[1] == [True] * (len(sizes) + 1)
 
 
@@ -468,7 +476,7 @@ def _one_shot_rank(rank: int, port: int, allowed: list[bool], queue) -> None:
     try:
         on = group.enable_one_shot(torch.float32, torch.device("cpu"), allowed[rank])
         x = group.all_reduce(torch.full((3,), float(rank + 1)))
-        queue.put((rank, on, group.one_shot, x.tolist()))
+        queue.put((rank, (on, group.one_shot, x.tolist())))
     finally:
         group.destroy()
 
@@ -478,15 +486,5 @@ def test_the_ranks_agree_on_the_one_shot_all_reduce_and_fall_back_together(allow
     """Where the one-shot all-reduce cannot run on some rank (here: no CUDA at all, or turned
     off on one rank only), no rank waits in a step its peer skipped: all take NCCL's place
     (gloo here) together, and the all-reduce still sums."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, allowed, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((r[0], r[1:]) for r in (queue.get(timeout=60) for _ in procs))
-    for p in procs:
-        p.join(10)
+    results = _two_ranks(_one_shot_rank, allowed)
     assert results[0] == results[1] == (False, False, [3.0, 3.0, 3.0])

@@ -77,8 +77,9 @@ def decode_batch(
     if rows is not None:
         if samples is None:
             raise RuntimeError("a tensor-parallel plan reads samples no decode has shared")
-        keep = rows == list(range(samples.shape[0]))
-        tensors["input_ids"] = samples if keep else samples[to_device(rows, device)]
+        # Ascending rows of the samples (`overlap.next_step`): all of them iff as many.
+        every = len(rows) == samples.shape[0]
+        tensors["input_ids"] = samples if every else samples[to_device(rows, device)]
     return ForwardBatch(
         mode=ForwardMode(d["mode"]),
         prefix_lens=d["prefix_lens"],

@@ -171,11 +171,12 @@ def build_decode(
     rows_t, pos_t, locs_t = packed[:n], packed[m : m + n], packed[2 * m : 2 * m + n]
     rope_t = pos_t + packed[3 * m :] if shifted else pos_t
     table.write_at(rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
+    ends, last_rows = [p + 1 for p in positions], list(range(n))
     host = {
         "out_cache_loc": locs,
         "req_pool_indices": rows,
-        "seq_lens": [p + 1 for p in positions],
-        "logits_indices": list(range(n)),
+        "seq_lens": ends,
+        "logits_indices": last_rows,
     }
     if not shifted:
         host["positions"] = positions
@@ -194,4 +195,4 @@ def build_decode(
         logits_indices=torch.arange(n, device=device),
         host=host,
     )
-    return StepPlan(reqs, reqs, batch, list(range(n)), {}, [p + 1 for p in positions])
+    return StepPlan(reqs, reqs, batch, last_rows, {}, ends)
