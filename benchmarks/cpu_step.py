@@ -1,15 +1,17 @@
-"""A batch-1 decode forward of the embedded SmolLM2 on this CPU, in process: the model and
+"""A decode forward of the embedded SmolLM2 on this CPU, in process: the model and
 the torch-native backend over a paged KV pool, no scheduler, no other process. What the
 forward itself costs, apart from the engine's host work (`gguf_cpu.py` times the whole
 engine beside llama.cpp).
 
     python benchmarks/cpu_step.py                  # the file's blocks kept quantized
     python benchmarks/cpu_step.py --method float32 # the file dequantized
+    python benchmarks/cpu_step.py --layers python  # each layer's Python forward, not the
+                                                   # native decode
 
-Each round times `--steps` forwards of one token at `--context` tokens of context (its KV
-slots shuffled, as a pool's are after some churn; `--slots run`: one ascending run, as a
-fresh pool gives a request, which the attention reads in place); the figure is the best
-round's mean.
+Each round times `--steps` forwards of one token for each of `--batch` sequences at
+`--context` tokens of context (their KV slots shuffled, as a pool's are after some churn;
+`--slots run`: each sequence one ascending run, as a fresh pool gives a request, which the
+Python attention of a lone sequence reads in place); the figure is the best round's mean.
 Writes benchmarks/results/cpu_step_cpu.json.
 """
 
@@ -47,6 +49,14 @@ def main() -> None:
         help="the sequence's KV slots: shuffled (a pool after churn: gathered) or one "
         "ascending run (a fresh pool's: read in place)",
     )
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded per forward")
+    ap.add_argument(
+        "--layers",
+        default="native",
+        choices=("native", "python"),
+        help="the decoder layers as one native call where the model allows it (the runtime's "
+        "default), or each layer's Python forward",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -57,29 +67,30 @@ def main() -> None:
         cfg, path, dtype=torch.float32, device=cpu, max_positions=args.context + 1,
         progress=False, quantization=kw.get("quantization"),
     )  # fmt: skip
-    slots = 4 * args.context
+    if args.layers == "python":
+        model.model.native_decode = None
+    b, n = args.batch, args.context
+    slots = 4 * n * b
     pool = KVPool(cfg.num_layers, slots + 1, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
-    table = ReqToTokenPool(1, args.context, cpu)
+    table = ReqToTokenPool(b, n, cpu)
     if args.slots == "run":
-        table.table[0] = torch.arange(1, args.context + 1)
+        table.table[:] = torch.arange(1, b * n + 1).view(b, n)
     else:
-        table.table[0] = (
-            torch.randperm(slots, generator=torch.Generator().manual_seed(0))[: args.context] + 1
-        )
+        perm = torch.randperm(slots, generator=torch.Generator().manual_seed(0))
+        table.table[:] = (perm[: b * n] + 1).view(b, n)
     attn = TorchNativeBackend(pool, table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    n = args.context
 
     def forward() -> None:
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([123]),
-            positions=torch.tensor([n - 1]),
-            out_cache_loc=table.table[0, n - 1 : n].clone(),
-            req_pool_indices=torch.tensor([0]),
-            seq_lens=torch.tensor([n]),
-            prefix_lens=[n - 1],
-            extend_lens=[1],
-            logits_indices=torch.tensor([0]),
+            input_ids=torch.full((b,), 123),
+            positions=torch.full((b,), n - 1),
+            out_cache_loc=table.table[:, n - 1].clone(),
+            req_pool_indices=torch.arange(b),
+            seq_lens=torch.full((b,), n),
+            prefix_lens=[n - 1] * b,
+            extend_lens=[1] * b,
+            logits_indices=torch.arange(b),
         )
         attn.init_forward_metadata(batch)
         model(batch, attn)
@@ -95,7 +106,9 @@ def main() -> None:
             rounds.append((time.perf_counter() - t) / args.steps * 1e3)
     best = min(rounds)
     print(
-        f"{args.method}: {best:.2f} ms a forward (rounds: {', '.join(f'{r:.2f}' for r in rounds)})"
+        f"{args.method}, {'native' if model.model.native_decode else 'python'} layers, "
+        f"batch {b}: {best:.2f} ms a forward "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in rounds)})"
     )
     write_result(
         "cpu_step",
@@ -104,6 +117,9 @@ def main() -> None:
         {
             "method": args.method,
             "slots": args.slots,
+            "layers": args.layers,
+            "native_decode": model.model.native_decode is not None,
+            "batch": b,
             "context": args.context,
             "steps": args.steps,
             "torch_threads": torch.get_num_threads(),

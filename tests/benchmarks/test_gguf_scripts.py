@@ -48,9 +48,13 @@ def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
     assert all(row["max_abs_err_vs_reference"] < 1e-2 for row in rows)
 
 
-@pytest.mark.parametrize("slots", ["shuffled", "run"])
-def test_cpu_step_times_the_embedded_models_forward(tmp_path, slots):
+@pytest.mark.parametrize(
+    "slots, layers, batch", [("shuffled", "native", 1), ("run", "python", 1), ("run", "native", 3)]
+)
+def test_cpu_step_times_the_embedded_models_forward(tmp_path, slots, layers, batch):
     args = ["benchmarks/cpu_step.py", "--context", "16", "--steps", "2", "--rounds", "2"]
-    r = _run([*args, "--slots", slots], tmp_path / "s.json")
+    extra = ["--slots", slots, "--layers", layers, "--batch", str(batch)]
+    r = _run([*args, *extra], tmp_path / "s.json")
     assert (r["method"], r["slots"], r["context"], r["steps"]) == ("gguf", slots, 16, 2)
+    assert (r["layers"], r["batch"], r["native_decode"]) == (layers, batch, layers == "native")
     assert len(r["rounds_ms"]) == 2 and r["forward_ms"] == min(r["rounds_ms"]) > 0

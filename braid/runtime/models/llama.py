@@ -16,6 +16,7 @@ from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.distributed.group import building_group
 from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down
+from braid.runtime.layers.native_decode import NativeCpuDecode
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.parallel import (
     ColumnParallelLinear,
@@ -131,6 +132,12 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # The decoder layers as one native call for CPU decode steps, where the weights allow
+        # (`after_weights_loaded`); None: every forward runs the layers here.
+        self.native_decode: NativeCpuDecode | None = None
+
+    def after_weights_loaded(self) -> None:
+        self.native_decode = NativeCpuDecode.for_model(self)
 
     def forward(
         self,
@@ -147,6 +154,13 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         if cos_sin is None:
             cos_sin = self.rotary.lookup(batch.positions)
+        native = self.native_decode
+        if native is not None and input_embeds is None and deepstack is None:
+            if not batch.aux_layers:
+                out = native(h, cos_sin, batch, attn)
+                if out is not None:
+                    batch.aux_hidden_states = None
+                    return out
         rows, extra = deepstack if deepstack is not None else (None, [])
         residual = None
         wanted, captured = batch.aux_layers, {}

@@ -288,6 +288,13 @@ class GGUFLinearMethod(LinearMethod):
             return _CpuSegment(start, to_cpu_int4(planes, qtype), data.shape[0])
         return _ReferenceSegment(start, kernel_planes(planes, qtype))
 
+    def cpu_int4_weights(self) -> list[CpuInt4Weight] | None:
+        """Each segment's weight in torch's CPU int4 form, in output order, when every
+        segment has one (the native CPU decode multiplies by them); else None."""
+        if not all(isinstance(s, _CpuSegment) for s in self.segments):
+            return None
+        return [s.weight for s in self.segments]
+
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat_rows(x)
         y = torch.cat([s.reference(x2, _part(bias, s)) for s in self.segments], dim=-1)
