@@ -8,13 +8,13 @@ cache shared across machines never loads a library built for another CPU. A buil
 a temporary name and renames it into place, so processes that build at once do not read a
 half-written file.
 
-`load_cpu_decoder` returns None, with the reason, where no compiler is found or the build
-fails: the runtime then keeps its Python decode path.
+`load_cpu_decoder` returns None, with the reason, where no compiler is found, the build fails
+or hangs, or the library does not load: the runtime then keeps its Python decode path.
 """
 
 from __future__ import annotations
 
-import functools
+import fcntl
 import hashlib
 import os
 import platform
@@ -34,18 +34,26 @@ LIBRARY = "braid_cpu_decode.so"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-w")
 
 
+# The /proc/cpuinfo fields that say what -march=native compiles for (x86: model and flags;
+# Arm: implementer, part and features), first occurrence of each.
+_CPU_FIELDS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
+# A build that takes longer than this has hung (it takes about 10 s on 2 cores).
+BUILD_TIMEOUT_S = 300.0
+
+
 def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (what -march=native compiles for)."""
+    """What -march=native compiles for on this machine."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    keep = [
-        line.split(":", 1)[1].strip()
-        for line in text.splitlines()
-        if line.startswith(("model name", "flags"))
-    ]
-    return "\n".join(keep[:2])
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in _CPU_FIELDS and name not in found:
+            found[name] = value.strip()
+    return platform.machine() + "\n" + "\n".join(f"{k}: {v}" for k, v in sorted(found.items()))
 
 
 def library_key() -> str:
@@ -66,38 +74,54 @@ def _compile(out: Path) -> None:
     cmd = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE), "-o", str(out)]
     cmd += [f"-I{p}" for p in include_paths()]
     cmd += [f"-L{p}" for p in library_paths()] + ["-lc10", "-ltorch_cpu"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{compiler} took more than {BUILD_TIMEOUT_S:.0f} s") from e
     if done.returncode != 0:
         raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
 def build(cache_dir: Path) -> tuple[Path, float]:
     """The library's path under `cache_dir`, built if missing, and the seconds spent building
-    (0.0 when it was there). `RuntimeError` if it cannot be built."""
+    (0.0 when it was there). Processes that ask at once build it once: the others wait on a
+    lock file beside it. `RuntimeError` if it cannot be built."""
     target = cache_dir / library_key() / LIBRARY
     if target.exists():
         return target, 0.0
     target.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial = Path(tmp) / LIBRARY
-        _compile(partial)
-        os.replace(partial, target)
+    with open(target.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # built while this process waited
+            return target, 0.0
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            partial = Path(tmp) / LIBRARY
+            _compile(partial)
+            os.replace(partial, target)
     return target, time.perf_counter() - t0
 
 
-@functools.cache
-def _load(path: str) -> None:
-    torch.ops.load_library(path)
+# The library this process loaded, by key: torch registers its classes once per process, and
+# loading a second copy (another cache directory, another source) would abort the process.
+_loaded: dict[str, Path] = {}
 
 
 def load_cpu_decoder(cache_dir: Path) -> tuple[type | None, str]:
     """`torch.classes.braid_cpu.CpuDecoder`, built under `cache_dir` if needed, and a line for
-    the log: how long the build took, or why there is no class (then None)."""
+    the log: how long the build took, or why there is no class (then None). A process loads
+    one library: asked again for the same key it reuses it wherever it lies; for another
+    key (the source changed under a running process) it answers None."""
+    key = library_key()
+    if key in _loaded:
+        return torch.classes.braid_cpu.CpuDecoder, f"native CPU decode loaded ({_loaded[key]})"
+    if _loaded:
+        return None, "native CPU decode unavailable: another build of it is loaded already"
     try:
         path, seconds = build(cache_dir)
-        _load(str(path))
-    except (OSError, RuntimeError) as e:
+        torch.ops.load_library(str(path))
+    except Exception as e:  # any failure to build or load leaves the Python path
         return None, f"native CPU decode unavailable, the Python path runs: {e}"
+    _loaded[key] = path
     how = f"built in {seconds:.1f} s" if seconds else "cached"
     return torch.classes.braid_cpu.CpuDecoder, f"native CPU decode loaded ({how}, {path})"

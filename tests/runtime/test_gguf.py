@@ -17,9 +17,9 @@ from safetensors import safe_open
 from braid import SamplingParams
 from braid.kernels.gguf_reference import random_blocks, row_bytes
 from braid.runtime.ipc.to_scheduler import GenerateReq
-from braid.runtime.layers import native_decode
 from braid.runtime.layers.embedding import LMHead
 from braid.runtime.layers.linear import Linear
+from braid.runtime.models import native_decode
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.models.source import resolve_model

@@ -1,4 +1,4 @@
-"""The native CPU decode (`braid.runtime.layers.native_decode`, `braid/kernels/native/
+"""The native CPU decode (`braid.runtime.models.native_decode`, `braid/kernels/native/
 cpu_decode.cpp`) against the Python layers it replaces: the same tokens and, up to the order
 of float32 sums, the same hidden states and KV rows."""
 
@@ -12,11 +12,11 @@ from braid.kernels.cpu_decode import load_cpu_decoder
 from braid.runtime.attention.torch_native import TorchNativeBackend
 from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode
-from braid.runtime.layers import native_decode
-from braid.runtime.layers.native_decode import NativeCpuDecode
 from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.models import native_decode
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
+from braid.runtime.models.native_decode import NativeCpuDecode
 from braid.runtime.models.source import resolve_model
 from braid.runtime.quantization.gguf_file import write_llama_gguf
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
@@ -108,6 +108,9 @@ class Bench:
         the last layer at the batch's slots."""
         out = []
         for native in (False, True):
+            # The step's own slots hold NaN until it stores them: reading one first shows.
+            for buf in (*self.pool.k, *self.pool.v):
+                buf[batch.out_cache_loc] = float("nan")
             y = self.run(batch, native, hidden)
             kv = [
                 buf[i][batch.out_cache_loc].clone()
@@ -187,27 +190,43 @@ TINY_TYPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def _tiny_model(tmp_path_factory, config: dict, types: dict[str, str]):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from braid.kernels.gguf_reference import random_blocks
 
     torch.manual_seed(0)
-    state = LlamaForCausalLM(LlamaConfig(**TINY)).state_dict()
+    state = LlamaForCausalLM(LlamaConfig(**config)).state_dict()
     gen = torch.Generator().manual_seed(0)
     raw = {}
-    for key, qtype in TINY_TYPES.items():
+    for key, qtype in types.items():
         if qtype in ("Q4_K", "Q6_K"):
             rows, k = state[key].shape
             raw[key] = random_blocks(qtype, rows, k, gen, scale=0.02 / 24)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     kept = {k: v for k, v in state.items() if k not in raw}
-    write_llama_gguf(path, TINY, kept, TINY_TYPES, raw)
+    write_llama_gguf(path, config, kept, types, raw)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         blocks = resolve_model(path)
     return _build(blocks)  # outside: the native library's cache stays the default one
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _tiny_model(tmp_path_factory, TINY, TINY_TYPES)
+
+
+def test_native_decode_runs_plain_multi_head_attention_and_odd_head_dims(tmp_path_factory):
+    """One query head per KV head, and a head dim of 40 (not a multiple of the 16 lanes)."""
+    config = {**TINY, "hidden_size": 160, "intermediate_size": 256, "num_key_value_heads": 4}
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    names += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    types = {f"model.layers.{i}.{n}.weight": "Q4_0" for i in range(2) for n in names}
+    cfg, model = _tiny_model(tmp_path_factory, config, types)
+    assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (40, 4, 4)
+    assert isinstance(model.model.native_decode, NativeCpuDecode)
+    _tiny_steps(cfg, model)
 
 
 def _tiny_steps(cfg, model, steps=6, window=None):
@@ -224,10 +243,40 @@ def _tiny_steps(cfg, model, steps=6, window=None):
             s.append(int(torch.randint(0, 320, (1,), generator=g)))
 
 
-def test_native_decode_runs_every_kept_type_and_fused_segments(tiny):
+@pytest.mark.parametrize("window", [None, 32])
+def test_native_decode_runs_every_kept_type_and_fused_segments(tiny, window):
+    """With a sliding window of 32 that hides no key yet, too."""
     cfg, model = tiny
     assert isinstance(model.model.native_decode, NativeCpuDecode)
-    _tiny_steps(cfg, model)
+    _tiny_steps(cfg, model, window=window)
+
+
+def test_rows_of_one_request_in_one_step_see_each_others_keys(tiny):
+    """A speculative verify (or draft catch-up) step: rows n and n + 1 of one request in one
+    batch; the second attends to the K/V the first stores in the same call (NaN before it)."""
+    cfg, model = tiny
+    bench = Bench(cfg, model, [2], shuffled=True)
+    (seq,) = bench.prefill([[9, 8, 7, 6, 5, 4, 3]])
+    n, r = len(seq), 2
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([seq[-1], 11]),
+        positions=torch.tensor([n - 1, n]),
+        out_cache_loc=bench.table.table[r, n - 1 : n + 1].clone(),
+        req_pool_indices=torch.tensor([r, r]),
+        seq_lens=torch.tensor([n, n + 1]),
+        prefix_lens=[n - 1, n],
+        extend_lens=[1, 1],
+        logits_indices=torch.arange(2),
+    )
+    (want, want_kv), (got, got_kv) = bench.compare(batch, hidden=True)
+    _close(got, want, 0.02)
+    for g, w in zip(got_kv, want_kv):
+        _close(g, w, 0.02)
+    assert torch.isfinite(got).all()
+    # The second row as a step of its own, after the first's: the same output.
+    alone = bench.run(bench.decode_batch([seq + [11]]), native=True, hidden=True)
+    _close(alone, want[1:], 0.02)
 
 
 def test_native_decode_adds_biases_and_norms_q_and_k_per_head(tiny):
@@ -281,7 +330,18 @@ def test_steps_it_would_compute_otherwise_take_the_python_path(tiny):
     assert native(h, cos_sin, batch, bench.attn) is None
 
 
+def test_a_process_loads_the_library_once_wherever_asked(embedded, tmp_path):
+    """Loaded already (the embedded model's): another cache directory gets the same class and
+    builds nothing there (a second copy of the library would abort the process)."""
+    cls, line = load_cpu_decoder(tmp_path)
+    assert cls is not None and "loaded" in line
+    assert not any(tmp_path.rglob("*.so"))
+
+
 def test_a_failed_build_leaves_the_python_path_with_the_reason(tmp_path, monkeypatch):
+    from braid.kernels import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "_loaded", {})  # as in a process that loaded none yet
     monkeypatch.setenv("CXX", "false")
     cls, line = load_cpu_decoder(tmp_path)
     assert cls is None

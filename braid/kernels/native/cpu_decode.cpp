@@ -87,12 +87,13 @@ inline float sum(const float* a, int64_t n) {
   return fold(acc);
 }
 
-// e^x within 1.5 ulp over [-87, 88] (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the
-// exponent bits), as straight-line arithmetic that the compiler vectorises, where a call to
-// std::exp per element cost about as much as all the matmuls of a 16-row step. x is clamped
-// to [-87.3, 88.7]: e^-87.3 (1e-38) stands for anything smaller.
+// e^x within 1.5 ulp over [-87, 88] (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in
+// r, 2^n from the exponent bits), as straight-line arithmetic that the compiler vectorises,
+// where a call to std::exp per element cost about as much as all the matmuls of a 16-row
+// step. x is clamped to [-87.3, 88.3]: e^-87.3 (1e-38) stands for anything smaller, e^88.3
+// (2e38) for anything larger.
 inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
+  x = std::min(std::max(x, -87.3f), 88.3f);
   // n = round(x / ln 2): adding and removing 1.5 * 2^23 rounds to an integer (std::floor
   // would keep the loop from vectorising).
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
@@ -265,6 +266,11 @@ class CpuDecoder : public torch::CustomClassHolder {
       TORCH_CHECK(row[b] >= 0 && row[b] < table.size(0), "CpuDecoder: row ", row[b]);
       TORCH_CHECK(len[b] >= 1 && len[b] <= width, "CpuDecoder: seq_len ", len[b]);
       TORCH_CHECK(loc[b] >= 0 && loc[b] < slots, "CpuDecoder: out_loc ", loc[b]);
+      const int64_t* slot = table.data_ptr<int64_t>() + row[b] * width;
+      for (int64_t j = 0; j < len[b]; ++j) {
+        TORCH_CHECK(slot[j] >= 0 && slot[j] < slots, "CpuDecoder: row ", row[b], " position ",
+                    j, " holds slot ", slot[j], ", outside the pool");
+      }
     }
 
     const int64_t H = hidden_, D = head_dim_;

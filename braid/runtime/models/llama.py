@@ -16,7 +16,6 @@ from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.distributed.group import building_group
 from braid.runtime.forward_batch import ForwardBatch
 from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down
-from braid.runtime.layers.native_decode import NativeCpuDecode
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.parallel import (
     ColumnParallelLinear,
@@ -29,6 +28,7 @@ from braid.runtime.layers.parallel import (
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.models import MODELS
 from braid.runtime.models.config import ModelConfig
+from braid.runtime.models.native_decode import NativeCpuDecode
 
 
 class LlamaAttention(nn.Module):

@@ -24,6 +24,7 @@ import torch
 
 from braid.runtime.attention.torch_native import TorchNativeBackend
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode
+from braid.runtime.quantization.gguf_cpu import CPU_GROUP
 
 logger = logging.getLogger("braid")
 
@@ -102,11 +103,14 @@ class NativeCpuDecode:
             cfg_heads.head_dim,
             inter,
             len(model.layers),
-            32,  # the GGUF CPU form's group (gguf_cpu.CPU_GROUP)
+            CPU_GROUP,
             int(cfg_heads.qk_norm),
         ]
-        eps = model.norm.eps
-        decoder = cls_native(dims, eps, norms, linears, packed, tables, biases)
+        try:
+            decoder = cls_native(dims, model.norm.eps, norms, linears, packed, tables, biases)
+        except RuntimeError as e:  # a shape the native layers refuse (their TORCH_CHECKs)
+            logger.info("native CPU decode not used for this model, the Python path runs: %s", e)
+            return None
         return cls(decoder)
 
     def __call__(
