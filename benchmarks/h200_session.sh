@@ -1,54 +1,48 @@
 #!/usr/bin/env bash
-# The H200 session of 2026-12-04 (fourth of the day), in calls that fit the device tool's
+# The H200 session of 2026-12-04 (sixth of the day), in calls that fit the device tool's
 # 10-minute limit; logs go to $OUT, JSON to $OUT/r. Run from the repository root after
 # `source .whl/install.sh`, carrying .whl (../shared/device/wheelhouse.sh .whl nvidia-ml-py
 # requests opentelemetry-api uvloop pillow llguidance xgrammar flashinfer-python==0.5.3, then
 # the image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe filelock
-# cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm) and .gpu/tok
-# (SmolLM2's tokenizer files, from the converted embedded model in braid's cache).
+# cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
 # Earlier sessions' parts are in this file's git history.
-#   part 1 (issue 23: the third session's run ended, at its step limit, while program + pins
-#          ran): agents.py, heavy-tailed mix, 256 programs at 32/s (where lpm's p99 passed 4x
-#          the unloaded p99 then), all four setups; then the uniform mix at 64/s, as far as
-#          the call's time allows
-#   part 2 (pins cost the program policy on the H200 in part 1: 1.52x -> 1.25x heavy, 0.91x ->
-#          0.60x uniform; pins are now made only where they pay, `scheduler/pin_cost.py`):
-#          both mixes again, lpm, program and program + pins
-#   part 3 (how far one run is from the next; and a pool where the rule keeps pins): the heavy
-#          mix at 32/s again on 4096 KV tokens, then on 16384 (there C > p x r: pins are made)
-#   part 4 (the rule is now asked only while requests wait): part 2 again
+#   part 1 (issue 18, offline fp8 + fp8 KV at 0.99-1.16x bf16, target 1.3x: where the time
+#          goes): offline 1024 x (512 in, 256 out) and the same prompts with 1 token out
+#          (prefill alone), bf16 and fp8 weights + fp8 KV, one engine after the other
+#   part 2 (the same with `_scaled_mm`'s fast accumulation, BRAID_FP8_FAST_ACCUM=1, as vLLM's
+#          and SGLang's fp8 GEMMs run): fp8 + fp8 KV at 256 and 1 tokens out, fp8 alone at 256
+#   part 3 (part 1 gave fp8 + fp8 KV 1.28x bf16, earlier sessions 0.99-1.16x: the spread):
+#          bf16 and fp8 + fp8 KV offline, twice each, alternating (run twice)
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 source "$(dirname "$0")/step.sh"
-tok=.gpu/tok
 off() { python benchmarks/gpu.py offline --skip-hf --repeats 1 "$@"; }
+fp8=(--engine-arg quantization=fp8)
+fp8kv=(--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3)
 if [ "$part" = 1 ]; then
     { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
-    ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
-        --programs 256 --kv-tokens 4096 "$@"; }
-    TAIL=14 step 380 agents_heavy ag --mix heavy --rates 32 \
-        --out "$OUT/r/agents_heavy_cuda.json"
-    TAIL=14 step "${UNIFORM_S:-150}" agents_uniform ag --mix uniform --rates 64 \
-        --setups lpm,program,program+pins --out "$OUT/r/agents_uniform_cuda.json"
+    TAIL=6 step 140 offline_bf16 off --out "$OUT/r/offline_bf16_cuda.json"
+    TAIL=6 step 110 prefill_bf16 off --output-len 1 --out "$OUT/r/prefill_bf16_cuda.json"
+    TAIL=6 step 140 offline_fp8kv off "${fp8kv[@]}" --out "$OUT/r/offline_fp8kv_cuda.json"
+    TAIL=6 step 110 prefill_fp8kv off "${fp8kv[@]}" --output-len 1 \
+        --out "$OUT/r/prefill_fp8kv_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
-if [ "$part" = 2 ] || [ "$part" = 4 ]; then
-    v=paying; [ "$part" = 4 ] && v=queued
-    ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
-        --programs 256 --kv-tokens 4096 --setups lpm,program,program+pins "$@"; }
-    TAIL=8 step 260 "agents_heavy_$v" ag --mix heavy --rates 32 \
-        --out "$OUT/r/agents_heavy_${v}_cuda.json"
-    TAIL=8 step 200 "agents_uniform_$v" ag --mix uniform --rates 64 \
-        --out "$OUT/r/agents_uniform_${v}_cuda.json"
+if [ "$part" = 2 ]; then
+    export BRAID_FP8_FAST_ACCUM=1
+    TAIL=6 step 140 offline_fp8kv_fast off "${fp8kv[@]}" \
+        --out "$OUT/r/offline_fp8kv_fast_cuda.json"
+    TAIL=6 step 110 prefill_fp8kv_fast off "${fp8kv[@]}" --output-len 1 \
+        --out "$OUT/r/prefill_fp8kv_fast_cuda.json"
+    TAIL=6 step 140 offline_fp8_fast off "${fp8[@]}" --out "$OUT/r/offline_fp8_fast_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 3 ]; then
-    ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
-        --programs 256 --setups lpm,program,program+pins --mix heavy --rates 32 "$@"; }
-    TAIL=8 step 250 agents_heavy_again ag --kv-tokens 4096 \
-        --out "$OUT/r/agents_heavy_again_cuda.json"
-    TAIL=8 step 250 agents_heavy_16k ag --kv-tokens 16384 \
-        --out "$OUT/r/agents_heavy_16k_cuda.json"
+    for i in 1 2; do
+        TAIL=4 step 140 "offline_bf16_$i" off --out "$OUT/r/offline_bf16_${i}_cuda.json"
+        TAIL=4 step 140 "offline_fp8kv_$i" off "${fp8kv[@]}" \
+            --out "$OUT/r/offline_fp8kv_${i}_cuda.json"
+    done
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
