@@ -13,9 +13,12 @@
 #          and SGLang's fp8 GEMMs run): fp8 + fp8 KV at 256 and 1 tokens out, fp8 alone at 256
 #   part 3 (part 1 gave fp8 + fp8 KV 1.28x bf16, earlier sessions 0.99-1.16x: the spread):
 #          bf16 and fp8 + fp8 KV offline, twice each, alternating (run twice)
+#   part 4 (fp8 slowed 25% over parts 1-3 on the warm machine, bf16 3-4%: the clocks): the GPU's
+#          SM clock, power, temperature and throttle reasons sampled each second while
+#          fp8 + fp8 KV runs three times and bf16 once
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1 to 4}
 source "$(dirname "$0")/step.sh"
 off() { python benchmarks/gpu.py offline --skip-hf --repeats 1 "$@"; }
 fp8=(--engine-arg quantization=fp8)
@@ -44,5 +47,17 @@ if [ "$part" = 3 ]; then
         TAIL=4 step 140 "offline_fp8kv_$i" off "${fp8kv[@]}" \
             --out "$OUT/r/offline_fp8kv_${i}_cuda.json"
     done
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+fi
+if [ "$part" = 4 ]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
+clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
+    smi=$!
+    for i in 1 2 3; do
+        TAIL=4 step 140 "offline_fp8kv_$i" off "${fp8kv[@]}" \
+            --out "$OUT/r/offline_fp8kv_${i}_cuda.json"
+    done
+    TAIL=4 step 140 offline_bf16 off --out "$OUT/r/offline_bf16_cuda.json"
+    kill "$smi"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
