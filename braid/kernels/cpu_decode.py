@@ -82,11 +82,12 @@ def _compile(out: Path) -> None:
         raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
-def build(cache_dir: Path) -> tuple[Path, float]:
+def build(cache_dir: Path, key: str | None = None) -> tuple[Path, float]:
     """The library's path under `cache_dir`, built if missing, and the seconds spent building
-    (0.0 when it was there). Processes that ask at once build it once: the others wait on a
-    lock file beside it. `RuntimeError` if it cannot be built."""
-    target = cache_dir / library_key() / LIBRARY
+    (0.0 when it was there); `key`: `library_key()`, if the caller has it. Processes that ask
+    at once build it once: the others wait on a lock file beside it. `RuntimeError` if it
+    cannot be built."""
+    target = cache_dir / (key or library_key()) / LIBRARY
     if target.exists():
         return target, 0.0
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +119,7 @@ def load_cpu_decoder(cache_dir: Path) -> tuple[type | None, str]:
     if _loaded:
         return None, "native CPU decode unavailable: another build of it is loaded already"
     try:
-        path, seconds = build(cache_dir)
+        path, seconds = build(cache_dir, key)
         torch.ops.load_library(str(path))
     except Exception as e:  # any failure to build or load leaves the Python path
         return None, f"native CPU decode unavailable, the Python path runs: {e}"

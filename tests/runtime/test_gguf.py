@@ -66,11 +66,13 @@ K_QUANTS = ("Q4_K", "Q6_K")
 PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 8, 200, 31, 64, 12]]
 
 
-def _write(path, types, *, seed=0):
+def _write(path, types, *, seed=0, config=CONFIG):
+    """A tiny llama GGUF file of `config` with each tensor of `types` in its type (the
+    K-quants as random blocks, which gguf-py cannot quantize)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    state = LlamaForCausalLM(LlamaConfig(**CONFIG)).state_dict()
+    state = LlamaForCausalLM(LlamaConfig(**config)).state_dict()
     gen = torch.Generator().manual_seed(seed)
     raw = {}
     for key, qtype in types.items():
@@ -78,7 +80,7 @@ def _write(path, types, *, seed=0):
             rows, k = state[key].shape
             # Sub-block scales reach 63: weights ~ 0.02 like the float ones.
             raw[key] = random_blocks(qtype, rows, k, gen, scale=0.02 / 24)
-    write_llama_gguf(path, CONFIG, {k: v for k, v in state.items() if k not in raw}, types, raw)
+    write_llama_gguf(path, config, {k: v for k, v in state.items() if k not in raw}, types, raw)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.models.native_decode import NativeCpuDecode
 from braid.runtime.models.source import resolve_model
-from braid.runtime.quantization.gguf_file import write_llama_gguf
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
+from tests.runtime.test_gguf import CONFIG as TINY
+from tests.runtime.test_gguf import _write as write_tiny_gguf
 
 CPU = torch.device("cpu")
 
@@ -158,18 +159,6 @@ def test_native_decode_gives_the_python_layers_tokens(embedded, rows, shuffled):
             s.append(t)
 
 
-TINY = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
 # Every type the CPU keeps, a fused layer of two types (layer 0's qkv: Q8_0 beside Q6_K) and
 # each of the three input feeds (x, x twice for Q8_0, 8 x beside x for Q6_K).
 TINY_TYPES = {
@@ -191,21 +180,8 @@ TINY_TYPES = {
 
 
 def _tiny_model(tmp_path_factory, config: dict, types: dict[str, str]):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from braid.kernels.gguf_reference import random_blocks
-
-    torch.manual_seed(0)
-    state = LlamaForCausalLM(LlamaConfig(**config)).state_dict()
-    gen = torch.Generator().manual_seed(0)
-    raw = {}
-    for key, qtype in types.items():
-        if qtype in ("Q4_K", "Q6_K"):
-            rows, k = state[key].shape
-            raw[key] = random_blocks(qtype, rows, k, gen, scale=0.02 / 24)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    kept = {k: v for k, v in state.items() if k not in raw}
-    write_llama_gguf(path, config, kept, types, raw)
+    write_tiny_gguf(path, types, config=config)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("BRAID_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         blocks = resolve_model(path)

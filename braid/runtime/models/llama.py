@@ -155,12 +155,16 @@ class LlamaModel(nn.Module):
         if cos_sin is None:
             cos_sin = self.rotary.lookup(batch.positions)
         native = self.native_decode
-        if native is not None and input_embeds is None and deepstack is None:
-            if not batch.aux_layers:
-                out = native(h, cos_sin, batch, attn)
-                if out is not None:
-                    batch.aux_hidden_states = None
-                    return out
+        if (
+            native is not None
+            and input_embeds is None
+            and deepstack is None
+            and not batch.aux_layers
+        ):
+            out = native(h, cos_sin, batch, attn)
+            if out is not None:
+                batch.aux_hidden_states = None
+                return out
         rows, extra = deepstack if deepstack is not None else (None, [])
         residual = None
         wanted, captured = batch.aux_layers, {}

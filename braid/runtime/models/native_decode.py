@@ -127,8 +127,6 @@ class NativeCpuDecode:
         pool = attn.kv_pool
         if pool.dtype != torch.float32 or batch.tree_prefix is not None:
             return None
-        if h.shape[0] != batch.seq_lens.shape[0]:
-            return None
         window = attn.sliding_window
         if window is not None and int(batch.seq_lens.max()) > window:
             return None
