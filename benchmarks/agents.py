@@ -5,6 +5,8 @@ setup, all in one run:
 
 - fcfs, lpm: SGLang's policies, no pins (SGLang keeps nothing for a program between calls);
 - program: least attained service per program, with aging (`--schedule-policy program`);
+- program-srpt: the program predicted to ask for the least work yet first, with aging
+  (`--schedule-policy program-srpt`);
 - program+pins: the same, each program's KV pinned across its tool calls for a TTL that
   follows how long its tool calls take (program sessions).
 
@@ -141,6 +143,7 @@ SETUPS = {  # name -> (schedule_policy, program pins)
     "lpm": ("lpm", False),
     "program": ("program", False),
     "program+pins": ("program", True),
+    "program-srpt": ("program-srpt", False),
 }
 
 

@@ -66,9 +66,10 @@ class Join:
 @dataclass
 class Sessions:
     """The program sessions of one program run (the root state's and its forks'), closed when
-    the run ends."""
+    the run ends, and the run's `program` id (sent with every request, sessions or not)."""
 
     backend: Backend
+    program: str | None = None
     open: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -164,11 +165,13 @@ class Executor:
                 for child in self.children:
                     child.end()
                     child.wait_ended()
-                if self.session is not None and self.sessions is not None:
-                    try:
+                try:
+                    if self.session is not None and self.sessions is not None:
                         self.sessions.close(self.session)
-                    except Exception as e:  # the runtime died: the run reports it below
-                        self._fail("program end", e)
+                    elif self.path == "" and self.sessions and self.sessions.program:
+                        self.backend.end_program(self.sessions.program)  # no session to close
+                except Exception as e:  # the runtime died: the run reports it below
+                    self._fail("program end", e)
                 with self._cond:
                     self.ended = True
                     self._pending -= 1
@@ -245,6 +248,7 @@ class Executor:
             list(self.images),
             self.session,
             position,
+            self.sessions.program if self.sessions is not None else None,
         )
 
     def _run(self, node: Any) -> None:

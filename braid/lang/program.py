@@ -130,8 +130,10 @@ class Program:
     def _start(
         self, backend: Backend, defaults: SamplingArgs, args: tuple, kwargs: dict[str, Any]
     ) -> tuple[ProgramState, Callable[[], None]]:
-        sessions = Sessions(backend)
-        session = f"prog-{uuid.uuid4().hex[:12]}" if self.sessions else None
+        # The run's name: its requests' program id, and its root session's when pinning.
+        name = f"prog-{uuid.uuid4().hex[:12]}"
+        sessions = Sessions(backend, program=name)
+        session = name if self.sessions else None
         state = ProgramState(Executor(backend, defaults, session, sessions))
         call_kwargs = {**self.bound, **kwargs}
 

@@ -140,8 +140,9 @@ class EngineConfig:
         "lpm",
         "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival "
         "order; program: the program that has received the least service first, with aging "
-        "(braid programs and sessions; see docs/architecture.md)",
-        choices=("lpm", "fcfs", "program"),
+        "(braid programs and sessions; see docs/architecture.md); program-srpt: the program "
+        "predicted to ask for the least work yet first, with aging",
+        choices=("lpm", "fcfs", "program", "program-srpt"),
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
     seed: int = setting(0, "seeds the sampling of requests that give no seed")

@@ -138,3 +138,37 @@ def test_endpoint_program_calls_carry_their_positions_over_http(served):
 
     state = staged.run(programs=programs, backend=sgl.RuntimeEndpoint(served.url))
     check_staged(state, programs())
+
+
+def test_a_program_without_sessions_is_still_one_program_to_the_scheduler(small_llm):
+    """With sessions off nothing is pinned, but every call carries the run's program id, so
+    the scheduler counts one program (for the program policies), which the run's end ends."""
+    from braid.lang.backends.engine import EngineBackend
+
+    @sgl.function
+    def three_calls(s):
+        s += CONTEXT[:200]
+        for k in range(3):
+            s += f"\nStep {k}:"
+            s += sgl.gen(f"a{k}", max_tokens=2, temperature=0)
+            s[f"a{k}"]
+            s.seen = getattr(s, "seen", []) + [small_llm.stats()]
+
+    three_calls.sessions = False
+    before = small_llm.stats()
+    state = three_calls.run(backend=EngineBackend(small_llm))
+    for seen in state.seen:  # one program, known across its calls, nothing pinned
+        assert seen["programs_known"] == before["programs_known"] + 1
+        assert seen["pinned_sessions"] == 0
+    after = small_llm.stats()
+    assert after["programs_ended"] == before["programs_ended"] + 1
+    assert after["programs_known"] == before["programs_known"]
+    assert_kv_all_free_or_cached(small_llm)
+    # What the runtime takes: a position with a session or a program id; an id that is a
+    # non-empty string.
+    from braid.runtime.errors import ParamError
+
+    with pytest.raises(ParamError, match="program_position needs a session_id or a program_id"):
+        small_llm.tm.submit("p", [5, 6], SamplingParams(max_tokens=1), program_position=0)
+    with pytest.raises(ParamError, match="program_id must be a non-empty string"):
+        small_llm.tm.submit("p", [5, 6], SamplingParams(max_tokens=1), program_id="")

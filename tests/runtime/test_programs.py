@@ -15,7 +15,12 @@ from braid.runtime.cache.radix_cache import RadixCache
 from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler import policy
-from braid.runtime.scheduler.programs import PIN_TTL_FIRST_S, SEQUENCES_KEPT, ProgramTable
+from braid.runtime.scheduler.programs import (
+    PIN_TTL_FIRST_S,
+    PREFILL_WEIGHT,
+    SEQUENCES_KEPT,
+    ProgramTable,
+)
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
 from braid.runtime.server.metrics import ServerMetrics
@@ -40,14 +45,15 @@ def _req(
     program: str | None = None,
     position: int | None = None,
     ids: list[int] | None = None,
+    max_new: int = 4,
 ) -> Req:
     return Req(
         rid=rid,
         input_ids=list(range(1, n + 1)) if ids is None else ids,
-        params=braid.SamplingParams(max_tokens=4),
+        params=braid.SamplingParams(max_tokens=max_new),
         seed=0,
         eos_ids=frozenset(),
-        max_new_tokens=4,
+        max_new_tokens=max_new,
         session_id=session,
         program_id=program,
         program_position=position,
@@ -462,6 +468,52 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
     ]
 
 
+def test_program_srpt_orders_by_predicted_remaining_work_and_ages():
+    """`program-srpt`: a program's remaining work is its output per served call times the
+    calls the ended programs suggest it has left, plus a tenth per uncached prompt token; the
+    program predicted to need least goes first, and waiting lowers a program's key."""
+    alloc = PageAllocator(257, 1)
+    cache = RadixCache(alloc)
+    table = ProgramTable(clock=Clock())
+    for calls, pid in ((2, "e1"), (4, "e2"), (6, "e3")):  # ended programs: 2, 4 and 6 calls
+        for k in range(calls):
+            _call(table, _req(f"{pid}/{k}", program=pid, position=k), [5])
+        assert table.end(pid)
+    assert table.calls_left(0) == 4.0  # (2 + 4 + 6) / 3
+    assert table.calls_left(2) == 3.0  # (4 - 2 + 6 - 2) / 2
+    assert table.calls_left(6) == 1.0  # no ended program went further: this call only
+
+    def served(pid: str, outputs: list[int]) -> Req:
+        """A program that has had one call served per entry of `outputs` (its tokens), then
+        sends the next, which waits."""
+        for k, out in enumerate(outputs):
+            _call(table, _req(f"{pid}/{k}", program=pid, position=k, max_new=64), [7] * out)
+        nxt = _req(f"{pid}/{len(outputs)}", program=pid, position=len(outputs), max_new=64)
+        table.arrive(nxt)
+        return nxt
+
+    chatty = served("chatty", [40])  # 40 a call, about 3 calls left
+    terse = served("terse", [2])
+    late = served("late", [10] * 5)  # past every ended program but the longest
+    new = _req("new/0", program="new", position=0, max_new=64)
+    table.arrive(new)
+    assert table.remaining_work(chatty, 0) == 40 + 2 * 40
+    assert table.remaining_work(terse, 0) == 2 + 2 * 2
+    assert table.remaining_work(late, 0) == 10.0
+    assert table.remaining_work(terse, 100) == 6 + 100 * PREFILL_WEIGHT
+    prior = table.remaining_work(new, 0) / table.calls_left(0)  # every program's output a call
+    assert 1 < prior < 40
+    assert table.remaining_work(_req("capped", program="capped", max_new=1), 0) == 4 * 1
+
+    waiting = [chatty, new, late, terse]
+    order = policy.candidates(waiting, cache, "program-srpt", table, now=0.0)
+    assert [c.req.rid for c in order] == ["terse/1", "late/5", "new/0", "chatty/1"]
+    # chatty has waited long enough to halve its work five times: it goes first.
+    chatty.waiting_since = -5 * policy.SRPT_AGING_S
+    order = policy.candidates(waiting, cache, "program-srpt", table, now=0.0)
+    assert order[0].req is chatty
+
+
 # ---- the policy in a running scheduler, against a reference simulation -------------------------
 # Heavy programs generate many tokens per step, light ones few: least attained service lets
 # the light programs through first; fcfs does not.
@@ -564,6 +616,23 @@ def test_program_policy_finishes_programs_as_the_simulation_predicts(
     assert outputs == fcfs_outputs  # the same tokens, in another order
     stats = s.control("stats")
     assert stats["programs_known"] == len(WORKLOAD) and stats["programs_in_flight"] == 0
+
+
+def test_program_srpt_finishes_the_light_programs_first_with_fcfs_tokens(tiny_model_dirs, fcfs_run):
+    """Before any program has ended, each program's first call is predicted by its max_tokens
+    and its later calls by its own output: the light programs finish before either heavy one,
+    with the tokens fcfs gave."""
+    s = local_scheduler(
+        tiny_model_dirs["llama"],
+        kv_tokens=4096,
+        max_running_requests=1,
+        schedule_policy="program-srpt",
+    )
+    done, outputs = _drive(s, seed=1)
+    assert sorted(done[:3]) == ["L1", "L2", "L3"] and sorted(done[3:]) == ["H1", "H2"]
+    fcfs_done, fcfs_outputs = fcfs_run
+    assert fcfs_done[:3] != done[:3]
+    assert outputs == fcfs_outputs
 
 
 def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(

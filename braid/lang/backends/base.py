@@ -31,7 +31,9 @@ class Prompt:
     pinning); `position` is this call's position in the program run (0 for its first gen or
     select, then 1, ...; a fork's branches each go on from the parent's next position, and
     after a join the parent goes on from the furthest branch), which backends send with the
-    session for the runtime's per-program accounting."""
+    session for the runtime's per-program accounting. `program` names the program run
+    (with or without a session): backends that can send it with each request, so the runtime
+    schedules by program (`--schedule-policy program`) even where nothing is pinned."""
 
     text: str
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -40,6 +42,7 @@ class Prompt:
     images: list[Any] = field(default_factory=list)
     session: str | None = None
     position: int | None = None
+    program: str | None = None
 
 
 @dataclass
@@ -120,6 +123,11 @@ class Backend(ABC):
 
     def close_session(self, session: str) -> None:
         """Release what the runtime keeps for `session`. Optional."""
+        return None
+
+    def end_program(self, program: str) -> None:
+        """The program run `program` (a `Prompt.program` sent without a session) has ended:
+        the runtime may forget it. Optional."""
         return None
 
     def shutdown(self) -> None:

@@ -190,16 +190,18 @@ class EngineBackend(Backend):
         session: str | None,
         position: int | None,
         images: list[ImageInput],
+        program: str | None = None,
     ) -> list[str]:
-        """Submit one request (on the engine's loop); with a session, the call's position
-        goes with it."""
+        """Submit one request (on the engine's loop); with a session or a program, the call's
+        position goes with it."""
         return self.llm.tm.submit(
             rid,
             ids,
             params,
             session_id=session,
             images=images,
-            program_position=position if session is not None else None,
+            program_id=program,
+            program_position=position if session is not None or program is not None else None,
         )
 
     def _stream(
@@ -210,6 +212,7 @@ class EngineBackend(Backend):
         position: int | None,
         rid: str,
         images: list[ImageInput],
+        program: str | None = None,
     ):
         """(sample index, StrOut) of one request's samples as they arrive, as a blocking
         iterator usable from any thread."""
@@ -218,7 +221,7 @@ class EngineBackend(Backend):
 
         async def pump() -> None:
             try:
-                rids = self._submit(rid, ids, params, session, position, images)
+                rids = self._submit(rid, ids, params, session, position, images, program)
 
                 async def one(k: int, rid: str) -> None:
                     async for out in self.llm.tm.stream(rid):
@@ -241,13 +244,15 @@ class EngineBackend(Backend):
 
     def _run_all(
         self,
-        jobs: list[tuple[list[int], SamplingParams, str | None, int | None, list[ImageInput]]],
+        jobs: list[
+            tuple[list[int], SamplingParams, str | None, int | None, list[ImageInput], str | None]
+        ],
     ) -> list[SampleOutputs]:
-        """Several requests (ids, params, session, position, images) submitted together (so
-        the scheduler batches them); the outputs of each one's (first) sample."""
+        """Several requests (ids, params, session, position, images, program) submitted
+        together (so the scheduler batches them); the outputs of each one's (first) sample."""
 
-        async def one(ids, params, session, position, images) -> SampleOutputs:
-            rids = self._submit(self._rid(), ids, params, session, position, images)
+        async def one(ids, params, session, position, images, program) -> SampleOutputs:
+            rids = self._submit(self._rid(), ids, params, session, position, images, program)
             outputs = SampleOutputs()
             async for out in self.llm.tm.stream(rids[0]):
                 outputs.add(out)
@@ -277,7 +282,9 @@ class EngineBackend(Backend):
         # The ids TokenizerManager.submit gives the samples.
         names = [f"{rid}/{k}" for k in range(params.n)] if params.n > 1 else [rid]
         samples = [SampleMeta(name, sampling, ids) for name in names]
-        for k, out in self._stream(ids, params, prompt.session, prompt.position, rid, images):
+        for k, out in self._stream(
+            ids, params, prompt.session, prompt.position, rid, images, prompt.program
+        ):
             sample = samples[k]
             sample.add(out)
             if out.finish_reason is not None and out.error:
@@ -302,13 +309,15 @@ class EngineBackend(Backend):
             spans.append(start)
             fulls.append(full)
             params = self._params({**scoring, "logprob_start_len": start})
-            jobs.append((full, params, prompt.session, prompt.position, full_images))
+            jobs.append(
+                (full, params, prompt.session, prompt.position, full_images, prompt.program)
+            )
         if unconditional:
             for c in choices:
                 ids = self._encode(c)
                 fulls.append(ids)
                 spans.append(0)
-                jobs.append((ids, self._params(scoring), None, None, []))
+                jobs.append((ids, self._params(scoring), None, None, [], None))
         results = self._run_all(jobs)
         scored = []
         cached = 0
@@ -341,6 +350,11 @@ class EngineBackend(Backend):
         params = self._params({"max_tokens": 0, "temperature": 0.0})
         for _ in self._stream(ids, params, None, None, self._rid(), processed):
             pass
+
+    def end_program(self, program: str) -> None:
+        if self.llm.tm.failure:
+            return
+        self.llm.run_coroutine(self.llm.tm.control("end_program", arg=program)).result()
 
     def close_session(self, session: str) -> None:
         if self.llm.tm.failure:

@@ -15,11 +15,20 @@ context saves computing it again), then the program that started waiting first. 
 waiting requests stay together (its fork branches are admitted one after the other), the
 longest cached prefix first. It defers in-batch sharers as lpm does, and unlike lpm it looks
 up every waiting request's prefix however long the queue.
+
+`program-srpt` orders by program too, by the work each program is predicted to ask for yet
+(shortest remaining first, which least attained service approximates without a prediction):
+the program's output tokens per call so far times the calls it is expected to send yet (from
+the recently ended programs' call counts), plus a tenth for each prompt token the cache does
+not hold (`ProgramTable.remaining_work`). A program's key is log2 of that work less one per
+SRPT_AGING_S waited (no starvation: waiting doubles the work it may jump over every
+SRPT_AGING_S); programs stay together and in-batch sharers wait, as for `program`.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from dataclasses import dataclass
 
@@ -35,6 +44,9 @@ from braid.runtime.scheduler.request import Req
 # 24.9, `benchmarks/agents.py --programs 64 --mix heavy --rates 2`); at 30 s, 28.9 s.
 PROGRAM_LEVELS = (256, 1024, 4096, 16384, 65536)
 PROGRAM_AGING_S = 30.0
+# `program-srpt`: the wait that halves a program's predicted work in the order.
+SRPT_AGING_S = 30.0
+PROGRAM_POLICIES = ("program", "program-srpt")
 
 # Past this many waiting requests, lpm's per-request matching costs more than it saves.
 LPM_MAX_QUEUE = 128
@@ -90,7 +102,7 @@ def candidates(
     since making room for earlier admissions may evict); program reads `programs`' service
     and ages requests by `now` (the request table's clock)."""
     out = []
-    lookup = policy in ("lpm", "program")
+    lookup = policy == "lpm" or policy in PROGRAM_POLICIES
     for req in waiting:
         use_cache = match_limit(req) > 0
         match = None
@@ -99,22 +111,38 @@ def candidates(
         out.append(Candidate(req, use_cache, match, cache.page_size))
     if policy == "lpm":
         out.sort(key=lambda c: -c.matched_tokens)  # stable: arrival order among equals
-    elif policy == "program":
-        out = _by_program(out, programs, now)
+    elif policy in PROGRAM_POLICIES:
+        out = _by_program(out, programs, now, srpt=policy == "program-srpt")
     return out
 
 
-def _by_program(cands: list[Candidate], programs: ProgramTable | None, now: float):
-    """Order for the `program` policy: by each program's best (lowest) aged level, then its
+def _aged_key(c: Candidate, programs: ProgramTable | None, now: float, srpt: bool) -> float:
+    """A candidate's place under `program` (its program's service level) or `program-srpt`
+    (log2 of its program's predicted remaining work), less its aging."""
+    req = c.req
+    waited = max(0.0, now - req.waiting_since)
+    if srpt:
+        uncached = req.seq_len - c.matched_tokens
+        if programs is None:
+            work = float(max(0, req.max_new_tokens - len(req.output_ids)))
+        else:
+            work = programs.remaining_work(req, uncached)
+        return math.log2(1.0 + work) - waited / SRPT_AGING_S
+    service = programs.service(req) if programs is not None else req.kv_len
+    return program_level(service) - int(waited / PROGRAM_AGING_S)
+
+
+def _by_program(
+    cands: list[Candidate], programs: ProgramTable | None, now: float, srpt: bool = False
+):
+    """Order for the program policies: by each program's best (lowest) aged key, then its
     longest cached prefix, then its first waiting request; within a program, the longest
     cached prefix first."""
-    best: dict[object, tuple[int, int, int]] = {}  # program -> (level, -matched, first)
+    best: dict[object, tuple[float, int, int]] = {}  # program -> (key, -matched, first)
     keys = []
     for i, c in enumerate(cands):
-        req = c.req
-        group = program_of(req) or ("request", req.rid)
-        service = programs.service(req) if programs is not None else req.kv_len
-        aged = program_level(service) - int(max(0.0, now - req.waiting_since) / PROGRAM_AGING_S)
+        group = program_of(c.req) or ("request", c.req.rid)
+        aged = _aged_key(c, programs, now, srpt)
         level, matched, first = best.get(group, (aged, -c.matched_tokens, i))
         best[group] = (min(level, aged), min(matched, -c.matched_tokens), first)
         keys.append(group)

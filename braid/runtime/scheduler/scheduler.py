@@ -38,6 +38,7 @@ from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.pin_cost import PinCost
+from braid.runtime.scheduler.policy import PROGRAM_POLICIES
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
@@ -106,7 +107,7 @@ class Scheduler:
         self.programs = ProgramTable(
             config.session_ttl_s,
             config.session_ttl_s,
-            remember=config.schedule_policy == "program",
+            remember=config.schedule_policy in PROGRAM_POLICIES,
         )
         self.requests = RequestTable(self.programs)
         allocator = runner.kv_pool.allocator
@@ -433,12 +434,17 @@ class Scheduler:
 
     def control(self, op: str, arg: str | None = None) -> dict[str, float]:
         """Answer an operator request ("stats", "flush_cache", "check_invariants",
-        "close_session" with the session id in `arg`); raises `ValueError` for an unknown op
+        "close_session" with the session id in `arg`, "end_program" with a program id
+        sent without a session); raises `ValueError` for an unknown op
         and `AssertionError` when invariants fail."""
         if op == "close_session":
             if not arg:
                 raise ValueError("close_session: needs a session id")
             return {"closed": float(self.close_session(arg))}
+        if op == "end_program":
+            if not arg:
+                raise ValueError("end_program: needs a program id")
+            return {"ended": float(self.programs.end(arg))}
         if op == "stats":
             return (
                 self.stats.as_dict()

@@ -381,12 +381,14 @@ class TokenizerManager:
         session_ttl_s: float | None = None,
         embed: EmbedSpec | None = None,
         program_position: int | None = None,
+        program_id: str | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
         for `session_ttl_s` seconds if given (else as long as the program's pauses suggest);
-        `program_position`: the call's position in its program (`GenerateReq`), which needs
-        the session.
+        `program_id`: the program run it belongs to (`GenerateReq`; default: the session's
+        root); `program_position`: the call's position in its program, which needs a session
+        or a program id.
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
@@ -400,9 +402,15 @@ class TokenizerManager:
                     "session_ttl_s",
                     f"session_ttl_s must be a positive number, got {session_ttl_s!r}",
                 )
+        if program_id is not None and (not isinstance(program_id, str) or not program_id):
+            raise ParamError(
+                "program_id", f"program_id must be a non-empty string, got {program_id!r}"
+            )
         if program_position is not None:
-            if session_id is None:
-                raise ParamError("program_position", "program_position needs a session_id")
+            if session_id is None and program_id is None:
+                raise ParamError(
+                    "program_position", "program_position needs a session_id or a program_id"
+                )
             if isinstance(program_position, bool) or not isinstance(program_position, int):
                 raise ParamError(
                     "program_position",
@@ -434,6 +442,7 @@ class TokenizerManager:
                         session_ttl_s=session_ttl_s,
                         embed=embed,
                         program_position=program_position,
+                        program_id=program_id,
                     )
                 )
                 for k, wire in enumerate(wires)
