@@ -265,13 +265,20 @@ def main() -> None:
     ap.add_argument(
         "--tokenizer", type=Path, default=None, help="with --gpu-config (default: SmolLM2's)"
     )
+    ap.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="max_running_requests for every setup's engine (default: the engine's own)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    engine = {} if args.max_running is None else {"max_running_requests": args.max_running}
     rates = [float(r) for r in args.rates.split(",")]
     names = tuple(args.setups.split(","))
     if args.gpu_config is None:
         res = agent_traffic(
-            args.model, args.programs, rates, args.kv_tokens, mix=args.mix, setups=names
+            args.model, args.programs, rates, args.kv_tokens, mix=args.mix, setups=names, **engine
         )
         write_result("agents", "cpu", args.out, res)
     else:
@@ -291,6 +298,7 @@ def main() -> None:
                 setups=names,
                 load_format="dummy",
                 dtype="bfloat16",
+                **engine,
             )
         res["config"] = args.gpu_config
         import torch

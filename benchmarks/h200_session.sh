@@ -12,9 +12,11 @@
 #          agents.py, 256 programs on 4096 KV tokens, lpm, program and program-srpt, the
 #          heavy-tailed mix at 32/s, then the uniform mix at 64/s
 #   part 2 (one run per setup cannot tell 1.2x from 1.5x here): the heavy mix again, twice
+#   part 3 (the issue asks for every setup in one run): the heavy mix with fcfs, lpm, program,
+#          program + pins and program-srpt
 # The device tool brings back at most 8 files per call: the part tars $OUT.
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1 to 3}
 source "$(dirname "$0")/step.sh"
 tok=.gpu/tok
 ag() { python benchmarks/agents.py --gpu-config llama-3.1-8b --tokenizer "$tok" \
@@ -27,10 +29,20 @@ if [ "$part" = 1 ]; then
         --out "$OUT/r/agents_uniform_srpt_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
+if [ "$part" = 3 ]; then
+    TAIL=10 step 420 agents_heavy_all ag --mix heavy --rates 32 \
+        --setups fcfs,lpm,program,program+pins,program-srpt --out "$OUT/r/agents_heavy_all_cuda.json"
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+fi
 if [ "$part" = 2 ]; then
     for i in 2 3; do
         TAIL=8 step 270 "agents_heavy_srpt_$i" ag --mix heavy --rates 32 \
             --out "$OUT/r/agents_heavy_srpt_${i}_cuda.json"
     done
+    (cd "$OUT" && tar czf logs.tgz ./*.log r)
+fi
+if [ "$part" = 3 ]; then
+    TAIL=10 step 420 agents_heavy_all ag --mix heavy --rates 32 \
+        --setups fcfs,lpm,program,program+pins,program-srpt --out "$OUT/r/agents_heavy_all_cuda.json"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

@@ -68,8 +68,10 @@ SEQUENCES_KEPT = 8
 # Ended programs whose call counts predict how many calls a program has left.
 LENGTHS_KEPT = 256
 # A prompt token to compute against an output token, in device time (`remaining_work`): a
-# prefill step computes tokens about ten times as fast as a decode step of 16-32 rows
-# generates them, on the H200 with 8B shapes and on the CPU with SmolLM2 alike.
+# prefill computes tokens 5-10 times as fast as a decode step of 16 rows generates them, on
+# the H200 with 8B shapes (20-40 thousand a second against at most 16 x the batch-1 rate of
+# 235, the step being memory-bound) and on the 2-core CPU with SmolLM2 (1-3 thousand against
+# 333; `pin_cost.py`, docs/benchmarks.md).
 PREFILL_WEIGHT = 0.1
 
 
@@ -153,6 +155,7 @@ class ProgramTable:
         self._pauses = DecayedRatio()  # every program's pauses, the recent weighing more
         self._per_call = DecayedRatio()  # output tokens per call, every program's
         self._lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)  # ended programs' calls
+        self._calls_left: dict[int, float] = {}  # calls_left by calls served, until one ends
 
     def get(self, req: Req) -> Program | None:
         pid = program_of(req)
@@ -238,8 +241,11 @@ class ProgramTable:
         """The calls a program that has had `served` calls served is expected to send yet,
         the one it waits on included: the mean of N - served over the recently ended programs
         of N > served calls (1 where none is known)."""
-        left = [n - served for n in self._lengths if n > served]
-        return sum(left) / len(left) if left else 1.0
+        known = self._calls_left.get(served)
+        if known is None:  # asked per waiting request and step: computed once per program end
+            left = [n - served for n in self._lengths if n > served]
+            known = self._calls_left[served] = sum(left) / len(left) if left else 1.0
+        return known
 
     def remaining_work(self, req: Req, uncached: int) -> float:
         """The work `req`'s program is expected to ask for yet, in output tokens (the
@@ -292,6 +298,7 @@ class ProgramTable:
         self.ended += 1
         if p.calls:
             self._lengths.append(p.calls)
+            self._calls_left.clear()
 
     def expire(self) -> int:
         """Forget programs idle for `idle_s`; how many."""
