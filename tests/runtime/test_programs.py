@@ -468,6 +468,27 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
     ]
 
 
+def test_a_calls_output_counts_once_all_its_requests_have_finished():
+    """srpt's mean output per call: a call of two samples counts once both have finished,
+    with their output together."""
+    table = ProgramTable(clock=Clock())
+    a = _req("s/0/0", session="s", position=0, max_new=64)
+    b = _req("s/0/1", session="s", position=0, max_new=64)
+    table.arrive(a)
+    table.arrive(b)
+    finish = [(a, 3), (b, 5)]
+    nxt = _req("s/1", session="s", position=1, max_new=64)
+    for r, out in finish:
+        r.output_ids = [7] * out
+        r.finish_reason = "stop"
+        table.leave(r)
+        if r is a:  # one sample done: the call is not served, nothing counted yet
+            assert table.get(a).decoded == 0 and table.get(a).calls_served == 0
+    table.arrive(nxt)
+    assert table.get(nxt).decoded == 8 and table.get(nxt).calls_served == 1
+    assert table.remaining_work(nxt, 0) == 8.0  # no ended program: this call only
+
+
 def test_program_srpt_orders_by_predicted_remaining_work_and_ages():
     """`program-srpt`: a program's remaining work is its output per served call times the
     calls the ended programs suggest it has left, plus a tenth per uncached prompt token; the
@@ -503,7 +524,11 @@ def test_program_srpt_orders_by_predicted_remaining_work_and_ages():
     assert table.remaining_work(terse, 100) == 6 + 100 * PREFILL_WEIGHT
     prior = table.remaining_work(new, 0) / table.calls_left(0)  # every program's output a call
     assert 1 < prior < 40
-    assert table.remaining_work(_req("capped", program="capped", max_new=1), 0) == 4 * 1
+    capped = _req("capped", program="capped", max_new=1)
+    table.arrive(capped)
+    assert table.remaining_work(capped, 0) == 4 * 1  # this call's and 3 more, at most 1 each
+    # A request of no program expects no later call: its own output and prompt only.
+    assert table.remaining_work(_req("plain", max_new=9), 20) == 9 + 20 * PREFILL_WEIGHT
 
     waiting = [chatty, new, late, terse]
     order = policy.candidates(waiting, cache, "program-srpt", table, now=0.0)

@@ -31,9 +31,10 @@ class Prompt:
     pinning); `position` is this call's position in the program run (0 for its first gen or
     select, then 1, ...; a fork's branches each go on from the parent's next position, and
     after a join the parent goes on from the furthest branch), which backends send with the
-    session for the runtime's per-program accounting. `program` names the program run
-    (with or without a session): backends that can send it with each request, so the runtime
-    schedules by program (`--schedule-policy program`) even where nothing is pinned."""
+    session or the program for the runtime's per-program accounting. `program` names the
+    program run (with or without a session); backends that can send it send it with each
+    request, so the runtime schedules by program (`--schedule-policy program` or
+    `program-srpt`) even where nothing is pinned."""
 
     text: str
     messages: list[dict[str, Any]] = field(default_factory=list)

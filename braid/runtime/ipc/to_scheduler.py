@@ -102,7 +102,8 @@ class ControlReq:
     """An operator request answered with a `ControlOut` carrying the same `req_id`.
 
     `op`: "stats" (counters and KV usage), "flush_cache", "check_invariants" (the KV
-    accounting check tests and operators use), or "close_session" (`arg`: the session id)."""
+    accounting check tests and operators use), "close_session" (`arg`: the session id), or
+    "end_program" (`arg`: a program id sent without a session: its run has ended)."""
 
     req_id: int
     op: str

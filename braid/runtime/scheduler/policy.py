@@ -22,7 +22,8 @@ the program's output tokens per call so far times the calls it is expected to se
 the recently ended programs' call counts), plus a tenth for each prompt token the cache does
 not hold (`ProgramTable.remaining_work`). A program's key is log2 of that work less one per
 SRPT_AGING_S waited (no starvation: waiting doubles the work it may jump over every
-SRPT_AGING_S); programs stay together and in-batch sharers wait, as for `program`.
+SRPT_AGING_S); programs stay together and in-batch sharers wait, as for `program`. (The
+cached prefix is already in the key, so the tie-break by it seldom applies.)
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def candidates(
 ) -> list[Candidate]:
     """The waiting requests in the order `policy` (an effective policy) wants them prefilled.
     lpm and program look up cached prefixes here (the scheduler matches again on admission,
-    since making room for earlier admissions may evict); program reads `programs`' service
-    and ages requests by `now` (the request table's clock)."""
+    since making room for earlier admissions may evict); program reads `programs`' service,
+    program-srpt its predicted remaining work, and both age requests by `now` (the request
+    table's clock)."""
     out = []
     lookup = policy == "lpm" or policy in PROGRAM_POLICIES
     for req in waiting:

@@ -11,13 +11,17 @@ they wait and lose their KV again), its requests in flight, its calls (received,
 last position), and the pauses between a call finishing and its next call arriving (the
 program's tool calls or Python work), from which
 `pin_ttl` sets how long its KV stays pinned after a call (as Continuum: a little longer than
-its tool calls have taken). A program ends when its root session is closed, or after `idle_s`
-with nothing in flight.
+its tool calls have taken). A program ends when its root session is closed (or, for a run
+without sessions, at the control op `end_program`), or after `idle_s` with nothing in flight.
+For `program-srpt` it also keeps its output per served call and, once ended, its call count
+(`remaining_work`).
 
 A call is what one gen or select of the program sends: a gen's samples and a select's choices
 are several requests of one call, with the same session and position. A request starts a new
 call unless its session's previous request had the same position; a request without a
-position is a call of its own. Positions count a program's calls along its chains of
+position is a call of its own. A run without sessions sends its program id and positions but
+no session, so the branches of one of its forks at one position count as one call (whose
+output is theirs together). Positions count a program's calls along its chains of
 dependent calls: a fork's branches each go on from the parent's next position, and after a join
 the parent goes on from the furthest branch (`braid/lang/executor.py`). A call's position is so
 its depth in the program's graph of calls (Autellix's view of a program): the most calls on
@@ -112,7 +116,7 @@ class Program:
     id: str
     started: float
     service: int = 0  # tokens computed for its requests
-    decoded: int = 0  # output tokens of its finished requests
+    decoded: int = 0  # output tokens of its served calls
     in_flight: int = 0
     calls: int = 0  # calls received
     last_position: int | None = None  # the highest position a request carried
@@ -122,6 +126,8 @@ class Program:
     # calls with requests in flight (how many each).
     positions: dict[str | None, int] = field(default_factory=dict)
     open_calls: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
+    # Output tokens of each open call's finished requests (added to `decoded` once it is served).
+    call_output: dict[tuple[str | None, int | None], int] = field(default_factory=dict)
     # Its latest finished sequences, oldest first (see the module's docstring): what a new
     # request's prompt repeats of one of them was computed before.
     sequences: list[SeenSequence] = field(default_factory=list)
@@ -198,8 +204,12 @@ class ProgramTable:
         left = p.open_calls.pop(call, 0) - 1
         if left > 0:
             p.open_calls[call] = left
-        p.decoded += len(req.output_ids)
-        self._per_call.add(len(req.output_ids), 0.0 if left > 0 else 1.0)
+        output = p.call_output.pop(call, 0) + len(req.output_ids)
+        if left > 0:
+            p.call_output[call] = output
+        else:  # the call is served: its output counts towards the program's mean per call
+            p.decoded += output
+            self._per_call.add(output)
         if p.in_flight == 0:
             p.idle_since = self.clock()
         # What was computed of it (an aborted request's prompt may not have been), never the
@@ -252,13 +262,16 @@ class ProgramTable:
         `program-srpt` policy's key): this call's output, at most what `req` may still
         generate, plus each later call's, at the program's mean output per served call (before
         one: every program's, capped by this request's max_tokens), plus PREFILL_WEIGHT per
-        prompt token `req` still needs computed (`uncached`: what the cache does not hold)."""
+        prompt token `req` still needs computed (`uncached`: what the cache does not hold). A
+        request of no program is its own output and prompt only."""
         p = self.get(req)
         may = max(0, req.max_new_tokens - len(req.output_ids))
+        if p is None:  # a request of no program: no later call to expect
+            return may + PREFILL_WEIGHT * uncached
         prior = self._per_call.value
         per_call = float(may) if prior is None else min(float(may), prior)
         served = 0
-        if p is not None and p.calls_served:
+        if p.calls_served:
             served = p.calls_served
             per_call = p.decoded / served
         this_call = min(float(may), per_call)

@@ -38,7 +38,6 @@ from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.pin_cost import PinCost
-from braid.runtime.scheduler.policy import PROGRAM_POLICIES
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
@@ -107,7 +106,7 @@ class Scheduler:
         self.programs = ProgramTable(
             config.session_ttl_s,
             config.session_ttl_s,
-            remember=config.schedule_policy in PROGRAM_POLICIES,
+            remember=config.schedule_policy == "program",
         )
         self.requests = RequestTable(self.programs)
         allocator = runner.kv_pool.allocator

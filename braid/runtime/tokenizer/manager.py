@@ -494,7 +494,8 @@ class TokenizerManager:
         self, op: str, timeout: float = 60.0, arg: str | None = None
     ) -> dict[str, float]:
         """Run an operator request in the scheduler ("stats", "flush_cache",
-        "check_invariants"); raises `RuntimeError` with the scheduler's message if it fails."""
+        "check_invariants", "close_session" and "end_program" with `arg`); raises
+        `RuntimeError` with the scheduler's message if it fails."""
         return (await self._ask(op, timeout, arg)).result
 
     async def profile(
