@@ -614,24 +614,26 @@ def _simulate() -> list[str]:
     return done
 
 
+def _one_at_a_time(tiny_model_dirs, policy_name: str):
+    """A scheduler that runs one request at a time under `policy_name`."""
+    return local_scheduler(
+        tiny_model_dirs["llama"],
+        kv_tokens=4096,
+        max_running_requests=1,
+        schedule_policy=policy_name,
+    )
+
+
 @pytest.fixture(scope="module")
 def fcfs_run(tiny_model_dirs):
-    s = local_scheduler(
-        tiny_model_dirs["llama"], kv_tokens=4096, max_running_requests=1, schedule_policy="fcfs"
-    )
-    return _drive(s, seed=1)
+    return _drive(_one_at_a_time(tiny_model_dirs, "fcfs"), seed=1)
 
 
 def test_program_policy_finishes_programs_as_the_simulation_predicts(
     tiny_model_dirs, fcfs_run, monkeypatch
 ):
     monkeypatch.setattr(policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
-    s = local_scheduler(
-        tiny_model_dirs["llama"],
-        kv_tokens=4096,
-        max_running_requests=1,
-        schedule_policy="program",
-    )
+    s = _one_at_a_time(tiny_model_dirs, "program")
     done, outputs = _drive(s, seed=1)
     expected = _simulate()
     assert done == expected
@@ -647,12 +649,7 @@ def test_program_srpt_finishes_the_light_programs_first_with_fcfs_tokens(tiny_mo
     """Before any program has ended, each program's first call is predicted by its max_tokens
     and its later calls by its own output: the light programs finish before either heavy one,
     with the tokens fcfs gave."""
-    s = local_scheduler(
-        tiny_model_dirs["llama"],
-        kv_tokens=4096,
-        max_running_requests=1,
-        schedule_policy="program-srpt",
-    )
+    s = _one_at_a_time(tiny_model_dirs, "program-srpt")
     done, outputs = _drive(s, seed=1)
     assert sorted(done[:3]) == ["L1", "L2", "L3"] and sorted(done[3:]) == ["H1", "H2"]
     fcfs_done, fcfs_outputs = fcfs_run

@@ -126,7 +126,7 @@ def _aged_key(c: Candidate, programs: ProgramTable | None, now: float, srpt: boo
     if srpt:
         uncached = req.seq_len - c.matched_tokens
         if programs is None:
-            work = float(max(0, req.max_new_tokens - len(req.output_ids)))
+            work = float(max(0, req.remaining_new_tokens))
         else:
             work = programs.remaining_work(req, uncached)
         return math.log2(1.0 + work) - waited / SRPT_AGING_S

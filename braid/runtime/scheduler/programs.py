@@ -265,7 +265,7 @@ class ProgramTable:
         prompt token `req` still needs computed (`uncached`: what the cache does not hold). A
         request of no program is its own output and prompt only."""
         p = self.get(req)
-        may = max(0, req.max_new_tokens - len(req.output_ids))
+        may = max(0, req.remaining_new_tokens)
         if p is None:  # a request of no program: no later call to expect
             return may + PREFILL_WEIGHT * uncached
         prior = self._per_call.value
