@@ -7,8 +7,9 @@ setup, all in one run:
 - program: least attained service per program, with aging (`--schedule-policy program`);
 - program-srpt: the program predicted to ask for the least work yet first, with aging
   (`--schedule-policy program-srpt`);
-- program+pins: the same, each program's KV pinned across its tool calls for a TTL that
-  follows how long its tool calls take (program sessions).
+- program+pins, program-srpt+pins: the same, each program's KV pinned across its tool calls
+  for a TTL that follows how long its tool calls take (program sessions), where the pin pays
+  on this device and pool (`pin_cost.py`).
 
 First the unloaded latency (the workload's first UNLOADED_SAMPLE programs, one at a time,
 lpm; its p99 is the sample's longest); then lpm at each `--rates` until its p99 exceeds 4x
@@ -144,6 +145,7 @@ SETUPS = {  # name -> (schedule_policy, program pins)
     "program": ("program", False),
     "program+pins": ("program", True),
     "program-srpt": ("program-srpt", False),
+    "program-srpt+pins": ("program-srpt", True),
 }
 
 
@@ -172,8 +174,24 @@ def measure(
                 llm.flush_cache()
             return {"programs": len(times), "times_s": times}
         before = llm.stats()
-        row = run_traffic(backend, programs, pins)
+        samples: list[dict] = []
+        done = threading.Event()
+
+        def sample() -> None:  # the scheduler's counts, each second
+            while not done.wait(1.0):
+                samples.append(llm.stats())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            row = run_traffic(backend, programs, pins)
+        finally:
+            done.set()
+            sampler.join()
         after = llm.stats()
+        if samples:  # how many requests ran, and waited, on average
+            for key in ("running_requests", "queued_requests"):
+                row[f"{key}_mean"] = round(statistics.fmean(x[key] for x in samples), 2)
         row["prefill_tokens_computed"] = int(
             after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
         )

@@ -16,6 +16,9 @@ own), so rows of one request see different branches of a draft tree through one 
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -29,8 +32,10 @@ from braid.kernels._checks import (
     check_shape,
     check_tensor,
     check_window,
+    cuda_device_name,
     dot_precision,
     next_pow2,
+    tuned_configs,
 )
 from braid.kernels.reference import KV_FP8_DTYPE, dequantize_kv_reference
 
@@ -78,6 +83,7 @@ def _decode_stage1(
     HAS_TAIL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -126,7 +132,9 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
-        if KV_FP8:
+        if FP8_AS_F16:
+            k = k.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
+        elif KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -139,7 +147,9 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
-        if KV_FP8:
+        if FP8_AS_F16:
+            v = v.to(tl.float16)
+        elif KV_FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -202,6 +212,47 @@ def _stage1_config(block_d: int) -> tuple[int, int, int]:
     return 64, 4, 3
 
 
+# (BLOCK_N, num_warps, num_stages) of the split kernel measured per GPU, head size and KV dtype
+# (`benchmarks/tune_attention.py --kv-dtype ... --write-config`); the built-in choice where
+# there is none. An fp8 block of keys is half a 16-bit one's bytes, so a 16-bit cache's best
+# block need not be fp8's.
+TUNED_CONFIGS = Path(__file__).parent / "configs" / "decode_attention.json"
+
+
+FP8_AS_F16 = ([], [0], [1])  # a tuned entry's optional 4th field
+
+
+def tuned_key(head_dim: int, kv_dtype: torch.dtype) -> str:
+    """The key of a head size and KV dtype in `TUNED_CONFIGS` ("128/float8_e4m3fn")."""
+    return f"{next_pow2(head_dim)}/{str(kv_dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _tuned(device_name: str, key: str) -> tuple[int, ...] | None:
+    fields = tuned_configs(TUNED_CONFIGS, device_name).get(key)
+    if fields is None:
+        return None
+    ok = isinstance(fields, list) and len(fields) in (3, 4)
+    ok = ok and all(type(f) is int for f in fields) and min(fields[:3]) >= 1
+    if not ok or fields[0] < 16 or fields[0] & (fields[0] - 1) or fields[3:] not in FP8_AS_F16:
+        raise ValueError(
+            f"tuned kernel configurations {TUNED_CONFIGS}: {key}: expected [BLOCK_N (a power "
+            f"of two >= 16), num_warps, num_stages] and, for an fp8 cache, 0 or 1 (converted "
+            f"to float16), got {fields!r}"
+        )
+    return tuple(fields)
+
+
+def launch_config(head_dim: int, kv_dtype: torch.dtype, device: torch.device) -> tuple:
+    """The split kernel's (BLOCK_N, num_warps, num_stages): tuned for this GPU, head size and
+    KV dtype where measured (`TUNED_CONFIGS`), else `_stage1_config`'s by head size."""
+    if device.type == "cuda":
+        tuned = _tuned(cuda_device_name(device.index), tuned_key(head_dim, kv_dtype))
+        if tuned is not None:
+            return tuned
+    return _stage1_config(next_pow2(head_dim))
+
+
 def workspace_numel(batch: int, num_heads: int, head_dim: int, num_kv_splits: int) -> int:
     """float32 elements `decode_attention` needs as `workspace` for these sizes."""
     return batch * num_heads * num_kv_splits * (head_dim + 1)
@@ -220,7 +271,7 @@ def decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    stage1_config: tuple[int, int, int] | None = None,
+    stage1_config: tuple[int, ...] | None = None,
     tree_prefix: torch.Tensor | None = None,
     tree_tail: torch.Tensor | None = None,
     k_scale: float = 1.0,
@@ -240,9 +291,11 @@ def decode_attention(
     `num_kv_splits` (>= 1) is how many pieces each sequence is cut into; `out` ([batch, heads,
     head_dim] of q's dtype, unit stride in head_dim) and `workspace` (contiguous float32 with
     at least `workspace_numel(batch, heads, head_dim, num_kv_splits)` elements) are used when
-    given, else allocated. `stage1_config` = (BLOCK_N, num_warps, num_stages) of the split
-    kernel overrides the default (for tuning sweeps: `benchmarks/tune_attention.py`). The launch
-    never synchronises with the host. Returns the output.
+    given, else allocated. `stage1_config` = (BLOCK_N, num_warps, num_stages[, as_f16]) of the
+    split kernel overrides `launch_config`'s (for tuning sweeps: `benchmarks/tune_attention.py`);
+    `as_f16` 1 converts an fp8 cache's values to float16 for a 16-bit q's dot products (exact
+    for e4m3, and one instruction per pair) instead of to q's dtype. The launch never
+    synchronises with the host. Returns the output.
 
     `tree_prefix` (int32/int64 [batch]) and `tree_tail` (int32/int64 [batch, depth], unit
     column stride) go together: row b reads its first `tree_prefix[b]` slots from its table
@@ -297,9 +350,13 @@ def decode_attention(
     )
 
     group = num_heads // kv_heads
-    block_h = max(16, min(64, next_pow2(group)))
     block_d = next_pow2(head_dim)
-    block_n, warps, stages = stage1_config or _stage1_config(block_d)
+    config = stage1_config or launch_config(head_dim, k_cache.dtype, device)
+    block_n, warps, stages = config[:3]
+    # An fp8 cache's keys and values go to the dot products as float16 where asked (a 4th
+    # config field of 1) and q is 16-bit: exact, and fewer conversions than to bfloat16.
+    as_f16 = fp8 and len(config) > 3 and bool(config[3]) and q.dtype != torch.float32
+    block_h = max(16, min(64, next_pow2(group)))  # tl.dot's least rows: a group pads to 16
     h_blocks = triton.cdiv(group, block_h)
     _decode_stage1[(batch, kv_heads * h_blocks, num_kv_splits)](
         q,
@@ -339,6 +396,7 @@ def decode_attention(
         HAS_TAIL=has_tail,
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=fp8,
+        FP8_AS_F16=as_f16,
         num_warps=warps,
         num_stages=stages,
     )

@@ -43,7 +43,9 @@ def test_agent_traffic_runs_every_setup(tmp_path):
     )
     assert res["mix"] == "heavy" and len(res["unloaded_times_s"]) == 3
     assert res["unloaded_p99_s"] >= res["unloaded_s"] > 0
-    assert set(res["setups"]) == {"fcfs", "lpm", "program", "program+pins", "program-srpt"}
+    assert set(res["setups"]) == {
+        *("fcfs", "lpm", "program", "program+pins", "program-srpt", "program-srpt+pins")
+    }
     for name, row in res["setups"].items():
         assert row["programs"] == 3, name
         assert 0 < row["p50_s"] <= row["p99_s"], (name, row)

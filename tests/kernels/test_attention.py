@@ -128,6 +128,31 @@ def test_decode_stage1_config_does_not_change_the_result(device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_takes_its_tuned_config_per_gpu_head_size_and_kv_dtype(tmp_path, monkeypatch):
+    """`launch_config`: the entry written for this GPU, head size and KV dtype
+    (`tune_attention.py --write-config`), the built-in choice elsewhere; a malformed entry is
+    refused naming its key."""
+    from braid.kernels import attention_decode as ad
+
+    table = tmp_path / "decode_attention.json"
+    table.write_text(json.dumps({"GPU X": {"128/float8_e4m3fn": [128, 8, 3]}}))
+    monkeypatch.setattr(ad, "TUNED_CONFIGS", table)
+    monkeypatch.setattr(ad, "cuda_device_name", lambda index: "GPU X")
+    ad._tuned.cache_clear()
+    cuda = torch.device("cuda", 0)  # only its name is asked (patched): no GPU needed
+    try:
+        assert ad.tuned_key(128, torch.float8_e4m3fn) == "128/float8_e4m3fn"
+        assert ad.launch_config(128, torch.float8_e4m3fn, cuda) == (128, 8, 3)
+        assert ad.launch_config(128, torch.bfloat16, cuda) == ad._stage1_config(128)
+        assert ad.launch_config(128, torch.float8_e4m3fn, torch.device("cpu")) == (64, 4, 3)
+        table.write_text(json.dumps({"GPU X": {"128/bfloat16": [48, 4, 3]}}))
+        ad._tuned.cache_clear()
+        with pytest.raises(ValueError, match=r"128/bfloat16.*power of two"):
+            ad.launch_config(128, torch.bfloat16, cuda)
+    finally:
+        ad._tuned.cache_clear()
+
+
 def test_decode_reads_strided_q_int32_indices_and_uses_given_buffers(device):
     k_cache, v_cache, table = _paged(3, 30, 64, 2, 16, torch.float32, device, torch.int32)
     qkv = torch.randn(2, 4 * 16 + 2 * 2 * 16, device=device)
@@ -498,8 +523,9 @@ def test_fp8_cache_refuses_bad_scales_and_mixed_caches(device):
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("config", [None, (32, 4, 2, 1)], ids=str)  # 1: through float16
 def test_decode_over_fp8_cache_matches_reference_over_dequantized_kv(
-    device, dtype, k_scale, v_scale
+    device, dtype, k_scale, v_scale, config
 ):
     heads, kv_heads, d = 8, 2, 32
     k_cache, v_cache, table = _fp8_paged(5, 60, 128, kv_heads, d, device, k_scale, v_scale)
@@ -508,7 +534,16 @@ def test_decode_over_fp8_cache_matches_reference_over_dequantized_kv(
     q = torch.randn(3, heads, d, device=device).to(dtype)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     got = decode_attention(
-        q, k_cache, v_cache, table, rows, seq_lens, 0.2, num_kv_splits=3, **scales
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        seq_lens,
+        0.2,
+        num_kv_splits=3,
+        stage1_config=config,
+        **scales,
     )
     want = decode_attention_reference(q, k_cache, v_cache, table, rows, seq_lens, 0.2, **scales)
     _close(got, want, dtype)
@@ -591,11 +626,15 @@ def test_fp8_cache_kernels_real_sizes_gpu(dtype):
     rows = torch.randperm(batch, device=dev)
     q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
     kw = dict(k_scale=0.05, v_scale=0.02)
-    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, head_dim**-0.5, **kw)
     want = decode_attention_reference(
         q, k_cache, v_cache, table, rows, seq_lens, head_dim**-0.5, **kw
     )
-    _close(got, want, dtype)
+    # The tuned config, to q's dtype or through float16 (exact for e4m3), longer blocks.
+    for config in (None, (64, 4, 3, 0), (128, 4, 3, 1), (256, 8, 2, 1)):
+        got = decode_attention(
+            q, k_cache, v_cache, table, rows, seq_lens, head_dim**-0.5, stage1_config=config, **kw
+        )
+        _close(got, want, dtype)
     q, k, v, kc, vc, *rest = _extend_case([0, 1000, 17], [1024, 333, 2048], 32, 8, 128, dtype, dev)
     kc, vc = quantize_kv_reference(kc, 0.05), quantize_kv_reference(vc, 0.02)
     want = extend_attention_reference(q, k, v, kc, vc, *rest, 128**-0.5, **kw)

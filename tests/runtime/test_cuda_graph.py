@@ -336,6 +336,8 @@ def test_sizes_captured_while_idle_leave_the_cached_kv_alone(tiny_model_dirs):
     assert sched.stats.cached_prompt_tokens - before >= sum(len(p) + 5 for p in first)
     assert got2 == [hf_greedy(hf, p, 6, eos=False) for p in second]
     assert runner.replays[24] > 0
+    # Every size's graph wrote its logits into one buffer of the largest size's rows.
+    assert runner._logits.shape[0] == 40 and len(runner._graphs) == 8
 
 
 @pytest.mark.gpu

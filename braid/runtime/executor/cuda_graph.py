@@ -138,9 +138,12 @@ class CudaGraphRunner:
 
     Capture runs largest size first on one side stream, after one eager warm-up run per size
     (which compiles the Triton kernels and sets up cuBLAS outside the graph); all graphs share
-    one memory pool, so together they take about what the largest one needs plus each one's
-    logits. The graphs read the KV pool and request-to-token table in place, so they stay valid
-    for the life of the model runner. One log line reports the capture times.
+    one memory pool, and each copies its logits into one static buffer of max_bs rows, so
+    together they take about what the largest one needs. (Each graph keeping its own logits
+    took the sum over the sizes: 34 GB for the 131 sizes up to 1024 rows at a 128K vocabulary,
+    which ran the H200 out of memory.) The graphs read the KV pool and request-to-token table
+    in place, so they stay valid for the life of the model runner. One log line reports the
+    capture times.
 
     `can_run(batch)`: a decode batch of 1..max_bs requests with one logits row per request.
     `run(batch)`: its logits, [n, vocab] float32 -- a view of the graph's static output, valid
@@ -179,7 +182,7 @@ class CudaGraphRunner:
         self.inputs = StaticDecodeInputs(max_bs, self.device)
         self.replays: collections.Counter[int] = collections.Counter()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None  # [max_bs, vocab]: every graph's output
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(self.device)
         self._pending_s = 0.0
@@ -258,17 +261,24 @@ class CudaGraphRunner:
             self.backend.init_forward_metadata_capture_cuda_graph(batch)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model(batch, self.backend)  # warm-up: nothing may compile in the capture
+                # Warm-up: nothing may compile in the capture.
+                warm = self.model(batch, self.backend)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._logits is None:  # outside the graphs' pool, for all of them
+                shape = (self.max_bs, *warm.shape[1:])
+                self._logits = torch.empty(shape, dtype=warm.dtype, device=self.device)
+            del warm
             graph = torch.cuda.CUDAGraph()
             # thread_local: the scheduler's other threads (its heartbeat reads CUDA events)
             # may call the runtime while a capture runs on this one.
             with torch.cuda.graph(
                 graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
             ):
-                logits = self.model(batch, self.backend)
+                # The graph's own logits go back to the pool once copied: the next (smaller)
+                # capture reuses their memory.
+                self._logits[:bs].copy_(self.model(batch, self.backend))
         self._hidden[bs] = (batch.hidden_states, batch.aux_hidden_states)
-        self._graphs[bs], self._outputs[bs] = graph, logits
+        self._graphs[bs] = graph
         captured = sorted(self._graphs)
         # _bucket[n]: the captured size a batch of n requests runs in.
         self._bucket = [0] + [
@@ -301,4 +311,4 @@ class CudaGraphRunner:
         if batch.capture_hidden:
             batch.hidden_states = hidden[:n]
             batch.aux_hidden_states = None if aux is None else [a[:n] for a in aux]
-        return self._outputs[bs][:n]
+        return self._logits[:n]
