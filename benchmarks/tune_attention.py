@@ -98,7 +98,7 @@ def tune_case(bs: int, seq: int, copy_bytes_per_s: float, kv_dtype: torch.dtype)
             print(f"bs {bs} seq {seq} {cfg}: {type(e).__name__}")
     best = min(results, key=results.get)
     default = _stage1_config(dim) + ((0,) if fp8 else ())
-    used = tuple(launch_config(dim, kv_dtype, dev))  # the tuned entry where there is one
+    used = tuple(launch_config(dim, kv_dtype, dev, dtype))  # the tuned entry if there is one
     if fp8 and len(used) == 3:
         used += (0,)
     print(

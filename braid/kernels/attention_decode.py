@@ -234,19 +234,24 @@ def _tuned(device_name: str, key: str) -> tuple[int, ...] | None:
         return None
     ok = isinstance(fields, list) and len(fields) in (3, 4)
     ok = ok and all(type(f) is int for f in fields) and min(fields[:3]) >= 1
-    if not ok or fields[0] < 16 or fields[0] & (fields[0] - 1) or fields[3:] not in FP8_AS_F16:
+    ok = ok and not fields[0] & (fields[0] - 1) and not fields[1] & (fields[1] - 1)
+    if not ok or fields[0] < 16 or fields[3:] not in FP8_AS_F16:
         raise ValueError(
             f"tuned kernel configurations {TUNED_CONFIGS}: {key}: expected [BLOCK_N (a power "
-            f"of two >= 16), num_warps, num_stages] and, for an fp8 cache, 0 or 1 (converted "
-            f"to float16), got {fields!r}"
+            f"of two >= 16), num_warps (a power of two), num_stages] and, for an fp8 cache, 0 "
+            f"or 1 (converted to float16), got {fields!r}"
         )
     return tuple(fields)
 
 
-def launch_config(head_dim: int, kv_dtype: torch.dtype, device: torch.device) -> tuple:
-    """The split kernel's (BLOCK_N, num_warps, num_stages): tuned for this GPU, head size and
-    KV dtype where measured (`TUNED_CONFIGS`), else `_stage1_config`'s by head size."""
-    if device.type == "cuda":
+def launch_config(
+    head_dim: int, kv_dtype: torch.dtype, device: torch.device, q_dtype: torch.dtype
+) -> tuple:
+    """The split kernel's (BLOCK_N, num_warps, num_stages[, as_f16]): tuned for this GPU, head
+    size and KV dtype where measured (`TUNED_CONFIGS`, swept with a 16-bit q), else
+    `_stage1_config`'s by head size (a float32 q's tiles are twice as large: it keeps the
+    built-in one)."""
+    if device.type == "cuda" and q_dtype != torch.float32:
         tuned = _tuned(cuda_device_name(device.index), tuned_key(head_dim, kv_dtype))
         if tuned is not None:
             return tuned
@@ -294,7 +299,9 @@ def decode_attention(
     given, else allocated. `stage1_config` = (BLOCK_N, num_warps, num_stages[, as_f16]) of the
     split kernel overrides `launch_config`'s (for tuning sweeps: `benchmarks/tune_attention.py`);
     `as_f16` 1 converts an fp8 cache's values to float16 for a 16-bit q's dot products (exact
-    for e4m3, and one instruction per pair) instead of to q's dtype. The launch never
+    for e4m3, and one instruction per pair) instead of to q's dtype; q then goes to float16
+    too, which holds a bfloat16 q only within |q| < 65504 (a larger query becomes inf and its
+    head's output NaN; attention queries stay far below it). The launch never
     synchronises with the host. Returns the output.
 
     `tree_prefix` (int32/int64 [batch]) and `tree_tail` (int32/int64 [batch, depth], unit
@@ -351,7 +358,7 @@ def decode_attention(
 
     group = num_heads // kv_heads
     block_d = next_pow2(head_dim)
-    config = stage1_config or launch_config(head_dim, k_cache.dtype, device)
+    config = stage1_config or launch_config(head_dim, k_cache.dtype, device, q.dtype)
     block_n, warps, stages = config[:3]
     # An fp8 cache's keys and values go to the dot products as float16 where asked (a 4th
     # config field of 1) and q is 16-bit: exact, and fewer conversions than to bfloat16.

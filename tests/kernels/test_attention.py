@@ -135,20 +135,27 @@ def test_decode_takes_its_tuned_config_per_gpu_head_size_and_kv_dtype(tmp_path, 
     from braid.kernels import attention_decode as ad
 
     table = tmp_path / "decode_attention.json"
-    table.write_text(json.dumps({"GPU X": {"128/float8_e4m3fn": [128, 8, 3]}}))
+    entries = {"128/float8_e4m3fn": [128, 4, 4, 1], "64/float8_e4m3fn": [32, 8, 3]}
+    table.write_text(json.dumps({"GPU X": entries}))
     monkeypatch.setattr(ad, "TUNED_CONFIGS", table)
     monkeypatch.setattr(ad, "cuda_device_name", lambda index: "GPU X")
     ad._tuned.cache_clear()
     cuda = torch.device("cuda", 0)  # only its name is asked (patched): no GPU needed
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     try:
-        assert ad.tuned_key(128, torch.float8_e4m3fn) == "128/float8_e4m3fn"
-        assert ad.launch_config(128, torch.float8_e4m3fn, cuda) == (128, 8, 3)
-        assert ad.launch_config(128, torch.bfloat16, cuda) == ad._stage1_config(128)
-        assert ad.launch_config(128, torch.float8_e4m3fn, torch.device("cpu")) == (64, 4, 3)
-        table.write_text(json.dumps({"GPU X": {"128/bfloat16": [48, 4, 3]}}))
-        ad._tuned.cache_clear()
-        with pytest.raises(ValueError, match=r"128/bfloat16.*power of two"):
-            ad.launch_config(128, torch.bfloat16, cuda)
+        assert ad.tuned_key(128, fp8) == "128/float8_e4m3fn"
+        assert ad.tuned_key(48, fp8) == "64/float8_e4m3fn"
+        assert ad.launch_config(128, fp8, cuda, bf16) == (128, 4, 4, 1)
+        assert ad.launch_config(64, fp8, cuda, torch.float16) == (32, 8, 3)
+        assert ad.launch_config(128, bf16, cuda, bf16) == ad._stage1_config(128)
+        # Swept with a 16-bit q: a float32 q (twice the tile) keeps the built-in config.
+        assert ad.launch_config(128, fp8, cuda, torch.float32) == (64, 4, 3)
+        assert ad.launch_config(128, fp8, torch.device("cpu"), bf16) == (64, 4, 3)
+        for bad in ([48, 4, 3], [64, 3, 3], [64, 4, 3, 2], [64, 4], [64.0, 4, 3], [64, 4, 0]):
+            table.write_text(json.dumps({"GPU X": {"128/bfloat16": bad}}))
+            ad._tuned.cache_clear()
+            with pytest.raises(ValueError, match=r"128/bfloat16.*power of two"):
+                ad.launch_config(128, bf16, cuda, bf16)
     finally:
         ad._tuned.cache_clear()
 
