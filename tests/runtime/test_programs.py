@@ -815,6 +815,59 @@ def test_a_pin_gives_way_to_the_head_of_the_queue_while_others_run(tiny_model_di
     assert stats["pins_released_for_room"] == 1 and stats["retractions"] == 0
 
 
+@pytest.mark.parametrize("agent_tokens,kept", [(4, True), (23, False)])
+def test_under_srpt_a_pin_gives_way_only_to_a_request_predicted_to_need_less(
+    tiny_model_dirs, agent_tokens, kept
+):
+    """The same queue as above under program-srpt: a new program's 170-token prompt is
+    predicted 4 output tokens plus a tenth of its uncached prompt (21). A paused agent that
+    decodes 4 tokens a call is predicted less and keeps its pin (srpt would serve it first:
+    evicting its context would have it computed again), so the prompt waits for the runner;
+    one that decodes 23 a call gives way, as under fcfs."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program-srpt")
+    rng = random.Random(12)
+    sp = braid.SamplingParams(max_tokens=agent_tokens, **GREEDY)
+    s.handle(GenerateReq("agent/0", [rng.randrange(1, 500) for _ in range(40)], sp, 0, "agent"))
+    run_to_end(s)
+    assert s.control("stats")["pinned_sessions"] == 1
+    assert s.programs.paused_work("agent") == pytest.approx(agent_tokens)
+    runner = braid.SamplingParams(max_tokens=40, **GREEDY)
+    s.handle(GenerateReq("runner", [rng.randrange(1, 500) for _ in range(20)], runner, 0))
+    s.step()  # the runner is admitted and runs
+    big = [rng.randrange(1, 500) for _ in range(170)]
+    sp4 = braid.SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("big", big, sp4, 0, program_id="big", program_position=0))
+    finished = []
+    while s.has_work:
+        for out in s.step():
+            if out.finish_reason:
+                finished.append(out.rid)
+        s.check_invariants()
+    stats = s.control("stats")
+    if kept:
+        assert finished == ["runner", "big"] and stats["pins_released_for_room"] == 0
+        assert stats["pinned_sessions"] == 1
+    else:
+        assert finished == ["big", "runner"] and stats["pins_released_for_room"] == 1
+    assert stats["retractions"] == 0
+
+
+def test_pins_kept_for_programs_stay_out_of_the_releasable_pages():
+    alloc = PageAllocator(65, 1)
+    cache = RadixCache(alloc)
+    pins = SessionPins(cache, max_pages=64)
+    for session, tokens in (("a", [1, 2, 3, 4]), ("b", [1, 2, 9, 9, 9]), ("c", [7, 7])):
+        cache.insert(tokens, alloc.alloc(len(tokens)))
+        pins.pin(session, tokens)
+    # Shared prefix [1, 2] is held by a and b: releasable only when both go.
+    assert pins.releasable_pages() == 4 + 3 + 2  # a's [1..4] path, b's tail, c
+    assert pins.releasable_pages(keep=lambda p: p == "a") == 3 + 2  # b's tail, c
+    assert pins.releasable_pages(keep=lambda p: p in ("a", "b")) == 2
+    assert pins.release_soonest(keep=lambda p: p != "b") and set(pins.by_program()) == {"a", "c"}
+    assert not pins.release_soonest(keep=lambda p: True)
+    assert pins.released_for_room == 1
+
+
 def test_pins_give_way_one_at_a_time_to_a_prompt_between_chunks_when_nothing_runs(
     tiny_model_dirs,
 ):

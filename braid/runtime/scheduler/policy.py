@@ -23,7 +23,9 @@ the recently ended programs' call counts), plus a tenth for each prompt token th
 not hold (`ProgramTable.remaining_work`). A program's key is log2 of that work less one per
 SRPT_AGING_S waited (no starvation: waiting doubles the work it may jump over every
 SRPT_AGING_S); programs stay together and in-batch sharers wait, as for `program`. (The
-cached prefix is already in the key, so the tie-break by it seldom applies.)
+cached prefix is already in the key, so the tie-break by it seldom applies.) With program
+sessions (pins), a paused program's pin gives way only to a request predicted to need less
+work than the program (`prefill.PrefillPlanner._pins_kept_from`).
 """
 
 from __future__ import annotations

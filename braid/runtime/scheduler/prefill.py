@@ -12,7 +12,10 @@ chunks, one prompt at a time. Session pins are the KV that goes first after the 
 request in policy order when releasing them can make it fit (a pin never keeps the queue's
 head waiting: under a queue, pins that held half the pool for paused programs had halved what
 ran), and, when nothing runs and nothing else is in the step, to the next chunk of the prompt
-between chunks (else nothing would free the room, and the scheduler would stall).
+between chunks (else nothing would free the room, and the scheduler would stall). Under
+program-srpt a pin gives way to the queue's head only if its program is predicted to need
+more work yet than the head's (`_pins_kept_from`): srpt would serve the other first, and
+evicting its context would have it computed again when its call comes back.
 
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
@@ -31,11 +34,13 @@ from braid.runtime.scheduler.batch import StepPlan, build_extend
 from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.policy import (
+    Candidate,
     candidates,
     effective_policy,
     match_limit,
     shares_uncached_prefix,
 )
+from braid.runtime.scheduler.programs import program_of
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
 
@@ -159,14 +164,17 @@ class PrefillPlanner:
             grow = self.kv.allocator.pages_for(end) - len(prefix_pages)
             decoding = running + [r for r, _ in items] + [req]
             fits = self.fits(grow, decoding)
+            keep = None if fits else self._pins_kept_from(cand)
             # The pinned paths are walked only for a head that does not fit without them.
             head = (
                 not fits
                 and not admitted
-                and self.fits(grow, decoding, self.kv.sessions.releasable_pages())
+                and self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
             )
+            if not head and not (items or running):
+                keep = None  # nothing else would free the room: every pin gives way
             while not fits and self._pins_give_way(end, items, head):
-                if not self.kv.sessions.release_soonest():
+                if not self.kv.sessions.release_soonest(keep):
                     break
                 fits = self.fits(grow, decoding)
             if not fits or not self.kv.make_room(grow):
@@ -181,6 +189,24 @@ class PrefillPlanner:
             budget -= end - req.kv_len
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
+
+    def _pins_kept_from(self, cand: Candidate):
+        """Under program-srpt, the pins that do not give way to `cand`: those of programs
+        predicted to ask for less work yet than `cand`'s (the order srpt itself would serve
+        them in; evicting their context for `cand` would have them computed again when they
+        come back first). A predicate on a pin's program, or None (every pin may give way)."""
+        programs = self.reqs.programs
+        if self.policy != "program-srpt" or programs is None:
+            return None
+        uncached = cand.req.seq_len - cand.matched_tokens
+        work = programs.remaining_work(cand.req, uncached)
+        mine = program_of(cand.req)
+
+        def keep(program: str) -> bool:
+            theirs = programs.paused_work(program)
+            return program != mine and theirs is not None and theirs < work
+
+        return keep
 
     def _pins_give_way(self, end: int, items: list[tuple[Req, int]], head: bool = False) -> bool:
         """Whether session pins may be released (the soonest to expire first, one at a time
@@ -245,10 +271,11 @@ class PrefillPlanner:
             end = self._chunk_end(start, req, self.budget)
         grow = self.kv.allocator.pages_for(end) - cached
         decoding = running + [req]
-        # Failing that, the head would take the pins' room.
-        return self.fits(grow, decoding) or self.fits(
-            grow, decoding, self.kv.sessions.releasable_pages()
-        )
+        # Failing that, the head would take the room of the pins that give way to it.
+        if self.fits(grow, decoding):
+            return True
+        keep = self._pins_kept_from(cand)
+        return self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
 
     def fits(self, grow: int, decoding: list[Req], pinned: int = 0) -> bool:
         """Whether `grow` new pages fit in free and evictable pages (and `pinned` pages that

@@ -278,6 +278,15 @@ class ProgramTable:
         later = (self.calls_left(served) - 1.0) * per_call
         return this_call + later + PREFILL_WEIGHT * uncached
 
+    def paused_work(self, program_id: str) -> float | None:
+        """The work a program between calls is expected to ask for yet, in output tokens, as
+        `remaining_work` counts it (its mean output per served call times the calls it is
+        expected to send yet); None for a program not known or never served."""
+        p = self._programs.get(program_id)
+        if p is None or not p.calls_served:
+            return None
+        return self.calls_left(p.calls_served) * p.decoded / p.calls_served
+
     def pin_ttl(self, req: Req) -> float:
         """How long the KV of `req`'s program stays pinned after this call: PIN_TTL_FACTOR x
         its longest recent pause between calls (at least PIN_TTL_MIN_S), PIN_TTL_FIRST_S

@@ -82,11 +82,13 @@ class SessionPins:
         self.expired += len(stale)
         return len(stale)
 
-    def release_soonest(self) -> bool:
-        """Release the pin that would expire first (to make room); whether there was one."""
-        if not self._pins:
+    def release_soonest(self, keep: Callable[[str], bool] | None = None) -> bool:
+        """Release the pin that would expire first (to make room), of those whose program
+        `keep` does not keep; whether there was one."""
+        pins = [s for s, pin in self._pins.items() if keep is None or not keep(pin[3])]
+        if not pins:
             return False
-        self.close(min(self._pins, key=lambda s: self._pins[s][2]))
+        self.close(min(pins, key=lambda s: self._pins[s][2]))
         self.released_for_room += 1
         return True
 
@@ -113,12 +115,14 @@ class SessionPins:
             out[program] = (held + pages, sessions + 1)
         return out
 
-    def releasable_pages(self) -> int:
-        """Pages that releasing every pin would make evictable: those of pinned nodes (and
-        their ancestors) that nothing but pins holds (a running request's prefix stays)."""
+    def releasable_pages(self, keep: Callable[[str], bool] | None = None) -> int:
+        """Pages that releasing every pin (but those whose program `keep` keeps) would make
+        evictable: those of pinned nodes (and their ancestors) that nothing but the released
+        pins holds (a running request's prefix and a kept pin's path stay)."""
         pins_on: dict[int, int] = {}
         nodes: dict[int, TreeNode] = {}
-        for node in self.nodes():
+        released = [n for n, _, _, p in self._pins.values() if keep is None or not keep(p)]
+        for node in released:
             while node is not None and node.parent is not None:  # up to, not into, the root
                 pins_on[id(node)] = pins_on.get(id(node), 0) + 1
                 nodes[id(node)] = node
