@@ -837,6 +837,8 @@ def test_under_srpt_a_pin_gives_way_only_to_a_request_predicted_to_need_less(
     big = [rng.randrange(1, 500) for _ in range(170)]
     sp4 = braid.SamplingParams(max_tokens=4, **GREEDY)
     s.handle(GenerateReq("big", big, sp4, 0, program_id="big", program_position=0))
+    # The overlap schedule's question (may a prefill admit now?) gets the same answer.
+    assert s.prefill.admits_now() is not kept
     finished = []
     while s.has_work:
         for out in s.step():
@@ -850,6 +852,31 @@ def test_under_srpt_a_pin_gives_way_only_to_a_request_predicted_to_need_less(
     else:
         assert finished == ["big", "runner"] and stats["pins_released_for_room"] == 1
     assert stats["retractions"] == 0
+
+
+def test_under_srpt_a_kept_pin_gives_way_once_nothing_else_would_free_the_room(tiny_model_dirs):
+    """The kept pin of a short agent does not give way to a longer new program while a runner
+    runs; once the runner is done, nothing else would free the room the 215-token prompt
+    needs, and the kept pin goes (the scheduler must not stall)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program-srpt")
+    rng = random.Random(13)
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("agent/0", [rng.randrange(1, 500) for _ in range(40)], sp, 0, "agent"))
+    run_to_end(s)
+    runner = braid.SamplingParams(max_tokens=20, **GREEDY)
+    s.handle(GenerateReq("runner", [rng.randrange(1, 500) for _ in range(20)], runner, 0))
+    s.step()
+    big = [rng.randrange(1, 500) for _ in range(215)]
+    s.handle(GenerateReq("big", big, sp, 0, program_id="big", program_position=0))
+    finished = []
+    while s.has_work:
+        for out in s.step():
+            if out.finish_reason:
+                finished.append(out.rid)
+        s.check_invariants()
+    stats = s.control("stats")
+    assert finished == ["runner", "big"] and stats["pins_released_for_room"] == 1
+    assert stats["pinned_sessions"] == 0 and stats["retractions"] == 0
 
 
 def test_pins_kept_for_programs_stay_out_of_the_releasable_pages():

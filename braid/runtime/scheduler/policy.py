@@ -120,7 +120,7 @@ def candidates(
     return out
 
 
-def _aged_key(c: Candidate, programs: ProgramTable | None, now: float, srpt: bool) -> float:
+def aged_key(c: Candidate, programs: ProgramTable | None, now: float, srpt: bool) -> float:
     """A candidate's place under `program` (its program's service level) or `program-srpt`
     (log2 of its program's predicted remaining work), less its aging."""
     req = c.req
@@ -146,7 +146,7 @@ def _by_program(
     keys = []
     for i, c in enumerate(cands):
         group = program_of(c.req) or ("request", c.req.rid)
-        aged = _aged_key(c, programs, now, srpt)
+        aged = aged_key(c, programs, now, srpt)
         level, matched, first = best.get(group, (aged, -c.matched_tokens, i))
         best[group] = (min(level, aged), min(matched, -c.matched_tokens), first)
         keys.append(group)

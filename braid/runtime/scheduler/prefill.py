@@ -14,8 +14,9 @@ head waiting: under a queue, pins that held half the pool for paused programs ha
 ran), and, when nothing runs and nothing else is in the step, to the next chunk of the prompt
 between chunks (else nothing would free the room, and the scheduler would stall). Under
 program-srpt a pin gives way to the queue's head only if its program is predicted to need
-more work yet than the head's (`_pins_kept_from`): srpt would serve the other first, and
-evicting its context would have it computed again when its call comes back.
+more work yet than the head's (`_pins_kept_from`, by srpt's aged key): srpt would serve the
+other first, and evicting its context would have it computed again when its call comes back;
+when nothing else would free the room, kept pins give way too, after the others.
 
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
@@ -27,6 +28,8 @@ decode step that follows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from braid.runtime.constrained.manager import GrammarManager
@@ -35,6 +38,7 @@ from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.policy import (
     Candidate,
+    aged_key,
     candidates,
     effective_policy,
     match_limit,
@@ -171,10 +175,13 @@ class PrefillPlanner:
                 and not admitted
                 and self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
             )
-            if not head and not (items or running):
-                keep = None  # nothing else would free the room: every pin gives way
+            idle = not (items or running)  # nothing else would free the room
             while not fits and self._pins_give_way(end, items, head):
-                if not self.kv.sessions.release_soonest(keep):
+                # The pins that give way to it first; when idle, the kept ones too.
+                released = self.kv.sessions.release_soonest(keep)
+                if not released and (keep is None or not idle):
+                    break
+                if not released and not self.kv.sessions.release_soonest():
                     break
                 fits = self.fits(grow, decoding)
             if not fits or not self.kv.make_room(grow):
@@ -198,13 +205,14 @@ class PrefillPlanner:
         programs = self.reqs.programs
         if self.policy != "program-srpt" or programs is None:
             return None
-        uncached = cand.req.seq_len - cand.matched_tokens
-        work = programs.remaining_work(cand.req, uncached)
+        # The head's place in srpt's order, aging included: a head that has waited long
+        # enough outranks the pins too (no starvation).
+        key = aged_key(cand, programs, self.reqs.clock(), srpt=True)
         mine = program_of(cand.req)
 
         def keep(program: str) -> bool:
             theirs = programs.paused_work(program)
-            return program != mine and theirs is not None and theirs < work
+            return program != mine and theirs is not None and math.log2(1.0 + theirs) < key
 
         return keep
 
@@ -261,9 +269,10 @@ class PrefillPlanner:
         programs, now = self.reqs.programs, self.reqs.clock()
         cand = candidates(considered, self.kv.cache, policy, programs, now)[0]
         req = cand.req
-        cached = 0
+        cached, match = 0, None
         if cand.use_cache:
-            cached = len(self.kv.cache.match_prefix(req.cache_tokens(match_limit(req))).pages)
+            match = self.kv.cache.match_prefix(req.cache_tokens(match_limit(req)))
+            cached = len(match.pages)
         start = cached * self.page_size
         end = req.seq_len
         chunks = self.chunked and req.params.prompt_logprobs is None
@@ -271,11 +280,18 @@ class PrefillPlanner:
             end = self._chunk_end(start, req, self.budget)
         grow = self.kv.allocator.pages_for(end) - cached
         decoding = running + [req]
-        # Failing that, the head would take the room of the pins that give way to it.
-        if self.fits(grow, decoding):
-            return True
-        keep = self._pins_kept_from(cand)
-        return self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
+        # Locked as `_admit` locks it: the head's cached prefix is not room for the head.
+        if match is not None:
+            self.kv.cache.lock(match.node)
+        try:
+            # Failing that, the head would take the room of the pins that give way to it.
+            if self.fits(grow, decoding):
+                return True
+            keep = self._pins_kept_from(cand)
+            return self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
+        finally:
+            if match is not None:
+                self.kv.cache.unlock(match.node)
 
     def fits(self, grow: int, decoding: list[Req], pinned: int = 0) -> bool:
         """Whether `grow` new pages fit in free and evictable pages (and `pinned` pages that
