@@ -35,11 +35,15 @@ part=${1:?part 1 to 5}
 source "$(dirname "$0")/step.sh"
 off() { python benchmarks/gpu.py offline --skip-hf --repeats 1 "$@"; }
 fp8kv=(--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8_e4m3)
-if [ "$part" = 1 ]; then
-    { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
+# The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
+clocks() {
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
 clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     smi=$!
+}
+if [ "$part" = 1 ]; then
+    { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
+    clocks
     TAIL=8 step 240 tune_attention_fp8 python benchmarks/tune_attention.py --kv-dtype fp8_e4m3 \
         --write-config --out "$OUT/r/tune_attention_fp8_cuda.json"
     cp braid/kernels/configs/decode_attention.json "$OUT/r/" 2>/dev/null
@@ -51,9 +55,7 @@ clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 2 ]; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
-clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
-    smi=$!
+    clocks
     TAIL=8 step 300 tune_attention_fp8 python benchmarks/tune_attention.py --kv-dtype fp8_e4m3 \
         --write-config --out "$OUT/r/tune_attention_fp8_paths_cuda.json"
     cp braid/kernels/configs/decode_attention.json "$OUT/r/" 2>/dev/null
@@ -64,9 +66,7 @@ clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 3 ]; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
-clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
-    smi=$!
+    clocks
     g1024=(--engine-arg cuda_graph_max_bs=1024)
     TAIL=4 step 150 offline_fp8kv_g1024 off "${fp8kv[@]}" "${g1024[@]}" \
         --out "$OUT/r/offline_fp8kv_g1024_cuda.json"
@@ -77,9 +77,7 @@ clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 4 ]; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
-clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
-    smi=$!
+    clocks
     g1024=(--engine-arg cuda_graph_max_bs=1024 --engine-arg mem_fraction_static=0.82)
     TAIL=4 step 150 offline_fp8kv_g1024 off "${fp8kv[@]}" "${g1024[@]}" \
         --out "$OUT/r/offline_fp8kv_g1024_cuda.json"
@@ -88,9 +86,7 @@ clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
 if [ "$part" = 5 ]; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
-clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
-    smi=$!
+    clocks
     g1024=(--engine-arg cuda_graph_max_bs=1024)
     TAIL=5 step 110 offline_fp8kv_g1024 off "${fp8kv[@]}" "${g1024[@]}" \
         --out "$OUT/r/offline_fp8kv_g1024_cuda.json"

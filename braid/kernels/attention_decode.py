@@ -37,6 +37,7 @@ from braid.kernels._checks import (
     next_pow2,
     tuned_configs,
 )
+from braid.kernels.extend_config import tuned_key
 from braid.kernels.reference import KV_FP8_DTYPE, dequantize_kv_reference
 
 # Online-softmax running max starts finite: a block whose keys are all masked for a row then
@@ -215,16 +216,11 @@ def _stage1_config(block_d: int) -> tuple[int, int, int]:
 # (BLOCK_N, num_warps, num_stages) of the split kernel measured per GPU, head size and KV dtype
 # (`benchmarks/tune_attention.py --kv-dtype ... --write-config`); the built-in choice where
 # there is none. An fp8 block of keys is half a 16-bit one's bytes, so a 16-bit cache's best
-# block need not be fp8's.
+# block need not be fp8's. Keyed as the extend kernel's table ("128/float8_e4m3fn": `tuned_key`).
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "decode_attention.json"
 
 
-FP8_AS_F16 = ([], [0], [1])  # a tuned entry's optional 4th field
-
-
-def tuned_key(head_dim: int, kv_dtype: torch.dtype) -> str:
-    """The key of a head size and KV dtype in `TUNED_CONFIGS` ("128/float8_e4m3fn")."""
-    return f"{next_pow2(head_dim)}/{str(kv_dtype).removeprefix('torch.')}"
+_FOURTH_FIELDS = ([], [0], [1])  # a tuned entry's optional as_f16
 
 
 @functools.cache
@@ -235,7 +231,7 @@ def _tuned(device_name: str, key: str) -> tuple[int, ...] | None:
     ok = isinstance(fields, list) and len(fields) in (3, 4)
     ok = ok and all(type(f) is int for f in fields) and min(fields[:3]) >= 1
     ok = ok and not fields[0] & (fields[0] - 1) and not fields[1] & (fields[1] - 1)
-    if not ok or fields[0] < 16 or fields[3:] not in FP8_AS_F16:
+    if not ok or fields[0] < 16 or fields[3:] not in _FOURTH_FIELDS:
         raise ValueError(
             f"tuned kernel configurations {TUNED_CONFIGS}: {key}: expected [BLOCK_N (a power "
             f"of two >= 16), num_warps (a power of two), num_stages] and, for an fp8 cache, 0 "

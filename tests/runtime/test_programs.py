@@ -789,6 +789,16 @@ def test_a_pin_gives_way_to_a_waiting_request_when_nothing_else_would_free_room(
     assert s.control("stats")["pins_released_for_room"] == 1
 
 
+def _finish_order(s) -> list[str]:
+    """Step `s` until idle, checking its accounting each step; the requests in the order
+    they finished."""
+    finished = []
+    while s.has_work:
+        finished += [out.rid for out in s.step() if out.finish_reason]
+        s.check_invariants()
+    return finished
+
+
 def test_a_pin_gives_way_to_the_head_of_the_queue_while_others_run(tiny_model_dirs):
     """A 170-token prompt fits beside a running request only in the pinned program's room:
     it is admitted while that request still runs, and the pin goes (a pin used to keep the
@@ -804,12 +814,7 @@ def test_a_pin_gives_way_to_the_head_of_the_queue_while_others_run(tiny_model_di
     s.handle(GenerateReq("runner", [rng.randrange(1, 500) for _ in range(20)], runner, 0))
     s.step()  # the runner is admitted and runs
     s.handle(GenerateReq("big", [rng.randrange(1, 500) for _ in range(170)], sp, 0))
-    finished = []
-    while s.has_work:
-        for out in s.step():
-            if out.finish_reason:
-                finished.append(out.rid)
-        s.check_invariants()
+    finished = _finish_order(s)
     assert finished == ["big", "runner"]  # big did not wait for the runner's end
     stats = s.control("stats")
     assert stats["pins_released_for_room"] == 1 and stats["retractions"] == 0
@@ -839,12 +844,7 @@ def test_under_srpt_a_pin_gives_way_only_to_a_request_predicted_to_need_less(
     s.handle(GenerateReq("big", big, sp4, 0, program_id="big", program_position=0))
     # The overlap schedule's question (may a prefill admit now?) gets the same answer.
     assert s.prefill.admits_now() is not kept
-    finished = []
-    while s.has_work:
-        for out in s.step():
-            if out.finish_reason:
-                finished.append(out.rid)
-        s.check_invariants()
+    finished = _finish_order(s)
     stats = s.control("stats")
     if kept:
         assert finished == ["runner", "big"] and stats["pins_released_for_room"] == 0
@@ -868,12 +868,7 @@ def test_under_srpt_a_kept_pin_gives_way_once_nothing_else_would_free_the_room(t
     s.step()
     big = [rng.randrange(1, 500) for _ in range(215)]
     s.handle(GenerateReq("big", big, sp, 0, program_id="big", program_position=0))
-    finished = []
-    while s.has_work:
-        for out in s.step():
-            if out.finish_reason:
-                finished.append(out.rid)
-        s.check_invariants()
+    finished = _finish_order(s)
     stats = s.control("stats")
     assert finished == ["runner", "big"] and stats["pins_released_for_room"] == 1
     assert stats["pinned_sessions"] == 0 and stats["retractions"] == 0

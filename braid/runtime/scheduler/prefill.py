@@ -178,10 +178,8 @@ class PrefillPlanner:
             idle = not (items or running)  # nothing else would free the room
             while not fits and self._pins_give_way(end, items, head):
                 # The pins that give way to it first; when idle, the kept ones too.
-                released = self.kv.sessions.release_soonest(keep)
-                if not released and (keep is None or not idle):
-                    break
-                if not released and not self.kv.sessions.release_soonest():
+                sessions = self.kv.sessions
+                if not (sessions.release_soonest(keep) or idle and sessions.release_soonest()):
                     break
                 fits = self.fits(grow, decoding)
             if not fits or not self.kv.make_room(grow):
