@@ -136,6 +136,7 @@ def run_traffic(backend, programs: list[tuple[float, dict]], pins: bool) -> dict
         "mean_s": round(statistics.fmean(ordered), 3),
         "wall_s": round(wall, 2),
         "programs_per_s": round(len(programs) / wall, 3),
+        "completion_s": [round(t, 2) for t in done],  # each program's, in arrival order
     }
 
 
@@ -209,12 +210,14 @@ def agent_traffic(
     seed: int = 0,
     mix: str = "uniform",
     setups: tuple[str, ...] = tuple(SETUPS),
+    repeats: int = 1,
     **engine: object,
 ) -> dict:
-    """`setups`: which of SETUPS to compare (lpm always). `engine`: further braid.LLM
-    arguments (the GPU run's dummy weights and dtype). The unloaded latency: the workload's
-    first UNLOADED_SAMPLE programs run one at a time under lpm; its p99 (the sample's longest)
-    is what lpm's p99 under load is held against."""
+    """`setups`: which of SETUPS to compare (lpm always), each `repeats` times at the load
+    point, in rounds of every setup (the figures: each one's median over its rounds).
+    `engine`: further braid.LLM arguments (the GPU run's dummy weights and dtype). The
+    unloaded latency: the workload's first UNLOADED_SAMPLE programs run one at a time under
+    lpm; its p99 (the sample's longest) is what lpm's p99 under load is held against."""
     unknown = set(setups) - set(SETUPS)
     if unknown:  # before minutes of runs
         raise ValueError(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
@@ -233,17 +236,24 @@ def agent_traffic(
             chosen = rate
             break
     programs = workload(n, chosen, seed, mix)
-    rows = {}
-    for name in names:
-        policy, pins = SETUPS[name]
-        if name == "lpm" and sweep[-1]["rate"] == chosen:
-            rows[name] = {k: v for k, v in sweep[-1].items() if k != "rate"}
-        else:
-            rows[name] = measure(model, kv_tokens, policy, programs, pins, **engine)
-        print(f"agents: {name} at {chosen}/s: {rows[name]}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(repeats):  # rounds of every setup, one after the other
+        for name in names:
+            policy, pins = SETUPS[name]
+            if name == "lpm" and round_ == 0 and sweep[-1]["rate"] == chosen:
+                row = {k: v for k, v in sweep[-1].items() if k != "rate"}
+            else:
+                row = measure(model, kv_tokens, policy, programs, pins, **engine)
+            runs[name].append(row)
+            print(f"agents: {name} at {chosen}/s (round {round_ + 1}): {row}", flush=True)
+    rows = {name: _median_row(rs) for name, rs in runs.items()}
     lpm_p50 = rows["lpm"]["p50_s"]
-    for row in rows.values():
+    for name, row in rows.items():
         row["p50_vs_lpm"] = round(lpm_p50 / row["p50_s"], 2)
+        if repeats > 1:  # each round's setup against that round's lpm
+            row["p50_vs_lpm_rounds"] = [
+                round(a["p50_s"] / b["p50_s"], 2) for a, b in zip(runs["lpm"], runs[name])
+            ]
     return {
         "programs": n,
         "kv_tokens": kv_tokens,
@@ -255,7 +265,18 @@ def agent_traffic(
         "lpm_sweep": sweep,
         "rate": chosen,
         "setups": rows,
+        "repeats": repeats,
     }
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """One setup's rounds: each figure's median, and each round's p50 (one round: itself)."""
+    if len(rows) == 1:
+        return dict(rows[0])
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "completion_s"}
+    out["completion_s_rounds"] = [r["completion_s"] for r in rows]
+    out["p50_rounds_s"] = [r["p50_s"] for r in rows]
+    return out
 
 
 def main() -> None:
@@ -289,14 +310,29 @@ def main() -> None:
         default=None,
         help="max_running_requests for every setup's engine (default: the engine's own)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every setup at the load point, in rounds (a CPU run varies by a third)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     engine = {} if args.max_running is None else {"max_running_requests": args.max_running}
     rates = [float(r) for r in args.rates.split(",")]
     names = tuple(args.setups.split(","))
     if args.gpu_config is None:
         res = agent_traffic(
-            args.model, args.programs, rates, args.kv_tokens, mix=args.mix, setups=names, **engine
+            args.model,
+            args.programs,
+            rates,
+            args.kv_tokens,
+            mix=args.mix,
+            setups=names,
+            repeats=args.repeats,
+            **engine,
         )
         write_result("agents", "cpu", args.out, res)
     else:
@@ -314,6 +350,7 @@ def main() -> None:
                 args.kv_tokens,
                 mix=args.mix,
                 setups=names,
+                repeats=args.repeats,
                 load_format="dummy",
                 dtype="bfloat16",
                 **engine,

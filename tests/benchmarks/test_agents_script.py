@@ -50,22 +50,30 @@ def test_agent_traffic_runs_every_setup(tmp_path):
         assert row["programs"] == 3, name
         assert 0 < row["p50_s"] <= row["p99_s"], (name, row)
         assert row["prefill_tokens_computed"] > 0, (name, row)
+        assert len(row["completion_s"]) == 3
+        assert max(row["completion_s"]) == pytest.approx(row["p99_s"], abs=0.01)
     assert res["setups"]["lpm"]["p50_vs_lpm"] == 1.0
     assert res["unloaded_s"] > 0 and res["lpm_sweep"][0]["rate"] == 50.0
 
 
 def test_agent_traffic_runs_on_a_configs_shapes_with_random_weights(tmp_path):
     """The H200 run's path (`--gpu-config`: a config's shapes, random bf16 weights, SmolLM2's
-    tokenizer) at toy size on the CPU, two setups chosen."""
+    tokenizer) at toy size on the CPU, two setups chosen, each run twice (`--repeats`)."""
     res = _run(
         tmp_path,
         "benchmarks/agents.py",
         *("--gpu-config", "tiny-llama", "--programs", "2", "--setups", "program+pins"),
+        *("--repeats", "2"),
     )
     assert res["config"] == "tiny-llama" and res["device"] == "cpu" and res["mix"] == "uniform"
     assert set(res["setups"]) == {"lpm", "program+pins"}  # lpm always: the baseline
+    assert res["repeats"] == 2
     for name, row in res["setups"].items():
         assert row["programs"] == 2 and row["prefill_tokens_computed"] > 0, (name, row)
+        p50s = row["p50_rounds_s"]
+        assert len(p50s) == 2 and row["p50_s"] == pytest.approx(sum(p50s) / 2), (name, row)
+        assert len(row["p50_vs_lpm_rounds"]) == 2 and len(row["completion_s_rounds"]) == 2
+    assert res["setups"]["lpm"]["p50_vs_lpm_rounds"] == [1.0, 1.0]
 
 
 def test_the_heavy_mix_gives_each_program_its_own_thought_length():

@@ -18,6 +18,7 @@ from braid.runtime.scheduler import policy
 from braid.runtime.scheduler.programs import (
     PIN_TTL_FIRST_S,
     PREFILL_WEIGHT,
+    PROGRAM_SHARE,
     SEQUENCES_KEPT,
     ProgramTable,
 )
@@ -872,6 +873,84 @@ def test_under_srpt_a_kept_pin_gives_way_once_nothing_else_would_free_the_room(t
     stats = s.control("stats")
     assert finished == ["runner", "big"] and stats["pins_released_for_room"] == 1
     assert stats["pinned_sessions"] == 0 and stats["retractions"] == 0
+
+
+def test_programs_under_way_are_counted_and_capped_by_the_kv_they_reach():
+    table = ProgramTable()
+    assert table.program_cap(1000) is None  # no program has ended: nothing to size it by
+    a0 = _req("a/0", n=100, session="a", position=0)
+    table.arrive(a0)
+    assert table.starts(a0) and table.under_way(()) == 0  # waiting, never admitted
+    table.admitted(a0, 30)  # its first 30 tokens were cached (a shared system prompt)
+    assert not table.starts(a0) and table.under_way(()) == 1
+    a0.output_ids, a0.finish_reason = [7] * 20, "stop"
+    table.leave(a0)
+    assert table.under_way(()) == 0 and table.under_way({"a"}) == 1  # paused: only if pinned
+    a1 = _req("a/1", session="a", position=1, ids=a0.tokens() + [8] * 30)
+    table.arrive(a1)
+    assert not table.starts(a1) and table.under_way(()) == 1  # its next call waits
+    table.admitted(a1, 100)
+    a1.output_ids, a1.finish_reason = [9] * 10, "stop"
+    table.leave(a1)
+    assert table.end("a")
+    # Its own KV at its peak: 160 tokens of its longest sequence less the 30 it found cached.
+    assert table.program_cap(1000) == int(PROGRAM_SHARE * 1000 / 130)
+    assert table.program_cap(100) == 1  # never below one
+
+
+@pytest.mark.parametrize("then", ["runner ends", "b ends", "c waited"])
+def test_under_srpt_a_new_program_waits_while_the_programs_under_way_fill_the_pool(
+    tiny_model_dirs, then
+):
+    """A program that ended reached 124 tokens of its own, so in a 256-token pool one program
+    is under way at a time. With b paused (pinned) and a runner running, a new program c
+    waits though it fits; b's next call does not. c starts once nothing else runs, as soon as
+    b ends, or once srpt's aging has put its key below 0 (no starvation)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy="program-srpt")
+    clock = Clock()
+    s.requests.clock = s.programs.clock = s.kv.sessions.clock = clock
+    rng = random.Random(14)
+    sp = braid.SamplingParams(max_tokens=4, **GREEDY)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    s.handle(GenerateReq("a/0", ids(120), sp, 0, session_id="a"))
+    run_to_end(s)
+    s.close_session("a")  # a ends (too long to have been pinned): the programs' KV is known
+    assert s.programs.program_cap(256) == 1
+    s.handle(GenerateReq("b/0", ids(30), sp, 0, session_id="b", session_ttl_s=500.0))
+    b0 = s.requests.get("b/0")
+    run_to_end(s)
+    assert s.control("stats")["pinned_sessions"] == 1
+    runner = braid.SamplingParams(max_tokens=30, **GREEDY)
+    s.handle(GenerateReq("runner", ids(20), runner, 0))
+    s.step()  # the runner runs
+    s.handle(GenerateReq("c/0", ids(30), sp, 0, session_id="c"))
+    assert not s.prefill.admits_now()  # c waits, and the overlap schedule is told so
+    s.handle(GenerateReq("b/1", b0.tokens() + [9, 9], sp, 0, session_id="b", session_ttl_s=500.0))
+    assert s.prefill.admits_now()  # b is under way: its next call goes in
+    finished = []
+    while "b/1" not in finished:
+        finished += [out.rid for out in s.step() if out.finish_reason]
+        s.check_invariants()
+    assert finished == ["b/1"]
+    assert not s.prefill.admits_now()  # b is paused again, pinned
+    if then == "b ends":
+        assert s.close_session("b")  # c may start while the runner runs
+    elif then == "c waited":
+        # c's predicted work: 4 tokens (every program's mean output per call so far) times
+        # the calls left (1); log2(1 + 4 + 3) = 3, less one per SRPT_AGING_S waited.
+        clock.now += 3 * policy.SRPT_AGING_S - 1
+        assert not s.prefill.admits_now()
+        clock.now += 2
+    assert s.prefill.admits_now() is (then != "runner ends")
+    finished += _finish_order(s)
+    if then == "runner ends":
+        assert finished == ["b/1", "runner", "c/0"]
+    else:
+        assert finished == ["b/1", "c/0", "runner"]
+    assert s.control("stats")["retractions"] == 0
 
 
 def test_pins_kept_for_programs_stay_out_of_the_releasable_pages():

@@ -25,7 +25,9 @@ SRPT_AGING_S waited (no starvation: waiting doubles the work it may jump over ev
 SRPT_AGING_S); programs stay together and in-batch sharers wait, as for `program`. (The
 cached prefix is already in the key, so the tie-break by it seldom applies.) With program
 sessions (pins), a paused program's pin gives way only to a request predicted to need less
-work than the program (`prefill.PrefillPlanner._pins_kept_from`).
+work than the program (`prefill.PrefillPlanner._pins_kept_from`), and a program starts only
+while fewer programs are under way than the pool holds (`ProgramTable.program_cap`; the
+planner's program admission).
 """
 
 from __future__ import annotations

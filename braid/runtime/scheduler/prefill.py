@@ -18,6 +18,13 @@ more work yet than the head's (`_pins_kept_from`, by srpt's aged key): srpt woul
 other first, and evicting its context would have it computed again when its call comes back;
 when nothing else would free the room, kept pins give way too, after the others.
 
+Program admission (program-srpt while programs hold pins): a request that would start a
+program waits while as many programs are under way as the pool holds at their peak
+(`ProgramTable.program_cap`, from the ended programs' KV), unless nothing else runs; the
+calls of programs under way are admitted as before. More programs under way than the pool
+holds only push each other's contexts out, to be computed again when they come back (on the
+CPU's agent traffic, at 64 rows, lpm computed twice the prefill it did at 8).
+
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
 the end of the batch), when the running requests take less than half the budget: their decode
@@ -136,12 +143,15 @@ class PrefillPlanner:
         policy = effective_policy(self.policy, len(waiting))
         admitted = []
         ordered = candidates(waiting, self.kv.cache, policy, self.reqs.programs, self.reqs.clock())
+        gate = self._program_gate()
         for cand in ordered:
             if len(running) + len(items) >= self.max_running:
                 break
             if self.kv.table.free_slots == 0 or budget <= 0:
                 break
             if policy != "fcfs" and shares_uncached_prefix(cand, admitted):
+                continue
+            if self._waits_to_start(cand, gate, busy=bool(items or running)):
                 continue
             req = cand.req
             # Match again: making room for earlier admissions may have evicted pages.
@@ -186,6 +196,10 @@ class PrefillPlanner:
                 if match is not None:
                     self.kv.cache.unlock(match.node)
                 break
+            if gate is not None and self.reqs.programs.starts(req):
+                gate[0] += 1  # one more program under way
+            if self.reqs.programs is not None:
+                self.reqs.programs.admitted(req, start)
             self.kv.admit(req, match.node if match else None, prefix_pages)
             self.kv.grow(req, grow)
             self.reqs.move(req, ReqStatus.PREFILLING)
@@ -194,6 +208,29 @@ class PrefillPlanner:
             budget -= end - req.kv_len
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
+
+    def _program_gate(self) -> list[int] | None:
+        """Program admission, under program-srpt while programs hold pins: [programs under
+        way, how many may be] (`ProgramTable.under_way`, `program_cap`), or None (no gate)."""
+        programs = self.reqs.programs
+        if self.policy != "program-srpt" or programs is None:
+            return None
+        pinned = self.kv.sessions.by_program()
+        cap = programs.program_cap(self.kv.allocator.capacity_tokens) if pinned else None
+        return None if cap is None else [programs.under_way(pinned), cap]
+
+    def _waits_to_start(self, cand: Candidate, gate: list[int] | None, busy: bool) -> bool:
+        """Whether `cand` would start a program while as many as may be are under way (it
+        waits for one to end), unless nothing else runs (`busy` false: it would not wait for
+        anything) or it has waited so long that srpt's aging put its key below any program's
+        with no work left (below 0: no starvation, should the programs under way never end).
+        """
+        if gate is None or not busy or gate[0] < gate[1]:
+            return False
+        programs = self.reqs.programs
+        if not programs.starts(cand.req):
+            return False
+        return aged_key(cand, programs, self.reqs.clock(), srpt=True) >= 0
 
     def _pins_kept_from(self, cand: Candidate):
         """Under program-srpt, the pins that do not give way to `cand`: those of programs
@@ -265,7 +302,11 @@ class PrefillPlanner:
         # fcfs keeps arrival order: the head is the first candidate.
         considered = waiting if policy != "fcfs" else [waiting[0]]
         programs, now = self.reqs.programs, self.reqs.clock()
-        cand = candidates(considered, self.kv.cache, policy, programs, now)[0]
+        gate = self._program_gate()
+        ordered = candidates(considered, self.kv.cache, policy, programs, now)
+        cand = next((c for c in ordered if not self._waits_to_start(c, gate, bool(running))), None)
+        if cand is None:
+            return False
         req = cand.req
         cached, match = 0, None
         if cand.use_cache:

@@ -14,7 +14,9 @@ program's tool calls or Python work), from which
 its tool calls have taken). A program ends when its root session is closed (or, for a run
 without sessions, at the control op `end_program`), or after `idle_s` with nothing in flight.
 For `program-srpt` it also keeps its output per served call and, once ended, its call count
-(`remaining_work`).
+(`remaining_work`), and the tokens it found cached when it started and its longest sequence:
+its own KV at its peak, whose mean over the ended programs sizes how many programs may be
+under way at once (`program_cap`).
 
 A call is what one gen or select of the program sends: a gen's samples and a select's choices
 are several requests of one call, with the same session and position. A request starts a new
@@ -51,7 +53,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from braid.runtime.cache.radix_cache import common_prefix_len
@@ -77,6 +79,9 @@ LENGTHS_KEPT = 256
 # 235, the step being memory-bound) and on the 2-core CPU with SmolLM2 (1-3 thousand against
 # 333; `pin_cost.py`, docs/benchmarks.md).
 PREFILL_WEIGHT = 0.1
+# Program admission (`ProgramTable.program_cap`): the share of the pool the programs under way
+# are planned to fill at their peak (the rest: the shared prefix, the decode reserve).
+PROGRAM_SHARE = 0.9
 
 
 def program_of(req: Req) -> str | None:
@@ -131,6 +136,10 @@ class Program:
     # Its latest finished sequences, oldest first (see the module's docstring): what a new
     # request's prompt repeats of one of them was computed before.
     sequences: list[SeenSequence] = field(default_factory=list)
+    # Program admission: the tokens its first request found cached when admitted (None: not
+    # admitted yet), and the longest sequence of its requests (its KV at its peak).
+    first_cached: int | None = None
+    peak: int = 0
 
     @property
     def calls_served(self) -> int:
@@ -162,6 +171,7 @@ class ProgramTable:
         self._per_call = DecayedRatio()  # output tokens per call, every program's
         self._lengths: deque[int] = deque(maxlen=LENGTHS_KEPT)  # ended programs' calls
         self._calls_left: dict[int, float] = {}  # calls_left by calls served, until one ends
+        self._footprint = DecayedRatio()  # ended programs' own KV at their peak, in tokens
 
     def get(self, req: Req) -> Program | None:
         pid = program_of(req)
@@ -212,6 +222,7 @@ class ProgramTable:
             self._per_call.add(output)
         if p.in_flight == 0:
             p.idle_since = self.clock()
+        p.peak = max(p.peak, req.seq_len)
         # What was computed of it (an aborted request's prompt may not have been), never the
         # last sample (whose KV only a step run ahead computes).
         done = min(req.program_seen, req.seq_len - 1)
@@ -321,6 +332,39 @@ class ProgramTable:
         if p.calls:
             self._lengths.append(p.calls)
             self._calls_left.clear()
+        if p.first_cached is not None and p.peak > p.first_cached:
+            self._footprint.add(p.peak - p.first_cached)
+
+    def admitted(self, req: Req, cached: int) -> None:
+        """`req` was admitted with `cached` tokens of its prompt from the cache: its program's
+        first admission starts it (what it found cached then is not its own KV)."""
+        p = self.get(req)
+        if p is not None and p.first_cached is None:
+            p.first_cached = cached
+
+    def starts(self, req: Req) -> bool:
+        """Whether admitting `req` would start its program (a program known here, none of
+        whose requests has been admitted yet)."""
+        p = self.get(req)
+        return p is not None and p.first_cached is None
+
+    def under_way(self, pinned: Collection[str]) -> int:
+        """Programs started and not done: with requests in flight (running, or a next call
+        waiting) or holding pins (`pinned`: the programs that do)."""
+        return sum(
+            1
+            for pid, p in self._programs.items()
+            if p.first_cached is not None and (p.in_flight or pid in pinned)
+        )
+
+    def program_cap(self, capacity_tokens: int) -> int | None:
+        """How many programs may be under way at once in a pool of `capacity_tokens`: as many
+        as fill PROGRAM_SHARE of it at the recently ended programs' mean KV at their peak (past
+        what they found cached when they started); None before a program has ended."""
+        footprint = self._footprint.value
+        if footprint is None or footprint <= 0:
+            return None
+        return max(1, int(PROGRAM_SHARE * capacity_tokens / footprint))
 
     def expire(self) -> int:
         """Forget programs idle for `idle_s`; how many."""
