@@ -231,7 +231,7 @@ def agent_traffic(
         row = measure(model, kv_tokens, "lpm", workload(n, rate, seed, mix), False, **engine)
         row["rate"] = rate
         sweep.append(row)
-        print(f"agents: lpm at {rate}/s: {row}", flush=True)
+        print(f"agents: lpm at {rate}/s: {_brief(row)}", flush=True)
         if row["p99_s"] > 4 * unloaded_p99:
             chosen = rate
             break
@@ -245,7 +245,7 @@ def agent_traffic(
             else:
                 row = measure(model, kv_tokens, policy, programs, pins, **engine)
             runs[name].append(row)
-            print(f"agents: {name} at {chosen}/s (round {round_ + 1}): {row}", flush=True)
+            print(f"agents: {name} at {chosen}/s (round {round_ + 1}): {_brief(row)}", flush=True)
     rows = {name: _median_row(rs) for name, rs in runs.items()}
     lpm_p50 = rows["lpm"]["p50_s"]
     for name, row in rows.items():
@@ -267,6 +267,11 @@ def agent_traffic(
         "setups": rows,
         "repeats": repeats,
     }
+
+
+def _brief(row: dict) -> dict:
+    """A row for the log: without each program's completion time."""
+    return {k: v for k, v in row.items() if k != "completion_s"}
 
 
 def _median_row(rows: list[dict]) -> dict:
