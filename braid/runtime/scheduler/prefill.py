@@ -20,10 +20,11 @@ when nothing else would free the room, kept pins give way too, after the others.
 
 Program admission (program-srpt while programs hold pins): a request that would start a
 program waits while as many programs are under way as the pool holds at their peak
-(`ProgramTable.program_cap`, from the ended programs' KV), unless nothing else runs; the
-calls of programs under way are admitted as before. More programs under way than the pool
-holds only push each other's contexts out, to be computed again when they come back (on the
-CPU's agent traffic, at 64 rows, lpm computed twice the prefill it did at 8).
+(`ProgramTable.program_cap`, from the ended programs' KV), unless nothing else runs or
+srpt's aging has put its key below 0; the calls of programs under way are admitted as
+before. More programs under way than the pool holds only push each other's contexts out, to
+be computed again when they come back (on the CPU's agent traffic, at 64 rows, lpm computed
+twice the prefill it did at 8).
 
 With `mix_decode` (EngineConfig.enable_mixed_chunk, as SGLang's mixed chunks), an extend that
 has prefill work also carries one decode row per running request (its last sampled token, at
