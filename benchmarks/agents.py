@@ -31,6 +31,7 @@ import argparse
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -328,9 +329,18 @@ def main() -> None:
     engine = {} if args.max_running is None else {"max_running_requests": args.max_running}
     rates = [float(r) for r in args.rates.split(",")]
     names = tuple(args.setups.split(","))
-    if args.gpu_config is None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model, device = args.model, "cpu"
+        if args.gpu_config is not None:
+            import torch
+            from structured_gpu import embedded_tokenizer_dir, model_dir
+
+            tokenizer = args.tokenizer or embedded_tokenizer_dir()
+            model = str(model_dir(args.gpu_config, tokenizer, Path(tmp) / "m"))
+            engine |= {"load_format": "dummy", "dtype": "bfloat16"}
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         res = agent_traffic(
-            args.model,
+            model,
             args.programs,
             rates,
             args.kv_tokens,
@@ -339,31 +349,9 @@ def main() -> None:
             repeats=args.repeats,
             **engine,
         )
-        write_result("agents", "cpu", args.out, res)
-    else:
-        import tempfile
-
-        from structured_gpu import embedded_tokenizer_dir, model_dir
-
-        tokenizer = args.tokenizer or embedded_tokenizer_dir()
-        with tempfile.TemporaryDirectory() as tmp:
-            model = str(model_dir(args.gpu_config, tokenizer, Path(tmp) / "m"))
-            res = agent_traffic(
-                model,
-                args.programs,
-                rates,
-                args.kv_tokens,
-                mix=args.mix,
-                setups=names,
-                repeats=args.repeats,
-                load_format="dummy",
-                dtype="bfloat16",
-                **engine,
-            )
+    if args.gpu_config is not None:
         res["config"] = args.gpu_config
-        import torch
-
-        write_result("agents", "cuda" if torch.cuda.is_available() else "cpu", args.out, res)
+    write_result("agents", device, args.out, res)
     for name, row in res["setups"].items():
         print(
             f"{name:>13}: p50 {row['p50_s']:.2f} s  p99 {row['p99_s']:.2f} s  "

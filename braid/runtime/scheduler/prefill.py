@@ -197,10 +197,9 @@ class PrefillPlanner:
                 if match is not None:
                     self.kv.cache.unlock(match.node)
                 break
-            if gate is not None and self.reqs.programs.starts(req):
+            started = self.reqs.programs is not None and self.reqs.programs.admitted(req, start)
+            if gate is not None and started:
                 gate[0] += 1  # one more program under way
-            if self.reqs.programs is not None:
-                self.reqs.programs.admitted(req, start)
             self.kv.admit(req, match.node if match else None, prefix_pages)
             self.kv.grow(req, grow)
             self.reqs.move(req, ReqStatus.PREFILLING)

@@ -335,12 +335,14 @@ class ProgramTable:
         if p.first_cached is not None and p.peak > p.first_cached:
             self._footprint.add(p.peak - p.first_cached)
 
-    def admitted(self, req: Req, cached: int) -> None:
+    def admitted(self, req: Req, cached: int) -> bool:
         """`req` was admitted with `cached` tokens of its prompt from the cache: its program's
-        first admission starts it (what it found cached then is not its own KV)."""
-        p = self.get(req)
-        if p is not None and p.first_cached is None:
-            p.first_cached = cached
+        first admission starts it (what it found cached then is not its own KV). Whether it
+        did."""
+        if not self.starts(req):
+            return False
+        self.get(req).first_cached = cached
+        return True
 
     def starts(self, req: Req) -> bool:
         """Whether admitting `req` would start its program (a program known here, none of
