@@ -5,6 +5,8 @@ OpenAI APIs (accepted / rejected prediction tokens), and /metrics."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -76,7 +78,15 @@ def test_openai_usage_and_metrics_count_the_drafts(spec_server):
     assert details.accepted_prediction_tokens > 0
     assert details.rejected_prediction_tokens >= 0
     wait_idle(spec_server.url)
-    metrics = httpx.get(spec_server.url + "/metrics").text
-    accepted = [line for line in metrics.splitlines() if line.startswith("braid_spec_accepted")]
-    assert accepted and float(accepted[0].split()[-1]) >= details.accepted_prediction_tokens
+    # /metrics reads the scheduler's latest heartbeat, which may predate the last step's count.
+    deadline = time.monotonic() + 10.0
+    while True:
+        metrics = httpx.get(spec_server.url + "/metrics").text
+        lines = metrics.splitlines()
+        accepted = [line for line in lines if line.startswith("braid_spec_accepted")]
+        counted = float(accepted[0].split()[-1]) if accepted else 0.0
+        if counted >= details.accepted_prediction_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert accepted and counted >= details.accepted_prediction_tokens
     assert "braid_spec_accept_length" in metrics
