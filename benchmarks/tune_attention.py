@@ -41,11 +41,14 @@ from braid.runtime.attention.triton_backend import kv_splits_for_batch  # noqa: 
 CASES = [(1, 4096), (32, 4096), (256, 640), (1024, 640)]
 CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 # An fp8 block of keys is half the bytes: longer blocks too; and each converted to q's dtype
-# (0) or to float16 (1: one instruction per pair of e4m3 values). (Float32 products on the CUDA
-# cores, the group of 4 query heads not padded to tl.dot's 16 rows, ran 5-9x slower than the
-# best at every case on the H200: docs/benchmarks.md.)
+# (0), to float16 (1: one instruction per pair of e4m3 values), or to float16 from 32-bit words
+# before the dot's layout change (2), and with the scores transposed (3). (Float32 products on
+# the CUDA cores, the group of 4 query heads not padded to tl.dot's 16 rows, ran 5-9x slower
+# than the best at every case on the H200: docs/benchmarks.md.)
 FP8_CONFIGS = [
-    (*c, f16) for c in CONFIGS + list(itertools.product((256,), (4, 8), (2, 3))) for f16 in (0, 1)
+    (*c, mode)
+    for c in CONFIGS + list(itertools.product((256,), (4, 8), (2, 3)))
+    for mode in (0, 1, 2, 3)
 ]
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": KV_FP8_DTYPE}
 
@@ -69,7 +72,9 @@ def time_us(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / repeats
 
 
-def tune_case(bs: int, seq: int, copy_bytes_per_s: float, kv_dtype: torch.dtype) -> dict:
+def tune_case(
+    bs: int, seq: int, copy_bytes_per_s: float, kv_dtype: torch.dtype, only: list | None = None
+) -> dict:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     heads, kv_heads, dim = 32, 8, 128
     k = torch.randn(bs * seq + 1, kv_heads, dim, device=dev, dtype=dtype).to(kv_dtype)
@@ -90,17 +95,17 @@ def tune_case(bs: int, seq: int, copy_bytes_per_s: float, kv_dtype: torch.dtype)
 
     results = {}
     fp8 = kv_dtype == KV_FP8_DTYPE
-    configs = FP8_CONFIGS if fp8 else CONFIGS
-    for cfg in configs:
+    default = _stage1_config(dim) + ((0,) if fp8 else ())
+    used = tuple(launch_config(dim, kv_dtype, dev, dtype))  # the tuned entry if there is one
+    if fp8 and len(used) == 3:
+        used += (0,)
+    configs = only or (FP8_CONFIGS if fp8 else CONFIGS)
+    for cfg in dict.fromkeys([default, used, *configs]):
         try:
             results[cfg] = time_us(lambda cfg=cfg: launch(cfg))
         except Exception as e:  # a config the compiler rejects (shared memory): skip it
             print(f"bs {bs} seq {seq} {cfg}: {type(e).__name__}")
     best = min(results, key=results.get)
-    default = _stage1_config(dim) + ((0,) if fp8 else ())
-    used = tuple(launch_config(dim, kv_dtype, dev, dtype))  # the tuned entry if there is one
-    if fp8 and len(used) == 3:
-        used += (0,)
     print(
         f"bs {bs:5d} seq {seq:5d} splits {splits:2d}: built-in {default} "
         f"{results[default]:8.1f} us ({bound_us / results[default]:.0%} of read bound), "
@@ -128,15 +133,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="bfloat16")
     ap.add_argument("--write-config", action="store_true", help="record the best overall")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="only these configs (and the built-in and in-use ones), e.g. '128,4,4,1;128,4,4,2'",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    only = None
+    if args.configs:
+        only = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
     if not torch.cuda.is_available():
         sys.exit("benchmarks/tune_attention.py: needs a CUDA device")
     kv_dtype = KV_DTYPES[args.kv_dtype]
     copy = copy_bandwidth("cuda")
     rows = []
     for bs, seq in CASES:
-        rows.append(tune_case(bs, seq, copy["bytes_per_s"], kv_dtype))
+        rows.append(tune_case(bs, seq, copy["bytes_per_s"], kv_dtype, only))
         torch.cuda.empty_cache()
     # The config closest to each case's best over all cases (sum of time / case best).
     common = set.intersection(*(set(r["all"]) for r in rows))

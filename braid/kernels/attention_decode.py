@@ -46,6 +46,57 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _fp8_words_as_f16(
+    Cache,
+    loc,
+    stride_s,
+    head_off,
+    mask_n,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """A [BLOCK_N, BLOCK_D] block of an e4m3 cache as float16 (exact), read as 32-bit words
+    (four codes each) and converted in registers before `tl.dot`'s layout change, so the dot
+    operand goes through shared memory as float16 (ldmatrix) rather than as bytes read one
+    small load at a time. `PTX`: two cvt.rn.f16x2.e4m3x2 per word; else (the interpreter) the
+    same values through Triton's own conversion."""
+    words = tl.load(
+        Cache.to(tl.pointer_type(tl.int32))
+        + loc[:, None] * (stride_s // 4)
+        + head_off // 4
+        + tl.arange(0, BLOCK_D // 4)[None, :],
+        mask=mask_n[:, None],
+        other=0,
+    )
+    if PTX:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 r0, r1; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 r0, lo; cvt.rn.f16x2.e4m3x2 r1, hi; "
+            "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
+            "=h,=h,=h,=h,r",
+            [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        b0 = _fp8_byte(words, 0)
+        b1 = _fp8_byte(words, 8)
+        b2 = _fp8_byte(words, 16)
+        b3 = _fp8_byte(words, 24)
+    # Byte i of word w is element 4w + i: join puts (b0, b2) and (b1, b3) side by side, then
+    # each pair again, so the last axis reads b0 b1 b2 b3.
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
+def _fp8_byte(words, SHIFT: tl.constexpr):
+    code = ((words >> SHIFT) & 0xFF).to(tl.uint8)
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def _decode_stage1(
     Q,
     KCache,
@@ -85,6 +136,9 @@ def _decode_stage1(
     DOT_PREC: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -113,7 +167,10 @@ def _decode_stage1(
     )
     m_i = tl.full([BLOCK_H], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if TRANSPOSED:  # acc is out's transpose: keys are the dots' rows
+        acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = ReqToToken + row * stride_rt
     if HAS_TAIL:
         prefix = tl.load(Prefix + b).to(tl.int32)
@@ -128,35 +185,62 @@ def _decode_stage1(
             loc = tl.where(in_table, from_table, from_tail).to(tl.int64)
         else:
             loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            KCache + loc[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if FP8_AS_F16:
-            k = k.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
-        elif KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            VCache + loc[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if FP8_AS_F16:
-            v = v.to(tl.float16)
-        elif KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if FP8_WORDS:
+            k = _fp8_words_as_f16(
+                KCache, loc, stride_ks, kvh * stride_kh, mask_n, BLOCK_N, BLOCK_D, PTX
+            )
+        else:
+            k = tl.load(
+                KCache + loc[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            if FP8_AS_F16:
+                k = k.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
+            elif KV_FP8:
+                k = k.to(q.dtype)
+        if TRANSPOSED:
+            # Scores as [keys, heads]: the key block is the dot's left operand (its M of 64 or
+            # more rows takes the Hopper warp-group instruction), q's block the right one.
+            s = tl.dot(k, tl.trans(q.to(k.dtype)), input_precision=DOT_PREC) * scale_log2
+            s = tl.where(mask_n[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8_WORDS:
+            v = _fp8_words_as_f16(
+                VCache, loc, stride_vs, kvh * stride_vh, mask_n, BLOCK_N, BLOCK_D, PTX
+            )
+        else:
+            v = tl.load(
+                VCache + loc[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            if FP8_AS_F16:
+                v = v.to(tl.float16)
+            elif KV_FP8:
+                v = v.to(q.dtype)
+        if TRANSPOSED:
+            pv = tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PREC)
+            acc = acc * alpha[None, :] + pv
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if TRANSPOSED:
+        out = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
+    else:
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
     if KV_FP8:
         out = out * v_scale
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -220,7 +304,7 @@ def _stage1_config(block_d: int) -> tuple[int, int, int]:
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "decode_attention.json"
 
 
-_FOURTH_FIELDS = ([], [0], [1])  # a tuned entry's optional as_f16
+_FOURTH_FIELDS = ([], [0], [1], [2], [3])  # a tuned entry's optional fp8 conversion
 
 
 @functools.cache
@@ -234,8 +318,8 @@ def _tuned(device_name: str, key: str) -> tuple[int, ...] | None:
     if not ok or fields[0] < 16 or fields[3:] not in _FOURTH_FIELDS:
         raise ValueError(
             f"tuned kernel configurations {TUNED_CONFIGS}: {key}: expected [BLOCK_N (a power "
-            f"of two >= 16), num_warps (a power of two), num_stages] and, for an fp8 cache, 0 "
-            f"or 1 (converted to float16), got {fields!r}"
+            f"of two >= 16), num_warps (a power of two), num_stages] and, for an fp8 cache, 0, "
+            f"1 (converted to float16), 2 (read as words) or 3 (and transposed), got {fields!r}"
         )
     return tuple(fields)
 
@@ -297,7 +381,9 @@ def decode_attention(
     `as_f16` 1 converts an fp8 cache's values to float16 for a 16-bit q's dot products (exact
     for e4m3, and one instruction per pair) instead of to q's dtype; q then goes to float16
     too, which holds a bfloat16 q only within |q| < 65504 (a larger query becomes inf and its
-    head's output NaN; attention queries stay far below it). The launch never
+    head's output NaN; attention queries stay far below it); 2 does the same from 32-bit
+    words of four codes, and 3 also computes the scores transposed, [keys, heads], so the key
+    block is the left operand (fewer instructions per key on an H200). The launch never
     synchronises with the host. Returns the output.
 
     `tree_prefix` (int32/int64 [batch]) and `tree_tail` (int32/int64 [batch, depth], unit
@@ -357,8 +443,14 @@ def decode_attention(
     config = stage1_config or launch_config(head_dim, k_cache.dtype, device, q.dtype)
     block_n, warps, stages = config[:3]
     # An fp8 cache's keys and values go to the dot products as float16 where asked (a 4th
-    # config field of 1) and q is 16-bit: exact, and fewer conversions than to bfloat16.
-    as_f16 = fp8 and len(config) > 3 and bool(config[3]) and q.dtype != torch.float32
+    # config field of 1, 2 or 3) and q is 16-bit: exact, and fewer conversions than to
+    # bfloat16. 2 and 3 read them as 32-bit words, converted before the layout change
+    # (`_fp8_words_as_f16`), where whole words make up a head (else as 1); 3 transposes the
+    # scores (measured: docs/benchmarks.md, "The fp8 cache's decode kernel in words").
+    mode = config[3] if fp8 and len(config) > 3 and q.dtype != torch.float32 else 0
+    words = mode >= 2 and head_dim == block_d and k_cache.stride(1) % 4 == 0
+    words = words and v_cache.stride(1) % 4 == 0
+    words = words and k_cache.stride(0) % 4 == 0 and v_cache.stride(0) % 4 == 0
     block_h = max(16, min(64, next_pow2(group)))  # tl.dot's least rows: a group pads to 16
     h_blocks = triton.cdiv(group, block_h)
     _decode_stage1[(batch, kv_heads * h_blocks, num_kv_splits)](
@@ -399,7 +491,10 @@ def decode_attention(
         HAS_TAIL=has_tail,
         DOT_PREC=dot_precision(q.dtype),
         KV_FP8=fp8,
-        FP8_AS_F16=as_f16,
+        FP8_AS_F16=mode > 0,
+        FP8_WORDS=words,
+        TRANSPOSED=mode == 3,
+        PTX=not triton.knobs.runtime.interpret,
         num_warps=warps,
         num_stages=stages,
     )
