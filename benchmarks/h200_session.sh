@@ -16,8 +16,8 @@
 #          scores, [keys, heads], so the key block is the dot's left operand: 716 instructions a
 #          key on sm_90, warp-group MMAs, no q fragments copied between registers): the sweep
 #          over modes 2 and 3, the fp8 GPU attention tests, offline fp8 + fp8 KV and bf16 with
-#          graphs to 1024 rows
-#   part 3: offline bf16 and fp8 + fp8 KV again, graphs to 1024 rows and at the default 256
+#          graphs to 1024 rows (the new default), then bf16 and fp8 + fp8 KV with graphs to 256
+#   part 3: offline bf16 and fp8 + fp8 KV again, graphs to 1024 rows and to 256
 set -u
 part=${1:?part 1 to 3}
 source "$(dirname "$0")/step.sh"
@@ -55,6 +55,10 @@ if [ "$part" = 2 ]; then
     TAIL=5 step 110 offline_fp8kv_g1024 off "${fp8kv[@]}" "${g1024[@]}" \
         --out "$OUT/r/offline_fp8kv_t_g1024_cuda.json"
     TAIL=5 step 110 offline_bf16_g1024 off "${g1024[@]}" --out "$OUT/r/offline_bf16_g1024_p2_cuda.json"
+    g256=(--engine-arg cuda_graph_max_bs=256)
+    TAIL=5 step 100 offline_bf16_g256 off "${g256[@]}" --out "$OUT/r/offline_bf16_g256_p2_cuda.json"
+    TAIL=5 step 100 offline_fp8kv_g256 off "${fp8kv[@]}" "${g256[@]}" \
+        --out "$OUT/r/offline_fp8kv_t_g256_p2_cuda.json"
     kill "$smi"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi
@@ -64,8 +68,10 @@ if [ "$part" = 3 ]; then
     TAIL=5 step 110 offline_bf16_g1024 off "${g1024[@]}" --out "$OUT/r/offline_bf16_g1024_p3_cuda.json"
     TAIL=5 step 110 offline_fp8kv_g1024 off "${fp8kv[@]}" "${g1024[@]}" \
         --out "$OUT/r/offline_fp8kv_g1024_p3_cuda.json"
-    TAIL=5 step 100 offline_fp8kv off "${fp8kv[@]}" --out "$OUT/r/offline_fp8kv_p3_cuda.json"
-    TAIL=5 step 100 offline_bf16 off --out "$OUT/r/offline_bf16_p3_cuda.json"
+    g256=(--engine-arg cuda_graph_max_bs=256)
+    TAIL=5 step 100 offline_fp8kv_g256 off "${fp8kv[@]}" "${g256[@]}" \
+        --out "$OUT/r/offline_fp8kv_g256_p3_cuda.json"
+    TAIL=5 step 100 offline_bf16_g256 off "${g256[@]}" --out "$OUT/r/offline_bf16_g256_p3_cuda.json"
     kill "$smi"
     (cd "$OUT" && tar czf logs.tgz ./*.log r)
 fi

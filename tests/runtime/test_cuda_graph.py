@@ -54,7 +54,12 @@ def test_attention_backend_and_cuda_graphs_default_by_device():
     assert not EngineConfig(device="cuda", disable_cuda_graph=True).use_cuda_graph
     # The triton backend on CPU (interpreter, for tests) never captures graphs.
     assert not EngineConfig(device="cpu", attention_backend="triton").use_cuda_graph
-    assert cuda.cuda_graph_max_bs == 256
+    # Unset: graphs to 1024 rows, 256 with flashinfer's per-size buffers; a set value wins.
+    assert cuda.cuda_graph_max_bs is None and cuda.effective_cuda_graph_max_bs == 1024
+    fi = EngineConfig(device="cuda")  # flashinfer is not installed here: set past validation
+    object.__setattr__(fi, "decode_attention_backend", "flashinfer")
+    assert fi.effective_cuda_graph_max_bs == 256
+    assert EngineConfig(device="cuda", cuda_graph_max_bs=48).effective_cuda_graph_max_bs == 48
 
 
 @pytest.mark.parametrize(

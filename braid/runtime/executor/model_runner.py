@@ -173,7 +173,7 @@ class ModelRunner:
         rows = self.max_running_requests
         if config.speculative_algorithm is not None:
             rows *= 1 + max(config.speculative_steps, config.speculative_tree_nodes)
-        graph_bs = min(config.cuda_graph_max_bs, rows)
+        graph_bs = min(config.effective_cuda_graph_max_bs, rows)
         logger.info(
             "%sKV cache: %d tokens of %s (%.2f GB, page size %d) on %s, sized by %s; "
             "weights %.2f GB; "

@@ -83,7 +83,7 @@ class DraftModelProposer(Proposer):
             mem_fraction_static=None,
             max_running_requests=target.max_running_requests,
             context_length=None,
-            cuda_graph_max_bs=min(config.cuda_graph_max_bs, target.max_running_requests),
+            cuda_graph_max_bs=min(config.effective_cuda_graph_max_bs, target.max_running_requests),
         )
         try:
             runner = ModelRunner(
