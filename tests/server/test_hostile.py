@@ -198,7 +198,7 @@ def test_a_stopped_scheduler_shows_in_health_not_in_metrics(server):
 def test_a_rid_is_free_again_the_moment_its_client_leaves(server):
     # The abandoned sample's late outputs carry its own wire id: the new request with the same
     # rid gets only its own tokens.
-    body = {"text": "Tell me a story", "rid": "again", "sampling_params": {"max_new_tokens": 300}}
+    body = {"text": "Tell me a story", "rid": "again", "sampling_params": {"max_new_tokens": 4000}}
     body["sampling_params"]["ignore_eos"] = True
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + G, json=body, timeout=1.5)
