@@ -125,8 +125,9 @@ def test_heavy_inputs_do_not_block_the_event_loop(server):
 
 
 def test_a_client_that_leaves_aborts_its_request(server):
-    # 300 tokens take ~17 s on CPU; the client gives up after 1.5 s and the server stops too.
-    body = {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True}
+    # 4000 tokens take far longer than 1.5 s on any CPU (300 did not always, on a fast one);
+    # the client gives up after 1.5 s and the server stops too.
+    body = {"prompt": "Tell me a story", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + C, json=body, timeout=1.5)
     stats = wait_idle(server.url, timeout=5)
