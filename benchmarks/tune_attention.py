@@ -42,13 +42,13 @@ CASES = [(1, 4096), (32, 4096), (256, 640), (1024, 640)]
 CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 # An fp8 block of keys is half the bytes: longer blocks too; and each converted to q's dtype
 # (0), to float16 (1: one instruction per pair of e4m3 values), or to float16 from 32-bit words
-# before the dot's layout change (2), and with the scores transposed (3). (Float32 products on
-# the CUDA cores, the group of 4 query heads not padded to tl.dot's 16 rows, ran 5-9x slower
-# than the best at every case on the H200: docs/benchmarks.md.)
+# before the dot's layout change (2). (Float32 products on the CUDA cores, the group of 4 query
+# heads not padded to tl.dot's 16 rows, ran 5-9x slower than the best at every case on the
+# H200; the scores transposed, [keys, heads], 10-13% slower than mode 2: docs/benchmarks.md.)
 FP8_CONFIGS = [
     (*c, mode)
     for c in CONFIGS + list(itertools.product((256,), (4, 8), (2, 3)))
-    for mode in (0, 1, 2, 3)
+    for mode in (0, 1, 2)
 ]
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": KV_FP8_DTYPE}
 

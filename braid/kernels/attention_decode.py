@@ -137,7 +137,6 @@ def _decode_stage1(
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
     FP8_WORDS: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
     PTX: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -167,10 +166,7 @@ def _decode_stage1(
     )
     m_i = tl.full([BLOCK_H], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if TRANSPOSED:  # acc is out's transpose: keys are the dots' rows
-        acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = ReqToToken + row * stride_rt
     if HAS_TAIL:
         prefix = tl.load(Prefix + b).to(tl.int32)
@@ -199,22 +195,12 @@ def _decode_stage1(
                 k = k.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
             elif KV_FP8:
                 k = k.to(q.dtype)
-        if TRANSPOSED:
-            # Scores as [keys, heads]: the key block is the dot's left operand (its M of 64 or
-            # more rows takes the Hopper warp-group instruction), q's block the right one.
-            s = tl.dot(k, tl.trans(q.to(k.dtype)), input_precision=DOT_PREC) * scale_log2
-            s = tl.where(mask_n[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         if FP8_WORDS:
             v = _fp8_words_as_f16(
                 VCache, loc, stride_vs, kvh * stride_vh, mask_n, BLOCK_N, BLOCK_D, PTX
@@ -229,18 +215,11 @@ def _decode_stage1(
                 v = v.to(tl.float16)
             elif KV_FP8:
                 v = v.to(q.dtype)
-        if TRANSPOSED:
-            pv = tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PREC)
-            acc = acc * alpha[None, :] + pv
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
-    if TRANSPOSED:
-        out = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
-    else:
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
     if KV_FP8:
         out = out * v_scale
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -304,7 +283,7 @@ def _stage1_config(block_d: int) -> tuple[int, int, int]:
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "decode_attention.json"
 
 
-_FOURTH_FIELDS = ([], [0], [1], [2], [3])  # a tuned entry's optional fp8 conversion
+_FOURTH_FIELDS = ([], [0], [1], [2])  # a tuned entry's optional fp8 conversion
 
 
 @functools.cache
@@ -319,7 +298,7 @@ def _tuned(device_name: str, key: str) -> tuple[int, ...] | None:
         raise ValueError(
             f"tuned kernel configurations {TUNED_CONFIGS}: {key}: expected [BLOCK_N (a power "
             f"of two >= 16), num_warps (a power of two), num_stages] and, for an fp8 cache, 0, "
-            f"1 (converted to float16), 2 (read as words) or 3 (and transposed), got {fields!r}"
+            f"1 (converted to float16) or 2 (read as words), got {fields!r}"
         )
     return tuple(fields)
 
@@ -382,8 +361,7 @@ def decode_attention(
     for e4m3, and one instruction per pair) instead of to q's dtype; q then goes to float16
     too, which holds a bfloat16 q only within |q| < 65504 (a larger query becomes inf and its
     head's output NaN; attention queries stay far below it); 2 does the same from 32-bit
-    words of four codes, and 3 also computes the scores transposed, [keys, heads], so the key
-    block is the left operand (fewer instructions per key on an H200). The launch never
+    words of four codes (fewer instructions per key, faster on an H200). The launch never
     synchronises with the host. Returns the output.
 
     `tree_prefix` (int32/int64 [batch]) and `tree_tail` (int32/int64 [batch, depth], unit
@@ -443,12 +421,14 @@ def decode_attention(
     config = stage1_config or launch_config(head_dim, k_cache.dtype, device, q.dtype)
     block_n, warps, stages = config[:3]
     # An fp8 cache's keys and values go to the dot products as float16 where asked (a 4th
-    # config field of 1, 2 or 3) and q is 16-bit: exact, and fewer conversions than to
-    # bfloat16. 2 and 3 read them as 32-bit words, converted before the layout change
-    # (`_fp8_words_as_f16`), where whole words make up a head (else as 1); 3 transposes the
-    # scores (measured: docs/benchmarks.md, "The fp8 cache's decode kernel in words").
+    # config field of 1 or 2) and q is 16-bit: exact, and fewer conversions than to bfloat16.
+    # 2 reads them as 32-bit words, converted before the layout change (`_fp8_words_as_f16`),
+    # where whole words make up a head, else as 1 (measured: docs/benchmarks.md, "The fp8
+    # cache's decode kernel in words").
+    if len(config) > 3 and config[3] not in (0, 1, 2):
+        raise ValueError(f"stage1_config's 4th field must be 0, 1 or 2, got {config[3]!r}")
     mode = config[3] if fp8 and len(config) > 3 and q.dtype != torch.float32 else 0
-    words = mode >= 2 and head_dim == block_d and k_cache.stride(1) % 4 == 0
+    words = mode == 2 and head_dim == block_d and k_cache.stride(1) % 4 == 0
     words = words and v_cache.stride(1) % 4 == 0
     words = words and k_cache.stride(0) % 4 == 0 and v_cache.stride(0) % 4 == 0
     block_h = max(16, min(64, next_pow2(group)))  # tl.dot's least rows: a group pads to 16
@@ -493,7 +473,6 @@ def decode_attention(
         KV_FP8=fp8,
         FP8_AS_F16=mode > 0,
         FP8_WORDS=words,
-        TRANSPOSED=mode == 3,
         PTX=not triton.knobs.runtime.interpret,
         num_warps=warps,
         num_stages=stages,
