@@ -97,6 +97,39 @@ def _fp8_byte(words, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _kv_block(
+    Cache,
+    loc,
+    stride_s,
+    head_off,
+    offs_d,
+    mask_n,
+    mask_d,
+    q_dtype: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
+    FP8_WORDS: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The keys or values of slots `loc` for one KV head, as the dot products take them: an
+    fp8 cache's codes as float16 (`FP8_AS_F16`; from words with `FP8_WORDS`) or q's dtype."""
+    if FP8_WORDS:
+        return _fp8_words_as_f16(Cache, loc, stride_s, head_off, mask_n, BLOCK_N, BLOCK_D, PTX)
+    x = tl.load(
+        Cache + loc[:, None] * stride_s + head_off + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if FP8_AS_F16:
+        x = x.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
+    elif KV_FP8:
+        x = x.to(q_dtype)
+    return x
+
+
+@triton.jit
 def _decode_stage1(
     Q,
     KCache,
@@ -181,40 +214,20 @@ def _decode_stage1(
             loc = tl.where(in_table, from_table, from_tail).to(tl.int64)
         else:
             loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        if FP8_WORDS:
-            k = _fp8_words_as_f16(
-                KCache, loc, stride_ks, kvh * stride_kh, mask_n, BLOCK_N, BLOCK_D, PTX
-            )
-        else:
-            k = tl.load(
-                KCache + loc[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if FP8_AS_F16:
-                k = k.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
-            elif KV_FP8:
-                k = k.to(q.dtype)
+        k = _kv_block(
+            KCache, loc, stride_ks, kvh * stride_kh, offs_d, mask_n, mask_d, q.dtype,
+            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX,
+        )  # fmt: skip
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8_WORDS:
-            v = _fp8_words_as_f16(
-                VCache, loc, stride_vs, kvh * stride_vh, mask_n, BLOCK_N, BLOCK_D, PTX
-            )
-        else:
-            v = tl.load(
-                VCache + loc[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if FP8_AS_F16:
-                v = v.to(tl.float16)
-            elif KV_FP8:
-                v = v.to(q.dtype)
+        v = _kv_block(
+            VCache, loc, stride_vs, kvh * stride_vh, offs_d, mask_n, mask_d, q.dtype,
+            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX,
+        )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -283,7 +296,10 @@ def _stage1_config(block_d: int) -> tuple[int, int, int]:
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "decode_attention.json"
 
 
-_FOURTH_FIELDS = ([], [0], [1], [2])  # a tuned entry's optional fp8 conversion
+# An fp8 cache's conversion (a config's optional 4th field): to q's dtype, to float16, or to
+# float16 from 32-bit words.
+_FP8_MODES = (0, 1, 2)
+_FOURTH_FIELDS = ([], *([m] for m in _FP8_MODES))  # a tuned entry's optional fp8 mode
 
 
 @functools.cache
@@ -425,12 +441,11 @@ def decode_attention(
     # 2 reads them as 32-bit words, converted before the layout change (`_fp8_words_as_f16`),
     # where whole words make up a head, else as 1 (measured: docs/benchmarks.md, "The fp8
     # cache's decode kernel in words").
-    if len(config) > 3 and config[3] not in (0, 1, 2):
+    if len(config) > 3 and config[3] not in _FP8_MODES:
         raise ValueError(f"stage1_config's 4th field must be 0, 1 or 2, got {config[3]!r}")
     mode = config[3] if fp8 and len(config) > 3 and q.dtype != torch.float32 else 0
-    words = mode == 2 and head_dim == block_d and k_cache.stride(1) % 4 == 0
-    words = words and v_cache.stride(1) % 4 == 0
-    words = words and k_cache.stride(0) % 4 == 0 and v_cache.stride(0) % 4 == 0
+    words = mode == 2 and head_dim == block_d
+    words = words and all(c.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1))
     block_h = max(16, min(64, next_pow2(group)))  # tl.dot's least rows: a group pads to 16
     h_blocks = triton.cdiv(group, block_h)
     _decode_stage1[(batch, kv_heads * h_blocks, num_kv_splits)](
