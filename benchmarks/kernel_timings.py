@@ -53,6 +53,7 @@ KERNELS = (
     "silu_and_mul",
     "apply_token_bitmask_",
     "skinny_linear",
+    "int4_gemv",
 )
 
 # Llama-3.1-8B (benchmarks/configs/llama-3.1-8b).
@@ -558,6 +559,94 @@ def bench_skinny_linear(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
     return rows
 
 
+def bench_int4_gemv(sz: Sizes, t: Timer, dtype, device) -> list[Row]:
+    """One-row int4 GEMVs (group 128, cold weights) at each projection: the packed form against
+    the float32 form (each at its table configuration, `quant_gemv.config_for`, packed forced
+    for the first), and the packed form with the norm (residual add included) or the activation
+    fused in against the `rmsnorm` / `silu_and_mul` kernel followed by the packed GEMV."""
+    heads, kv_heads, d = sz.heads
+    # The smoke sizes' K must be whole 128-input blocks (the packed form's groups).
+    h, inter = sz.pick(sz.hidden, 128), sz.pick(sz.intermediate, 256)
+    cases = [
+        ("qkv_proj", (heads + 2 * kv_heads) * d, h, "norm"),
+        ("o_proj", h, h, None),
+        ("gate_up", 2 * inter, h, "norm"),
+        ("down_proj", h, inter, "silu_and_mul"),
+    ]
+    return [row for case in cases for row in _int4_case(*case, sz, t, dtype, device)]
+
+
+def _int4_case(name, n, k, prologue, sz: Sizes, t: Timer, dtype, device) -> list[Row]:
+    from dataclasses import replace
+
+    from braid.kernels import rmsnorm, silu_and_mul
+    from braid.kernels.int4_gemv import int4_gemv
+    from braid.kernels.quant_gemv import GemvWorkspace, config_for
+    from braid.kernels.quant_reference import pack_int4_meta
+
+    rows = []
+    group = 128
+    w_bytes = n * k // 2 + 4 * n * (k // group)
+    copies = max(1, math.ceil(sz.pick(COLD_WEIGHT_BYTES, 0) / w_bytes))
+    meta = pack_int4_meta(
+        torch.rand(k // group, n, device=device).half() / 64,
+        torch.randint(0, 16, (k // group, n), device=device).to(torch.uint8),
+    )
+    weights = [
+        torch.randint(-(2**31), 2**31 - 1, (n, -(-k // 128) * 16), dtype=torch.int32,
+                      device=device)
+        for _ in range(copies)
+    ]  # fmt: skip
+    cfg = config_for("int4", n, k, device)
+    packed_cfg, plain_cfg = replace(cfg, packed=True), replace(cfg, packed=False)
+    ws = GemvWorkspace(device, cfg.split_k * n, -(-n // cfg.block_n))
+
+    def gemv(x, q, c):
+        return int4_gemv(x, q, meta, group, config=c, workspace=ws)
+
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    packed, plain = partial(gemv, c=packed_cfg), partial(gemv, c=plain_cfg)
+    bytes_ = w_bytes + 2 * (k + n) * x.element_size()
+    rows.append(
+        Row("int4_gemv", f"{name} N={n} K={k} packed", t.eager(_rotating(packed, x, weights)),
+            t.graph(_rotating(packed, x, weights)), t.eager(_rotating(plain, x, weights)),
+            "the float32 form; speedup from graph times", bytes=bytes_,
+            torch_graph_us=t.graph(_rotating(plain, x, weights)))
+    )  # fmt: skip
+    if prologue is None:
+        return rows
+    if prologue == "norm":
+        residual, norm_weight = torch.randn_like(x), torch.randn(k, dtype=dtype, device=device)
+        new = torch.empty_like(x)
+        args = dict(norm_weight=norm_weight, eps=EPS, residual=residual, residual_out=new)
+
+        def fused(x, q, args=args):
+            return int4_gemv(x, q, meta, group, config=packed_cfg, workspace=ws, **args)
+
+        def unfused(x, q, norm_weight=norm_weight, residual=residual):
+            return packed(rmsnorm(x, norm_weight, EPS, residual)[0], q)
+
+        xin, what = x, "rmsnorm kernel (+residual) + the packed GEMV"
+    else:
+
+        def fused(x, q):
+            return int4_gemv(x, q, meta, group, activation=prologue, config=packed_cfg,
+                             workspace=ws)  # fmt: skip
+
+        def unfused(x, q):
+            return packed(silu_and_mul(x), q)
+
+        xin, what = torch.randn(1, 2 * k, dtype=dtype, device=device), "silu_and_mul + GEMV"
+    rows.append(
+        Row("int4_gemv", f"{name} N={n} K={k} {prologue} fused",
+            t.eager(_rotating(fused, xin, weights)), t.graph(_rotating(fused, xin, weights)),
+            t.eager(_rotating(unfused, xin, weights)), what + "; speedup from graph times",
+            bytes=bytes_, torch_graph_us=t.graph(_rotating(unfused, xin, weights)))
+    )  # fmt: skip
+    return rows
+    return rows
+
+
 BENCHES = {
     "store_kv": bench_store_kv,
     "decode_attention": bench_decode,
@@ -567,6 +656,7 @@ BENCHES = {
     "silu_and_mul": bench_silu_and_mul,
     "apply_token_bitmask_": bench_bitmask,
     "skinny_linear": bench_skinny_linear,
+    "int4_gemv": bench_int4_gemv,
 }
 
 

@@ -68,6 +68,23 @@ INT4_SWEEP = [
     (128, 256, 8, 2, 2),
     (64, 512, 8, 2, 2),
 ]
+# int4 in float16 pairs (GemvConfig.packed, `int4_gemv_f16x2`): 8 or 16 rows a thread (its
+# per-row scale and zero and per-column input scaling shared by more words), and K split
+# until the small layers have 128-256 programs.
+INT4_PACKED_SWEEP = [
+    (512, 128, 4, 4, 2),
+    (512, 128, 8, 4, 2),
+    (512, 128, 16, 4, 2),
+    (512, 128, 8, 4, 3),
+    (1024, 128, 8, 8, 2),
+    (256, 128, 8, 4, 3),
+    (256, 128, 16, 4, 2),
+    (256, 128, 32, 4, 2),
+    (256, 256, 4, 4, 2),
+    (256, 256, 8, 4, 2),
+    (128, 128, 16, 4, 2),
+    (512, 128, 28, 4, 2),
+]
 BYTE_SWEEP = [
     (16, 512, 1, 4, 3),
     (16, 512, 2, 4, 2),
@@ -188,20 +205,23 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     import torch.nn.functional as F
 
     from braid.kernels.fp8_quant import per_token_quant_fp8
+    from braid.kernels.int4_gemv import int4_gemv
     from braid.kernels.quant_gemm import int4_linear, int8_linear
-    from braid.kernels.quant_gemv import GemvConfig, fp8_gemv, int4_gemv, int8_gemv
+    from braid.kernels.quant_gemv import GemvConfig, fp8_gemv, int8_gemv
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 
     def cfg_name(c):
-        return "bn{}_bk{}_split{}_w{}_s{}".format(*c) + ("_dot" if len(c) > 5 and c[5] else "")
+        flags = ("_dot" if len(c) > 5 and c[5] else "") + ("_f16x2" if len(c) > 6 and c[6] else "")
+        return "bn{}_bk{}_split{}_w{}_s{}".format(*c) + flags
 
     out: list[tuple[str, Callable]] = []
     if method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
         if m == 1:
-            sweep = INT4_SWEEP if not smoke else [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2)]
-            for c in sweep:
+            sweep = INT4_SWEEP + [(*c, False, True) for c in INT4_PACKED_SWEEP]
+            smoke_sweep = [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2), (16, 128, 2, 4, 1, False, True)]
+            for c in sweep if not smoke else smoke_sweep:
                 cfg = GemvConfig(*c)
 
                 def gemv4(x, w, cfg=cfg):
@@ -370,8 +390,7 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
         if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
             parts = r["variant"].removeprefix("gemv:").split("_")
             nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts[:5])
-            if parts[5:] == ["dot"]:
-                nums += (True,)
+            nums += ("dot" in parts[5:], "f16x2" in parts[5:])
             tables[f"{method.upper()}_CONFIGS"][(r["n"], r["k"])] = nums
     # The smallest M at which dequant+cublas beats the planar kernel on every shape.
     crossover = None
@@ -391,7 +410,7 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
 
 def write_config(tables: dict, device_name: str, path: Path) -> None:
     """Merge the one-row choices of `summarize`'s tables into `path` (quant_gemv.json) under
-    `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot]}."""
+    `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot, packed]}."""
     import json
 
     from braid.kernels.quant_gemv import tuned_key
@@ -401,7 +420,7 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
     for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
         kind = name.removesuffix("_CONFIGS").lower()
         for (n, k), c in tables[name].items():
-            entry[tuned_key(kind, n, k)] = [*c[:5], bool(c[5:] and c[5])]
+            entry[tuned_key(kind, n, k)] = [*c[:5], bool(c[5:6] and c[5]), bool(c[6:7] and c[6])]
     data[device_name] = dict(sorted(entry.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -21,10 +21,11 @@ if TYPE_CHECKING:
     from braid.kernels.attention_extend import extend_attention
     from braid.kernels.fp8_quant import per_token_quant_fp8
     from braid.kernels.gguf_gemm import gguf_linear
+    from braid.kernels.int4_gemv import int4_gemv
     from braid.kernels.kv_store import store_kv
     from braid.kernels.norm import rmsnorm
     from braid.kernels.quant_gemm import int4_linear, int8_linear
-    from braid.kernels.quant_gemv import fp8_gemv, int4_gemv, int8_gemv
+    from braid.kernels.quant_gemv import fp8_gemv, int8_gemv
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
     from braid.kernels.rope import rotary
     from braid.kernels.skinny_gemm import skinny_linear
@@ -43,7 +44,7 @@ _LAUNCHERS = {
     "int4_linear": "braid.kernels.quant_gemm",
     "int8_linear": "braid.kernels.quant_gemm",
     "per_token_quant_fp8": "braid.kernels.fp8_quant",
-    "int4_gemv": "braid.kernels.quant_gemv",
+    "int4_gemv": "braid.kernels.int4_gemv",
     "int8_gemv": "braid.kernels.quant_gemv",
     "fp8_gemv": "braid.kernels.quant_gemv",
     "int4_planar_linear": "braid.kernels.quant_planar",

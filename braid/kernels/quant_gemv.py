@@ -1,6 +1,8 @@
-"""One-row (batch-1 decode) matrix-vector products over quantized weights: `int4_gemv` (the
-planar int4 layout), `int8_gemv` (per-channel int8) and `fp8_gemv` (e4m3 weights, the
-activation quantized per token inside the kernel, W8A8 as `fp8_linear_reference` computes it).
+"""One-row (batch-1 decode) matrix-vector products over quantized weights: `int8_gemv`
+(per-channel int8) and `fp8_gemv` (e4m3 weights, the activation quantized per token inside
+the kernel, W8A8 as `fp8_linear_reference` computes it), and what they share with
+`int4_gemv.int4_gemv` (the planar int4 layout): `GemvConfig`, the measured tables, the split-K
+workspace.
 
 One row reads each weight once and does two FLOPs per weight, so the time is the weight bytes
 over the memory rate, if the kernel issues few enough instructions per weight and keeps enough
@@ -48,10 +50,11 @@ from braid.kernels._checks import (
     tuned_configs,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
-from braid.kernels.quant_gemm import MAGIC_BITS, _int8_to_float
-from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE, PLANAR_BLOCK
+from braid.kernels.gemv_split import _finish
+from braid.kernels.quant_gemm import _int8_to_float
+from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE
 
-__all__ = ["GemvConfig", "GemvWorkspace", "fp8_gemv", "int4_gemv", "int8_gemv"]
+__all__ = ["GemvConfig", "GemvWorkspace", "fp8_gemv", "int8_gemv"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class GemvConfig:
     warps: int = 4
     stages: int = 2
     dot: bool = False  # fp8: the products on the tensor cores (`_fp8_gemv_kernel`'s DOT)
+    packed: bool = False  # int4: float16 pairs (`int4_gemv`) for 16-bit x, groups of 128s
 
 
 # Best measured on an H200 per (N, K) (benchmarks/quant_kernels.py writes these; run of
@@ -105,7 +109,7 @@ def default_config(kind: str, n: int, k: int) -> GemvConfig:
 
 # Configurations measured per GPU that override the tables above on that GPU
 # (`benchmarks/quant_kernels.py --write-config`): {device name: {"kind/N/K": [block_n,
-# block_k, split_k, warps, stages, dot]}}.
+# block_k, split_k, warps, stages, dot, packed]}}.
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "quant_gemv.json"
 
 
@@ -117,7 +121,10 @@ def tuned_key(kind: str, n: int, k: int) -> str:
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
     table = tuned_configs(TUNED_CONFIGS, device_name)
-    return {key: GemvConfig(*c[:5], dot=bool(c[5:] and c[5])) for key, c in table.items()}
+    return {
+        key: GemvConfig(*c[:5], dot=bool(c[5:6] and c[5]), packed=bool(c[6:7] and c[6]))
+        for key, c in table.items()
+    }
 
 
 def config_for(kind: str, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
@@ -166,130 +173,6 @@ class GemvWorkspace:
             self._outgrown.append(self.counters)
             self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
         return self.partials, self.counters
-
-
-@triton.jit
-def _finish(
-    y,
-    rows,
-    rmask,
-    Out,
-    Bias,
-    ColScales,
-    row_scale,
-    Partials,
-    Counters,
-    N,
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
-):
-    """Stores `((sum of the splits' y) * row_scale) * ColScales[rows] + Bias[rows]`, rounded
-    once to Out's dtype; with SPLIT_K > 1 only the last split of the row block does."""
-    last = True
-    if SPLIT_K > 1:
-        tl.store(Partials + tl.program_id(1) * N + rows, y, mask=rmask)
-        # Every thread's partial is written before one thread announces the split.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + tl.program_id(0), 1, sem="acq_rel")
-        last = arrived == SPLIT_K - 1
-        if last:
-            y = tl.load(Partials + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                y += tl.load(Partials + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.store(Counters + tl.program_id(0), 0)
-    if last:
-        y = y * row_scale
-        if HAS_SCALES:
-            y = y * tl.load(ColScales + rows, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=rmask)
-
-
-@triton.jit
-def _plane(words, hi, P: tl.constexpr, zero, magic):
-    """Nibble P of each word as float32 `code - zero`, exactly: the nibble, left in place
-    (bits 4j..4j+3 of the word or of its upper half, j = P % 4), OR'ed into the mantissa of
-    1.5 * 2**(23 - 4j) reads as that float plus the code; subtracting the float plus the zero
-    leaves code - zero. `magic` is the bits of 1.5 * 2**23 passed at run time: held in a
-    register, the mask and the OR fold into one LOP3 (two immediates would take two)."""
-    J: tl.constexpr = P % 4
-    if P < 4:
-        src = words
-    else:
-        src = hi
-    bits = (src & (0xF << (4 * J))) | (magic - ((4 * J) << 23))
-    offset = zero + 12582912.0 / (16.0**J)
-    return bits.to(tl.float32, bitcast=True) - offset[:, None]
-
-
-@triton.jit
-def _int4_gemv_kernel(
-    X,
-    Q,
-    Meta,
-    Bias,
-    Out,
-    Partials,
-    Counters,
-    N,
-    K,
-    KB,
-    GROUPS,
-    SPLIT_BLOCKS,
-    magic,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SUBS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    # Planes per group segment: a group spans whole 128-input blocks, or whole planes of one.
-    PPS: tl.constexpr = 8 if GROUP % 128 == 0 else (GROUP // 16 if 128 % GROUP == 0 else 1)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    w16 = tl.arange(0, 16)
-    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
-    first = tl.program_id(1) * SPLIT_BLOCKS
-    end = tl.minimum(first + SPLIT_BLOCKS, KB)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
-        for sb in tl.static_range(SUBS):
-            b = b0 + sb
-            if EVEN_K:
-                wmask = rmask[:, None] | EVEN_N
-            else:
-                # Past the split's end (SUBS does not divide it): masked off, as tensors.
-                wmask = rmask[:, None] & ((w16 * 0 + b) < end)[None, :]
-            wq = tl.load(q_rows + b * 16, mask=wmask, other=0)
-            hi = wq >> 16
-            for seg in tl.static_range(8 // PPS):
-                g = rows * 0 + (b * 128 + seg * PPS * 16) // GROUP
-                if EVEN_K:
-                    gmask = rmask | EVEN_N
-                else:
-                    gmask = rmask & ((rows * 0 + b) < end) & (g < GROUPS)
-                # (zero << 16) | float16 bits of the scale, one load for both.
-                meta = tl.load(Meta + g * N + rows, mask=gmask, other=0)
-                scale = (meta & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-                zero = ((meta >> 16) | magic).to(tl.float32, bitcast=True) - 12582912.0
-                part = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-                for j in tl.static_range(PPS):
-                    ks = b * 128 + (seg * PPS + j) * 16 + w16
-                    if EVEN_K:
-                        x = tl.load(X + ks)
-                    else:
-                        x = tl.load(X + ks, mask=ks < K, other=0.0)
-                    part += _plane(wq, hi, seg * PPS + j, zero, magic) * x.to(tl.float32)[None, :]
-                acc += part * scale.to(tl.float32)[:, None]
-    _finish(
-        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
-        SPLIT_K, HAS_BIAS, False,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -449,58 +332,6 @@ def _byte_split(
 
 def _launch_meta(cfg: GemvConfig) -> dict:
     return {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages}
-
-
-def int4_gemv(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    meta: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
-    workspace: GemvWorkspace | None = None,
-) -> torch.Tensor:
-    """`x @ W.T + bias` for one row x [1, K] and the int4 weight W[n, k] = (q - zero[g, n]) *
-    scale[g, n], g = k // group_size, held in the planar layout: `qweight` int32
-    [N, ceil(K / 128) * 16] (`quant_reference.pack_int4_planar`) and `meta` int32 [K / G, N]
-    (`quant_reference.pack_int4_meta`: the zero and the float16 scale of each group and
-    output). Summed in float32, each group's sum scaled once, rounded once to x's dtype after
-    the bias; the bits do not depend on the order the programs run in. `config` overrides the
-    table's launch shape."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    k = x.shape[1]
-    _check_row(x, k)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size % 16:
-        raise ValueError(f"group_size must be a multiple of 16, got {group_size!r}")
-    if group_size < 16 or k % group_size:
-        raise ValueError(f"group_size {group_size} must divide K = {k} (x's columns)")
-    kb = triton.cdiv(k, PLANAR_BLOCK)
-    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), device=x.device)
-    check_contiguous("qweight", qweight)
-    n = qweight.shape[0]
-    check_shape("qweight", qweight, (n, kb * 16))
-    groups = k // group_size
-    check_tensor("meta", meta, ndim=2, dtypes=(torch.int32,), device=x.device)
-    check_shape("meta", meta, (groups, n))
-    check_contiguous("meta", meta)
-    out = _check_out(x, n, bias, out, x.dtype)
-    cfg = config or config_for("int4", n, k, x.device)
-    subs = cfg.block_k // PLANAR_BLOCK
-    if subs < 1 or cfg.block_k % PLANAR_BLOCK:
-        raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
-    split_blocks = triton.cdiv(triton.cdiv(kb, cfg.split_k), subs) * subs
-    partials, counters = _scratch(x, n, cfg, workspace)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
-    _int4_gemv_kernel[grid](
-        x, qweight, meta, bias if bias is not None else x, out, partials, counters, n, k, kb,
-        groups, split_blocks, MAGIC_BITS, GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs,
-        SPLIT_K=cfg.split_k, EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
-        HAS_BIAS=bias is not None, **_launch_meta(cfg),
-    )  # fmt: skip
-    return out
 
 
 def _check_byte_weight(x, weight, scales, dtype) -> tuple[int, int]:

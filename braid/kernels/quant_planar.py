@@ -2,7 +2,7 @@
 runtime keeps on CUDA): `int4_planar_linear` multiplies in Triton (decode batches, short
 prompts), `dequantize_int4_planar` writes the weight out in a float dtype for cuBLAS (long
 prompts, where the matmul is compute-bound and the extra pass over the weight is a few percent
-of it). One row goes through `quant_gemv.int4_gemv`.
+of it). One row goes through `int4_gemv.int4_gemv`.
 
 `int4_planar_linear`: each program owns BLOCK_M rows and BLOCK_N outputs and walks K in blocks
 of 128 inputs; a block's 16 words per output hold 8 planes of 16 inputs each, and each plane is
@@ -25,8 +25,8 @@ from braid.kernels._checks import (
     check_tensor,
     dot_precision,
 )
+from braid.kernels.int4_gemv import _plane
 from braid.kernels.quant_gemm import MAGIC_BITS
-from braid.kernels.quant_gemv import _plane
 from braid.kernels.quant_reference import PLANAR_BLOCK
 
 __all__ = ["dequantize_int4_planar", "int4_planar_linear"]

@@ -44,12 +44,13 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
     }
     assert "DEQUANTIZE_MIN_ROWS =" in p.stdout and "INT8_CONFIGS = {(" in p.stdout
     assert any(r["variant"].endswith("_dot") and r["method"] == "fp8" for r in rows)
+    assert any(r["variant"].endswith("_f16x2") and r["method"] == "int4" for r in rows)
 
 
 def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
-    """`--write-config`: each method's one-row choice per shape, fp8's tensor-core flag
-    included, merged into quant_gemv.json under the GPU's name (other GPUs' entries kept),
-    and read back by `config_for` on that GPU."""
+    """`--write-config`: each method's one-row choice per shape, fp8's tensor-core flag and
+    int4's float16-pairs flag included, merged into quant_gemv.json under the GPU's name
+    (other GPUs' entries kept), and read back by `config_for` on that GPU."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.quant_kernels import write_config
     from braid.kernels import quant_gemv
@@ -57,16 +58,20 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
     path = tmp_path / "quant_gemv.json"
     path.write_text(json.dumps({"Other GPU": {"fp8/1/2": [16, 512, 1, 4, 3, False]}}))
     tables = {
-        "INT4_CONFIGS": {(4096, 4096): (256, 128, 8, 4, 3)},
+        "INT4_CONFIGS": {
+            (4096, 4096): (256, 128, 8, 4, 3),
+            (6144, 4096): (512, 128, 8, 4, 2, False, True),
+        },
         "INT8_CONFIGS": {},
-        "FP8_CONFIGS": {(4096, 14336): (64, 256, 4, 4, 3, True)},
+        "FP8_CONFIGS": {(4096, 14336): (64, 256, 4, 4, 3, True, False)},
     }
     write_config(tables, "Some GPU", path)
     data = json.loads(path.read_text())
     assert data["Other GPU"] == {"fp8/1/2": [16, 512, 1, 4, 3, False]}
     assert data["Some GPU"] == {
-        "fp8/4096/14336": [64, 256, 4, 4, 3, True],
-        "int4/4096/4096": [256, 128, 8, 4, 3, False],
+        "fp8/4096/14336": [64, 256, 4, 4, 3, True, False],
+        "int4/4096/4096": [256, 128, 8, 4, 3, False, False],
+        "int4/6144/4096": [512, 128, 8, 4, 2, False, True],
     }
     old = quant_gemv.TUNED_CONFIGS
     try:
@@ -79,6 +84,12 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
             cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
             got = quant_gemv.config_for("fp8", 4096, 14336, cuda0)
             assert got == quant_gemv.GemvConfig(64, 256, 4, 4, 3, dot=True)
+            got = quant_gemv.config_for("int4", 6144, 4096, cuda0)
+            assert got == quant_gemv.GemvConfig(512, 128, 8, 4, 2, packed=True)
+            # An entry written before the packed flag existed (six fields) still reads.
+            assert quant_gemv.config_for("fp8", 1, 2, cuda1) == quant_gemv.GemvConfig(
+                16, 512, 1, 4, 3
+            )
             # Not measured on that GPU, or not a GPU: the tables' choice.
             table = quant_gemv.FP8_CONFIGS[(4096, 14336)]
             assert quant_gemv.config_for("fp8", 4096, 14336, cuda1) == table

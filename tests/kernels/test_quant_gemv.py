@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace, fp8_gemv, int4_gemv, int8_gemv
+from braid.kernels.int4_gemv import int4_gemv
+from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace, fp8_gemv, int8_gemv
 from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 from braid.kernels.quant_reference import (
     FP8_DTYPE,
@@ -137,6 +138,113 @@ def test_int4_planar_gemm_and_dequantization_match_the_reference(device, dtype, 
     assert torch.equal(w, dequantize_int4(q, s, z, group))
 
 
+PACKED_CASES = [
+    # (n, k, group, config, x scale): splits even and ragged (SUBS not dividing a split), N
+    # ragged, groups of one and of two blocks; inputs whose products would overflow float16
+    # unscaled (|x| up to ~4e3: 8 products of 16 * 4e3 > 65504) and inputs near float16's
+    # subnormals.
+    (40, 256, 128, GemvConfig(16, 128, 1, packed=True), 1.0),
+    (64, 1024, 256, GemvConfig(32, 256, 3, packed=True), 1.0),
+    (48, 640, 128, GemvConfig(32, 256, 2, packed=True), 1e3),
+    (32, 384, 128, GemvConfig(16, 128, 2, packed=True), 1e-4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,config,scale", PACKED_CASES)
+def test_int4_gemv_in_float16_pairs_matches_the_dequantized_matmul(
+    device, dtype, n, k, group, config, scale
+):
+    (q, s, z), (planar, meta) = _int4(n, k, group, device)
+    x = _x(1, k, dtype, device, scale=scale)
+    bias = _x(1, n, dtype, device, seed=2, scale=scale).reshape(n)
+    got = int4_gemv(x, planar, meta, group, bias, config=config)
+    want = int4_linear_reference(x.float(), q, s, z, group, bias.float())
+    # Each product and each sum of 8 rounded to float16, then float32 sums: a few float16
+    # units off in all (measured 2.5-6e-4 in float16, what bfloat16's output rounding hides).
+    # Planes paired with the wrong inputs or halves, or a scale not undone, are off by O(1).
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < {torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype], err
+
+
+def test_a_packed_config_keeps_the_float32_kernel_where_pairs_do_not_apply(device):
+    # float32 inputs, and groups smaller than a 128-input block: the float32 kernel's bits.
+    packed, plain = GemvConfig(16, 128, 2, packed=True), GemvConfig(16, 128, 2)
+    _, (planar, meta) = _int4(32, 512, 128, device)
+    x = _x(1, 512, torch.float32, device)
+    assert torch.equal(
+        int4_gemv(x, planar, meta, 128, config=packed),
+        int4_gemv(x, planar, meta, 128, config=plain),
+    )
+    _, (planar, meta) = _int4(32, 512, 64, device)
+    x = _x(1, 512, torch.float16, device)
+    assert torch.equal(
+        int4_gemv(x, planar, meta, 64, config=packed), int4_gemv(x, planar, meta, 64, config=plain)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_gemv_with_silu_and_mul_fused_equals_the_two_kernels(device, dtype):
+    from braid.kernels.activation import silu_and_mul
+
+    _, (planar, meta) = _int4(48, 384, 128, device)
+    gate_up = _x(1, 768, dtype, device, scale=3.0)
+    cfg = GemvConfig(16, 128, 2, packed=True)
+    fused = int4_gemv(gate_up, planar, meta, 128, activation="silu_and_mul", config=cfg)
+    # The same activation bits (silu rounded, then the product rounded), the same pairs.
+    assert torch.equal(fused, int4_gemv(silu_and_mul(gate_up), planar, meta, 128, config=cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_int4_gemv_with_rmsnorm_fused_matches_the_two_kernels(device, dtype, with_residual):
+    from braid.kernels.norm import rmsnorm
+
+    (q, s, z), (planar, meta) = _int4(40, 512, 256, device)
+    x = _x(1, 512, dtype, device, scale=4.0)
+    weight = _x(1, 512, dtype, device, seed=3).reshape(512)
+    residual = _x(1, 512, dtype, device, seed=4) if with_residual else None
+    new = torch.empty_like(x) if with_residual else None
+    cfg = GemvConfig(32, 256, 3, packed=True)  # splits ragged: every program makes the norm
+    got = int4_gemv(
+        x, planar, meta, 256, norm_weight=weight, eps=1e-5, residual=residual,
+        residual_out=new, config=cfg,
+    )  # fmt: skip
+    normed = rmsnorm(x, weight, 1e-5, residual)
+    if with_residual:
+        normed, added = normed
+        assert torch.equal(new, added)  # bit for bit rmsnorm's second result
+    want = int4_gemv(normed, planar, meta, 256, config=cfg)
+    # The inverse norm summed in another order: a last-place flip of a normalised element
+    # at most, far inside the pairs' float16 rounding.
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 2e-3, err
+    ref = int4_linear_reference(normed.float(), q, s, z, 256)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 8e-3
+
+
+def test_int4_gemv_prologues_refuse_what_they_cannot_fuse(device):
+    _, (planar, meta) = _int4(16, 256, 128, device)
+    x = _x(1, 256, torch.float16, device)
+    w = _x(1, 256, torch.float16, device).reshape(256)
+    with pytest.raises(ValueError, match=r"x must have shape \(1, 2 \* K\)"):
+        int4_gemv(_x(2, 512, torch.float16, device), planar, meta, 128, activation="silu_and_mul")
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        int4_gemv(x, planar, meta, 128, activation="gelu")
+    with pytest.raises(ValueError, match="activation must be None with norm_weight"):
+        int4_gemv(x, planar, meta, 128, activation="silu_and_mul", norm_weight=w)
+    with pytest.raises(ValueError, match="a fused prologue runs in float16 pairs"):
+        int4_gemv(x.float(), planar, meta, 128, norm_weight=w.float())
+    with pytest.raises(ValueError, match="residual_out is required with residual"):
+        int4_gemv(x, planar, meta, 128, norm_weight=w, residual=x.clone())
+    with pytest.raises(ValueError, match="residual and residual_out need norm_weight"):
+        int4_gemv(x, planar, meta, 128, residual=x.clone(), residual_out=x.clone())
+    _, (planar64, meta64) = _int4(16, 256, 64, device)
+    with pytest.raises(ValueError, match="group_size a multiple of 128, got torch.float16 and 64"):
+        int4_gemv(x, planar64, meta64, 64, norm_weight=w)
+
+
 def test_int4_launchers_refuse_bad_arguments_naming_them(device):
     _, (planar, meta) = _int4(16, 256, 128, device)
     x = _x(1, 256, torch.float32, device)
@@ -227,7 +335,15 @@ def test_gpu_gemvs_at_llama_8b_shapes_in_bf16(shape):
     dev, dt = torch.device("cuda"), torch.bfloat16
     (q, s, z), (planar, meta) = _int4(n, k, 128, dev)
     x = _x(1, k, dt, dev)
-    _close(int4_gemv(x, planar, meta, 128), int4_linear_reference(x, q, s, z, 128))
+    want4 = int4_linear_reference(x, q, s, z, 128)
+    _close(int4_gemv(x, planar, meta, 128), want4)
+    for cfg in (
+        GemvConfig(512, 128, 8, 4, 2, packed=True),
+        GemvConfig(256, 256, 4, 4, 2, packed=True),
+    ):
+        got = int4_gemv(x, planar, meta, 128, config=cfg)
+        err = ((got.float() - want4.float()).norm() / want4.float().norm()).item()
+        assert err < 8e-3, f"relative error {err:.2e} with {cfg}"
     for m in (16, 300):
         xm = _x(m, k, dt, dev)
         _close(int4_planar_linear(xm, planar, meta, 128), int4_linear_reference(xm, q, s, z, 128))
@@ -248,6 +364,32 @@ def test_gpu_gemvs_at_llama_8b_shapes_in_bf16(shape):
 
 
 @pytest.mark.gpu
+def test_gpu_int4_prologues_at_llama_8b_shapes():
+    from braid.kernels.activation import silu_and_mul
+    from braid.kernels.norm import rmsnorm
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cfg = GemvConfig(512, 128, 8, 4, 2, packed=True)
+    _, (planar, meta) = _int4(4096, 14336, 128, dev)
+    gate_up = _x(1, 2 * 14336, dt, dev, scale=3.0)
+    fused = int4_gemv(gate_up, planar, meta, 128, activation="silu_and_mul", config=cfg)
+    want = int4_gemv(silu_and_mul(gate_up), planar, meta, 128, config=cfg)
+    assert ((fused.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
+    _, (planar, meta) = _int4(6144, 4096, 128, dev)
+    x, residual = _x(1, 4096, dt, dev, scale=4.0), _x(1, 4096, dt, dev, seed=4)
+    weight = _x(1, 4096, dt, dev, seed=3).reshape(4096)
+    new = torch.empty_like(x)
+    fused = int4_gemv(
+        x, planar, meta, 128, norm_weight=weight, eps=1e-5, residual=residual,
+        residual_out=new, config=cfg,
+    )  # fmt: skip
+    normed, added = rmsnorm(x, weight, 1e-5, residual)
+    assert torch.equal(new, added)
+    want = int4_gemv(normed, planar, meta, 128, config=cfg)
+    assert ((fused.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_split_k_gemvs_replay_in_a_cuda_graph():
     dev, dt = torch.device("cuda"), torch.bfloat16
     n, k = 4096, 4096
@@ -257,20 +399,26 @@ def test_gpu_split_k_gemvs_replay_in_a_cuda_graph():
     x = _x(1, k, dt, dev)
     ws4 = GemvWorkspace(dev, 8 * n, n)
     ws8 = GemvWorkspace(dev, 8 * n, n)
+    ws4p = GemvWorkspace(dev, 8 * n, n)
     cfg4, cfg8 = GemvConfig(128, 256, 8, 4, 2), GemvConfig(32, 512, 4, 4, 2)
+    cfg4p = GemvConfig(512, 128, 8, 4, 2, packed=True)
     out4 = int4_gemv(x, planar, meta, 128, config=cfg4, workspace=ws4)
+    out4p = int4_gemv(x, planar, meta, 128, config=cfg4p, workspace=ws4p)
     out8 = fp8_gemv(x, wf, sf, config=cfg8, workspace=ws8)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         int4_gemv(x, planar, meta, 128, out=out4, config=cfg4, workspace=ws4)
+        int4_gemv(x, planar, meta, 128, out=out4p, config=cfg4p, workspace=ws4p)
         fp8_gemv(x, wf, sf, out=out8, config=cfg8, workspace=ws8)
     for seed in (5, 6):
         x.copy_(_x(1, k, dt, dev, seed=seed))
         graph.replay()
         torch.cuda.synchronize()
-        _close(out4, int4_linear_reference(x, q, s, z, 128))
+        want4 = int4_linear_reference(x, q, s, z, 128)
+        _close(out4, want4)
+        assert ((out4p.float() - want4.float()).norm() / want4.float().norm()).item() < 8e-3
         _close(out8, fp8_linear_reference(x, wf, sf))
-    assert (ws4.counters == 0).all() and (ws8.counters == 0).all()
+    assert (ws4.counters == 0).all() and (ws8.counters == 0).all() and (ws4p.counters == 0).all()
 
 
 @pytest.mark.gpu
@@ -316,3 +464,71 @@ def test_tuned_configuration_files_are_read_or_refused_naming_the_file(tmp_path)
     path.write_text('{"Some GPU": [16, 128]}')
     with pytest.raises(ValueError, match=r"quant_gemv.json: expected .* got list for 'Some GPU'"):
         tuned_configs(path, "Some GPU")
+
+
+# ---- the fused one-token layer over int4 projections ---------------------------------------------
+
+
+def test_one_token_fused_int4_layer_gives_the_unfused_tokens(tmp_path, device, monkeypatch):
+    """`layers.fusion._quantized_one_row` (each norm inside qkv's and gate_up's int4 GEMV, the
+    activation inside down's) against the layers' own path, on a tiny AWQ-quantized Llama whose
+    sizes are whole 128-input blocks, every projection in float16 pairs in both runs (here the
+    interpreter, the CUDA kernels forced): the same greedy tokens, and the fused calls made."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from braid.kernels import int4_gemv as int4_module
+    from braid.kernels.quant_gemv import config_for
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from braid.runtime.layers.fusion import _quantized_one_row
+    from braid.runtime.quantization.int4 import Int4LinearMethod
+    from braid.runtime.sampling_params import SamplingParams
+    from tests.conftest import local_scheduler, run_to_end
+
+    root = Path(__file__).resolve().parents[2]
+    config = json.loads((root / "benchmarks/configs/tiny-llama/config.json").read_text())
+    config |= {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def on_the_triton_kernels(self):
+        self.weights = self.checkpoint.read() if self.checkpoint is not None else self.weights
+        return self._use_triton(self.weights)
+
+    fused_calls = []
+    plain = int4_module.int4_gemv
+
+    def counted(*args, **kw):
+        if kw.get("norm_weight") is not None or kw.get("activation") is not None:
+            fused_calls.append(kw.get("activation") or "norm")
+        return plain(*args, **kw)
+
+    monkeypatch.setattr(Int4LinearMethod, "finish_loading", on_the_triton_kernels)
+    monkeypatch.setattr(int4_module, "int4_gemv", counted)
+    monkeypatch.setattr(
+        int4_module, "config_for", lambda *a, **kw: replace(config_for(*a, **kw), packed=True)
+    )
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = []
+    for fused in (False, True):
+        sched = local_scheduler(
+            tmp_path, kv_tokens=1024, dtype="float16", device=device.type, quantization="awq",
+            load_format="dummy", disable_cuda_graph=True,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(7)
+        for layer in sched.runner.model.model.layers:
+            assert layer.mlp.down_proj.method.one_row is not None
+            layer.one_row = _quantized_one_row if fused else None
+            # Dummy norms are all ones: distinct weights, so a norm used in the wrong place shows.
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.data.copy_(torch.rand(128, generator=g) + 0.5)
+        tokens = {}
+        for rid, prompt in (("a", [7, 100, 3, 42, 9]), ("b", [300])):
+            sched.handle(GenerateReq(rid, prompt, sp, 0))
+            tokens |= run_to_end(sched)
+        got.append(tokens)
+        assert bool(fused_calls) == fused
+    assert got[1] == got[0]
+    assert [len(t) for t in got[0].values()] == [6, 6]
+    # Per layer and one-token step: two norms and one activation.
+    assert fused_calls.count("silu_and_mul") * 2 == fused_calls.count("norm") > 0

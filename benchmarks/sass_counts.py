@@ -1,0 +1,188 @@
+"""Instructions a kernel's inner loop issues on an H100/H200 (sm_90), counted on any machine,
+no GPU needed: each kernel is compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` with
+the pointer and size arguments marked 16-divisible (as Triton specializes them at run time),
+disassembled by the `cuobjdump` in Triton's wheel, and the largest loop's instructions counted.
+
+    python benchmarks/sass_counts.py                   # the int4 GEMVs and decode attention
+    python benchmarks/sass_counts.py --kernels int4    # one family
+
+Per thread, one loop trip; `per_weight` = loop instructions x threads / weights a trip reads
+(GEMVs), `per_key` = the same per key and KV head (decode attention). Also the registers and
+local-memory spills of the whole kernel. The counts depend on Triton's version (the GPU
+machine's is 3.6.0): the JSON records it. Writes benchmarks/results/sass_counts_<version>.json.
+
+What a count is for: at the copy rate an H200 streams about 8.5e12 int4 weights a second and
+issues about 3.4e13 thread instructions (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz), so a
+GEMV that issues more than about 4 instructions per weight cannot read at the copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+_INSTR = re.compile(
+    r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?\s*([^;]*);"
+)
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages=1):
+    """(SASS text, registers, spill stores) of `fn` compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    return sass, int(regs.group(1)) if regs else None, sass.count(" STL")
+
+
+def loop_counts(sass: str) -> collections.Counter:
+    """Opcode counts of the largest loop (the longest backward branch)."""
+    lines = [(int(m.group(1), 16), m.group(3), m.group(5)) for m in _INSTR.finditer(sass)]
+    best = None
+    for addr, op, args in lines:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            if best is None or addr - lo > best[1] - best[0]:
+                best = (lo, addr)
+    if best is None:
+        return collections.Counter()
+    return collections.Counter(op for addr, op, _ in lines if best[0] <= addr <= best[1])
+
+
+def _row(name: str, sass: str, regs, spills, per: str, amount: float, threads: int) -> dict:
+    counts = loop_counts(sass)
+    total = sum(counts.values())
+    row = {
+        "kernel": name,
+        "loop_instructions": total,
+        per: round(total * threads / amount, 2),
+        "registers": regs,
+        "spill_stores": spills,
+        "top": counts.most_common(10),
+    }
+    print(f"{name:44s} {per} {row[per]:7.2f}  loop {total:5d}  regs {regs}  spills {spills}")
+    return row
+
+
+# GemvConfig fields (block_n, block_k, split_k, warps, stages): the H200 tables' and sweeps'.
+INT4_FLOAT32 = [(256, 128, 8, 4, 3), (64, 256, 4, 2, 2)]
+INT4_PACKED = [(512, 128, 8, 4, 2), (256, 128, 8, 4, 3), (1024, 128, 8, 8, 2)]
+# The packed form's prologues (`int4_gemv`'s activation and norm_weight) at its first config.
+PROLOGUES = [{"ACT": True}, {"NORM": True, "HAS_RESIDUAL": True, "NORM_BLOCK": 4096}]
+
+
+def int4_rows() -> list[dict]:
+    from braid.kernels.int4_gemv import _int4_gemv_f16x2_kernel, _int4_gemv_kernel
+
+    pointers = {"X": "*bf16", "Q": "*i32", "Meta": "*i32", "Bias": "*bf16", "Out": "*bf16"}
+    pointers |= {"Partials": "*fp32", "Counters": "*i32"}
+    pointers |= {"NormW": "*bf16", "Residual": "*bf16", "ResidualOut": "*bf16"}
+    plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
+    cases = [(_int4_gemv_kernel, c, {}, "int4 float32") for c in INT4_FLOAT32]
+    cases += [(_int4_gemv_f16x2_kernel, c, plain, "int4 f16x2") for c in INT4_PACKED]
+    for extra in PROLOGUES:
+        label = "int4 f16x2 " + ("silu_and_mul" if extra.get("ACT") else "rmsnorm+residual")
+        cases.append((_int4_gemv_f16x2_kernel, INT4_PACKED[0], plain | extra, label))
+    rows = []
+    for fn, (bn, bk, split, warps, stages), extra, name in cases:
+        params = list(inspect.signature(fn.fn).parameters)
+        values = {"GROUP": 128, "BLOCK_N": bn, "SUBS": bk // 128, "SPLIT_K": split}
+        values |= {"EVEN_N": True, "EVEN_K": True, "HAS_BIAS": False, "STAGES": stages}
+        values |= {"PTX": True} | extra
+        sig, consts, div = {}, {}, []
+        for p in params:
+            if p in pointers:
+                sig[p] = pointers[p]
+                div.append(p)
+            elif p in values:
+                sig[p], consts[p] = "constexpr", values[p]
+            elif p == "eps":
+                sig[p] = "fp32"
+            else:  # sizes and the magic constant
+                sig[p] = "i32"
+                if p != "magic":
+                    div.append(p)
+        sass, regs, spills = compile_sm90(fn, sig, consts, div, warps)
+        label = f"{name} {bn}x{bk} split {split} w{warps} s{stages}"
+        rows.append(_row(label, sass, regs, spills, "per_weight", bn * bk, 32 * warps))
+    return rows
+
+
+# (cache dtype, block_n, warps, stages, fp8 mode): bf16 and the fp8 modes at the tuned configs.
+DECODE = [("*bf16", 64, 4, 3, 0), ("*fp8e4nv", 128, 4, 4, 1), ("*fp8e4nv", 128, 4, 4, 2)]
+
+
+def decode_rows() -> list[dict]:
+    from braid.kernels.attention_decode import _decode_stage1
+
+    params = list(inspect.signature(_decode_stage1.fn).parameters)
+    rows = []
+    for cache, block_n, warps, stages, mode in DECODE:
+        pointers = {"Q": "*bf16", "KCache": cache, "VCache": cache, "ReqToToken": "*i32"}
+        pointers |= {"ReqIdx": "*i64", "SeqLens": "*i64", "Prefix": "*i64", "Tail": "*i64"}
+        pointers |= {"MidO": "*fp32", "MidLse": "*fp32"}
+        values = {"GROUP": 4, "BLOCK_H": 16, "H_BLOCKS": 1, "HEAD_DIM": 128, "BLOCK_D": 128}
+        values |= {"BLOCK_N": block_n, "NUM_SPLITS": 8, "USE_WINDOW": False, "HAS_TAIL": False}
+        values |= {"DOT_PREC": "tf32", "KV_FP8": cache != "*bf16", "FP8_AS_F16": mode > 0}
+        values |= {"FP8_WORDS": mode == 2, "PTX": True}
+        sig, consts, div = {}, {}, []
+        for p in params:
+            if p in pointers:
+                sig[p] = pointers[p]
+                div.append(p)
+            elif p in values:
+                sig[p], consts[p] = "constexpr", values[p]
+            elif p in ("scale_log2", "v_scale"):
+                sig[p] = "fp32"
+            else:
+                sig[p] = "i32"
+                if p.startswith("stride"):
+                    div.append(p)
+        sass, regs, spills = compile_sm90(_decode_stage1, sig, consts, div, warps, stages)
+        label = f"decode {cache.strip('*')} mode {mode} block {block_n} w{warps} s{stages}"
+        rows.append(_row(label, sass, regs, spills, "per_key", block_n, 32 * warps))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--kernels", default="int4,decode", help="comma-separated: int4, decode")
+    ap.add_argument("--out", default=None, help="JSON path")
+    args = ap.parse_args(argv)
+    import triton
+
+    families = {"int4": int4_rows, "decode": decode_rows}
+    rows = [row for name in args.kernels.split(",") for row in families[name]()]
+    out = Path(args.out or RESULTS / f"sass_counts_triton{triton.__version__}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"triton": triton.__version__, "target": "sm_90", "rows": rows}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The split-K epilogue the one-row GEMVs share (`quant_gemv`, `int4_gemv`): each split
+of K writes its float32 partial sums to a workspace, and the last split of a row block to
+arrive (an atomic counter) adds them in split order, scales, adds the bias and stores. One
+launch, and the same bits whatever order the programs ran in; the counters return to zero."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _finish(
+    y,
+    rows,
+    rmask,
+    Out,
+    Bias,
+    ColScales,
+    row_scale,
+    Partials,
+    Counters,
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):
+    """Stores `((sum of the splits' y) * row_scale) * ColScales[rows] + Bias[rows]`, rounded
+    once to Out's dtype; with SPLIT_K > 1 only the last split of the row block does."""
+    last = True
+    if SPLIT_K > 1:
+        tl.store(Partials + tl.program_id(1) * N + rows, y, mask=rmask)
+        # Every thread's partial is written before one thread announces the split.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + tl.program_id(0), 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:
+            y = tl.load(Partials + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                y += tl.load(Partials + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            tl.store(Counters + tl.program_id(0), 0)
+    if last:
+        y = y * row_scale
+        if HAS_SCALES:
+            y = y * tl.load(ColScales + rows, mask=rmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=rmask)

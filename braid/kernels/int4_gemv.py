@@ -1,0 +1,456 @@
+"""The one-row (batch-1 decode) int4 GEMV over the planar layout (`int4_gemv`), in two forms
+chosen by the launch configuration (`GemvConfig.packed`), with `skinny_linear`'s prologues
+(RMSNorm with its residual add, `silu_and_mul`) fused into the packed form.
+
+**The float32 form** (`_int4_gemv_kernel`): per weight one LOP3 (mask one nibble and OR in a
+float exponent: the planar layout puts nibble p of every word at the same bits, so a constant
+mask per plane replaces a shift per code), one FADD (remove the exponent's offset and the zero:
+exact `code - zero`) and one FFMA; the scale once per group. About 4.4 instructions per weight
+on sm_90 (`benchmarks/sass_counts.py`), about what the SMs can issue while the weights stream
+in at the copy rate.
+
+**The packed form** (`_int4_gemv_f16x2_kernel`, bfloat16 and float16 activations, groups of
+whole 128-input blocks as AWQ's and GPTQ's 128): two weights per instruction. Per 32-bit word
+of the planar layout (8 codes, plane p at bits 4p, input 16p + w of its 128-input block):
+- four LOP3 and one shift put the codes of planes (0, 4), (1, 5), (2, 6), (3, 7) into the
+  mantissas of float16 pairs: 1024 + q for the nibbles at bits 0-3 of a half, 1024 + 16 q for
+  those at bits 4-7 (the halves of a 32-bit word are planes p and p + 4);
+- four HSUB2 remove 1024 + zero (or 1024 + 16 zero), exactly: code - zero, times 16 for the
+  odd planes, whose inputs are divided by 16 ahead (a power of two, exact);
+- four HFMA2 multiply by the inputs and add, in float16.
+Two words (8 products per half) go to float32 together, and one FFMA per two words applies the
+group's scale: about 2.6 instructions per weight in all.
+
+Range: each program scales its 128 inputs of a block by a power of two so that the largest
+lies in [128, 256): then |code - zero| <= 16 keeps every half's sum of 8 products below 2**15,
+far from float16's overflow, and small inputs keep their bits; the power of two is undone in
+the group's scale. So the result is the dequantized product with each product and each sum of
+8 rounded to float16 (11 bits) before the float32 sums: within bfloat16's rounding of the
+output, a little over float16's. Float32 activations take the float32 form.
+
+The packing uses inline PTX (`lop3`, `sub/fma.rn.f16x2`, `cvt.rn.f16x2.f32`); under
+TRITON_INTERPRET=1 the same bits go through Triton's integer and float16 operations (`PTX`
+False), so the CPU tests cover the pairing of planes, halves and inputs.
+
+Both forms split K over SPLIT_K programs and reduce in `gemv_split._finish` (the same bits
+whatever order the programs ran in); launch shapes come from `quant_gemv.config_for`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.kernels._checks import check_contiguous, check_shape, check_tensor
+from braid.kernels.gemv_split import _finish
+from braid.kernels.quant_gemm import MAGIC_BITS
+from braid.kernels.quant_gemv import (
+    GemvConfig,
+    GemvWorkspace,
+    _check_out,
+    _check_row,
+    _launch_meta,
+    _scratch,
+    config_for,
+)
+from braid.kernels.quant_reference import PLANAR_BLOCK
+from braid.kernels.skinny_gemm import (
+    ACTIVATIONS,
+    NORM_BLOCK_MAX,
+    _check_norm,
+    _rmsnorm_rstd,
+    _silu_and_mul_rounded,
+)
+
+__all__ = ["int4_gemv"]
+
+
+@triton.jit
+def _plane(words, hi, P: tl.constexpr, zero, magic):
+    """Nibble P of each word as float32 `code - zero`, exactly: the nibble, left in place
+    (bits 4j..4j+3 of the word or of its upper half, j = P % 4), OR'ed into the mantissa of
+    1.5 * 2**(23 - 4j) reads as that float plus the code; subtracting the float plus the zero
+    leaves code - zero. `magic` is the bits of 1.5 * 2**23 passed at run time: held in a
+    register, the mask and the OR fold into one LOP3 (two immediates would take two)."""
+    J: tl.constexpr = P % 4
+    if P < 4:
+        src = words
+    else:
+        src = hi
+    bits = (src & (0xF << (4 * J))) | (magic - ((4 * J) << 23))
+    offset = zero + 12582912.0 / (16.0**J)
+    return bits.to(tl.float32, bitcast=True) - offset[:, None]
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    X,
+    Q,
+    Meta,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    N,
+    K,
+    KB,
+    GROUPS,
+    SPLIT_BLOCKS,
+    magic,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUBS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # Planes per group segment: a group spans whole 128-input blocks, or whole planes of one.
+    PPS: tl.constexpr = 8 if GROUP % 128 == 0 else (GROUP // 16 if 128 % GROUP == 0 else 1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w16 = tl.arange(0, 16)
+    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
+    first = tl.program_id(1) * SPLIT_BLOCKS
+    end = tl.minimum(first + SPLIT_BLOCKS, KB)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
+        for sb in tl.static_range(SUBS):
+            b = b0 + sb
+            if EVEN_K:
+                wmask = rmask[:, None] | EVEN_N
+            else:
+                # Past the split's end (SUBS does not divide it): masked off, as tensors.
+                wmask = rmask[:, None] & ((w16 * 0 + b) < end)[None, :]
+            wq = tl.load(q_rows + b * 16, mask=wmask, other=0)
+            hi = wq >> 16
+            for seg in tl.static_range(8 // PPS):
+                g = rows * 0 + (b * 128 + seg * PPS * 16) // GROUP
+                if EVEN_K:
+                    gmask = rmask | EVEN_N
+                else:
+                    gmask = rmask & ((rows * 0 + b) < end) & (g < GROUPS)
+                # (zero << 16) | float16 bits of the scale, one load for both.
+                meta = tl.load(Meta + g * N + rows, mask=gmask, other=0)
+                scale = (meta & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+                zero = ((meta >> 16) | magic).to(tl.float32, bitcast=True) - 12582912.0
+                part = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+                for j in tl.static_range(PPS):
+                    ks = b * 128 + (seg * PPS + j) * 16 + w16
+                    if EVEN_K:
+                        x = tl.load(X + ks)
+                    else:
+                        x = tl.load(X + ks, mask=ks < K, other=0.0)
+                    part += _plane(wq, hi, seg * PPS + j, zero, magic) * x.to(tl.float32)[None, :]
+                acc += part * scale.to(tl.float32)[:, None]
+    _finish(
+        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, False,
+    )  # fmt: skip
+
+
+# One word's four float16 pairs (planes (0,4), (1,5), (2,6), (3,7)) less the zero, times the
+# inputs, added to `acc`: $0 = acc out, $1 = word, $2..$5 = input pairs, $6 = acc in,
+# $7 / $8 = (1024 + zero) / (1024 + 16 zero) in both halves. LUT 0xEA is (a & b) | c.
+_WORD_PTX = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3, w; "
+    "lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea; "
+    "lop3.b32 t1, $1, 0x00f000f0, 0x64006400, 0xea; "
+    "shr.u32 w, $1, 8; "
+    "lop3.b32 t2, w, 0x000f000f, 0x64006400, 0xea; "
+    "lop3.b32 t3, w, 0x00f000f0, 0x64006400, 0xea; "
+    "sub.f16x2 t0, t0, $7; sub.f16x2 t1, t1, $8; sub.f16x2 t2, t2, $7; sub.f16x2 t3, t3, $8; "
+    "fma.rn.f16x2 $0, t0, $2, $6; fma.rn.f16x2 $0, t1, $3, $0; "
+    "fma.rn.f16x2 $0, t2, $4, $0; fma.rn.f16x2 $0, t3, $5, $0; }"
+)
+
+
+@triton.jit
+def _half(bits, SHIFT: tl.constexpr):
+    """The float16 in bits SHIFT..SHIFT+15 of int32 `bits` (the interpreter's path)."""
+    return ((bits >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pack(lo, hi, PTX: tl.constexpr):
+    """float32 `lo`, `hi` rounded to float16 and packed: lo in bits 0-15, hi in 16-31."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    else:
+        lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (hi_bits << 16) | lo_bits
+
+
+@triton.jit
+def _word(acc, w, xa, xb, xc, xd, zlo, zhi, PTX: tl.constexpr):
+    """`_WORD_PTX` on packed pairs; else its float16 arithmetic lane by lane (mul then add:
+    two roundings where fma.rn has one) on unpacked lanes, returned as (low, high) sums."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            _WORD_PTX, "=r,r,r,r,r,r,r,r,r", [w, xa, xb, xc, xd, acc, zlo, zhi],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        lo, hi = acc
+        t0 = (w & 0x000F000F) | 0x64006400
+        t1 = (w & 0x00F000F0) | 0x64006400
+        t2 = ((w >> 8) & 0x000F000F) | 0x64006400
+        t3 = ((w >> 8) & 0x00F000F0) | 0x64006400
+        for t, x, z in ((t0, xa, zlo), (t1, xb, zhi), (t2, xc, zlo), (t3, xd, zhi)):
+            lo = (_half(t, 0) - _half(z, 0)) * _half(x, 0) + lo
+            hi = (_half(t, 16) - _half(z, 16)) * _half(x, 16) + hi
+        return lo, hi
+
+
+@triton.jit
+def _words_sum(we, wo, xe, xo, zlo, zhi, PTX: tl.constexpr):
+    """Two words' 16 products (even word `we` with inputs `xe`, odd `wo` with `xo`), summed
+    in float16 per half, then the halves in float32."""
+    if PTX:
+        acc = _word(zlo * 0, we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX)
+        acc = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; "
+            "cvt.f32.f16 b, h; add.f32 $0, a, b; }",
+            "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        zero = tl.zeros(we.shape, dtype=tl.float16)
+        acc = _word((zero, zero), we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX)
+        lo, hi = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX)
+        return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _even_odd(v):
+    """A [16] vector split into its even and odd elements ([8] each)."""
+    return tl.split(tl.reshape(v, [8, 2]))
+
+
+@triton.jit
+def _input(X, NormW, Residual, ks, mask, rstd, K, ACT: tl.constexpr, NORM: tl.constexpr,
+           HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The GEMV's inputs at `ks` as float32: x's, `silu(gate) * up` of x = [gate | up] (ACT),
+    or `rmsnorm(x (+ residual))` (NORM, `rstd` its row's inverse norm), each rounded as its
+    own kernel rounds it; zero where `mask` is off."""
+    if ACT:
+        gate = tl.load(X + ks, mask=mask, other=0.0)
+        up = tl.load(X + K + ks, mask=mask, other=0.0)
+        return _silu_and_mul_rounded(gate, up).to(tl.float32)
+    x = tl.load(X + ks, mask=mask, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(Residual + ks, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        nw = tl.load(NormW + ks, mask=mask, other=0.0)
+        normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
+        return (nw.to(tl.float32) * normed).to(X.dtype.element_ty).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _int4_gemv_f16x2_kernel(
+    X,
+    Q,
+    Meta,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    NormW,
+    Residual,
+    ResidualOut,
+    eps,
+    N,
+    K,
+    KB,
+    SPLIT_BLOCKS,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUBS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+    PTX: tl.constexpr,
+    ACT: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+):
+    rstd = 1.0
+    if NORM:
+        rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, NORM_BLOCK)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w16 = tl.arange(0, 16)
+    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
+    first = tl.program_id(1) * SPLIT_BLOCKS
+    end = tl.minimum(first + SPLIT_BLOCKS, KB)
+    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
+        for sb in tl.static_range(SUBS):
+            b = b0 + sb
+            if EVEN_K:
+                wmask = rmask[:, None] | EVEN_N
+                xmask = w16 >= 0
+                gmask = rmask | EVEN_N
+            else:
+                # Past the split's end (SUBS does not divide it): masked off, scale 0.
+                wmask = rmask[:, None] & ((w16 * 0 + b) < end)[None, :]
+                xmask = (w16 * 0 + b) < end
+                gmask = rmask & ((rows * 0 + b) < end)
+            wq = tl.load(q_rows + b * 16, mask=wmask, other=0)
+            we, wo = tl.split(tl.reshape(wq, [BLOCK_N, 8, 2]))
+            ks = b * 128 + w16
+            x0 = _input(X, NormW, Residual, ks, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x1 = _input(X, NormW, Residual, ks + 16, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x2 = _input(X, NormW, Residual, ks + 32, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x3 = _input(X, NormW, Residual, ks + 48, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x4 = _input(X, NormW, Residual, ks + 64, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x5 = _input(X, NormW, Residual, ks + 80, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x6 = _input(X, NormW, Residual, ks + 96, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            x7 = _input(X, NormW, Residual, ks + 112, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            m = tl.maximum(
+                tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))),
+            )
+            # The block's largest |x| is 2**(e - 127) times [1, 2); f = 2**(134 - e) puts it in
+            # [128, 256); the odd planes' inputs take f / 16; g = 1 / f undoes it.
+            e = tl.minimum(tl.maximum(tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23, 8), 254)
+            f = ((261 - e) << 23).to(tl.float32, bitcast=True)
+            f_odd = ((257 - e) << 23).to(tl.float32, bitcast=True)
+            g = ((e - 7) << 23).to(tl.float32, bitcast=True)
+            ae, ao = _even_odd(_pack(x0 * f, x4 * f, PTX))
+            be, bo = _even_odd(_pack(x1 * f_odd, x5 * f_odd, PTX))
+            ce, co = _even_odd(_pack(x2 * f, x6 * f, PTX))
+            de, do = _even_odd(_pack(x3 * f_odd, x7 * f_odd, PTX))
+            grp = rows * 0 + b // (GROUP // 128)
+            # (zero << 16) | float16 bits of the scale, one load for both.
+            meta = tl.load(Meta + grp * N + rows, mask=gmask, other=0)
+            scale = (meta & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            zero = meta >> 16
+            zlo = zero * 0x10001 + 0x64006400
+            zhi = zero * 0x100010 + 0x64006400
+            s = _words_sum(
+                we, wo, (ae[None, :], be[None, :], ce[None, :], de[None, :]),
+                (ao[None, :], bo[None, :], co[None, :], do[None, :]), zlo[:, None], zhi[:, None],
+                PTX,
+            )  # fmt: skip
+            acc += s * (scale * g)[:, None]
+    _finish(
+        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, False,
+    )  # fmt: skip
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    meta: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    workspace: GemvWorkspace | None = None,
+) -> torch.Tensor:
+    """`x @ W.T + bias` for one row x [1, K] and the int4 weight W[n, k] = (q - zero[g, n]) *
+    scale[g, n], g = k // group_size, held in the planar layout: `qweight` int32
+    [N, ceil(K / 128) * 16] (`quant_reference.pack_int4_planar`) and `meta` int32 [K / G, N]
+    (`quant_reference.pack_int4_meta`: the zero and the float16 scale of each group and
+    output). Summed in float32, each group's sum scaled once, rounded once to x's dtype after
+    the bias; the bits do not depend on the order the programs run in. `config` overrides the
+    table's launch shape (`quant_gemv.config_for`).
+
+    A `packed` configuration, for bfloat16 or float16 x and groups of whole 128-input blocks,
+    forms the products in float16 pairs (each product and each sum of 8 rounded to float16
+    before the float32 sums; see the module docstring); elsewhere the float32 form runs.
+
+    Prologues, as `skinny_linear`'s (they run the packed form, with the configuration's tile,
+    and need what it needs): `activation="silu_and_mul"`: x is [1, 2K] = [gate | up] and the
+    input is `silu_and_mul(x)`, rounded as that kernel rounds it, never stored.
+    `norm_weight` ([K]): the input is `rmsnorm(x, norm_weight, eps, residual)`'s first result;
+    with `residual` ([1, K]), `residual_out` ([1, K], overlapping none of x, residual, out)
+    receives `x + residual` rounded to x's dtype, bit for bit `rmsnorm`'s second result."""
+    check_tensor("x", x, ndim=2)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if activation is not None and norm_weight is not None:
+        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    k = x.shape[1] // 2 if activation is not None else x.shape[1]
+    if activation is not None and (x.shape[0] != 1 or x.shape[1] != 2 * k):
+        raise ValueError(
+            f"x must have shape (1, 2 * K) ([gate | up]) with activation={activation!r}, "
+            f"got {tuple(x.shape)}"
+        )
+    _check_row(x[:, :k], k)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size % 16:
+        raise ValueError(f"group_size must be a multiple of 16, got {group_size!r}")
+    if group_size < 16 or k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K = {k} (x's columns)")
+    kb = triton.cdiv(k, PLANAR_BLOCK)
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_contiguous("qweight", qweight)
+    n = qweight.shape[0]
+    check_shape("qweight", qweight, (n, kb * 16))
+    groups = k // group_size
+    check_tensor("meta", meta, ndim=2, dtypes=(torch.int32,), device=x.device)
+    check_shape("meta", meta, (groups, n))
+    check_contiguous("meta", meta)
+    out = _check_out(x, n, bias, out, x.dtype)
+    norm = norm_weight is not None
+    if norm:
+        _check_norm(x, k, norm_weight, eps, residual, residual_out, out)
+    elif residual is not None or residual_out is not None:
+        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    packable = x.dtype != torch.float32 and group_size % PLANAR_BLOCK == 0
+    fused = norm or activation is not None
+    if fused and not packable:
+        raise ValueError(
+            "a fused prologue runs in float16 pairs: x must be bfloat16 or float16 and "
+            f"group_size a multiple of {PLANAR_BLOCK}, got {x.dtype} and {group_size}"
+        )
+    cfg = config or config_for("int4", n, k, x.device)
+    subs = cfg.block_k // PLANAR_BLOCK
+    if subs < 1 or cfg.block_k % PLANAR_BLOCK:
+        raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
+    split_blocks = triton.cdiv(triton.cdiv(kb, cfg.split_k), subs) * subs
+    partials, counters = _scratch(x, n, cfg, workspace)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
+    common = dict(
+        GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs, SPLIT_K=cfg.split_k,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None,
+        **_launch_meta(cfg),
+    )  # fmt: skip
+    if (cfg.packed or fused) and packable:
+        _int4_gemv_f16x2_kernel[grid](
+            x, qweight, meta, bias if bias is not None else x, out, partials, counters,
+            norm_weight if norm else x, residual if residual is not None else x,
+            residual_out if residual_out is not None else x, float(eps), n, k, kb,
+            split_blocks, PTX=not triton.knobs.runtime.interpret, ACT=activation is not None,
+            NORM=norm, HAS_RESIDUAL=residual is not None,
+            NORM_BLOCK=min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1, **common,
+        )  # fmt: skip
+        return out
+    _int4_gemv_kernel[grid](
+        x, qweight, meta, bias if bias is not None else x, out, partials, counters, n, k, kb,
+        groups, split_blocks, MAGIC_BITS, **common,
+    )  # fmt: skip
+    return out
