@@ -23,18 +23,32 @@ clocks() {
 clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
     smi=$!
 }
+# The logs and JSON so far, packed after every step (a call cut short still brings them back).
+pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
 clocks
 if [ "$part" = 1 ]; then
     TAIL=8 step 120 pytest_gemv python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
         -p no:cacheprovider
+    pack
 fi
 TAIL=40 step 220 quant_kernels python benchmarks/quant_kernels.py --methods bf16,int4 --rows 1 \
     --write-config --out "$OUT/r/quant_kernels_int4_packed_p${part}_cuda.json"
 cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
-TAIL=12 step 150 int4_kernels python benchmarks/kernel_timings.py --kernels int4_gemv,skinny_linear \
-    --out "$OUT/r/kernels_int4_p${part}_cuda.json"
+pack
 TAIL=12 step 240 quantization python benchmarks/quantization.py --methods float,int4 \
     --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_packed_p${part}_cuda.json"
+pack
+# The same batch-1 int4 decode with the previous commit's code (69e2e8d: float32 GEMVs, no
+# fused norms), carried in .gpu/prev (`git archive 69e2e8d braid benchmarks/...`): the
+# baseline in the same run.
+if [ -d .gpu/prev ]; then
+    PYTHONPATH=$PWD/.gpu/prev:${PYTHONPATH:-} TAIL=6 step 150 quantization_prev \
+        python .gpu/prev/benchmarks/quantization.py --methods int4 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_int4_prev_p${part}_cuda.json"
+    pack
+fi
+TAIL=14 step 150 int4_kernels python benchmarks/kernel_timings.py --kernels int4_gemv \
+    --out "$OUT/r/kernels_int4_p${part}_cuda.json"
 kill "$smi"
-(cd "$OUT" && tar czf logs.tgz ./*.log r)
+pack
