@@ -30,6 +30,9 @@ clocks
 if [ "$part" = 1 ]; then
     TAIL=8 step 120 pytest_gemv python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
         -p no:cacheprovider
+    # The CPU tests of the packed form, its prologues and the fused int4 layer, on CUDA.
+    TAIL=6 step 120 pytest_packed python -m pytest -q tests/kernels/test_quant_gemv.py \
+        -k "pairs or fused or prologue" -p no:cacheprovider
     pack
 fi
 TAIL=40 step 220 quant_kernels python benchmarks/quant_kernels.py --methods bf16,int4 --rows 1 \
