@@ -280,28 +280,13 @@ def test_the_planar_form_holds_the_same_weights(perm):
 
 
 def test_a_quantized_model_takes_no_fused_float_kernel():
-    """In a quantized model the one-token forward goes through the methods' `one_row`
-    kernels, and a layer whose methods have none (w8a16) runs its own path (None)."""
-    import types
-
-    from braid.runtime.layers.fusion import _quantized_one_row
-
     method = select_quantization(None, "w8a16", dummy=False)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    float_forward = select_one_row_forward(cuda, bf16)
-    assert float_forward is not None and float_forward is not _quantized_one_row
+    assert select_one_row_forward(cuda, bf16) is not None
     assert select_silu_mul_down(cuda, bf16) is not silu_mul_down
     with building(method):
-        assert select_one_row_forward(cuda, bf16) is _quantized_one_row
+        assert select_one_row_forward(cuda, bf16) is None
         assert select_silu_mul_down(cuda, bf16) is silu_mul_down
-    spec = LinearSpec("layer", 128, {None: (0, 128)}, bf16, CPU)
-    proj = types.SimpleNamespace(method=method.linear_method(spec, ("layer",)), bias=None)
-    assert proj.method.one_row is None
-    layer = types.SimpleNamespace(
-        self_attn=types.SimpleNamespace(qkv_proj=proj),
-        mlp=types.SimpleNamespace(gate_up_proj=proj, down_proj=proj),
-    )
-    assert _quantized_one_row(layer, None, None, None, None, None) is None
 
 
 @pytest.mark.parametrize("method", METHODS)

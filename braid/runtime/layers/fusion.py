@@ -8,10 +8,9 @@ fusions and the same rounding points.
 - `select_one_row_forward`: a whole pre-norm decoder layer for one token on CUDA in 16 bits,
   each RMSNorm inside the projection after it.
 
-Both read the projections' float `.weight`. A model built for quantized weights
-(`quantization.base.building` with a method) gets the one-row forward through its layers'
-methods instead (`_quantized_one_row`), where each of qkv, gate_up and down offers a fused
-one-row kernel (`LinearMethod.one_row`: int4 on CUDA), else its layers' own path.
+Both read the projections' float `.weight`, so a model built for quantized weights
+(`quantization.base.building` with a method) gets neither: its layers run their own path, each
+projection through its quantization method.
 """
 
 from __future__ import annotations
@@ -117,14 +116,13 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
     projections may add in another order). Under tensor parallelism the row-parallel
     projections' partial sums are all-reduced after their kernels, as their own forward does.
     Both costs were measured on an H200 with `benchmarks/kernel_timings.py` and
-    `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind design choices). In a model
-    built for quantized weights, `_quantized_one_row`, which returns None (the layer then runs
-    its own path) where a projection's method has no fused one-row kernel.
+    `benchmarks/gpu_step.py` (docs/benchmarks.md, Figures behind design choices). None in a
+    model built for quantized weights.
     """
     if not FUSE_ONE_ROW or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     if building_quantized() is not None:
-        return _quantized_one_row
+        return None
     from braid.kernels.skinny_gemm import skinny_linear
 
     def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
@@ -145,32 +143,3 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
         return mlp.silu_mul_down(gate_up, mlp.down_proj), residual
 
     return forward
-
-
-def _quantized_one_row(layer: PreNormDecoderLayer, x, residual, cos_sin, batch, attn):
-    """`select_one_row_forward`'s forward through quantized projections: each RMSNorm (with
-    its residual add) fused into qkv's and gate_up's `method.one_row`, the activation into
-    down's, o_proj its own layer; the rounding points of the unfused path. None where qkv,
-    gate_up or down has no `one_row` (a float layer the checkpoint left unquantized, GPTQ's
-    act-order, a group that is not whole 128-input blocks)."""
-    sa, mlp = layer.self_attn, layer.mlp
-    fused = [p.method.one_row if p.method is not None else None for p in (
-        sa.qkv_proj, mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
-    if None in fused:
-        return None
-    qkv_row, gate_up_row, down_row = fused
-
-    def norm_then(row, proj: Linear, norm: RMSNorm, h: torch.Tensor, residual):
-        w = dict(norm_weight=norm.weight, eps=norm.eps)
-        if residual is None:
-            return row(h, proj.bias, **w), h
-        new = torch.empty_like(h)
-        return row(h, proj.bias, **w, residual=residual, residual_out=new), new
-
-    qkv, residual = norm_then(qkv_row, sa.qkv_proj, layer.input_layernorm, x, residual)
-    h = sa.o_proj(sa.attend(qkv, cos_sin, batch, attn))
-    gate_up, residual = norm_then(
-        gate_up_row, mlp.gate_up_proj, layer.post_attention_layernorm, h, residual
-    )
-    down = mlp.down_proj
-    return down.reduce(down_row(gate_up, down.bias, activation="silu_and_mul")), residual

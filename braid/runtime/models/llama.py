@@ -112,9 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos_sin, batch, attn):
         if self.one_row is not None and x.dim() == 2 and x.shape[0] == 1:
-            out = self.one_row(self, x, residual, cos_sin, batch, attn)
-            if out is not None:  # None: a quantized layer without fused kernels
-                return out
+            return self.one_row(self, x, residual, cos_sin, batch, attn)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)

@@ -72,11 +72,6 @@ class LinearMethod(ABC):
         self._kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = (
             self._reference_kernel
         )
-        # Set by `finish_loading` where the device's one-row kernel fuses `skinny_linear`'s
-        # prologues: `one_row(x [1, K], bias, activation=None, norm_weight=None, eps=...,
-        # residual=None, residual_out=None)` with `int4_gemv`'s meaning of each (for
-        # `layers.fusion.select_one_row_forward`); None where it does not.
-        self.one_row: Callable[..., torch.Tensor] | None = None
 
     @abstractmethod
     def create_weights(self) -> dict[str, nn.Parameter]:

@@ -12,9 +12,7 @@ quantized as it loads instead (round to nearest with a zero point, AutoAWQ's for
   checkpoints' dtype, so the weights are exactly the checkpoint's in any model dtype), and by
   rows per call: one row, the split-K GEMV (`braid.kernels.int4_gemv.int4_gemv`); up to
   `quant_planar.DEQUANTIZE_MIN_ROWS`, the Triton GEMM (`int4_planar_linear`); more, the weight
-  dequantized to the model's dtype (each weight rounded once) then cuBLAS. In a 16-bit model
-  with groups of whole 128-input blocks and no act-order permutation, `one_row` also offers
-  the GEMV with the norm or activation before it fused (`layers.fusion`);
+  dequantized to the model's dtype (each weight rounded once) then cuBLAS;
 - CPU: torch's int4 weight-packed matmul (`_weight_int4pack_mm_for_cpu`, bfloat16 in and
   out), whose weight is (q - 8) * scale + offset per group: the offset (8 - zero) * scale is
   rounded to bfloat16, and so is the scale, so its weights differ from the checkpoint's by up
@@ -235,12 +233,6 @@ class Int4LinearMethod(WeightOnlyMethod):
             return torch.nn.functional.linear(x, weight, bias)
 
         self._kernel = run
-        if perm is None and group % 128 == 0 and self.spec.dtype != torch.float32:
-
-            def one_row(x: torch.Tensor, bias: torch.Tensor | None, **prologue) -> torch.Tensor:
-                return int4_gemv(x, qweight, meta, group, bias, workspace=workspace, **prologue)
-
-            self.one_row = one_row
         return _kept(qweight=qweight, meta=meta, perm=perm)
 
     def _use_cpu(self, w: Int4Weights) -> dict[str, nn.Parameter]:
