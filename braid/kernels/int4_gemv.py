@@ -11,7 +11,10 @@ float exponent: the planar layout puts nibble p of every word at the same bits, 
 mask per plane replaces a shift per code), one FADD (remove the exponent's offset and the zero:
 exact `code - zero`) and one FFMA; the scale once per group. About 4.4 instructions per weight
 on sm_90 (`benchmarks/sass_counts.py`), about what the SMs can issue while the weights stream
-in at the copy rate.
+in at the copy rate. Yet the packed form below, at 2.6, ran within 6% of it at every
+Llama-3.1-8B shape on an H100 (0.39-0.64 of the copy rate either way: bytes in flight, launch
+and tail bound them, not issue), so the measured table (`configs/quant_gemv.json`) picks the
+form per shape (docs/benchmarks.md).
 
 **The packed form** (`_int4_gemv_f16x2_kernel`, bfloat16 and float16 activations, groups of
 whole 128-input blocks as AWQ's and GPTQ's 128): two weights per instruction. Per 32-bit word
