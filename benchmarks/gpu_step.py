@@ -3,6 +3,7 @@
     python benchmarks/gpu_step.py                  # Llama-3.1-8B shapes, batch 1, 128-token context
     python benchmarks/gpu_step.py --batch 32 --context 1024
     python benchmarks/gpu_step.py --extend 16x512      # one prefill step of 16 prompts of 512
+    python benchmarks/gpu_step.py --method int4        # random weights quantized (quantization.py)
 
 With dummy bf16 weights it reports, in one run:
 - `graph_ms`: replaying the captured decode graph alone (CUDA events): the forward's GPU time;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -160,11 +162,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--extend", default=None, metavar="BxL", help="time prefill steps instead")
+    ap.add_argument(
+        "--method", default="float", help="float, int4, int8 or fp8 (as benchmarks/quantization.py)"
+    )
+    ap.add_argument("--group-size", type=int, default=128, help="int4's group")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_step.py: needs a CUDA device")
     model_dir = Path(args.model)
+    if args.method != "float":
+        from benchmarks.quantization import method_dir
+
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = method_dir(Path(tmp.name), model_dir, args.method, args.group_size)
     cfg = ModelConfig.from_dir(model_dir)
     cost = ModelCost.of(cfg, torch.bfloat16)
     copy = copy_bandwidth("cuda")
@@ -213,14 +224,20 @@ def main() -> None:
         return
     sched = build_scheduler(config, model_dir, frozenset())
     n, ctx, steps = args.batch, args.context, args.steps
+    # What the model holds as loaded (a quantized model's packed weights and scales).
+    weight_bytes = cost.weight_bytes
+    if args.method != "float":
+        model = sched.runner.model
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     res = {
-        "model": model_dir.name,
+        "model": Path(args.model).name,
+        "method": args.method,
         "batch": n,
         "context": ctx,
         "steps": steps,
         "copy_bandwidth": copy,
-        "weight_bytes": cost.weight_bytes,
-        "roofline_ms": cost.weight_bytes / copy["bytes_per_s"] * 1e3,
+        "weight_bytes": weight_bytes,
+        "roofline_ms": weight_bytes / copy["bytes_per_s"] * 1e3,
         "graph_ms": graph_ms(sched, n, ctx, steps),
         "step_ms_overlap": step_ms(sched, n, ctx, steps, overlap=True),
         "step_ms_no_overlap": step_ms(sched, n, ctx, steps, overlap=False),
