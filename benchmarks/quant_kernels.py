@@ -67,6 +67,11 @@ INT4_SWEEP = [
     (64, 256, 4, 2, 2),
     (128, 256, 8, 2, 2),
     (64, 512, 8, 2, 2),
+    # Deeper pipelines at the float32 form's H100 pick for gate_up (128, 256, 4, 4, 2): at 250
+    # registers two programs share an SM, one tile each in flight with 2 stages.
+    (128, 256, 4, 4, 3),
+    (128, 256, 4, 4, 4),
+    (128, 128, 4, 4, 4),
 ]
 # int4 in float16 pairs (GemvConfig.packed, `int4_gemv_f16x2`): 8 or 16 rows a thread (its
 # per-row scale and zero and per-column input scaling shared by more words), and K split
@@ -91,6 +96,8 @@ INT4_PACKED_SWEEP = [
     (256, 128, 16, 4, 3),
     (128, 256, 8, 4, 2),
     (128, 256, 8, 4, 3),
+    (256, 128, 4, 4, 4),
+    (512, 128, 4, 4, 3),
 ]
 BYTE_SWEEP = [
     (16, 512, 1, 4, 3),
