@@ -25,15 +25,25 @@ pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
 clocks
 if [ "$part" = 1 ]; then
-    TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py --methods bf16,int4 \
-        --rows 1 --write-config --out "$OUT/r/quant_kernels_int4_h200_p${part}_cuda.json"
+    # PDL (braid/kernels/pdl.py): the int4 GEMV starts while the kernel before it runs, asks
+    # L2 for its weights, then waits. Its GPU tests (the CUDA-graph one included) run with it.
+    TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py tests/kernels/test_pdl.py \
+        tests/kernels/test_elementwise.py -p no:cacheprovider
+    pack
+    BRAID_PDL=0 TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py \
+        --methods bf16,int4 --rows 1 --write-config \
+        --out "$OUT/r/quant_kernels_int4_h200_p${part}_cuda.json"
     cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
     pack
     TAIL=12 step 200 quantization python benchmarks/quantization.py --methods float,int4 \
-        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_h200_p${part}_cuda.json"
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_pdl_p${part}_cuda.json"
     pack
-    for m in int4 float fp8; do
-        TAIL=34 step 110 "gpu_step_$m" python benchmarks/gpu_step.py --method "$m" --steps 100 \
+    BRAID_PDL=0 TAIL=6 step 120 quantization_nopdl python benchmarks/quantization.py \
+        --methods int4 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_int4_nopdl_p${part}_cuda.json"
+    pack
+    for m in int4 float; do
+        TAIL=34 step 100 "gpu_step_$m" python benchmarks/gpu_step.py --method "$m" --steps 100 \
             --out "$OUT/r/gpu_step_${m}_p${part}_cuda.json"
         pack
     done

@@ -5,10 +5,15 @@ disassembled by the `cuobjdump` in Triton's wheel, and the largest loop's instru
 
     python benchmarks/sass_counts.py                   # the int4 GEMVs and decode attention
     python benchmarks/sass_counts.py --kernels int4    # one family
+    python benchmarks/sass_counts.py --kernels pdl     # where PDL's wait and trigger sit
 
 Per thread, one loop trip; `per_weight` = loop instructions x threads / weights a trip reads
 (GEMVs), `per_key` = the same per key and KV head (decode attention). Also the registers and
-local-memory spills of the whole kernel. The counts depend on Triton's version (the GPU
+local-memory spills of the whole kernel. The `pdl` family instead checks the order of the
+kernels built for programmatic dependent launch (`braid/kernels/pdl.py`): in the int4 GEMVs
+the L2 prefetches (CCTL.PF2) come before the wait (ACQBULK) and no global load, store or
+atomic before it, no branch jumps past it; in the kernels that trigger (PREEXIT), the trigger
+comes before their first load. The counts depend on Triton's version (the GPU
 machine's is 3.6.0): the JSON records it. Writes benchmarks/results/sass_counts_<version>.json.
 
 What a count is for: at the copy rate an H200 streams about 8.5e12 int4 weights a second and
@@ -95,12 +100,32 @@ INT4_PACKED = [(512, 128, 8, 4, 2), (256, 128, 8, 4, 3), (1024, 128, 8, 8, 2)]
 PROLOGUES = [{"ACT": True}, {"NORM": True, "HAS_RESIDUAL": True, "NORM_BLOCK": 4096}]
 
 
+_INT4_POINTERS = {"X": "*bf16", "Q": "*i32", "Meta": "*i32", "Bias": "*bf16", "Out": "*bf16"}
+_INT4_POINTERS |= {"Partials": "*fp32", "Counters": "*i32"}
+_INT4_POINTERS |= {"NormW": "*bf16", "Residual": "*bf16", "ResidualOut": "*bf16"}
+
+
+def _int4_signature(fn, values: dict) -> tuple[dict, dict, list[str]]:
+    """(signature, constexprs, 16-divisible arguments) of an int4 GEMV kernel."""
+    sig, consts, div = {}, {}, []
+    for p in inspect.signature(fn.fn).parameters:
+        if p in _INT4_POINTERS:
+            sig[p] = _INT4_POINTERS[p]
+            div.append(p)
+        elif p in values:
+            sig[p], consts[p] = "constexpr", values[p]
+        elif p == "eps":
+            sig[p] = "fp32"
+        else:  # sizes and the magic constant
+            sig[p] = "i32"
+            if p != "magic":
+                div.append(p)
+    return sig, consts, div
+
+
 def int4_rows() -> list[dict]:
     from braid.kernels.int4_gemv import _int4_gemv_f16x2_kernel, _int4_gemv_kernel
 
-    pointers = {"X": "*bf16", "Q": "*i32", "Meta": "*i32", "Bias": "*bf16", "Out": "*bf16"}
-    pointers |= {"Partials": "*fp32", "Counters": "*i32"}
-    pointers |= {"NormW": "*bf16", "Residual": "*bf16", "ResidualOut": "*bf16"}
     plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
     cases = [(_int4_gemv_kernel, c, {}, "int4 float32") for c in INT4_FLOAT32]
     cases += [(_int4_gemv_f16x2_kernel, c, plain, "int4 f16x2") for c in INT4_PACKED]
@@ -109,23 +134,10 @@ def int4_rows() -> list[dict]:
         cases.append((_int4_gemv_f16x2_kernel, INT4_PACKED[0], plain | extra, label))
     rows = []
     for fn, (bn, bk, split, warps, stages), extra, name in cases:
-        params = list(inspect.signature(fn.fn).parameters)
         values = {"GROUP": 128, "BLOCK_N": bn, "SUBS": bk // 128, "SPLIT_K": split}
         values |= {"EVEN_N": True, "EVEN_K": True, "HAS_BIAS": False, "STAGES": stages}
-        values |= {"PTX": True} | extra
-        sig, consts, div = {}, {}, []
-        for p in params:
-            if p in pointers:
-                sig[p] = pointers[p]
-                div.append(p)
-            elif p in values:
-                sig[p], consts[p] = "constexpr", values[p]
-            elif p == "eps":
-                sig[p] = "fp32"
-            else:  # sizes and the magic constant
-                sig[p] = "i32"
-                if p != "magic":
-                    div.append(p)
+        values |= {"PTX": True, "PDL": False, "PREFETCH_LINES": 1} | extra
+        sig, consts, div = _int4_signature(fn, values)
         sass, regs, spills = compile_sm90(fn, sig, consts, div, warps)
         label = f"{name} {bn}x{bk} split {split} w{warps} s{stages}"
         rows.append(_row(label, sass, regs, spills, "per_weight", bn * bk, 32 * warps))
@@ -168,14 +180,94 @@ def decode_rows() -> list[dict]:
     return rows
 
 
+# Opcodes that read or write global memory: what a kernel launched with PDL may not run before
+# its wait.
+GLOBAL_OPS = {"LDG", "LDGSTS", "STG", "ATOM", "ATOMG", "RED", "LD", "ST", "LDGDEPBAR"}
+
+
+def pdl_order(sass: str) -> dict:
+    """Where the PDL instructions sit in program order: the wait (ACQBULK), the trigger
+    (PREEXIT), the L2 prefetches (CCTL) and the global memory operations before the wait,
+    branches that jump over the wait, and the first global operation's index."""
+    lines = [(int(m.group(1), 16), m.group(3), m.group(5)) for m in _INSTR.finditer(sass)]
+    ops = [op for _, op, _ in lines]
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    triggers = [i for i, op in enumerate(ops) if op == "PREEXIT"]
+    wait = waits[0] if waits else len(ops)
+    memory = [i for i, op in enumerate(ops) if op in GLOBAL_OPS]
+    jumps = 0
+    if waits:
+        for _, op, args in lines[:wait]:
+            target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+            jumps += bool(target and int(target.group(1), 16) > lines[wait][0])
+    return {
+        "waits": len(waits),
+        "wait_at": waits[0] if waits else None,
+        "triggers": len(triggers),
+        "trigger_at": triggers[0] if triggers else None,
+        "prefetches_before_wait": sum(op == "CCTL" for op in ops[:wait]) if waits else 0,
+        "memory_before_wait": [ops[i] for i in memory if i < wait] if waits else [],
+        "branches_past_wait": jumps,
+        "first_memory_at": memory[0] if memory else None,
+    }
+
+
+def pdl_rows() -> list[dict]:
+    """The int4 GEMVs built with PDL and without, and the kernels that trigger."""
+    from braid.kernels.activation import _silu_and_mul_kernel
+    from braid.kernels.attention_decode import _decode_stage2
+    from braid.kernels.int4_gemv import _int4_gemv_f16x2_kernel, _int4_gemv_kernel
+    from braid.kernels.norm import _rmsnorm_kernel
+
+    rows = []
+    plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
+    norm = {"ACT": False, "NORM": True, "HAS_RESIDUAL": True, "NORM_BLOCK": 4096}
+    gemvs = [
+        (_int4_gemv_kernel, {}, "int4 float32"),
+        (_int4_gemv_f16x2_kernel, plain, "int4 f16x2"),
+    ]
+    gemvs.append((_int4_gemv_f16x2_kernel, norm, "int4 f16x2 rmsnorm+residual"))
+    for fn, extra, name in gemvs:
+        for on in (True, False):
+            values = {"GROUP": 128, "BLOCK_N": 256, "SUBS": 1, "SPLIT_K": 8, "EVEN_N": True}
+            values |= {"EVEN_K": True, "HAS_BIAS": False, "STAGES": 3, "PTX": True}
+            values |= {"PDL": on, "PREFETCH_LINES": 2} | extra
+            sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
+            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
+    bf16 = "*bf16"
+    norm_pointers = {"X": bf16, "Residual": bf16, "W": bf16, "Out": bf16, "NewResidual": bf16}
+    triggers = [
+        (_rmsnorm_kernel, norm_pointers,
+         {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True}, 16, "rmsnorm"),
+        (_silu_and_mul_kernel, {"X": bf16, "Out": bf16}, {"D": 14336, "BLOCK": 1024}, 4,
+         "silu_and_mul"),
+        (_decode_stage2, {"MidO": "*fp32", "MidLse": "*fp32", "O": bf16},
+         {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8, "BLOCK_S": 8}, 4, "decode_stage2"),
+    ]  # fmt: skip
+    for fn, pointers, values, warps, name in triggers:
+        sig, consts = {}, {}
+        for p in inspect.signature(fn.fn).parameters:
+            if p in pointers:
+                sig[p] = pointers[p]
+            elif p in values or p == "TRIGGER":
+                sig[p], consts[p] = "constexpr", values.get(p, True)
+            else:
+                sig[p] = "fp32" if p == "eps" else "i32"
+        sass, _, _ = compile_sm90(fn, sig, consts, list(pointers), warps)
+        rows.append({"kernel": f"{name} trigger=True"} | pdl_order(sass))
+    for row in rows:
+        print(json.dumps(row))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--kernels", default="int4,decode", help="comma-separated: int4, decode")
+    ap.add_argument("--kernels", default="int4,decode", help="comma-separated: int4, decode, pdl")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     import triton
 
-    families = {"int4": int4_rows, "decode": decode_rows}
+    families = {"int4": int4_rows, "decode": decode_rows, "pdl": pdl_rows}
     rows = [row for name in args.kernels.split(",") for row in families[name]()]
     out = Path(args.out or RESULTS / f"sass_counts_triton{triton.__version__}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

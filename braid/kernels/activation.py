@@ -6,12 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
 from braid.kernels.reference import silu_and_mul_reference as silu_and_mul_reference
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    X, Out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr
+):
+    pdl.trigger(TRIGGER)  # the down projection after may start loading its weights (`pdl`)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -40,6 +44,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(next_pow2(d), 1024)
         o2 = out.view(-1, d)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, o2, x2.stride(0), o2.stride(0), D=d, BLOCK=block, num_warps=4
-        )
+            x2, o2, x2.stride(0), o2.stride(0), D=d, BLOCK=block,
+            TRIGGER=pdl.enabled(x.device), num_warps=4,
+        )  # fmt: skip
     return out

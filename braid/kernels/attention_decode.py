@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import (
     FLOAT_DTYPES,
     LOG2E,
@@ -257,7 +258,9 @@ def _decode_stage2(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    pdl.trigger(TRIGGER)  # o_proj after may start loading its weights (`braid.kernels.pdl`)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -507,6 +510,7 @@ def decode_attention(
         BLOCK_D=block_d,
         NUM_SPLITS=num_kv_splits,
         BLOCK_S=max(2, next_pow2(num_kv_splits)),
+        TRIGGER=pdl.enabled(q.device),
         num_warps=4 if block_d <= 128 else 8,
     )
     return out

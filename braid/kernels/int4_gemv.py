@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_shape, check_tensor
 from braid.kernels.gemv_split import _finish
 from braid.kernels.quant_gemm import MAGIC_BITS
@@ -72,6 +73,10 @@ from braid.kernels.skinny_gemm import (
 
 __all__ = ["int4_gemv"]
 
+# Lines of 128 bytes per weight row a program asks L2 for before it waits under PDL: up to
+# its whole split (gate_up's 8 blocks at split 4), 4 prefetches a row at most.
+MAX_PREFETCH_LINES = 4
+
 
 @triton.jit
 def _plane(words, hi, P: tl.constexpr, zero, magic):
@@ -88,6 +93,22 @@ def _plane(words, hi, P: tl.constexpr, zero, magic):
     bits = (src & (0xF << (4 * J))) | (magic - ((4 * J) << 23))
     offset = zero + 12582912.0 / (16.0**J)
     return bits.to(tl.float32, bitcast=True) - offset[:, None]
+
+
+@triton.jit
+def _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL: tl.constexpr,
+                       LINES: tl.constexpr):  # fmt: skip
+    """Under PDL (`braid.kernels.pdl`): ask L2 for this program's first weights (LINES lines
+    of 128 bytes, two 128-input blocks each, of every row of its split: words no kernel
+    writes), then wait for the kernel before to end. x, the norm's residual and the split-K
+    counters are touched only after."""
+    if PDL:
+        start = tl.minimum(first, KB - 1)
+        last = start + tl.minimum(SPLIT_BLOCKS, KB - start) - 1
+        blocks = tl.minimum(start + 2 * tl.arange(0, LINES), last)
+        safe = tl.where(rmask, rows, 0).to(tl.int64)
+        pdl.prefetch_l2(Q + safe[:, None] * (KB * 16) + blocks[None, :] * 16)
+        pdl.wait(PDL)
 
 
 @triton.jit
@@ -113,6 +134,8 @@ def _int4_gemv_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     # Planes per group segment: a group spans whole 128-input blocks, or whole planes of one.
     PPS: tl.constexpr = 8 if GROUP % 128 == 0 else (GROUP // 16 if 128 % GROUP == 0 else 1)
@@ -121,6 +144,7 @@ def _int4_gemv_kernel(
     w16 = tl.arange(0, 16)
     q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
     first = tl.program_id(1) * SPLIT_BLOCKS
+    _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL, PREFETCH_LINES)
     end = tl.minimum(first + SPLIT_BLOCKS, KB)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
@@ -291,15 +315,18 @@ def _int4_gemv_f16x2_kernel(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
-    rstd = 1.0
-    if NORM:
-        rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, NORM_BLOCK)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w16 = tl.arange(0, 16)
     q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
     first = tl.program_id(1) * SPLIT_BLOCKS
+    _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL, PREFETCH_LINES)
+    rstd = 1.0
+    if NORM:
+        rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, NORM_BLOCK)
     end = tl.minimum(first + SPLIT_BLOCKS, KB)
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
@@ -441,10 +468,13 @@ def int4_gemv(
     partials, counters = _scratch(x, n, cfg, workspace)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
+    use_pdl = pdl.enabled(x.device)
+    lines = min(triton.next_power_of_2(triton.cdiv(split_blocks, 2)), MAX_PREFETCH_LINES)
     common = dict(
         GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs, SPLIT_K=cfg.split_k,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None,
-        **_launch_meta(cfg),
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None, PDL=use_pdl,
+        PREFETCH_LINES=lines if use_pdl else 1,
+        **_launch_meta(cfg), **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     if (cfg.packed or fused) and packable:
         _int4_gemv_f16x2_kernel[grid](

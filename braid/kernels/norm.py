@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import FLOAT_DTYPES, check_contiguous, check_tensor, next_pow2
 from braid.kernels.reference import rmsnorm_reference as rmsnorm_reference
 
@@ -33,7 +34,9 @@ def _rmsnorm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    pdl.trigger(TRIGGER)  # the projection after may start loading its weights (`pdl`)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -110,6 +113,7 @@ def rmsnorm(
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=r2 is not None,
+            TRIGGER=pdl.enabled(x.device),
             num_warps=min(max(block // 256, 1), 16),
         )
     return out if new_res is None else (out, new_res)
