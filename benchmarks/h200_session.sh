@@ -5,12 +5,13 @@
 # pillow, then the image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe
 # filelock cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
 # Earlier sessions' parts are in this file's git history (the eleventh's: dcf77a9).
-#   part 1 (issue 18: int4 batch-1 decode at 1.44-1.49x bf16 on the H200 against 2.5x; 1.81x on
-#          the H100, where the packed float16-pairs GEMV was within 6% of the float32 form): the
-#          one-row int4 sweep of both forms on the H200 (with the deeper pipelines the H100 never
-#          ran) and its choices recorded; where the batch-1 step's time goes, kernel by kernel,
-#          for bf16, int4 and fp8 (gpu_step.py --method); batch-1 decode bf16 against int4
-#          through braid.LLM with the recorded choices
+#   part 1 (issue 18: int4 batch-1 decode at 1.44-1.49x bf16 on the H200 against 2.5x, fp8 at
+#          1.37x against 1.7x; 1.81x int4 on the H100, where the packed float16-pairs GEMV was
+#          within 6% of the float32 form): batch-1 decode bf16, int4 and fp8 with programmatic
+#          dependent launch (braid/kernels/pdl.py), then int4 and fp8 without it (BRAID_PDL=0);
+#          the one-row int4 sweep of both forms on the H200 (with the deeper pipelines the H100
+#          never ran), its choices recorded and int4 decode again with them; where the int4
+#          batch-1 step's time goes, kernel by kernel (gpu_step.py --method int4)
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -25,28 +26,28 @@ pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
 clocks
 if [ "$part" = 1 ]; then
-    # PDL (braid/kernels/pdl.py): the int4 GEMV starts while the kernel before it runs, asks
-    # L2 for its weights, then waits. Its GPU tests (the CUDA-graph one included) run with it.
-    TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py tests/kernels/test_pdl.py \
-        tests/kernels/test_elementwise.py -p no:cacheprovider
+    # PDL (braid/kernels/pdl.py): the one-row GEMVs start while the kernel before them runs,
+    # ask L2 for their weights, then wait. Their GPU tests (CUDA graphs included) run with it.
+    TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+        tests/kernels/test_pdl.py tests/kernels/test_elementwise.py -p no:cacheprovider
+    pack
+    TAIL=14 step 220 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
+    pack
+    BRAID_PDL=0 TAIL=10 step 160 quantization_nopdl python benchmarks/quantization.py \
+        --methods int4,fp8 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_nopdl_p${part}_cuda.json"
     pack
     BRAID_PDL=0 TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py \
         --methods bf16,int4 --rows 1 --write-config \
         --out "$OUT/r/quant_kernels_int4_h200_p${part}_cuda.json"
     cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
     pack
-    TAIL=12 step 200 quantization python benchmarks/quantization.py --methods float,int4 \
-        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_pdl_p${part}_cuda.json"
+    TAIL=8 step 120 quantization_tuned python benchmarks/quantization.py --methods int4 \
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_tuned_p${part}_cuda.json"
     pack
-    BRAID_PDL=0 TAIL=6 step 120 quantization_nopdl python benchmarks/quantization.py \
-        --methods int4 --batch-sizes 1 --repeats 2 \
-        --out "$OUT/r/quantization_int4_nopdl_p${part}_cuda.json"
-    pack
-    for m in int4 float; do
-        TAIL=34 step 100 "gpu_step_$m" python benchmarks/gpu_step.py --method "$m" --steps 100 \
-            --out "$OUT/r/gpu_step_${m}_p${part}_cuda.json"
-        pack
-    done
+    TAIL=34 step 100 gpu_step_int4 python benchmarks/gpu_step.py --method int4 --steps 100 \
+        --out "$OUT/r/gpu_step_int4_p${part}_cuda.json"
 fi
 kill "$smi"
 pack

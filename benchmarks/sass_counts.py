@@ -218,6 +218,7 @@ def pdl_rows() -> list[dict]:
     from braid.kernels.attention_decode import _decode_stage2
     from braid.kernels.int4_gemv import _int4_gemv_f16x2_kernel, _int4_gemv_kernel
     from braid.kernels.norm import _rmsnorm_kernel
+    from braid.kernels.quant_gemv import _fp8_gemv_kernel, _int8_gemv_kernel
 
     rows = []
     plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
@@ -235,6 +236,27 @@ def pdl_rows() -> list[dict]:
             sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     bf16 = "*bf16"
+    byte_pointers = {"X": bf16, "Scales": "*fp32", "Bias": bf16, "Out": bf16}
+    byte_pointers |= {"Partials": "*fp32", "Counters": "*i32"}
+    for fn, weight, extra, name in (
+        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": True}, "fp8 dot"),
+        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": False}, "fp8"),
+        (_int8_gemv_kernel, "*i8", {}, "int8"),
+    ):
+        for on in (True, False):
+            pointers = byte_pointers | {"W": weight}
+            values = {"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "HAS_BIAS": False}
+            values |= {"STAGES": 3, "PDL": on, "PREFETCH_LINES": 4} | extra
+            sig, consts = {}, {}
+            for p in inspect.signature(fn.fn).parameters:
+                if p in pointers:
+                    sig[p] = pointers[p]
+                elif p in values:
+                    sig[p], consts[p] = "constexpr", values[p]
+                else:
+                    sig[p] = "fp32" if p == "min_scale" else "i32"
+            sass, _, _ = compile_sm90(fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)
+            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     norm_pointers = {"X": bf16, "Residual": bf16, "W": bf16, "Out": bf16, "NewResidual": bf16}
     triggers = [
         (_rmsnorm_kernel, norm_pointers,

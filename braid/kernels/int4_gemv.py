@@ -73,10 +73,6 @@ from braid.kernels.skinny_gemm import (
 
 __all__ = ["int4_gemv"]
 
-# Lines of 128 bytes per weight row a program asks L2 for before it waits under PDL: up to
-# its whole split (gate_up's 8 blocks at split 4), 4 prefetches a row at most.
-MAX_PREFETCH_LINES = 4
-
 
 @triton.jit
 def _plane(words, hi, P: tl.constexpr, zero, magic):
@@ -468,13 +464,10 @@ def int4_gemv(
     partials, counters = _scratch(x, n, cfg, workspace)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
-    use_pdl = pdl.enabled(x.device)
-    lines = min(triton.next_power_of_2(triton.cdiv(split_blocks, 2)), MAX_PREFETCH_LINES)
     common = dict(
         GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs, SPLIT_K=cfg.split_k,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None, PDL=use_pdl,
-        PREFETCH_LINES=lines if use_pdl else 1,
-        **_launch_meta(cfg), **({"launch_pdl": True} if use_pdl else {}),
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None,
+        **_launch_meta(cfg, x.device, split_blocks * 64),
     )  # fmt: skip
     if (cfg.packed or fused) and packable:
         _int4_gemv_f16x2_kernel[grid](

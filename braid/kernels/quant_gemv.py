@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import (
     FLOAT_DTYPES,
     check_contiguous,
@@ -176,6 +177,20 @@ class GemvWorkspace:
 
 
 @triton.jit
+def _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL: tl.constexpr,
+                       LINES: tl.constexpr):  # fmt: skip
+    """Under PDL (`braid.kernels.pdl`): ask L2 for the first LINES lines of this program's
+    split of each of its rows (weights: no kernel writes them), then wait for the kernel
+    before to end. x, the outputs and the split-K counters are touched only after."""
+    if PDL:
+        last = tl.maximum(tl.minimum(first + SPLIT_LEN, K) - 1, 0)
+        cols = tl.minimum(first + 128 * tl.arange(0, LINES), last)
+        safe = tl.where(rmask, rows, 0).to(tl.int64)
+        pdl.prefetch_l2(W + safe[:, None] * K + cols[None, :])
+        pdl.wait(PDL)
+
+
+@triton.jit
 def _int8_gemv_kernel(
     X,
     W,
@@ -192,12 +207,15 @@ def _int8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     offs = tl.arange(0, BLOCK_K)
     w_rows = W + rows.to(tl.int64)[:, None] * K
     first = tl.program_id(1) * SPLIT_LEN
+    _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
     end = tl.minimum(first + SPLIT_LEN, K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(first, end, BLOCK_K, num_stages=STAGES):
@@ -239,6 +257,8 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     STAGES: tl.constexpr,
     DOT: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     """DOT: each block's products on the tensor cores, as an e4m3 matmul of the weight tile
     [BLOCK_N, BLOCK_K] by the activation's codes repeated in DOT_COLS columns (the narrowest
@@ -247,6 +267,8 @@ def _fp8_gemv_kernel(
     per weight. Otherwise each weight is converted and multiplied on the CUDA cores."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
+    first = tl.program_id(1) * SPLIT_LEN
+    _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
     # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from L2).
     xo = tl.arange(0, X_BLOCK)
     amax = tl.zeros([X_BLOCK], dtype=tl.float32)
@@ -256,7 +278,6 @@ def _fp8_gemv_kernel(
     x_scale, inverse = _row_scale(tl.max(amax, axis=0), 448.0, min_scale)
     offs = tl.arange(0, BLOCK_K)
     w_rows = W + rows.to(tl.int64)[:, None] * K
-    first = tl.program_id(1) * SPLIT_LEN
     end = tl.minimum(first + SPLIT_LEN, K)
     if DOT:
         acc = tl.zeros([BLOCK_N, DOT_COLS], dtype=tl.float32)
@@ -330,8 +351,21 @@ def _byte_split(
     return split_len, partials, counters, (triton.cdiv(n, cfg.block_n), cfg.split_k)
 
 
-def _launch_meta(cfg: GemvConfig) -> dict:
-    return {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages}
+# Lines of 128 bytes per weight row a program asks L2 for before it waits under PDL
+# (`braid.kernels.pdl`): its whole split where that is short, 4 a row at most.
+MAX_PREFETCH_LINES = 4
+
+
+def _launch_meta(cfg: GemvConfig, device: torch.device, row_bytes: int) -> dict:
+    """The launch's warps and stages, and PDL's switches: with it, each program prefetches
+    the first `row_bytes` of its split of each row (up to MAX_PREFETCH_LINES lines)."""
+    on = pdl.enabled(device)
+    lines = min(triton.next_power_of_2(triton.cdiv(row_bytes, 128)), MAX_PREFETCH_LINES)
+    meta = {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages, "PDL": on}
+    meta["PREFETCH_LINES"] = lines if on else 1
+    if on:
+        meta["launch_pdl"] = True
+    return meta
 
 
 def _check_byte_weight(x, weight, scales, dtype) -> tuple[int, int]:
@@ -369,7 +403,7 @@ def int8_gemv(
     _int8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        HAS_BIAS=bias is not None, **_launch_meta(cfg),
+        HAS_BIAS=bias is not None, **_launch_meta(cfg, x.device, split_len),
     )  # fmt: skip
     return out
 
@@ -404,6 +438,6 @@ def fp8_gemv(
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-        DOT=cfg.dot, **_launch_meta(cfg),
+        DOT=cfg.dot, **_launch_meta(cfg, x.device, split_len),
     )  # fmt: skip
     return out

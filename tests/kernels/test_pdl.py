@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (`braid/kernels/pdl.py`): the int4 GEMVs built with it wait
+"""Programmatic dependent launch (`braid/kernels/pdl.py`): the one-row GEMVs built with it wait
 for the kernel before them before any global load, store or atomic (after their L2
 prefetches), and the kernels before them trigger ahead of their first load: checked in the
 sm_90 machine code that Triton's own ptxas builds here (`benchmarks/sass_counts.py --kernels
@@ -34,9 +34,12 @@ def orders(tmp_path_factory) -> dict[str, dict]:
     return {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
 
 
+GEMVS = ["int4 float32", "int4 f16x2", "int4 f16x2 rmsnorm+residual", "fp8 dot", "fp8", "int8"]
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the sm_90 build check is the CPU machine's")
-@pytest.mark.parametrize("kernel", ["int4 float32", "int4 f16x2", "int4 f16x2 rmsnorm+residual"])
-def test_an_int4_gemv_built_for_pdl_prefetches_then_waits_before_touching_memory(orders, kernel):
+@pytest.mark.parametrize("kernel", GEMVS)
+def test_a_gemv_built_for_pdl_prefetches_then_waits_before_touching_memory(orders, kernel):
     on, off = orders[f"{kernel} pdl=True"], orders[f"{kernel} pdl=False"]
     assert on["waits"] == 1 and on["branches_past_wait"] == 0
     assert on["prefetches_before_wait"] > 0
