@@ -8,10 +8,11 @@
 #   part 1 (issue 18: int4 batch-1 decode at 1.44-1.49x bf16 on the H200 against 2.5x, fp8 at
 #          1.37x against 1.7x; 1.81x int4 on the H100, where the packed float16-pairs GEMV was
 #          within 6% of the float32 form): batch-1 decode bf16, int4 and fp8 with programmatic
-#          dependent launch (braid/kernels/pdl.py), then int4 and fp8 without it (BRAID_PDL=0);
+#          dependent launch (braid/kernels/pdl.py: the quantized GEMVs and bf16's skinny
+#          GEMMs), then all three without it (BRAID_PDL=0);
 #          the one-row int4 sweep of both forms on the H200 (with the deeper pipelines the H100
-#          never ran), its choices recorded and int4 decode again with them; where the int4
-#          batch-1 step's time goes, kernel by kernel (gpu_step.py --method int4)
+#          never ran), its choices recorded and int4 decode again with them
+#   part 2: where the int4 batch-1 step's time goes, kernel by kernel (gpu_step.py --method int4)
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -29,13 +30,14 @@ if [ "$part" = 1 ]; then
     # PDL (braid/kernels/pdl.py): the one-row GEMVs start while the kernel before them runs,
     # ask L2 for their weights, then wait. Their GPU tests (CUDA graphs included) run with it.
     TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
-        tests/kernels/test_pdl.py tests/kernels/test_elementwise.py -p no:cacheprovider
+        tests/kernels/test_pdl.py tests/kernels/test_elementwise.py \
+        tests/kernels/test_skinny_gemm.py -p no:cacheprovider
     pack
     TAIL=14 step 220 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
         --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
     pack
-    BRAID_PDL=0 TAIL=10 step 160 quantization_nopdl python benchmarks/quantization.py \
-        --methods int4,fp8 --batch-sizes 1 --repeats 2 \
+    BRAID_PDL=0 TAIL=14 step 220 quantization_nopdl python benchmarks/quantization.py \
+        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_nopdl_p${part}_cuda.json"
     pack
     BRAID_PDL=0 TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py \
@@ -45,7 +47,8 @@ if [ "$part" = 1 ]; then
     pack
     TAIL=8 step 120 quantization_tuned python benchmarks/quantization.py --methods int4 \
         --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_tuned_p${part}_cuda.json"
-    pack
+fi
+if [ "$part" = 2 ]; then
     TAIL=34 step 100 gpu_step_int4 python benchmarks/gpu_step.py --method int4 --steps 100 \
         --out "$OUT/r/gpu_step_int4_p${part}_cuda.json"
 fi

@@ -257,6 +257,27 @@ def pdl_rows() -> list[dict]:
                     sig[p] = "fp32" if p == "min_scale" else "i32"
             sass, _, _ = compile_sm90(fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
+    from braid.kernels.skinny_gemm import _skinny_gemm_kernel
+
+    skinny_pointers = {"X": bf16, "W": bf16, "Bias": bf16, "Out": bf16, "NormW": bf16}
+    skinny_pointers |= {"Residual": bf16, "ResidualOut": bf16}
+    for one_row, name in ((True, "skinny rmsnorm+residual"), (False, "skinny")):
+        for on in (True, False):
+            values = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True}
+            values |= {"HAS_BIAS": False, "DOT_PREC": "tf32", "ACTIVATION": None}
+            values |= {"ONE_ROW": one_row, "NORM": one_row, "HAS_RESIDUAL": one_row}
+            values |= {"NORM_BLOCK": 4096 if one_row else 1, "PDL": on}
+            sig, consts = {}, {}
+            for p in inspect.signature(_skinny_gemm_kernel.fn).parameters:
+                if p in skinny_pointers:
+                    sig[p] = skinny_pointers[p]
+                elif p in values:
+                    sig[p], consts[p] = "constexpr", values[p]
+                else:
+                    sig[p] = "fp32" if p == "eps" else "i32"
+            div = [*skinny_pointers, "K", "stride_wn"]
+            sass, _, _ = compile_sm90(_skinny_gemm_kernel, sig, consts, div, 4)
+            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     norm_pointers = {"X": bf16, "Residual": bf16, "W": bf16, "Out": bf16, "NewResidual": bf16}
     triggers = [
         (_rmsnorm_kernel, norm_pointers,

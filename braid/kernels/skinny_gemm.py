@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from braid.kernels import pdl
 from braid.kernels._checks import (
     FLOAT_DTYPES,
     check_contiguous,
@@ -197,6 +198,7 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
@@ -207,6 +209,14 @@ def _skinny_gemm_kernel(
     # The block's first weight row as a 64-bit offset, so weights past 2**31 elements address
     # correctly; offsets inside the block stay 32-bit.
     w_rows = W + n0.to(tl.int64) * stride_wn + offs_n[:, None] * stride_wn
+    if PDL:
+        # Under PDL (`braid.kernels.pdl`): ask L2 for the first 4 lines of each weight row
+        # (no kernel writes them), wait for the kernel before, then let the next one start.
+        lines = tl.minimum(tl.arange(0, 4) * (1024 // W.dtype.element_ty.primitive_bitwidth), K - 1)
+        rows = (n0 + tl.where(mask_n, offs_n, 0)).to(tl.int64)
+        pdl.prefetch_l2(W + rows[:, None] * stride_wn + lines[None, :])
+        pdl.wait(PDL)
+        pdl.trigger(PDL)
     x_rows = X + offs_m[:, None] * stride_xm
     if ONE_ROW:
         row = _row_times_w(
@@ -355,6 +365,11 @@ else:
     _FIXED = {}
 
 ACTIVATIONS = ("silu_and_mul",)
+
+
+def _pdl(device: torch.device) -> dict:
+    """The launch's PDL switches (`braid.kernels.pdl`)."""
+    return {"PDL": True, "launch_pdl": True} if pdl.enabled(device) else {"PDL": False}
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -507,6 +522,7 @@ def skinny_linear(
         # The norm's first pass loads up to this many elements of the row at once.
         NORM_BLOCK=min(next_pow2(k), NORM_BLOCK_MAX) if norm else 1,
         **_FIXED,
+        **_pdl(x.device),
     )
     return out
 

@@ -3,8 +3,8 @@ for the kernel before them before any global load, store or atomic (after their 
 prefetches), and the kernels before them trigger ahead of their first load: checked in the
 sm_90 machine code that Triton's own ptxas builds here (`benchmarks/sass_counts.py --kernels
 pdl`, in a process without the interpreter). On a GPU of capability 9.0 or later: a chain of
-norms and int4 GEMVs captured in a CUDA graph with PDL gives the bits the same chain gives
-without it, eagerly."""
+norms, int4 GEMVs and bf16 skinny GEMMs captured in a CUDA graph with PDL gives the bits the
+same chain gives without it, eagerly."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def orders(tmp_path_factory) -> dict[str, dict]:
 
 
 GEMVS = ["int4 float32", "int4 f16x2", "int4 f16x2 rmsnorm+residual", "fp8 dot", "fp8", "int8"]
+GEMVS += ["skinny rmsnorm+residual", "skinny"]
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the sm_90 build check is the CPU machine's")
@@ -45,8 +46,11 @@ def test_a_gemv_built_for_pdl_prefetches_then_waits_before_touching_memory(order
     assert on["prefetches_before_wait"] > 0
     assert on["memory_before_wait"] == []
     assert on["wait_at"] < on["first_memory_at"]
-    # Built without PDL: no wait, no prefetch, the loads where they were.
-    assert off["waits"] == 0 and off["prefetches_before_wait"] == 0
+    # The bf16 skinny GEMM lets the projection after it start, once it has waited itself.
+    if kernel.startswith("skinny"):
+        assert on["triggers"] == 1 and on["trigger_at"] > on["wait_at"]
+    # Built without PDL: no wait, no prefetch, no trigger.
+    assert off["waits"] == 0 and off["prefetches_before_wait"] == 0 and off["triggers"] == 0
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the sm_90 build check is the CPU machine's")
@@ -69,6 +73,7 @@ def test_gpu_a_norm_and_gemv_chain_in_a_cuda_graph_gives_the_eager_bits_without_
     from braid.kernels.norm import rmsnorm
     from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace
     from braid.kernels.quant_reference import pack_int4, pack_int4_meta, pack_int4_planar
+    from braid.kernels.skinny_gemm import skinny_linear
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     if not pdl.enabled(dev):
@@ -82,13 +87,17 @@ def test_gpu_a_norm_and_gemv_chain_in_a_cuda_graph_gives_the_eager_bits_without_
         zeros = torch.randint(0, 17, (k // 128, n), generator=g).to(torch.uint8)
         layers.append((q, pack_int4_meta(scales, zeros).to(dev)))
     weight = (torch.rand(k, generator=g) + 0.5).to(dev, dt)
+    dense = (torch.randn(n, n, generator=g) / n**0.5).to(dev, dt)
     configs = [GemvConfig(256, 128, 16, 4, 2, packed=True), GemvConfig(128, 256, 8, 4, 3)]
     ws = GemvWorkspace(dev, 16 * n, n)
 
     def chain(h, residual, outs):
         for i, (q, meta) in enumerate(layers):
             normed, residual = rmsnorm(h, weight, 1e-5, residual)
-            h = int4_gemv(normed, q, meta, 128, out=outs[i], config=configs[i % 2], workspace=ws)
+            h = int4_gemv(normed, q, meta, 128, config=configs[i % 2], workspace=ws)
+            # bf16's skinny GEMM, fused norm and plain: both wait, then trigger.
+            h = skinny_linear(h, dense, norm_weight=weight, eps=1e-5)
+            h = skinny_linear(h, dense, out=outs[i])
         return h
 
     h0 = torch.randn(1, k, generator=g).to(dev, dt)
