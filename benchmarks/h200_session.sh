@@ -12,7 +12,9 @@
 #          GEMMs), then all three without it (BRAID_PDL=0);
 #          the one-row int4 sweep of both forms on the H200 (with the deeper pipelines the H100
 #          never ran), its choices recorded and int4 decode again with them
-#   part 2: where the int4 batch-1 step's time goes, kernel by kernel (gpu_step.py --method int4)
+#   part 2 (part 1 with PDL: bf16 -3%, int4 -5%, fp8 +4%; the sweep's packed choices took int4
+#          from 324 to 366 tok/s): the decode comparison again, without PDL first, then with it
+#          for every kind (BRAID_PDL=all), int4 at the recorded choices
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -33,7 +35,8 @@ if [ "$part" = 1 ]; then
         tests/kernels/test_pdl.py tests/kernels/test_elementwise.py \
         tests/kernels/test_skinny_gemm.py -p no:cacheprovider
     pack
-    TAIL=14 step 220 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
+    BRAID_PDL=all TAIL=14 step 220 quantization python benchmarks/quantization.py \
+        --methods float,int4,fp8 \
         --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
     pack
     BRAID_PDL=0 TAIL=14 step 220 quantization_nopdl python benchmarks/quantization.py \
@@ -49,8 +52,15 @@ if [ "$part" = 1 ]; then
         --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_tuned_p${part}_cuda.json"
 fi
 if [ "$part" = 2 ]; then
-    TAIL=34 step 100 gpu_step_int4 python benchmarks/gpu_step.py --method int4 --steps 100 \
-        --out "$OUT/r/gpu_step_int4_p${part}_cuda.json"
+    # Part 1 again the other way round, with the H200's int4 choices recorded: without PDL,
+    # then with it for every kind (BRAID_PDL=all).
+    BRAID_PDL=0 TAIL=14 step 160 quantization_nopdl python benchmarks/quantization.py \
+        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_nopdl_p${part}_cuda.json"
+    pack
+    BRAID_PDL=all TAIL=14 step 160 quantization_pdl python benchmarks/quantization.py \
+        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
 fi
 kill "$smi"
 pack

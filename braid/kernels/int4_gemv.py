@@ -467,7 +467,7 @@ def int4_gemv(
     common = dict(
         GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs, SPLIT_K=cfg.split_k,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k, HAS_BIAS=bias is not None,
-        **_launch_meta(cfg, x.device, split_blocks * 64),
+        **_launch_meta(cfg, "int4", x.device, split_blocks * 64),
     )  # fmt: skip
     if (cfg.packed or fused) and packable:
         _int4_gemv_f16x2_kernel[grid](

@@ -17,10 +17,11 @@ before it reads anything an earlier kernel wrote, and before it ends (so a kerne
 that waits for it waits, through it, for the ones before). Triggering early is always safe:
 it lets the dependent start, never read.
 
-`enabled(device)` says whether a launcher should use it: a CUDA device of capability 9.0 or
-later, not Triton's interpreter (which has no inline PTX), and `BRAID_PDL` not "0" (the
-benchmarks compare both in one run). Captured into a CUDA graph, the launches keep their
-programmatic edges.
+`enabled(device, kind)` says whether a launcher should use it: a CUDA device of capability 9.0
+or later, not Triton's interpreter (which has no inline PTX), and `kind` among those
+`BRAID_PDL` names (by default only fp8's GEMV: on an H200 PDL made fp8's batch-1 decode 4%
+faster and bf16's and int4's 3-5% slower; docs/benchmarks.md). Captured into a CUDA graph,
+the launches keep their programmatic edges.
 """
 
 from __future__ import annotations
@@ -33,13 +34,36 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# The launchers that use PDL by default, by kind (`enabled`'s `kind`).
+KINDS = ("int4", "int8", "fp8", "skinny")
+DEFAULT_KINDS = frozenset({"fp8"})
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (read at each launch: `BRAID_PDL=0`
-    turns it off for a comparison in the same process)."""
+
+def kinds() -> frozenset[str]:
+    """The kinds `BRAID_PDL` names: "0" none, "1" or "all" every kind, else a comma-separated
+    list of KINDS; unset, DEFAULT_KINDS."""
+    value = os.environ.get("BRAID_PDL")
+    if value is None:
+        return DEFAULT_KINDS
+    if value in ("1", "all"):
+        return frozenset(KINDS)
+    named = frozenset(v.strip() for v in value.split(",")) - {"0", ""}
+    unknown = named - set(KINDS)
+    if unknown:
+        raise ValueError(
+            f"BRAID_PDL names unknown kernels {sorted(unknown)}: use 0, all or some of {KINDS}"
+        )
+    return named
+
+
+def enabled(device: torch.device, kind: str | None = None) -> bool:
+    """Whether a launcher of `kind` on `device` launches with PDL (read at each launch, so a
+    benchmark compares settings in one process); with no kind, whether any kind does (the
+    kernels that trigger). Never on a CPU, under Triton's interpreter or below sm_90."""
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
-    if os.environ.get("BRAID_PDL", "1") == "0":
+    on = kinds()
+    if not (kind in on if kind is not None else on):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

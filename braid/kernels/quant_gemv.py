@@ -356,10 +356,11 @@ def _byte_split(
 MAX_PREFETCH_LINES = 4
 
 
-def _launch_meta(cfg: GemvConfig, device: torch.device, row_bytes: int) -> dict:
-    """The launch's warps and stages, and PDL's switches: with it, each program prefetches
-    the first `row_bytes` of its split of each row (up to MAX_PREFETCH_LINES lines)."""
-    on = pdl.enabled(device)
+def _launch_meta(cfg: GemvConfig, kind: str, device: torch.device, row_bytes: int) -> dict:
+    """The launch's warps and stages, and PDL's switches for a GEMV of `kind`: with it, each
+    program prefetches the first `row_bytes` of its split of each row (up to
+    MAX_PREFETCH_LINES lines)."""
+    on = pdl.enabled(device, kind)
     lines = min(triton.next_power_of_2(triton.cdiv(row_bytes, 128)), MAX_PREFETCH_LINES)
     meta = {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages, "PDL": on}
     meta["PREFETCH_LINES"] = lines if on else 1
@@ -403,7 +404,7 @@ def int8_gemv(
     _int8_gemv_kernel[grid](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        HAS_BIAS=bias is not None, **_launch_meta(cfg, x.device, split_len),
+        HAS_BIAS=bias is not None, **_launch_meta(cfg, "int8", x.device, split_len),
     )  # fmt: skip
     return out
 
@@ -438,6 +439,6 @@ def fp8_gemv(
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
-        DOT=cfg.dot, **_launch_meta(cfg, x.device, split_len),
+        DOT=cfg.dot, **_launch_meta(cfg, "fp8", x.device, split_len),
     )  # fmt: skip
     return out

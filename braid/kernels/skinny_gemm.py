@@ -369,7 +369,7 @@ ACTIVATIONS = ("silu_and_mul",)
 
 def _pdl(device: torch.device) -> dict:
     """The launch's PDL switches (`braid.kernels.pdl`)."""
-    return {"PDL": True, "launch_pdl": True} if pdl.enabled(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if pdl.enabled(device, "skinny") else {"PDL": False}
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -61,10 +61,21 @@ def test_the_kernels_before_a_gemv_trigger_ahead_of_their_first_load(orders, ker
     assert row["trigger_at"] < row["first_memory_at"]
 
 
-def test_pdl_is_off_on_the_cpu_and_under_the_switch(monkeypatch):
-    assert not pdl.enabled(torch.device("cpu"))
+def test_pdl_is_off_on_the_cpu_and_braid_pdl_names_the_kernels_that_use_it(monkeypatch):
+    assert not pdl.enabled(torch.device("cpu"), "fp8")
+    monkeypatch.delenv("BRAID_PDL", raising=False)
+    assert pdl.kinds() == pdl.DEFAULT_KINDS
     monkeypatch.setenv("BRAID_PDL", "0")
+    assert pdl.kinds() == frozenset()
+    assert not pdl.enabled(torch.device("cuda", 0), "fp8")
     assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("BRAID_PDL", "all")
+    assert pdl.kinds() == frozenset(pdl.KINDS)
+    monkeypatch.setenv("BRAID_PDL", "int4, skinny")
+    assert pdl.kinds() == {"int4", "skinny"}
+    monkeypatch.setenv("BRAID_PDL", "int4,int2")
+    with pytest.raises(ValueError, match="int2"):
+        pdl.kinds()
 
 
 @pytest.mark.gpu
@@ -76,6 +87,7 @@ def test_gpu_a_norm_and_gemv_chain_in_a_cuda_graph_gives_the_eager_bits_without_
     from braid.kernels.skinny_gemm import skinny_linear
 
     dev, dt = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setenv("BRAID_PDL", "all")
     if not pdl.enabled(dev):
         pytest.skip("PDL needs a GPU of capability 9.0 or later")
     n = k = 4096
