@@ -13,8 +13,9 @@ exact `code - zero`) and one FFMA; the scale once per group. About 4.4 instructi
 on sm_90 (`benchmarks/sass_counts.py`), about what the SMs can issue while the weights stream
 in at the copy rate. Yet the packed form below, at 2.6, ran within 6% of it at every
 Llama-3.1-8B shape on an H100 (0.39-0.64 of the copy rate either way: bytes in flight, launch
-and tail bound them, not issue), so the measured table (`configs/quant_gemv.json`) picks the
-form per shape (docs/benchmarks.md).
+and tail bound them, not issue) and 2-12% faster on an H200, whose memory is faster for the
+same SMs, so the measured table (`configs/quant_gemv.json`) picks the form per shape and GPU
+(docs/benchmarks.md).
 
 **The packed form** (`_int4_gemv_f16x2_kernel`, bfloat16 and float16 activations, groups of
 whole 128-input blocks as AWQ's and GPTQ's 128): two weights per instruction. Per 32-bit word
