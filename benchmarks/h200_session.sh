@@ -15,6 +15,7 @@
 #   part 2 (part 1 with PDL: bf16 -3%, int4 -5%, fp8 +4%; the sweep's packed choices took int4
 #          from 324 to 366 tok/s): the decode comparison again, without PDL first, then with it
 #          for every kind (BRAID_PDL=all), int4 at the recorded choices
+#   part 3: part 2's short form, bf16 and int4 only
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -61,6 +62,17 @@ if [ "$part" = 2 ]; then
     BRAID_PDL=all TAIL=14 step 160 quantization_pdl python benchmarks/quantization.py \
         --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
+fi
+if [ "$part" = 3 ]; then
+    # The short form of part 2 (the budget's last minutes): bf16 and int4 at the defaults (no
+    # PDL for either, the H200's int4 choices), then int4 with PDL.
+    TAIL=10 step 120 quantization_default python benchmarks/quantization.py \
+        --methods float,int4 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_default_p${part}_cuda.json"
+    pack
+    BRAID_PDL=int4 TAIL=8 step 60 quantization_int4_pdl python benchmarks/quantization.py \
+        --methods int4 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_int4_pdl_p${part}_cuda.json"
 fi
 kill "$smi"
 pack
