@@ -32,7 +32,7 @@ clocks
 if [ "$part" = 1 ]; then
     # PDL (braid/kernels/pdl.py): the one-row GEMVs start while the kernel before them runs,
     # ask L2 for their weights, then wait. Their GPU tests (CUDA graphs included) run with it.
-    TAIL=8 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+    TAIL=8 step 300 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
         tests/kernels/test_pdl.py tests/kernels/test_elementwise.py \
         tests/kernels/test_skinny_gemm.py -p no:cacheprovider
     pack

@@ -384,10 +384,12 @@ def main() -> None:
     for method, res in results.items():
         for row in res["decode"]:
             gb = res["weight_bytes"] / 1e9
+            # A run without the float method has nothing to compare with in the same run.
+            ratio = f"{row['vs_float']:.2f}x float" if "vs_float" in row else "no float run"
             table.append(
                 f"{method:6s} b={row['batch_size']:<3d} weights {gb:7.3f} GB "
                 f"decode {row['tok_s']:9.1f} tok/s ({row['fraction_of_roofline']:.2f} of "
-                f"roofline, {row.get('vs_float', float('nan')):.2f}x float)"
+                f"roofline, {ratio})"
             )
         if "prefill" in res:
             p = res["prefill"]
