@@ -105,21 +105,29 @@ _INT4_POINTERS |= {"Partials": "*fp32", "Counters": "*i32"}
 _INT4_POINTERS |= {"NormW": "*bf16", "Residual": "*bf16", "ResidualOut": "*bf16"}
 
 
-def _int4_signature(fn, values: dict) -> tuple[dict, dict, list[str]]:
-    """(signature, constexprs, 16-divisible arguments) of an int4 GEMV kernel."""
-    sig, consts, div = {}, {}, []
+# Scalar arguments passed as float32; every other non-pointer, non-constexpr one is an int32.
+_FLOATS = ("eps", "min_scale", "scale_log2", "v_scale")
+
+
+def _signature(fn, pointers: dict, values: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of the @triton.jit `fn`: `pointers` by type, `values` as
+    constexprs, floats by name, the rest int32."""
+    sig, consts = {}, {}
     for p in inspect.signature(fn.fn).parameters:
-        if p in _INT4_POINTERS:
-            sig[p] = _INT4_POINTERS[p]
-            div.append(p)
+        if p in pointers:
+            sig[p] = pointers[p]
         elif p in values:
             sig[p], consts[p] = "constexpr", values[p]
-        elif p == "eps":
-            sig[p] = "fp32"
-        else:  # sizes and the magic constant
-            sig[p] = "i32"
-            if p != "magic":
-                div.append(p)
+        else:
+            sig[p] = "fp32" if p in _FLOATS else "i32"
+    return sig, consts
+
+
+def _int4_signature(fn, values: dict) -> tuple[dict, dict, list[str]]:
+    """(signature, constexprs, 16-divisible arguments) of an int4 GEMV kernel: the pointers
+    and the sizes (not the magic constant)."""
+    sig, consts = _signature(fn, _INT4_POINTERS, values)
+    div = [p for p, t in sig.items() if t not in ("constexpr", "fp32") and p != "magic"]
     return sig, consts, div
 
 
@@ -151,7 +159,6 @@ DECODE = [("*bf16", 64, 4, 3, 0), ("*fp8e4nv", 128, 4, 4, 1), ("*fp8e4nv", 128, 
 def decode_rows() -> list[dict]:
     from braid.kernels.attention_decode import _decode_stage1
 
-    params = list(inspect.signature(_decode_stage1.fn).parameters)
     rows = []
     for cache, block_n, warps, stages, mode in DECODE:
         pointers = {"Q": "*bf16", "KCache": cache, "VCache": cache, "ReqToToken": "*i32"}
@@ -161,19 +168,8 @@ def decode_rows() -> list[dict]:
         values |= {"BLOCK_N": block_n, "NUM_SPLITS": 8, "USE_WINDOW": False, "HAS_TAIL": False}
         values |= {"DOT_PREC": "tf32", "KV_FP8": cache != "*bf16", "FP8_AS_F16": mode > 0}
         values |= {"FP8_WORDS": mode == 2, "PTX": True}
-        sig, consts, div = {}, {}, []
-        for p in params:
-            if p in pointers:
-                sig[p] = pointers[p]
-                div.append(p)
-            elif p in values:
-                sig[p], consts[p] = "constexpr", values[p]
-            elif p in ("scale_log2", "v_scale"):
-                sig[p] = "fp32"
-            else:
-                sig[p] = "i32"
-                if p.startswith("stride"):
-                    div.append(p)
+        sig, consts = _signature(_decode_stage1, pointers, values)
+        div = [*pointers, *(p for p in sig if p.startswith("stride"))]
         sass, regs, spills = compile_sm90(_decode_stage1, sig, consts, div, warps, stages)
         label = f"decode {cache.strip('*')} mode {mode} block {block_n} w{warps} s{stages}"
         rows.append(_row(label, sass, regs, spills, "per_key", block_n, 32 * warps))
@@ -247,14 +243,7 @@ def pdl_rows() -> list[dict]:
             pointers = byte_pointers | {"W": weight}
             values = {"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "HAS_BIAS": False}
             values |= {"STAGES": 3, "PDL": on, "PREFETCH_LINES": 4} | extra
-            sig, consts = {}, {}
-            for p in inspect.signature(fn.fn).parameters:
-                if p in pointers:
-                    sig[p] = pointers[p]
-                elif p in values:
-                    sig[p], consts[p] = "constexpr", values[p]
-                else:
-                    sig[p] = "fp32" if p == "min_scale" else "i32"
+            sig, consts = _signature(fn, pointers, values)
             sass, _, _ = compile_sm90(fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     from braid.kernels.skinny_gemm import _skinny_gemm_kernel
@@ -267,14 +256,7 @@ def pdl_rows() -> list[dict]:
             values |= {"HAS_BIAS": False, "DOT_PREC": "tf32", "ACTIVATION": None}
             values |= {"ONE_ROW": one_row, "NORM": one_row, "HAS_RESIDUAL": one_row}
             values |= {"NORM_BLOCK": 4096 if one_row else 1, "PDL": on}
-            sig, consts = {}, {}
-            for p in inspect.signature(_skinny_gemm_kernel.fn).parameters:
-                if p in skinny_pointers:
-                    sig[p] = skinny_pointers[p]
-                elif p in values:
-                    sig[p], consts[p] = "constexpr", values[p]
-                else:
-                    sig[p] = "fp32" if p == "eps" else "i32"
+            sig, consts = _signature(_skinny_gemm_kernel, skinny_pointers, values)
             div = [*skinny_pointers, "K", "stride_wn"]
             sass, _, _ = compile_sm90(_skinny_gemm_kernel, sig, consts, div, 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
@@ -288,14 +270,7 @@ def pdl_rows() -> list[dict]:
          {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8, "BLOCK_S": 8}, 4, "decode_stage2"),
     ]  # fmt: skip
     for fn, pointers, values, warps, name in triggers:
-        sig, consts = {}, {}
-        for p in inspect.signature(fn.fn).parameters:
-            if p in pointers:
-                sig[p] = pointers[p]
-            elif p in values or p == "TRIGGER":
-                sig[p], consts[p] = "constexpr", values.get(p, True)
-            else:
-                sig[p] = "fp32" if p == "eps" else "i32"
+        sig, consts = _signature(fn, pointers, values | {"TRIGGER": True})
         sass, _, _ = compile_sm90(fn, sig, consts, list(pointers), warps)
         rows.append({"kernel": f"{name} trigger=True"} | pdl_order(sass))
     for row in rows:

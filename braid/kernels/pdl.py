@@ -42,7 +42,12 @@ DEFAULT_KINDS = frozenset({"fp8"})
 def kinds() -> frozenset[str]:
     """The kinds `BRAID_PDL` names: "0" none, "1" or "all" every kind, else a comma-separated
     list of KINDS; unset, DEFAULT_KINDS."""
-    value = os.environ.get("BRAID_PDL")
+    return _parse(os.environ.get("BRAID_PDL"))
+
+
+@functools.cache
+def _parse(value: str | None) -> frozenset[str]:
+    """`kinds` of one setting, parsed once (the launchers ask at every launch)."""
     if value is None:
         return DEFAULT_KINDS
     if value in ("1", "all"):
