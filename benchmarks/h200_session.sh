@@ -1,21 +1,17 @@
 #!/usr/bin/env bash
-# The H200 session of 2026-12-05 (twelfth), in calls that fit the device tool's 10-minute
+# The H200 session of 2026-12-05 (thirteenth), in calls that fit the device tool's 10-minute
 # limit; logs go to $OUT, JSON to $OUT/r. Run from the repository root after `source
 # .whl/install.sh`, carrying .whl (../shared/device/wheelhouse.sh .whl nvidia-ml-py requests
 # pillow, then the image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe
 # filelock cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
-# Earlier sessions' parts are in this file's git history (the eleventh's: dcf77a9).
-#   part 1 (issue 18: int4 batch-1 decode at 1.44-1.49x bf16 on the H200 against 2.5x, fp8 at
-#          1.37x against 1.7x; 1.81x int4 on the H100, where the packed float16-pairs GEMV was
-#          within 6% of the float32 form): batch-1 decode bf16, int4 and fp8 with programmatic
-#          dependent launch (braid/kernels/pdl.py: the quantized GEMVs and bf16's skinny
-#          GEMMs), then all three without it (BRAID_PDL=0);
-#          the one-row int4 sweep of both forms on the H200 (with the deeper pipelines the H100
-#          never ran), its choices recorded and int4 decode again with them
-#   part 2 (part 1 with PDL: bf16 -3%, int4 -5%, fp8 +4%; the sweep's packed choices took int4
-#          from 324 to 366 tok/s): the decode comparison again, without PDL first, then with it
-#          for every kind (BRAID_PDL=all), int4 at the recorded choices
-#   part 3: part 2's short form, bf16 and int4 only
+# Earlier sessions' parts are in this file's git history (the twelfth's: 2b5d675).
+#   part 1 (issue 18: the int4 GEMV reads at 0.30-0.54 of the copy rate, fp8's tensor-core
+#          gate_up at 0.88; int4 batch-1 decode 1.60-1.65x bf16 against 2.5x): the GEMVs' GPU
+#          tests; the one-row sweep of int4 and fp8 with every split configuration also
+#          launched splits first (GemvConfig.splits_first), its choices recorded; batch-1
+#          decode of bf16, int4 and fp8 with them; the GEMVs under Nsight Compute
+#          (benchmarks/profile_gemv.py); the int4 step kernel by kernel (gpu_step.py)
+#   part 2: batch-1 decode without PDL, then with it for every kind (BRAID_PDL=all)
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -29,32 +25,33 @@ clocks_throttle_reasons.active --format=csv -l 1 >"$OUT/clocks.log" 2>&1 &
 pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 { nproc; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv; } >"$OUT/env.log" 2>&1
 clocks
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$part" = 1 ]; then
-    # PDL (braid/kernels/pdl.py): the one-row GEMVs start while the kernel before them runs,
-    # ask L2 for their weights, then wait. Their GPU tests (CUDA graphs included) run with it.
-    TAIL=8 step 300 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
-        tests/kernels/test_pdl.py tests/kernels/test_elementwise.py \
-        tests/kernels/test_skinny_gemm.py -p no:cacheprovider
+    TAIL=6 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+        tests/kernels/test_pdl.py -p no:cacheprovider
     pack
-    BRAID_PDL=all TAIL=14 step 220 quantization python benchmarks/quantization.py \
-        --methods float,int4,fp8 \
-        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
-    pack
-    BRAID_PDL=0 TAIL=14 step 220 quantization_nopdl python benchmarks/quantization.py \
-        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
-        --out "$OUT/r/quantization_nopdl_p${part}_cuda.json"
-    pack
-    BRAID_PDL=0 TAIL=40 step 200 quant_kernels python benchmarks/quant_kernels.py \
-        --methods bf16,int4 --rows 1 --write-config \
-        --out "$OUT/r/quant_kernels_int4_h200_p${part}_cuda.json"
+    BRAID_PDL=0 TAIL=30 step 200 quant_kernels python benchmarks/quant_kernels.py \
+        --methods bf16,int4,fp8 --rows 1 --write-config \
+        --out "$OUT/r/quant_kernels_sf_p${part}_cuda.json"
     cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
     pack
-    TAIL=8 step 120 quantization_tuned python benchmarks/quantization.py --methods int4 \
-        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_int4_tuned_p${part}_cuda.json"
+    TAIL=14 step 130 quantization python benchmarks/quantization.py \
+        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
+        --out "$OUT/r/quantization_sf_p${part}_cuda.json"
+    pack
+    # Nsight Compute with the clocks left alone (METHOD.md); the report stays on the machine.
+    TAIL=16 step 150 ncu "$NCU" --clock-control none --profile-from-start off --set full \
+        -f -o /tmp/gemv python benchmarks/profile_gemv.py
+    "$NCU" -i /tmp/gemv.ncu-rep --page raw --csv >"$OUT/r/profile_gemv_raw.csv" 2>"$OUT/ncu_raw.log"
+    "$NCU" -i /tmp/gemv.ncu-rep --page details --csv >"$OUT/r/profile_gemv_details.csv" \
+        2>>"$OUT/ncu_raw.log"
+    TAIL=14 step 30 profile_summary python benchmarks/profile_gemv.py \
+        --summarize "$OUT/r/profile_gemv_raw.csv" --out "$OUT/r/profile_gemv_cuda.json"
+    pack
+    TAIL=40 step 100 gpu_step_int4 python benchmarks/gpu_step.py --method int4 \
+        --out "$OUT/r/gpu_step_int4_p${part}_cuda.json"
 fi
 if [ "$part" = 2 ]; then
-    # Part 1 again the other way round, with the H200's int4 choices recorded: without PDL,
-    # then with it for every kind (BRAID_PDL=all).
     BRAID_PDL=0 TAIL=14 step 160 quantization_nopdl python benchmarks/quantization.py \
         --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_nopdl_p${part}_cuda.json"
@@ -62,17 +59,6 @@ if [ "$part" = 2 ]; then
     BRAID_PDL=all TAIL=14 step 160 quantization_pdl python benchmarks/quantization.py \
         --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_pdl_p${part}_cuda.json"
-fi
-if [ "$part" = 3 ]; then
-    # The short form of part 2 (the budget's last minutes): bf16 and int4 at the defaults (no
-    # PDL for either, the H200's int4 choices), then int4 with PDL.
-    TAIL=10 step 120 quantization_default python benchmarks/quantization.py \
-        --methods float,int4 --batch-sizes 1 --repeats 2 \
-        --out "$OUT/r/quantization_default_p${part}_cuda.json"
-    pack
-    BRAID_PDL=int4 TAIL=8 step 60 quantization_int4_pdl python benchmarks/quantization.py \
-        --methods int4 --batch-sizes 1 --repeats 2 \
-        --out "$OUT/r/quantization_int4_pdl_p${part}_cuda.json"
 fi
 kill "$smi"
 pack

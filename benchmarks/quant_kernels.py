@@ -226,16 +226,22 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
 
     def cfg_name(c):
         flags = ("_dot" if len(c) > 5 and c[5] else "") + ("_f16x2" if len(c) > 6 and c[6] else "")
+        flags += "_sf" if len(c) > 7 and c[7] else ""
         return "bn{}_bk{}_split{}_w{}_s{}".format(*c) + flags
+
+    def and_splits_first(sweep):
+        """Each split configuration also with its splits launched first (`splits_first`)."""
+        full = [(*c, *(False,) * (7 - len(c))) for c in sweep]
+        return full + [(*c, True) for c in full if c[2] > 1]
 
     out: list[tuple[str, Callable]] = []
     if method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
         if m == 1:
-            sweep = INT4_SWEEP + [(*c, False, True) for c in INT4_PACKED_SWEEP]
+            sweep = and_splits_first(INT4_SWEEP + [(*c, False, True) for c in INT4_PACKED_SWEEP])
             smoke_sweep = [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2), (16, 128, 2, 4, 1, False, True)]
-            for c in sweep if not smoke else smoke_sweep:
+            for c in sweep if not smoke else and_splits_first(smoke_sweep):
                 cfg = GemvConfig(*c)
 
                 def gemv4(x, w, cfg=cfg):
@@ -261,7 +267,8 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
             out.append(("int4_linear(old)", lambda x, w: int4_linear(x, w[0], w[1], w[2], GROUP)))
     elif method == "int8":
         if m == 1:
-            for c in BYTE_SWEEP if not smoke else [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2)]:
+            smoke_sweep = [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2)]
+            for c in and_splits_first(BYTE_SWEEP if not smoke else smoke_sweep):
                 cfg = GemvConfig(*c)
 
                 def gemv8(x, w, cfg=cfg):
@@ -273,7 +280,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         if m == 1:
             sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
             smoke_sweep = [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2), (16, 64, 2, 4, 2, True)]
-            for c in sweep if not smoke else smoke_sweep:
+            for c in and_splits_first(sweep if not smoke else smoke_sweep):
                 cfg = GemvConfig(*c)
 
                 def gemv_fp8(x, w, cfg=cfg):
@@ -404,7 +411,7 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
         if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
             parts = r["variant"].removeprefix("gemv:").split("_")
             nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts[:5])
-            nums += ("dot" in parts[5:], "f16x2" in parts[5:])
+            nums += ("dot" in parts[5:], "f16x2" in parts[5:], "sf" in parts[5:])
             tables[f"{method.upper()}_CONFIGS"][(r["n"], r["k"])] = nums
     # The smallest M at which dequant+cublas beats the planar kernel on every shape.
     crossover = None
@@ -424,7 +431,8 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
 
 def write_config(tables: dict, device_name: str, path: Path) -> None:
     """Merge the one-row choices of `summarize`'s tables into `path` (quant_gemv.json) under
-    `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot, packed]}."""
+    `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot, packed,
+    splits_first]}."""
     import json
 
     from braid.kernels.quant_gemv import tuned_key
@@ -434,7 +442,10 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
     for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
         kind = name.removesuffix("_CONFIGS").lower()
         for (n, k), c in tables[name].items():
-            entry[tuned_key(kind, n, k)] = [*c[:5], bool(c[5:6] and c[5]), bool(c[6:7] and c[6])]
+            entry[tuned_key(kind, n, k)] = [
+                *c[:5],
+                *(bool(c[i : i + 1] and c[i]) for i in (5, 6, 7)),
+            ]
     data[device_name] = dict(sorted(entry.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

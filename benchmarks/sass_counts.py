@@ -144,7 +144,7 @@ def int4_rows() -> list[dict]:
     for fn, (bn, bk, split, warps, stages), extra, name in cases:
         values = {"GROUP": 128, "BLOCK_N": bn, "SUBS": bk // 128, "SPLIT_K": split}
         values |= {"EVEN_N": True, "EVEN_K": True, "HAS_BIAS": False, "STAGES": stages}
-        values |= {"PTX": True, "PDL": False, "PREFETCH_LINES": 1} | extra
+        values |= {"PTX": True, "PDL": False, "PREFETCH_LINES": 1, "SPLITS_FIRST": False} | extra
         sig, consts, div = _int4_signature(fn, values)
         sass, regs, spills = compile_sm90(fn, sig, consts, div, warps)
         label = f"{name} {bn}x{bk} split {split} w{warps} s{stages}"
@@ -228,7 +228,7 @@ def pdl_rows() -> list[dict]:
         for on in (True, False):
             values = {"GROUP": 128, "BLOCK_N": 256, "SUBS": 1, "SPLIT_K": 8, "EVEN_N": True}
             values |= {"EVEN_K": True, "HAS_BIAS": False, "STAGES": 3, "PTX": True}
-            values |= {"PDL": on, "PREFETCH_LINES": 2} | extra
+            values |= {"PDL": on, "PREFETCH_LINES": 2, "SPLITS_FIRST": False} | extra
             sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     bf16 = "*bf16"
@@ -242,7 +242,8 @@ def pdl_rows() -> list[dict]:
         for on in (True, False):
             pointers = byte_pointers | {"W": weight}
             values = {"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "HAS_BIAS": False}
-            values |= {"STAGES": 3, "PDL": on, "PREFETCH_LINES": 4} | extra
+            values |= {"STAGES": 3, "PDL": on, "PREFETCH_LINES": 4, "SPLITS_FIRST": False}
+            values |= extra
             sig, consts = _signature(fn, pointers, values)
             sass, _, _ = compile_sm90(fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))

@@ -1,7 +1,12 @@
 """The split-K epilogue the one-row GEMVs share (`quant_gemv`, `int4_gemv`): each split
 of K writes its float32 partial sums to a workspace, and the last split of a row block to
 arrive (an atomic counter) adds them in split order, scales, adds the bias and stores. One
-launch, and the same bits whatever order the programs ran in; the counters return to zero."""
+launch, and the same bits whatever order the programs ran in; the counters return to zero.
+
+Program order (`GemvConfig.splits_first`): the grid is (row blocks, splits) or, with
+SPLITS_FIRST, (splits, row blocks). The GPU starts programs in grid order, the first axis
+fastest, so the first order has the programs running at one time read one slice of K from
+every row, the second every slice of a few rows' whole length."""
 
 from __future__ import annotations
 
@@ -10,8 +15,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_and_split(SPLITS_FIRST: tl.constexpr):
+    """(row block, split of K) of this program, in the grid order SPLITS_FIRST names."""
+    if SPLITS_FIRST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+def grid(n_blocks: int, split_k: int, splits_first: bool) -> tuple[int, int]:
+    """The launch grid of `n_blocks` row blocks by `split_k` splits, as `_block_and_split`
+    reads it."""
+    return (split_k, n_blocks) if splits_first else (n_blocks, split_k)
+
+
+@triton.jit
 def _finish(
     y,
+    block,
+    split,
     rows,
     rmask,
     Out,
@@ -29,16 +50,16 @@ def _finish(
     once to Out's dtype; with SPLIT_K > 1 only the last split of the row block does."""
     last = True
     if SPLIT_K > 1:
-        tl.store(Partials + tl.program_id(1) * N + rows, y, mask=rmask)
+        tl.store(Partials + split * N + rows, y, mask=rmask)
         # Every thread's partial is written before one thread announces the split.
         tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + tl.program_id(0), 1, sem="acq_rel")
+        arrived = tl.atomic_add(Counters + block, 1, sem="acq_rel")
         last = arrived == SPLIT_K - 1
         if last:
             y = tl.load(Partials + rows, mask=rmask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT_K):
                 y += tl.load(Partials + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.store(Counters + tl.program_id(0), 0)
+            tl.store(Counters + block, 0)
     if last:
         y = y * row_scale
         if HAS_SCALES:

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_shape, check_tensor
-from braid.kernels.gemv_split import _finish
+from braid.kernels.gemv_split import _block_and_split, _finish, grid
 from braid.kernels.quant_gemm import MAGIC_BITS
 from braid.kernels.quant_gemv import (
     GemvConfig,
@@ -133,14 +133,16 @@ def _int4_gemv_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    SPLITS_FIRST: tl.constexpr,
 ):
     # Planes per group segment: a group spans whole 128-input blocks, or whole planes of one.
     PPS: tl.constexpr = 8 if GROUP % 128 == 0 else (GROUP // 16 if 128 % GROUP == 0 else 1)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block, split = _block_and_split(SPLITS_FIRST)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w16 = tl.arange(0, 16)
     q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
-    first = tl.program_id(1) * SPLIT_BLOCKS
+    first = split * SPLIT_BLOCKS
     _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL, PREFETCH_LINES)
     end = tl.minimum(first + SPLIT_BLOCKS, KB)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -174,7 +176,7 @@ def _int4_gemv_kernel(
                     part += _plane(wq, hi, seg * PPS + j, zero, magic) * x.to(tl.float32)[None, :]
                 acc += part * scale.to(tl.float32)[:, None]
     _finish(
-        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, False,
     )  # fmt: skip
 
@@ -314,12 +316,14 @@ def _int4_gemv_f16x2_kernel(
     NORM_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    SPLITS_FIRST: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block, split = _block_and_split(SPLITS_FIRST)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     w16 = tl.arange(0, 16)
     q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
-    first = tl.program_id(1) * SPLIT_BLOCKS
+    first = split * SPLIT_BLOCKS
     _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL, PREFETCH_LINES)
     rstd = 1.0
     if NORM:
@@ -377,7 +381,7 @@ def _int4_gemv_f16x2_kernel(
             )  # fmt: skip
             acc += s * (scale * g)[:, None]
     _finish(
-        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, False,
     )  # fmt: skip
 
@@ -463,7 +467,7 @@ def int4_gemv(
         raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
     split_blocks = triton.cdiv(triton.cdiv(kb, cfg.split_k), subs) * subs
     partials, counters = _scratch(x, n, cfg, workspace)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch = grid(triton.cdiv(n, cfg.block_n), cfg.split_k, cfg.splits_first)
     even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb
     common = dict(
         GROUP=group_size, BLOCK_N=cfg.block_n, SUBS=subs, SPLIT_K=cfg.split_k,
@@ -471,7 +475,7 @@ def int4_gemv(
         **_launch_meta(cfg, "int4", x.device, split_blocks * 64),
     )  # fmt: skip
     if (cfg.packed or fused) and packable:
-        _int4_gemv_f16x2_kernel[grid](
+        _int4_gemv_f16x2_kernel[launch](
             x, qweight, meta, bias if bias is not None else x, out, partials, counters,
             norm_weight if norm else x, residual if residual is not None else x,
             residual_out if residual_out is not None else x, float(eps), n, k, kb,
@@ -480,7 +484,7 @@ def int4_gemv(
             NORM_BLOCK=min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1, **common,
         )  # fmt: skip
         return out
-    _int4_gemv_kernel[grid](
+    _int4_gemv_kernel[launch](
         x, qweight, meta, bias if bias is not None else x, out, partials, counters, n, k, kb,
         groups, split_blocks, MAGIC_BITS, **common,
     )  # fmt: skip

@@ -51,7 +51,7 @@ from braid.kernels._checks import (
     tuned_configs,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
-from braid.kernels.gemv_split import _finish
+from braid.kernels.gemv_split import _block_and_split, _finish, grid
 from braid.kernels.quant_gemm import _int8_to_float
 from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE
 
@@ -62,7 +62,8 @@ __all__ = ["GemvConfig", "GemvWorkspace", "fp8_gemv", "int8_gemv"]
 class GemvConfig:
     """A launch shape: `block_n` outputs per program; `block_k` inputs per loop step (int4:
     a multiple of 128, as `subs` = block_k / 128 blocks unrolled); `split_k` programs along
-    K; `warps`; `stages` (software pipelining of the loop's loads)."""
+    K; `warps`; `stages` (software pipelining of the loop's loads); `splits_first`: the
+    splits of one row block launch next to each other (`gemv_split.grid`)."""
 
     block_n: int
     block_k: int
@@ -71,6 +72,7 @@ class GemvConfig:
     stages: int = 2
     dot: bool = False  # fp8: the products on the tensor cores (`_fp8_gemv_kernel`'s DOT)
     packed: bool = False  # int4: float16 pairs (`int4_gemv`) for 16-bit x, groups of 128s
+    splits_first: bool = False
 
 
 # Best measured on an H200 per (N, K) (benchmarks/quant_kernels.py writes these; run of
@@ -110,7 +112,8 @@ def default_config(kind: str, n: int, k: int) -> GemvConfig:
 
 # Configurations measured per GPU that override the tables above on that GPU
 # (`benchmarks/quant_kernels.py --write-config`): {device name: {"kind/N/K": [block_n,
-# block_k, split_k, warps, stages, dot, packed]}}.
+# block_k, split_k, warps, stages, dot, packed, splits_first]}} (the flags may be left out:
+# false).
 TUNED_CONFIGS = Path(__file__).parent / "configs" / "quant_gemv.json"
 
 
@@ -122,10 +125,7 @@ def tuned_key(kind: str, n: int, k: int) -> str:
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
     table = tuned_configs(TUNED_CONFIGS, device_name)
-    return {
-        key: GemvConfig(*c[:5], dot=bool(c[5:6] and c[5]), packed=bool(c[6:7] and c[6]))
-        for key, c in table.items()
-    }
+    return {key: GemvConfig(*c[:5], *(bool(flag) for flag in c[5:8])) for key, c in table.items()}
 
 
 def config_for(kind: str, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
@@ -209,12 +209,14 @@ def _int8_gemv_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    SPLITS_FIRST: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block, split = _block_and_split(SPLITS_FIRST)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     offs = tl.arange(0, BLOCK_K)
     w_rows = W + rows.to(tl.int64)[:, None] * K
-    first = tl.program_id(1) * SPLIT_LEN
+    first = split * SPLIT_LEN
     _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
     end = tl.minimum(first + SPLIT_LEN, K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -225,8 +227,8 @@ def _int8_gemv_kernel(
         x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
         acc += _int8_to_float(w) * x[None, :]
     _finish(
-        tl.sum(acc, axis=1), rows, rmask, Out, Bias, Scales, 1.0, Partials, Counters, N,
-        SPLIT_K, HAS_BIAS, True,
+        tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Scales, 1.0, Partials,
+        Counters, N, SPLIT_K, HAS_BIAS, True,
     )  # fmt: skip
 
 
@@ -259,15 +261,17 @@ def _fp8_gemv_kernel(
     DOT: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
+    SPLITS_FIRST: tl.constexpr,
 ):
     """DOT: each block's products on the tensor cores, as an e4m3 matmul of the weight tile
     [BLOCK_N, BLOCK_K] by the activation's codes repeated in DOT_COLS columns (the narrowest
     a tensor-core product takes; every column the same, one kept): no conversion of the
     weights, and one matmul instruction per many products instead of a conversion and an FMA
     per weight. Otherwise each weight is converted and multiplied on the CUDA cores."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block, split = _block_and_split(SPLITS_FIRST)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    first = tl.program_id(1) * SPLIT_LEN
+    first = split * SPLIT_LEN
     _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
     # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from L2).
     xo = tl.arange(0, X_BLOCK)
@@ -304,7 +308,21 @@ def _fp8_gemv_kernel(
     else:
         y = tl.sum(acc, axis=1)
     _finish(
-        y, rows, rmask, Out, Bias, Scales, x_scale, Partials, Counters, N, SPLIT_K, HAS_BIAS, True
+        y,
+        block,
+        split,
+        rows,
+        rmask,
+        Out,
+        Bias,
+        Scales,
+        x_scale,
+        Partials,
+        Counters,
+        N,
+        SPLIT_K,
+        HAS_BIAS,
+        True,
     )
 
 
@@ -348,7 +366,12 @@ def _byte_split(
     the launch grid."""
     split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partials, counters = _scratch(x, n, cfg, workspace)
-    return split_len, partials, counters, (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    return (
+        split_len,
+        partials,
+        counters,
+        grid(triton.cdiv(n, cfg.block_n), cfg.split_k, cfg.splits_first),
+    )
 
 
 # Lines of 128 bytes per weight row a program asks L2 for before it waits under PDL
@@ -363,6 +386,7 @@ def _launch_meta(cfg: GemvConfig, kind: str, device: torch.device, row_bytes: in
     on = pdl.enabled(device, kind)
     lines = min(triton.next_power_of_2(triton.cdiv(row_bytes, 128)), MAX_PREFETCH_LINES)
     meta = {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages, "PDL": on}
+    meta["SPLITS_FIRST"] = cfg.splits_first
     meta["PREFETCH_LINES"] = lines if on else 1
     if on:
         meta["launch_pdl"] = True

@@ -126,6 +126,43 @@ def test_split_k_gives_the_same_bits_every_run_and_leaves_its_counters_at_zero(d
     _close(int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 128, 1)), first)
 
 
+def test_every_gemv_gives_the_same_bits_with_its_splits_launched_first(device):
+    # The grid's order (`splits_first`) changes which program is which row block and split:
+    # a mix-up of the two reads other rows or other K and no longer agrees.
+    from dataclasses import replace
+
+    n, k = 72, 1024  # 5 row blocks of 16 (the last ragged), 4 splits
+    _, (planar, meta) = _int4(n, k, 128, device)
+    g = torch.Generator().manual_seed(3)
+    w8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).to(device)
+    wf = (torch.randn(n, k, generator=g) * 0.3).to(FP8_DTYPE).to(device)
+    scales = (torch.rand(n, generator=g) + 0.5).to(device) / 64
+    x = _x(1, k, torch.float16, device)
+
+    def int4(c, ws, x=x):
+        return int4_gemv(x, planar, meta, 128, config=c, workspace=ws)
+
+    cases = [
+        (lambda c, ws: int4(c, ws, x.float()), GemvConfig(16, 128, 4)),
+        (int4, GemvConfig(16, 128, 4, packed=True)),
+        (
+            lambda c, ws: int8_gemv(x, w8, scales.half(), config=c, workspace=ws),
+            GemvConfig(16, 64, 4),
+        ),
+        (lambda c, ws: fp8_gemv(x, wf, scales, config=c, workspace=ws), GemvConfig(16, 64, 4)),
+        (
+            lambda c, ws: fp8_gemv(x, wf, scales, config=c, workspace=ws),
+            GemvConfig(16, 64, 4, dot=True),
+        ),
+    ]
+    for call, cfg in cases:
+        ws = GemvWorkspace(device, 4 * n, 5)
+        want = call(cfg, ws)
+        got = call(replace(cfg, splits_first=True), ws)
+        assert torch.equal(got, want), cfg
+        assert (ws.counters == 0).all()
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("m", [2, 37])
 @pytest.mark.parametrize("n,k,group", [(40, 256, 128), (48, 320, 64), (24, 96, 48)])
@@ -401,7 +438,7 @@ def test_gpu_split_k_gemvs_replay_in_a_cuda_graph():
     ws8 = GemvWorkspace(dev, 8 * n, n)
     ws4p = GemvWorkspace(dev, 8 * n, n)
     cfg4, cfg8 = GemvConfig(128, 256, 8, 4, 2), GemvConfig(32, 512, 4, 4, 2)
-    cfg4p = GemvConfig(512, 128, 8, 4, 2, packed=True)
+    cfg4p = GemvConfig(512, 128, 8, 4, 2, packed=True, splits_first=True)
     out4 = int4_gemv(x, planar, meta, 128, config=cfg4, workspace=ws4)
     out4p = int4_gemv(x, planar, meta, 128, config=cfg4p, workspace=ws4p)
     out8 = fp8_gemv(x, wf, sf, config=cfg8, workspace=ws8)
