@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,9 @@ CASES = [
     ("int4 gate_up float32", "int4", 28672, 4096, (128, 128, 4, 4, 4)),
     ("int4 down packed", "int4", 4096, 14336, (256, 128, 16, 4, 3, False, True)),
     ("int4 down packed sf", "int4", 4096, 14336, (256, 128, 16, 4, 3, False, True, True)),
+    # The prologues (`int4_gemv`'s activation and norm), slower than the separate kernels.
+    ("int4 down packed silu", "int4 silu", 4096, 14336, (256, 128, 16, 4, 3, False, True)),
+    ("int4 gate_up packed norm", "int4 norm", 28672, 4096, (256, 256, 8, 4, 2, False, True)),
     ("fp8 gate_up dot", "fp8", 28672, 4096, (128, 256, 1, 4, 3, True)),
     ("fp8 down", "fp8", 4096, 14336, (64, 256, 4, 4, 3)),
     ("bf16 gate_up cuBLAS", "bf16", 28672, 4096, None),
@@ -64,7 +68,9 @@ STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
 
-def run_cases() -> None:
+def run_cases(smoke: bool = False) -> None:
+    """Each case once to compile, then once each between the profiler's start and stop.
+    `smoke`: the same calls at toy sizes on the CPU (Triton's interpreter), no profiler."""
     import torch
     import torch.nn.functional as F
 
@@ -77,19 +83,29 @@ def run_cases() -> None:
         pack_int4_planar,
     )
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if smoke else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     calls = []
     for label, method, n, k, fields in CASES:
+        if smoke:
+            n, k = min(n, 64) * (2 if "gate_up" in label else 1), 256
+            fields = fields and (16, *fields[1:])
         x = torch.randn(1, k, generator=gen, device=dev).bfloat16()
-        if method == "int4":
+        if method.startswith("int4"):
             q = pack_int4(torch.randint(0, 16, (n, k), generator=gen, device=dev))
             s = ((torch.rand(k // GROUP, n, generator=gen, device=dev) + 0.5) / 64).half()
             z = torch.randint(0, 16, (k // GROUP, n), generator=gen, device=dev).to(torch.uint8)
             planar, meta, cfg = pack_int4_planar(q), pack_int4_meta(s, z), GemvConfig(*fields)
+            kw: dict = {}
+            if method == "int4 silu":
+                x = torch.randn(1, 2 * k, generator=gen, device=dev).bfloat16()
+                kw = {"activation": "silu_and_mul"}
+            elif method == "int4 norm":
+                kw = {"norm_weight": x[0].clone(), "residual": x.clone()}
+                kw["residual_out"] = torch.empty_like(x)
 
-            def call(x=x, planar=planar, meta=meta, cfg=cfg):
-                return int4_gemv(x, planar, meta, GROUP, config=cfg)
+            def call(x=x, planar=planar, meta=meta, cfg=cfg, kw=kw):
+                return int4_gemv(x, planar, meta, GROUP, config=cfg, **kw)
         elif method == "fp8":
             w = (torch.randn(n, k, generator=gen, device=dev) * 0.5).to(FP8_DTYPE)
             scales = torch.rand(n, generator=gen, device=dev) / 100 + 1e-3
@@ -105,6 +121,10 @@ def run_cases() -> None:
 
         call()  # compiles (Triton) or picks the kernel (cuBLAS), outside the profiled range
         calls.append((label, call))
+    if smoke:
+        for i, (label, _) in enumerate(calls):
+            print(f"case {i}: {label}", flush=True)
+        return
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for i, (label, call) in enumerate(calls):
@@ -166,16 +186,23 @@ def summarize(raw_csv: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--summarize", type=Path, default=None, help="ncu's raw page as CSV")
+    ap.add_argument("--smoke", action="store_true", help="the cases at toy sizes on the CPU")
     ap.add_argument("--out", default=None, help="JSON path (with --summarize)")
     args = ap.parse_args(argv)
     if args.summarize is None:
-        run_cases()
+        if args.smoke:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        run_cases(args.smoke)
         return
+    import torch
+
     from benchmarks.common import write_result
 
     rows = summarize(args.summarize)
+    # The machine's record names the GPU where the summary runs beside the profile.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     write_result(
-        "profile_gemv", "cuda", args.out, {"cases": [c[0] for c in CASES], "rows": rows},
+        "profile_gemv", device, args.out, {"cases": [c[0] for c in CASES], "rows": rows},
         script="benchmarks/profile_gemv.py",
     )  # fmt: skip
 

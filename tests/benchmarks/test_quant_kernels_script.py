@@ -50,8 +50,8 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
 
 def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
     """`--write-config`: each method's one-row choice per shape, fp8's tensor-core flag,
-    int4's float16-pairs flag and the grid order included, merged into quant_gemv.json under the GPU's name
-    (other GPUs' entries kept), and read back by `config_for` on that GPU."""
+    int4's float16-pairs flag and the grid order included, merged into quant_gemv.json under
+    the GPU's name (other GPUs' entries kept), and read back by `config_for` on that GPU."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.quant_kernels import write_config
     from braid.kernels import quant_gemv
