@@ -35,6 +35,7 @@ CASES = [
     ("int4 o packed", "int4", 4096, 4096, (128, 128, 16, 4, 2, False, True)),
     ("int4 gate_up packed", "int4", 28672, 4096, (256, 256, 8, 4, 2, False, True)),
     ("int4 gate_up packed sf", "int4", 28672, 4096, (256, 256, 8, 4, 2, False, True, True)),
+    ("int4 gate_up packed 1 wave", "int4", 28672, 4096, (512, 128, 4, 4, 2, False, True)),
     ("int4 gate_up float32", "int4", 28672, 4096, (128, 128, 4, 4, 4)),
     ("int4 down packed", "int4", 4096, 14336, (256, 128, 16, 4, 3, False, True)),
     ("int4 down packed sf", "int4", 4096, 14336, (256, 128, 16, 4, 3, False, True, True)),
@@ -61,6 +62,8 @@ METRICS = {
     "launch__waves_per_multiprocessor": "waves",
     "sm__inst_executed.avg.per_cycle_active": "ipc_per_sm",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
+    "smsp__inst_executed.sum": "warp_instructions",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_pct_of_peak",
     "lts__t_sector_hit_rate.pct": "l2_hit_pct",
     "smsp__average_warp_latency_per_inst_issued.ratio": "warp_cycles_per_issue",
 }
