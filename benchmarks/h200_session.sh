@@ -27,20 +27,20 @@ pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 clocks
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$part" = 1 ]; then
-    TAIL=6 step 150 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
-        tests/kernels/test_pdl.py -p no:cacheprovider
+    TAIL=6 step 90 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+        -p no:cacheprovider
     pack
-    BRAID_PDL=0 TAIL=30 step 200 quant_kernels python benchmarks/quant_kernels.py \
+    BRAID_PDL=0 TAIL=30 step 150 quant_kernels python benchmarks/quant_kernels.py \
         --methods bf16,int4,fp8 --rows 1 --write-config \
         --out "$OUT/r/quant_kernels_sf_p${part}_cuda.json"
     cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
     pack
-    TAIL=14 step 130 quantization python benchmarks/quantization.py \
+    TAIL=14 step 120 quantization python benchmarks/quantization.py \
         --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_sf_p${part}_cuda.json"
     pack
     # Nsight Compute with the clocks left alone (METHOD.md); the report stays on the machine.
-    TAIL=16 step 150 ncu "$NCU" --clock-control none --profile-from-start off --set full \
+    TAIL=16 step 120 ncu "$NCU" --clock-control none --profile-from-start off --set full \
         -f -o /tmp/gemv python benchmarks/profile_gemv.py
     "$NCU" -i /tmp/gemv.ncu-rep --page raw --csv >"$OUT/r/profile_gemv_raw.csv" 2>"$OUT/ncu_raw.log"
     "$NCU" -i /tmp/gemv.ncu-rep --page details --csv >"$OUT/r/profile_gemv_details.csv" \
@@ -48,7 +48,7 @@ if [ "$part" = 1 ]; then
     TAIL=14 step 30 profile_summary python benchmarks/profile_gemv.py \
         --summarize "$OUT/r/profile_gemv_raw.csv" --out "$OUT/r/profile_gemv_cuda.json"
     pack
-    TAIL=40 step 100 gpu_step_int4 python benchmarks/gpu_step.py --method int4 \
+    TAIL=40 step 80 gpu_step_int4 python benchmarks/gpu_step.py --method int4 \
         --out "$OUT/r/gpu_step_int4_p${part}_cuda.json"
 fi
 if [ "$part" = 2 ]; then
