@@ -32,9 +32,11 @@ GROUP = 128
 CASES = [
     ("int4 qkv packed", "int4", 6144, 4096, (256, 128, 16, 4, 2, False, True)),
     ("int4 qkv packed sf", "int4", 6144, 4096, (256, 128, 16, 4, 2, False, True, True)),
+    ("int4 qkv zero-last", "int4", 6144, 4096, (256, 128, 16, 4, 2, False, 2)),
     ("int4 o packed", "int4", 4096, 4096, (128, 128, 16, 4, 2, False, True)),
     ("int4 gate_up packed", "int4", 28672, 4096, (256, 256, 8, 4, 2, False, True)),
     ("int4 gate_up packed sf", "int4", 28672, 4096, (256, 256, 8, 4, 2, False, True, True)),
+    ("int4 gate_up zero-last", "int4", 28672, 4096, (256, 256, 8, 4, 2, False, 2)),
     ("int4 gate_up packed 1 wave", "int4", 28672, 4096, (512, 128, 4, 4, 2, False, True)),
     ("int4 gate_up float32", "int4", 28672, 4096, (128, 128, 4, 4, 4)),
     ("int4 down packed", "int4", 4096, 14336, (256, 128, 16, 4, 3, False, True)),

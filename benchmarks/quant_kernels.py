@@ -73,7 +73,8 @@ INT4_SWEEP = [
     (128, 256, 4, 4, 4),
     (128, 128, 4, 4, 4),
 ]
-# int4 in float16 pairs (GemvConfig.packed, `int4_gemv_f16x2`): 8 or 16 rows a thread (its
+# int4 in float16 pairs (GemvConfig.packed, `int4_gemv`; each in both packed forms, and with
+# the splits launched first): 8 or 16 rows a thread (its
 # per-row scale and zero and per-column input scaling shared by more words), and K split
 # until the small layers have 128-256 programs.
 INT4_PACKED_SWEEP = [
@@ -225,7 +226,8 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 
     def cfg_name(c):
-        flags = ("_dot" if len(c) > 5 and c[5] else "") + ("_f16x2" if len(c) > 6 and c[6] else "")
+        packed = int(c[6]) if len(c) > 6 else 0
+        flags = ("_dot" if len(c) > 5 and c[5] else "") + ("", "_f16x2", "_f16x2z")[packed]
         flags += "_sf" if len(c) > 7 and c[7] else ""
         return "bn{}_bk{}_split{}_w{}_s{}".format(*c) + flags
 
@@ -239,8 +241,10 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
         if m == 1:
-            sweep = and_splits_first(INT4_SWEEP + [(*c, False, True) for c in INT4_PACKED_SWEEP])
-            smoke_sweep = [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2), (16, 128, 2, 4, 1, False, True)]
+            packed = [(*c, False, form) for form in (1, 2) for c in INT4_PACKED_SWEEP]
+            sweep = INT4_SWEEP + and_splits_first(packed)
+            smoke_sweep = [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2), (16, 128, 2, 4, 1, False, 1)]
+            smoke_sweep.append((16, 128, 2, 4, 1, False, 2))
             for c in sweep if not smoke else and_splits_first(smoke_sweep):
                 cfg = GemvConfig(*c)
 
@@ -411,7 +415,8 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
         if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
             parts = r["variant"].removeprefix("gemv:").split("_")
             nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts[:5])
-            nums += ("dot" in parts[5:], "f16x2" in parts[5:], "sf" in parts[5:])
+            packed = 2 if "f16x2z" in parts[5:] else int("f16x2" in parts[5:])
+            nums += ("dot" in parts[5:], packed, "sf" in parts[5:])
             tables[f"{method.upper()}_CONFIGS"][(r["n"], r["k"])] = nums
     # The smallest M at which dequant+cublas beats the planar kernel on every shape.
     crossover = None
@@ -442,10 +447,8 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
     for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
         kind = name.removesuffix("_CONFIGS").lower()
         for (n, k), c in tables[name].items():
-            entry[tuned_key(kind, n, k)] = [
-                *c[:5],
-                *(bool(c[i : i + 1] and c[i]) for i in (5, 6, 7)),
-            ]
+            dot, packed, first = [*c[5:8], *[False, 0, False][len(c[5:8]) :]]
+            entry[tuned_key(kind, n, k)] = [*c[:5], bool(dot), int(packed), bool(first)]
     data[device_name] = dict(sorted(entry.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

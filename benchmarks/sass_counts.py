@@ -137,6 +137,8 @@ def int4_rows() -> list[dict]:
     plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
     cases = [(_int4_gemv_kernel, c, {}, "int4 float32") for c in INT4_FLOAT32]
     cases += [(_int4_gemv_f16x2_kernel, c, plain, "int4 f16x2") for c in INT4_PACKED]
+    zero_last = plain | {"ZERO_LAST": True}
+    cases += [(_int4_gemv_f16x2_kernel, c, zero_last, "int4 f16x2 zero-last") for c in INT4_PACKED]
     for extra in PROLOGUES:
         label = "int4 f16x2 " + ("silu_and_mul" if extra.get("ACT") else "rmsnorm+residual")
         cases.append((_int4_gemv_f16x2_kernel, INT4_PACKED[0], plain | extra, label))
@@ -144,7 +146,13 @@ def int4_rows() -> list[dict]:
     for fn, (bn, bk, split, warps, stages), extra, name in cases:
         values = {"GROUP": 128, "BLOCK_N": bn, "SUBS": bk // 128, "SPLIT_K": split}
         values |= {"EVEN_N": True, "EVEN_K": True, "HAS_BIAS": False, "STAGES": stages}
-        values |= {"PTX": True, "PDL": False, "PREFETCH_LINES": 1, "SPLITS_FIRST": False} | extra
+        values |= {
+            "PTX": True,
+            "PDL": False,
+            "PREFETCH_LINES": 1,
+            "SPLITS_FIRST": False,
+            "ZERO_LAST": False,
+        } | extra
         sig, consts, div = _int4_signature(fn, values)
         sass, regs, spills = compile_sm90(fn, sig, consts, div, warps)
         label = f"{name} {bn}x{bk} split {split} w{warps} s{stages}"
@@ -228,7 +236,8 @@ def pdl_rows() -> list[dict]:
         for on in (True, False):
             values = {"GROUP": 128, "BLOCK_N": 256, "SUBS": 1, "SPLIT_K": 8, "EVEN_N": True}
             values |= {"EVEN_K": True, "HAS_BIAS": False, "STAGES": 3, "PTX": True}
-            values |= {"PDL": on, "PREFETCH_LINES": 2, "SPLITS_FIRST": False} | extra
+            values |= {"PDL": on, "PREFETCH_LINES": 2, "SPLITS_FIRST": False, "ZERO_LAST": False}
+            values |= extra
             sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
     bf16 = "*bf16"

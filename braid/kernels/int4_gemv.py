@@ -197,6 +197,19 @@ _WORD_PTX = tl.constexpr(
 )
 
 
+# The same for codes read as float16 subnormals (`ZERO_LAST`): the nibbles masked in place are
+# q * 2**-24 (bits 0-3 of a half) and 16 q * 2**-24 (bits 4-7) exactly, with no offset to remove;
+# the zero is applied once per group after the sums. $0 = acc out, $1 = word, $2..$5 = input
+# pairs, $6 = acc in.
+_WORD_PTX_SUBNORMAL = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3, w; "
+    "and.b32 t0, $1, 0x000f000f; and.b32 t1, $1, 0x00f000f0; shr.u32 w, $1, 8; "
+    "and.b32 t2, w, 0x000f000f; and.b32 t3, w, 0x00f000f0; "
+    "fma.rn.f16x2 $0, t0, $2, $6; fma.rn.f16x2 $0, t1, $3, $0; "
+    "fma.rn.f16x2 $0, t2, $4, $0; fma.rn.f16x2 $0, t3, $5, $0; }"
+)
+
+
 @triton.jit
 def _half(bits, SHIFT: tl.constexpr):
     """The float16 in bits SHIFT..SHIFT+15 of int32 `bits` (the interpreter's path)."""
@@ -218,33 +231,44 @@ def _pack(lo, hi, PTX: tl.constexpr):
 
 
 @triton.jit
-def _word(acc, w, xa, xb, xc, xd, zlo, zhi, PTX: tl.constexpr):
-    """`_WORD_PTX` on packed pairs; else its float16 arithmetic lane by lane (mul then add:
-    two roundings where fma.rn has one) on unpacked lanes, returned as (low, high) sums."""
+def _word(acc, w, xa, xb, xc, xd, zlo, zhi, PTX: tl.constexpr, ZERO_LAST: tl.constexpr):
+    """`_WORD_PTX` (`_WORD_PTX_SUBNORMAL` with ZERO_LAST: `zlo`, `zhi` unused) on packed pairs;
+    else its float16 arithmetic lane by lane (mul then add: two roundings where fma.rn has
+    one) on unpacked lanes, returned as (low, high) sums."""
     if PTX:
+        if ZERO_LAST:
+            return tl.inline_asm_elementwise(
+                _WORD_PTX_SUBNORMAL, "=r,r,r,r,r,r,r", [w, xa, xb, xc, xd, acc],
+                dtype=tl.int32, is_pure=True, pack=1,
+            )  # fmt: skip
         return tl.inline_asm_elementwise(
             _WORD_PTX, "=r,r,r,r,r,r,r,r,r", [w, xa, xb, xc, xd, acc, zlo, zhi],
             dtype=tl.int32, is_pure=True, pack=1,
         )  # fmt: skip
     else:
         lo, hi = acc
-        t0 = (w & 0x000F000F) | 0x64006400
-        t1 = (w & 0x00F000F0) | 0x64006400
-        t2 = ((w >> 8) & 0x000F000F) | 0x64006400
-        t3 = ((w >> 8) & 0x00F000F0) | 0x64006400
+        magic = 0 if ZERO_LAST else 0x64006400
+        t0 = (w & 0x000F000F) | magic
+        t1 = (w & 0x00F000F0) | magic
+        t2 = ((w >> 8) & 0x000F000F) | magic
+        t3 = ((w >> 8) & 0x00F000F0) | magic
         for t, x, z in ((t0, xa, zlo), (t1, xb, zhi), (t2, xc, zlo), (t3, xd, zhi)):
-            lo = (_half(t, 0) - _half(z, 0)) * _half(x, 0) + lo
-            hi = (_half(t, 16) - _half(z, 16)) * _half(x, 16) + hi
+            if ZERO_LAST:
+                lo = _half(t, 0) * _half(x, 0) + lo
+                hi = _half(t, 16) * _half(x, 16) + hi
+            else:
+                lo = (_half(t, 0) - _half(z, 0)) * _half(x, 0) + lo
+                hi = (_half(t, 16) - _half(z, 16)) * _half(x, 16) + hi
         return lo, hi
 
 
 @triton.jit
-def _words_sum(we, wo, xe, xo, zlo, zhi, PTX: tl.constexpr):
+def _words_sum(we, wo, xe, xo, zlo, zhi, PTX: tl.constexpr, ZERO_LAST: tl.constexpr):
     """Two words' 16 products (even word `we` with inputs `xe`, odd `wo` with `xo`), summed
     in float16 per half, then the halves in float32."""
     if PTX:
-        acc = _word(zlo * 0, we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX)
-        acc = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX)
+        acc = _word(we * 0, we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX, ZERO_LAST)
+        acc = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX, ZERO_LAST)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; "
             "cvt.f32.f16 b, h; add.f32 $0, a, b; }",
@@ -252,8 +276,8 @@ def _words_sum(we, wo, xe, xo, zlo, zhi, PTX: tl.constexpr):
         )  # fmt: skip
     else:
         zero = tl.zeros(we.shape, dtype=tl.float16)
-        acc = _word((zero, zero), we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX)
-        lo, hi = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX)
+        acc = _word((zero, zero), we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX, ZERO_LAST)
+        lo, hi = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX, ZERO_LAST)
         return lo.to(tl.float32) + hi.to(tl.float32)
 
 
@@ -317,6 +341,7 @@ def _int4_gemv_f16x2_kernel(
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     SPLITS_FIRST: tl.constexpr,
+    ZERO_LAST: tl.constexpr,
 ):
     block, split = _block_and_split(SPLITS_FIRST)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -325,6 +350,9 @@ def _int4_gemv_f16x2_kernel(
     q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + w16[None, :]
     first = split * SPLIT_BLOCKS
     _weights_then_wait(Q, rows, rmask, KB, first, SPLIT_BLOCKS, PDL, PREFETCH_LINES)
+    # ZERO_LAST: sum over groups of zero * scale * (the group's sum of inputs), taken off at the
+    # end (the products are of the codes alone).
+    zacc = tl.zeros([BLOCK_N], dtype=tl.float32)
     rstd = 1.0
     if NORM:
         rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, NORM_BLOCK)
@@ -358,11 +386,19 @@ def _int4_gemv_f16x2_kernel(
                 tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))),
             )
             # The block's largest |x| is 2**(e - 127) times [1, 2); f = 2**(134 - e) puts it in
-            # [128, 256); the odd planes' inputs take f / 16; g = 1 / f undoes it.
-            e = tl.minimum(tl.maximum(tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23, 8), 254)
-            f = ((261 - e) << 23).to(tl.float32, bitcast=True)
-            f_odd = ((257 - e) << 23).to(tl.float32, bitcast=True)
-            g = ((e - 7) << 23).to(tl.float32, bitcast=True)
+            # [128, 256) (ZERO_LAST: f = 2**(141 - e), [2**14, 2**15)); the odd planes' inputs
+            # take f / 16; g = 1 / f undoes it.
+            e = tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23
+            if ZERO_LAST:
+                e = tl.minimum(tl.maximum(e, 15), 254)
+                f = ((268 - e) << 23).to(tl.float32, bitcast=True)
+                f_odd = ((264 - e) << 23).to(tl.float32, bitcast=True)
+                g = ((e - 14) << 23).to(tl.float32, bitcast=True)
+            else:
+                e = tl.minimum(tl.maximum(e, 8), 254)
+                f = ((261 - e) << 23).to(tl.float32, bitcast=True)
+                f_odd = ((257 - e) << 23).to(tl.float32, bitcast=True)
+                g = ((e - 7) << 23).to(tl.float32, bitcast=True)
             ae, ao = _even_odd(_pack(x0 * f, x4 * f, PTX))
             be, bo = _even_odd(_pack(x1 * f_odd, x5 * f_odd, PTX))
             ce, co = _even_odd(_pack(x2 * f, x6 * f, PTX))
@@ -377,11 +413,18 @@ def _int4_gemv_f16x2_kernel(
             s = _words_sum(
                 we, wo, (ae[None, :], be[None, :], ce[None, :], de[None, :]),
                 (ao[None, :], bo[None, :], co[None, :], do[None, :]), zlo[:, None], zhi[:, None],
-                PTX,
+                PTX, ZERO_LAST,
             )  # fmt: skip
             acc += s * (scale * g)[:, None]
+            if ZERO_LAST:
+                xsum = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=0)
+                zacc += zero.to(tl.float32) * scale * xsum
+    y = tl.sum(acc, axis=1)
+    if ZERO_LAST:
+        # The products were of q * 2**-24: y is sum (q - zero) x = 2**24 * sum q x - zero sum x.
+        y = y * 16777216.0 - zacc
     _finish(
-        tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        y, block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, False,
     )  # fmt: skip
 
@@ -481,7 +524,8 @@ def int4_gemv(
             residual_out if residual_out is not None else x, float(eps), n, k, kb,
             split_blocks, PTX=not triton.knobs.runtime.interpret, ACT=activation is not None,
             NORM=norm, HAS_RESIDUAL=residual is not None,
-            NORM_BLOCK=min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1, **common,
+            NORM_BLOCK=min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1,
+            ZERO_LAST=cfg.packed == 2, **common,
         )  # fmt: skip
         return out
     _int4_gemv_kernel[launch](

@@ -71,7 +71,9 @@ class GemvConfig:
     warps: int = 4
     stages: int = 2
     dot: bool = False  # fp8: the products on the tensor cores (`_fp8_gemv_kernel`'s DOT)
-    packed: bool = False  # int4: float16 pairs (`int4_gemv`) for 16-bit x, groups of 128s
+    # int4, for 16-bit x and groups of whole 128s (`int4_gemv`): 0 the float32 form; float16
+    # pairs with 1 the zero taken off each code, 2 the codes as subnormals, the zero after.
+    packed: int = 0
     splits_first: bool = False
 
 
@@ -125,7 +127,15 @@ def tuned_key(kind: str, n: int, k: int) -> str:
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
     table = tuned_configs(TUNED_CONFIGS, device_name)
-    return {key: GemvConfig(*c[:5], *(bool(flag) for flag in c[5:8])) for key, c in table.items()}
+    return {key: _table_config(c) for key, c in table.items()}
+
+
+def _table_config(c: list) -> GemvConfig:
+    """A `TUNED_CONFIGS` entry: five numbers, then the flags dot, packed (int; true in files
+    written before the second packed form: 1) and splits_first, each false where left out."""
+    given = list(c[5:8])
+    dot, packed, splits_first = given + [False, 0, False][len(given) :]
+    return GemvConfig(*c[:5], dot=bool(dot), packed=int(packed), splits_first=bool(splits_first))
 
 
 def config_for(kind: str, n: int, k: int, device: torch.device | None = None) -> GemvConfig:

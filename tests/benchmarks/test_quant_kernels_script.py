@@ -46,6 +46,7 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
     assert any(r["variant"].endswith("_dot") and r["method"] == "fp8" for r in rows)
     assert any(r["variant"].endswith("_f16x2") and r["method"] == "int4" for r in rows)
     assert any(r["variant"].endswith("_f16x2_sf") and r["method"] == "int4" for r in rows)
+    assert any(r["variant"].endswith("_f16x2z_sf") and r["method"] == "int4" for r in rows)
 
 
 def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
@@ -62,7 +63,7 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
         "INT4_CONFIGS": {
             (4096, 4096): (256, 128, 8, 4, 3),
             (6144, 4096): (512, 128, 8, 4, 2, False, True),
-            (28672, 4096): (256, 256, 8, 4, 2, False, True, True),
+            (28672, 4096): (256, 256, 8, 4, 2, False, 2, True),
         },
         "INT8_CONFIGS": {},
         "FP8_CONFIGS": {(4096, 14336): (64, 256, 4, 4, 3, True, False)},
@@ -72,7 +73,7 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
     assert data["Other GPU"] == {"fp8/1/2": [16, 512, 1, 4, 3, False]}
     assert data["Some GPU"] == {
         "fp8/4096/14336": [64, 256, 4, 4, 3, True, False, False],
-        "int4/28672/4096": [256, 256, 8, 4, 2, False, True, True],
+        "int4/28672/4096": [256, 256, 8, 4, 2, False, 2, True],
         "int4/4096/4096": [256, 128, 8, 4, 3, False, False, False],
         "int4/6144/4096": [512, 128, 8, 4, 2, False, True, False],
     }
@@ -90,7 +91,7 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
             got = quant_gemv.config_for("int4", 6144, 4096, cuda0)
             assert got == quant_gemv.GemvConfig(512, 128, 8, 4, 2, packed=True)
             got = quant_gemv.config_for("int4", 28672, 4096, cuda0)
-            assert got == quant_gemv.GemvConfig(256, 256, 8, 4, 2, packed=True, splits_first=True)
+            assert got == quant_gemv.GemvConfig(256, 256, 8, 4, 2, packed=2, splits_first=True)
             # An entry written before the packed flag existed (six fields) still reads.
             assert quant_gemv.config_for("fp8", 1, 2, cuda1) == quant_gemv.GemvConfig(
                 16, 512, 1, 4, 3

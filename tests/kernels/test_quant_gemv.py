@@ -184,6 +184,11 @@ PACKED_CASES = [
     (64, 1024, 256, GemvConfig(32, 256, 3, packed=True), 1.0),
     (48, 640, 128, GemvConfig(32, 256, 2, packed=True), 1e3),
     (32, 384, 128, GemvConfig(16, 128, 2, packed=True), 1e-4),
+    # The second form (codes as float16 subnormals, the zero after the sums) at the same cases.
+    (40, 256, 128, GemvConfig(16, 128, 1, packed=2), 1.0),
+    (64, 1024, 256, GemvConfig(32, 256, 3, packed=2), 1.0),
+    (48, 640, 128, GemvConfig(32, 256, 2, packed=2), 1e3),
+    (32, 384, 128, GemvConfig(16, 128, 2, packed=2), 1e-4),
 ]
 
 
@@ -377,6 +382,7 @@ def test_gpu_gemvs_at_llama_8b_shapes_in_bf16(shape):
     for cfg in (
         GemvConfig(512, 128, 8, 4, 2, packed=True),
         GemvConfig(256, 256, 4, 4, 2, packed=True),
+        GemvConfig(256, 128, 16, 4, 2, packed=2, splits_first=True),
     ):
         got = int4_gemv(x, planar, meta, 128, config=cfg)
         err = ((got.float() - want4.float()).norm() / want4.float().norm()).item()
