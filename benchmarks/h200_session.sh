@@ -29,9 +29,6 @@ pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 clocks
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$part" = 1 ]; then
-    TAIL=6 step 90 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
-        -p no:cacheprovider
-    pack
     BRAID_PDL=0 TAIL=30 step 200 quant_kernels python benchmarks/quant_kernels.py \
         --methods bf16,int4,fp8 --rows 1 --write-config \
         --out "$OUT/r/quant_kernels_sf_p${part}_cuda.json"
@@ -40,6 +37,9 @@ if [ "$part" = 1 ]; then
     TAIL=14 step 120 quantization python benchmarks/quantization.py \
         --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
         --out "$OUT/r/quantization_sf_p${part}_cuda.json"
+    pack
+    TAIL=6 step 90 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
+        -p no:cacheprovider
     pack
     # Nsight Compute with the clocks left alone (METHOD.md); the report stays on the machine.
     TAIL=16 step 120 ncu "$NCU" --clock-control none --profile-from-start off --set full \

@@ -29,6 +29,18 @@ of the planar layout (8 codes, plane p at bits 4p, input 16p + w of its 128-inpu
 Two words (8 products per half) go to float32 together, and one FFMA per two words applies the
 group's scale: about 2.6 instructions per weight in all.
 
+**The second packed form** (`GemvConfig.packed` 2, `ZERO_LAST`): the nibbles are only masked,
+not OR'ed into 1024: a half whose exponent bits are zero is the subnormal q * 2**-24 (bits 0-3)
+or 16 q * 2**-24 (bits 4-7), exactly, with no offset to remove. So the HSUB2s go: per word four
+LOP3, one shift and four HFMA2 (9 instructions for 8 weights against 13), and the zero is
+applied once per group and output after the sums: sum (q - z) x = 2**24 sum (q 2**-24) x -
+z sum x, with each block's sum of inputs made once per program. The inputs are scaled into
+[2**14, 2**15) instead (the products are 2**24 times smaller; no float16 sum can come near
+overflow), and the result keeps the first form's rounding, each product and each sum of 8 in
+float16 (measured on the CPU: 4.5-9e-4 of the output's norm in float16 against 4.1-6.2e-4).
+`benchmarks/sass_counts.py` counts 2.00 instructions per weight at 512 x 128 (2.58 for the
+first form) and 2.54 at 256 x 128 (3.09), with more registers (166 and 113 against 128 and 96).
+
 Range: each program scales its 128 inputs of a block by a power of two so that the largest
 lies in [128, 256): then |code - zero| <= 16 keeps every half's sum of 8 products below 2**15,
 far from float16's overflow, and small inputs keep their bits; the power of two is undone in
