@@ -45,8 +45,6 @@ if [ "$part" = 1 ]; then
     TAIL=16 step 120 ncu "$NCU" --clock-control none --profile-from-start off --set full \
         -f -o /tmp/gemv python benchmarks/profile_gemv.py
     "$NCU" -i /tmp/gemv.ncu-rep --page raw --csv >"$OUT/r/profile_gemv_raw.csv" 2>"$OUT/ncu_raw.log"
-    "$NCU" -i /tmp/gemv.ncu-rep --page details --csv >"$OUT/r/profile_gemv_details.csv" \
-        2>>"$OUT/ncu_raw.log"
     TAIL=14 step 30 profile_summary python benchmarks/profile_gemv.py \
         --summarize "$OUT/r/profile_gemv_raw.csv" --out "$OUT/r/profile_gemv_cuda.json"
 fi

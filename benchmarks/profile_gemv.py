@@ -54,9 +54,10 @@ CASES = [
 METRICS = {
     "gpu__time_duration.sum": "us",
     "dram__bytes_read.sum": "dram_read_bytes",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct_of_peak",
+    "dram__bytes_read.sum.pct_of_peak_sustained_elapsed": "dram_pct_of_peak",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
     "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "smsp__warps_active.avg.per_cycle_active": "warps_per_scheduler",
     "launch__registers_per_thread": "registers",
     "launch__occupancy_limit_registers": "blocks_per_sm_by_registers",
     "launch__occupancy_limit_shared_mem": "blocks_per_sm_by_shared_mem",
@@ -69,6 +70,12 @@ METRICS = {
     "lts__t_sector_hit_rate.pct": "l2_hit_pct",
     "smsp__average_warp_latency_per_inst_issued.ratio": "warp_cycles_per_issue",
 }
+# ncu's units, in the summary's (microseconds, bytes).
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1.0, "Kbyte": 1e3}
+UNITS |= {"Mbyte": 1e6, "Gbyte": 1e9}
+# Helper kernels a case may launch after its own (cuBLAS's split-K reduction): they belong
+# to the case before them.
+HELPERS = ("splitKreduce",)
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
@@ -155,15 +162,19 @@ def summarize(raw_csv: Path) -> list[dict]:
         table = [row for row in csv.reader(f) if row]
     header, units, data = table[0], table[1], table[2:]
     rows = []
-    for i, values in enumerate(data):
+    case = -1
+    for values in data:
         got = dict(zip(header, values, strict=False))
         unit = dict(zip(header, units, strict=False))
-        row = {"case": CASES[i][0] if i < len(CASES) else None, "kernel": got.get("Kernel Name")}
+        kernel = got.get("Kernel Name") or ""
+        helper = any(name in kernel for name in HELPERS)
+        case += not helper
+        label = CASES[case][0] if 0 <= case < len(CASES) else None
+        row = {"case": f"{label} (helper)" if helper else label, "kernel": kernel}
         for metric, name in METRICS.items():
             value = _number(got.get(metric, ""))
-            if value is not None and metric == "gpu__time_duration.sum":
-                scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit.get(metric))
-                value = value * scale if scale else value
+            if value is not None:
+                value *= UNITS.get(unit.get(metric, ""), 1.0)
             row[name] = value
         stalls = {}
         for metric, text in got.items():
@@ -178,11 +189,12 @@ def summarize(raw_csv: Path) -> list[dict]:
     for row in rows:
         stalls = ", ".join(f"{k} {v:.1f}" for k, v in list(row["stalls"].items())[:4])
         print(
-            f"{row['case'] or row['kernel']:24s} {row.get('us') or 0:7.2f} us  "
+            f"{(row['case'] or row['kernel'])[:30]:30s} {row.get('us') or 0:7.2f} us  "
             f"dram {row.get('dram_read_tb_per_s') or 0:4.2f} TB/s "
             f"({row.get('dram_pct_of_peak') or 0:4.1f}% of peak)  "
-            f"occupancy {row.get('achieved_occupancy_pct') or 0:4.1f}% "
-            f"(of {row.get('theoretical_occupancy_pct') or 0:4.1f})  "
+            f"warps/scheduler {row.get('warps_per_scheduler') or 0:4.1f} "
+            f"(occupancy {row.get('achieved_occupancy_pct') or 0:4.1f}% "
+            f"of {row.get('theoretical_occupancy_pct') or 0:4.1f})  "
             f"issue {row.get('issue_active_pct') or 0:4.1f}%  stalls: {stalls}"
         )
     return rows
