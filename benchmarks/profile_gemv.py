@@ -13,7 +13,8 @@ it prints (an NVTX range names each), so the report holds one kernel per case in
 (ncu flushes the caches before each: cold weights, as in decode). `--summarize` reads
 ncu's raw page (CSV) and prints, per kernel, its time, the DRAM bytes and rate, the
 occupancy it reached, its issue activity and the stall reasons that dominate, and writes
-them as JSON (benchmarks/results/profile_gemv.json).
+them as JSON (`--out`, else benchmarks/results/profile_gemv_<device>.json), with the GPU the
+raw page names.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ METRICS = {
     "lts__t_sector_hit_rate.pct": "l2_hit_pct",
     "smsp__average_warp_latency_per_inst_issued.ratio": "warp_cycles_per_issue",
 }
-# ncu's units, in the summary's (microseconds, bytes).
-UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1.0, "Kbyte": 1e3}
-UNITS |= {"Mbyte": 1e6, "Gbyte": 1e9}
+# ncu's units of time and size, in the summary's (microseconds, bytes); ncu writes either
+# spelling of the times.
+UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "ns": 1e-3, "us": 1.0, "ms": 1e3}
+UNITS |= {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+SCALED = ("gpu__time_duration.sum", "dram__bytes_read.sum")
 # Helper kernels a case may launch after its own (cuBLAS's split-K reduction): they belong
 # to the case before them.
 HELPERS = ("splitKreduce",)
@@ -101,7 +104,8 @@ def run_cases(smoke: bool = False) -> None:
     for label, method, n, k, fields in CASES:
         if smoke:
             n, k = min(n, 64) * (2 if "gate_up" in label else 1), 256
-            fields = fields and (16, *fields[1:])
+            if fields is not None:
+                fields = (16, *fields[1:])
         x = torch.randn(1, k, generator=gen, device=dev).bfloat16()
         if method.startswith("int4"):
             q = pack_int4(torch.randint(0, 16, (n, k), generator=gen, device=dev))
@@ -173,8 +177,10 @@ def summarize(raw_csv: Path) -> list[dict]:
         row = {"case": f"{label} (helper)" if helper else label, "kernel": kernel}
         for metric, name in METRICS.items():
             value = _number(got.get(metric, ""))
-            if value is not None:
-                value *= UNITS.get(unit.get(metric, ""), 1.0)
+            if value is not None and metric in SCALED:
+                if unit.get(metric) not in UNITS:
+                    raise ValueError(f"{raw_csv}: {metric} in unknown unit {unit.get(metric)!r}")
+                value *= UNITS[unit[metric]]
             row[name] = value
         stalls = {}
         for metric, text in got.items():
@@ -183,6 +189,7 @@ def summarize(raw_csv: Path) -> list[dict]:
                 if value:
                     stalls[metric.removeprefix(STALL_PREFIX).removesuffix(STALL_SUFFIX)] = value
         row["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
+        row["gpu"] = got.get("device__attribute_display_name")
         if row.get("us") and row.get("dram_read_bytes"):
             row["dram_read_tb_per_s"] = row["dram_read_bytes"] / (row["us"] * 1e-6) / 1e12
         rows.append(row)

@@ -74,9 +74,9 @@ INT4_SWEEP = [
     (128, 128, 4, 4, 4),
 ]
 # int4 in float16 pairs (GemvConfig.packed, `int4_gemv`; each in both packed forms, and with
-# the splits launched first): 8 or 16 rows a thread (its
-# per-row scale and zero and per-column input scaling shared by more words), and K split
-# until the small layers have 128-256 programs.
+# the splits launched first): 8 or 16 rows a thread (its per-row scale and zero and
+# per-column input scaling shared by more words), and K split until the small layers have
+# 128-256 programs.
 INT4_PACKED_SWEEP = [
     (512, 128, 4, 4, 2),
     (512, 128, 8, 4, 2),

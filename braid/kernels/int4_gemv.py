@@ -36,8 +36,11 @@ LOP3, one shift and four HFMA2 (9 instructions for 8 weights against 13), and th
 applied once per group and output after the sums: sum (q - z) x = 2**24 sum (q 2**-24) x -
 z sum x, with each block's sum of inputs made once per program. The inputs are scaled into
 [2**14, 2**15) instead (the products are 2**24 times smaller; no float16 sum can come near
-overflow), and the result keeps the first form's rounding, each product and each sum of 8 in
-float16 (measured on the CPU: 4.5-9e-4 of the output's norm in float16 against 4.1-6.2e-4).
+overflow). Each product and each sum of 8 is still rounded to float16, but products of inputs
+below about 2**-7 of their block's largest are subnormal, rounded to a fixed step rather than
+to 11 bits: up to about 1.5 times the first form's error (measured on the CPU: 4.5-9e-4 of
+the output's norm in float16 outputs against 4.1-6.2e-4). The float32 sums hold 2**-24 of the
+result until the end, so inputs near 1e-36 lose bits (no activation is that small).
 `benchmarks/sass_counts.py` counts 2.00 instructions per weight at 512 x 128 (2.58 for the
 first form) and 2.54 at 256 x 128 (3.09), with more registers (166 and 113 against 128 and 96).
 
@@ -470,7 +473,9 @@ def int4_gemv(
 
     A `packed` configuration, for bfloat16 or float16 x and groups of whole 128-input blocks,
     forms the products in float16 pairs (each product and each sum of 8 rounded to float16
-    before the float32 sums; see the module docstring); elsewhere the float32 form runs.
+    before the float32 sums; see the module docstring): `packed` 1 takes the zero off each
+    code, 2 reads the codes as float16 subnormals and takes the zero off once per group.
+    Elsewhere the float32 form runs.
 
     Prologues, as `skinny_linear`'s (they run the packed form, with the configuration's tile,
     and need what it needs): `activation="silu_and_mul"`: x is [1, 2K] = [gate | up] and the

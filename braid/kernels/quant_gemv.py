@@ -76,6 +76,10 @@ class GemvConfig:
     packed: int = 0
     splits_first: bool = False
 
+    def __post_init__(self) -> None:
+        if self.packed not in (0, 1, 2):
+            raise ValueError(f"GemvConfig.packed must be 0, 1 or 2, got {self.packed!r}")
+
 
 # Best measured on an H200 per (N, K) (benchmarks/quant_kernels.py writes these; run of
 # 2026-12-02, benchmarks/results/quant_kernels_cuda.json); other shapes take `default_config`.
@@ -130,7 +134,7 @@ def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
     return {key: _table_config(c) for key, c in table.items()}
 
 
-def _table_config(c: list) -> GemvConfig:
+def _table_config(c: list[int | bool]) -> GemvConfig:
     """A `TUNED_CONFIGS` entry: five numbers, then the flags dot, packed (int; true in files
     written before the second packed form: 1) and splits_first, each false where left out."""
     given = list(c[5:8])
@@ -318,22 +322,9 @@ def _fp8_gemv_kernel(
     else:
         y = tl.sum(acc, axis=1)
     _finish(
-        y,
-        block,
-        split,
-        rows,
-        rmask,
-        Out,
-        Bias,
-        Scales,
-        x_scale,
-        Partials,
-        Counters,
-        N,
-        SPLIT_K,
-        HAS_BIAS,
-        True,
-    )
+        y, block, split, rows, rmask, Out, Bias, Scales, x_scale, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, True,
+    )  # fmt: skip
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -390,9 +381,9 @@ MAX_PREFETCH_LINES = 4
 
 
 def _launch_meta(cfg: GemvConfig, kind: str, device: torch.device, row_bytes: int) -> dict:
-    """The launch's warps and stages, and PDL's switches for a GEMV of `kind`: with it, each
-    program prefetches the first `row_bytes` of its split of each row (up to
-    MAX_PREFETCH_LINES lines)."""
+    """The launch's warps, stages and grid order (SPLITS_FIRST), and PDL's switches for a GEMV
+    of `kind`: with it, each program prefetches the first `row_bytes` of its split of each
+    row (up to MAX_PREFETCH_LINES lines)."""
     on = pdl.enabled(device, kind)
     lines = min(triton.next_power_of_2(triton.cdiv(row_bytes, 128)), MAX_PREFETCH_LINES)
     meta = {"num_warps": cfg.warps, "num_stages": 1, "STAGES": cfg.stages, "PDL": on}
@@ -434,8 +425,8 @@ def int8_gemv(
     n, k = _check_byte_weight(x, weight, scales, torch.int8)
     out = _check_out(x, n, bias, out, x.dtype)
     cfg = config or config_for("int8", n, k, x.device)
-    split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
-    _int8_gemv_kernel[grid](
+    split_len, partials, counters, launch = _byte_split(x, n, k, cfg, workspace)
+    _int8_gemv_kernel[launch](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         HAS_BIAS=bias is not None, **_launch_meta(cfg, "int8", x.device, split_len),
@@ -468,8 +459,8 @@ def fp8_gemv(
             f"fp8_gemv: a tensor-core config needs block_k a multiple of {DOT_STEP.value} and "
             f"block_n >= 16, got {cfg}"
         )
-    split_len, partials, counters, grid = _byte_split(x, n, k, cfg, workspace)
-    _fp8_gemv_kernel[grid](
+    split_len, partials, counters, launch = _byte_split(x, n, k, cfg, workspace)
+    _fp8_gemv_kernel[launch](
         x, weight, scales, bias if bias is not None else scales, out, partials, counters, n, k,
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,

@@ -145,6 +145,7 @@ def test_every_gemv_gives_the_same_bits_with_its_splits_launched_first(device):
     cases = [
         (lambda c, ws: int4(c, ws, x.float()), GemvConfig(16, 128, 4)),
         (int4, GemvConfig(16, 128, 4, packed=True)),
+        (int4, GemvConfig(16, 128, 4, packed=2)),
         (
             lambda c, ws: int8_gemv(x, w8, scales.half(), config=c, workspace=ws),
             GemvConfig(16, 64, 4),
@@ -210,6 +211,19 @@ def test_int4_gemv_in_float16_pairs_matches_the_dequantized_matmul(
     assert err < {torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype], err
 
 
+def test_the_two_packed_forms_are_different_kernels_with_the_same_result(device):
+    # The second form (`packed` 2) really runs: other roundings, so other bits, same product;
+    # and a form that does not exist is refused.
+    (q, s, z), (planar, meta) = _int4(64, 1024, 128, device)
+    x = _x(1, 1024, torch.float16, device)
+    first = int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 128, 2, packed=1))
+    second = int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 128, 2, packed=2))
+    assert not torch.equal(first, second)
+    assert ((second.float() - first.float()).norm() / first.float().norm()).item() < 2e-3
+    with pytest.raises(ValueError, match="packed must be 0, 1 or 2, got 3"):
+        GemvConfig(16, 128, 2, packed=3)
+
+
 def test_a_packed_config_keeps_the_float32_kernel_where_pairs_do_not_apply(device):
     # float32 inputs, and groups smaller than a 128-input block: the float32 kernel's bits.
     packed, plain = GemvConfig(16, 128, 2, packed=True), GemvConfig(16, 128, 2)
@@ -226,13 +240,14 @@ def test_a_packed_config_keeps_the_float32_kernel_where_pairs_do_not_apply(devic
     )
 
 
+@pytest.mark.parametrize("packed", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_gemv_with_silu_and_mul_fused_equals_the_two_kernels(device, dtype):
+def test_int4_gemv_with_silu_and_mul_fused_equals_the_two_kernels(device, dtype, packed):
     from braid.kernels.activation import silu_and_mul
 
     _, (planar, meta) = _int4(48, 384, 128, device)
     gate_up = _x(1, 768, dtype, device, scale=3.0)
-    cfg = GemvConfig(16, 128, 2, packed=True)
+    cfg = GemvConfig(16, 128, 2, packed=packed)
     fused = int4_gemv(gate_up, planar, meta, 128, activation="silu_and_mul", config=cfg)
     # The same activation bits (silu rounded, then the product rounded), the same pairs.
     assert torch.equal(fused, int4_gemv(silu_and_mul(gate_up), planar, meta, 128, config=cfg))
@@ -240,7 +255,8 @@ def test_int4_gemv_with_silu_and_mul_fused_equals_the_two_kernels(device, dtype)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_int4_gemv_with_rmsnorm_fused_matches_the_two_kernels(device, dtype, with_residual):
+@pytest.mark.parametrize("packed", [1, 2])
+def test_int4_gemv_with_rmsnorm_fused_matches_the_two_kernels(device, dtype, with_residual, packed):
     from braid.kernels.norm import rmsnorm
 
     (q, s, z), (planar, meta) = _int4(40, 512, 256, device)
@@ -248,7 +264,7 @@ def test_int4_gemv_with_rmsnorm_fused_matches_the_two_kernels(device, dtype, wit
     weight = _x(1, 512, dtype, device, seed=3).reshape(512)
     residual = _x(1, 512, dtype, device, seed=4) if with_residual else None
     new = torch.empty_like(x) if with_residual else None
-    cfg = GemvConfig(32, 256, 3, packed=True)  # splits ragged: every program makes the norm
+    cfg = GemvConfig(32, 256, 3, packed=packed)  # splits ragged: every program makes the norm
     got = int4_gemv(
         x, planar, meta, 256, norm_weight=weight, eps=1e-5, residual=residual,
         residual_out=new, config=cfg,
