@@ -17,20 +17,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _script(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/profile_gemv.py with `args`, under Triton's interpreter; it must succeed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "benchmarks/profile_gemv.py", *args]
+    p = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU's")
 def test_smoke_run_calls_every_case():
     sys.path.insert(0, str(ROOT))
     from benchmarks.profile_gemv import CASES
 
-    p = subprocess.run(
-        [sys.executable, "benchmarks/profile_gemv.py", "--smoke"],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _script("--smoke")
     printed = [line for line in p.stdout.splitlines() if line.startswith("case ")]
     assert printed == [f"case {i}: {c[0]}" for i, c in enumerate(CASES)]
 
@@ -54,14 +55,7 @@ def test_summary_reads_the_raw_page_per_case(tmp_path):
     with raw.open("w", newline="") as f:
         csv.writer(f).writerows([header, units, *kernels])
     out = tmp_path / "p.json"
-    p = subprocess.run(
-        [sys.executable, "benchmarks/profile_gemv.py", "--summarize", str(raw), "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    _script("--summarize", str(raw), "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     # A helper kernel (cuBLAS's split-K reduction) belongs to the case before it.
     assert [r["case"] for r in rows] == [CASES[0][0], f"{CASES[0][0]} (helper)", CASES[1][0]]
