@@ -439,16 +439,16 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
     `device_name`: {"kind/N/K": [block_n, block_k, split_k, warps, stages, dot, packed,
     splits_first]}."""
     import json
+    from dataclasses import astuple
 
-    from braid.kernels.quant_gemv import tuned_key
+    from braid.kernels.quant_gemv import table_config, tuned_key
 
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = data.setdefault(device_name, {})
     for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
         kind = name.removesuffix("_CONFIGS").lower()
         for (n, k), c in tables[name].items():
-            dot, packed, first = [*c[5:8], *[False, 0, False][len(c[5:8]) :]]
-            entry[tuned_key(kind, n, k)] = [*c[:5], bool(dot), int(packed), bool(first)]
+            entry[tuned_key(kind, n, k)] = list(astuple(table_config(c)))
     data[device_name] = dict(sorted(entry.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

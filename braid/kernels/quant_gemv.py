@@ -131,10 +131,10 @@ def tuned_key(kind: str, n: int, k: int) -> str:
 @functools.cache
 def _tuned_table(device_name: str) -> dict[str, GemvConfig]:
     table = tuned_configs(TUNED_CONFIGS, device_name)
-    return {key: _table_config(c) for key, c in table.items()}
+    return {key: table_config(c) for key, c in table.items()}
 
 
-def _table_config(c: list[int | bool]) -> GemvConfig:
+def table_config(c: list[int | bool] | tuple[int | bool, ...]) -> GemvConfig:
     """A `TUNED_CONFIGS` entry: five numbers, then the flags dot, packed (int; true in files
     written before the second packed form: 1) and splits_first, each false where left out."""
     given = list(c[5:8])
