@@ -15,6 +15,11 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int8: M = 1, `int8_gemv` sweep and `int8_linear`; M > 1, `int8_linear`.
 - fp8 (per-channel weights, per-token activations): M = 1, `fp8_gemv` sweep and
   `per_token_quant_fp8` + `torch._scaled_mm`; M > 1, the latter, also with `use_fast_accum`.
+- read_bf16, read_int4, read_int8, read_fp8 (M = 1): the read floor. A kernel that only reads
+  as many bytes as that method's layer (int32 words, xor'ed: `_read_kernel`) over a sweep of
+  program counts and tile sizes, timed as the GEMVs are (cold, in graphs, launch gaps and
+  tails included): what any one-row kernel over those bytes costs at that size. The summary
+  gives each GEMV's time over its method's floor.
 
 Timing: every variant first runs once (compiles, tunes) and is checked: ‖out - ref‖ / ‖ref‖
 against the method's torch reference in float32 must stay under 2e-2 (bf16 output rounding is
@@ -28,7 +33,8 @@ is 2 M N K / time, `mfu` that over the bf16 matmul rate measured here (fp8: its 
 rate).
 
 Prints one table, last: per shape and M the fastest correct variant of each method, its time,
-its fraction of the copy rate (M <= 128) or MFU (8192), and the bf16 time beside it; then the
+its fraction of the copy rate (M <= 128) or MFU (8192), the bf16 time beside it and, where the
+read floor of its bytes was measured, its time over that floor; then the
 tables to paste into braid/kernels/quant_gemv.py (INT4_CONFIGS, INT8_CONFIGS, FP8_CONFIGS)
 and quant_planar.py (DEQUANTIZE_MIN_ROWS). Writes benchmarks/results/quant_kernels_cuda.json.
 """
@@ -36,6 +42,7 @@ and quant_planar.py (DEQUANTIZE_MIN_ROWS). Writes benchmarks/results/quant_kerne
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -44,6 +51,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -131,7 +140,43 @@ PLANAR_SWEEP = {
     16: [(16, 64, 4, 3), (16, 128, 4, 3), (16, 32, 4, 4)],
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)],
 }
+# The read floor (`_read_kernel`): (int32 words per loop step, warps, stages) x programs as
+# multiples of the SM count.
+READ_SWEEP = [(1024, 4, 1), (1024, 4, 3), (4096, 4, 1), (4096, 8, 3)]
+READ_WAVES = (1, 2, 4, 8, 16)
+READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8")
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
+
+
+@triton.jit
+def _read_kernel(Src, Out, words, per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """The xor of Src's words [pid * per_program, (pid + 1) * per_program) into Out[pid]:
+    reads and nothing else."""
+    start = tl.program_id(0) * per_program
+    end = tl.minimum(start + per_program, words)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+        idx = off + tl.arange(0, BLOCK)
+        acc ^= tl.load(Src + idx, mask=idx < end, other=0)
+    tl.store(Out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+def read_words(src: torch.Tensor, programs: int, block: int, warps: int, stages: int):
+    """Per-program xors of int32 `src` read by `programs` programs (`_read_kernel`)."""
+    words = src.numel()
+    per_program = triton.cdiv(triton.cdiv(words, programs), block) * block
+    grid = triton.cdiv(words, per_program)
+    out = torch.empty(grid, dtype=torch.int32, device=src.device)
+    _read_kernel[(grid,)](src, out, words, per_program, BLOCK=block, STAGES=stages,
+                          num_warps=warps)  # fmt: skip
+    return out
+
+
+def xor_all(t: torch.Tensor) -> int:
+    """The xor of all of int32 `t`'s words (on the host)."""
+    import numpy as np
+
+    return int(np.bitwise_xor.reduce(t.cpu().numpy().ravel()))
 
 
 class Bench:
@@ -206,10 +251,19 @@ def make_weights(n: int, k: int, device: torch.device, copies: int, gen: torch.G
         out["int8"].append((w8, s8))
         wf = (torch.randn(n, k, generator=gen, device=device) * 0.5).to(FP8_DTYPE)
         out["fp8"].append((wf, torch.rand(n, generator=gen, device=device) / 100 + 1e-3))
+    for method in READ_METHODS:
+        words = weight_bytes(method, n, k) // 4
+        out[method] = [
+            torch.randint(
+                -(2**31), 2**31 - 1, (words,), generator=gen, device=device, dtype=torch.int32
+            )  # fmt: skip
+            for _ in range(copies)
+        ]
     return out
 
 
 def weight_bytes(method: str, n: int, k: int) -> int:
+    method = method.removeprefix("read_")
     per = {"bf16": 2.0, "int4": 0.5, "int8": 1.0, "fp8": 1.0}[method]
     meta = {"int4": 4 * n * (k // GROUP), "int8": 4 * n, "fp8": 4 * n}.get(method, 0)
     return int(n * k * per) + meta
@@ -237,7 +291,17 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         return full + [(*c, True) for c in full if c[2] > 1]
 
     out: list[tuple[str, Callable]] = []
-    if method == "bf16":
+    if method in READ_METHODS:
+        if m == 1:
+            sms = 2 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
+            sweep = READ_SWEEP if not smoke else [(16, 1, 1), (32, 2, 2)]
+            for block, warps, stages in sweep:
+                for waves in READ_WAVES if not smoke else (1, 4):
+                    out.append((
+                        f"read:p{waves * sms}_b{block}_w{warps}_s{stages}",
+                        lambda x, w, c=(waves * sms, block, warps, stages): read_words(w, *c),
+                    ))  # fmt: skip
+    elif method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
         if m == 1:
@@ -332,6 +396,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
         copies = 2 if args.smoke else max(2, -(-COLD_BYTES // weight_bytes("int4", n, k)))
         copies = min(copies, args.calls)
         weights = make_weights(n, k, dev, copies, gen)
+        want_xor: dict[str, int] = {}
         for m in rows:
             dtype = torch.float32 if args.smoke else torch.bfloat16
             xs = [torch.randn(m, k, generator=gen, device=dev).to(dtype) for _ in range(2)]
@@ -348,7 +413,12 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
                     }
                     try:
                         got = call(xs[0], ws[0])
-                        row["error"] = rel_error(got, reference(method, xs[0], ws[0]))
+                        if method in READ_METHODS:  # every word read: the same xor
+                            if method not in want_xor:
+                                want_xor[method] = xor_all(ws[0])
+                            row["error"] = 0.0 if xor_all(got) == want_xor[method] else math.inf
+                        else:
+                            row["error"] = rel_error(got, reference(method, xs[0], ws[0]))
                         if method == "fp8" and name.startswith("gemv"):
                             row["error"] = max(row["error"], _fp8_codes_check(xs[0]))
                         row["ok"] = row["error"] < MAX_ERROR
@@ -406,10 +476,19 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     lines = []
-    for (shape, m, _), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (shape, m, method), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         base = best.get((shape, m, "bf16"))
         vs = f"{base['us'] / r['us']:5.2f}x bf16" if base else ""
+        floor = best.get((shape, m, f"read_{method}"))
+        vs += f"  {r['us'] / floor['us']:5.2f}x its read floor" if floor else ""
         lines.append(_fmt(r) + "  " + vs)
+    # One of each shape (a decoder layer's four GEMVs), per method, where every shape ran.
+    shapes = {r["shape"] for r in results}
+    for method in sorted({key[2] for key in best if key[1] == 1}):
+        got = [best.get((shape, 1, method)) for shape in sorted(shapes)]
+        if all(got):
+            us = sum(r["us"] for r in got)
+            lines.append(f"a layer M=1 {method:9s} {us:9.2f} us (the best of each shape, summed)")
     tables: dict = {"INT4_CONFIGS": {}, "INT8_CONFIGS": {}, "FP8_CONFIGS": {}}
     for (_, m, method), r in best.items():
         if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
@@ -458,7 +537,7 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (interpreter)")
-    ap.add_argument("--methods", default="bf16,int4,int8,fp8")
+    ap.add_argument("--methods", default=",".join(("bf16", "int4", "int8", "fp8", *READ_METHODS)))
     ap.add_argument("--calls", type=int, default=32, help="calls per timed graph replay")
     ap.add_argument("--repeats", type=int, default=7, help="timed replays (median)")
     ap.add_argument("--out", default=None, help="JSON path")

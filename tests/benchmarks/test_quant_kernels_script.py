@@ -31,8 +31,10 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert {r["method"] for r in rows} == {"int4", "int8", "fp8"}
+    reads = {"read_bf16", "read_int4", "read_int8", "read_fp8"}
+    assert {r["method"] for r in rows} == {"int4", "int8", "fp8"} | reads
     assert {r["m"] for r in rows} == {1, 3, 40}
+    assert {r["m"] for r in rows if r["method"] in reads} == {1}
     variants = {r["variant"].split(":")[0] for r in rows}
     assert {"gemv", "planar", "dequant+cublas", "int4_linear(old)", "int8_linear"} <= variants
     assert all(r["ok"] and r["us"] > 0 and r["error"] < 2e-2 for r in rows)
@@ -43,6 +45,10 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
         "DEQUANTIZE_MIN_ROWS",
     }
     assert "DEQUANTIZE_MIN_ROWS =" in p.stdout and "INT8_CONFIGS = {(" in p.stdout
+    # Each one-row GEMV's time over the floor of reading its bytes, and a layer's sums.
+    assert any(line.startswith("a ") and "int4 " in line and "x its read floor" in line
+               for line in result["best"])  # fmt: skip
+    assert any(line.startswith("a layer M=1 read_int4") for line in result["best"])
     assert any(r["variant"].endswith("_dot") and r["method"] == "fp8" for r in rows)
     assert any(r["variant"].endswith("_f16x2") and r["method"] == "int4" for r in rows)
     assert any(r["variant"].endswith("_f16x2_sf") and r["method"] == "int4" for r in rows)
