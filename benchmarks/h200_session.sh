@@ -11,7 +11,9 @@
 #          each method's bytes (a kernel that only reads them, quant_kernels.py's read_*), its
 #          choices recorded for the H200; batch-1 decode of bf16, int4 and fp8 with them; the
 #          GEMVs' GPU tests
-#   part 2: the int4 and bf16 (float) steps kernel by kernel (gpu_step.py)
+#   part 2: the int4 and bf16 (float) steps kernel by kernel (gpu_step.py); issue 21 (offline
+#          at 0.60 of the bound): decode's attention and GEMMs at batch 1024 one after the
+#          other against two half-batches on two streams (overlap_probe.py)
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -45,6 +47,8 @@ if [ "$part" = 2 ]; then
             --out "$OUT/r/gpu_step_${method}_p${part}_cuda.json"
         pack
     done
+    TAIL=6 step 120 overlap_probe python benchmarks/overlap_probe.py \
+        --out "$OUT/r/overlap_probe_p${part}_cuda.json"
 fi
 kill "$smi"
 pack

@@ -202,6 +202,25 @@ def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
     assert result["best"]["2x(5+20)"]["config"] in ([16, 16, 4, 1], [32, 16, 4, 2])
 
 
+def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_path):
+    """benchmarks/overlap_probe.py (issue 21's two-stream question) through the interpreter:
+    the two half-batches, each with its own requests' KV, give the full batch's output."""
+    out = tmp_path / "o.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/overlap_probe.py", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    result = json.loads(out.read_text())
+    assert result["halves_error"] < 1e-5
+    times = ("attention_ms", "gemms_ms", "serial_ms", "halves_serial_ms", "two_streams_ms")
+    assert all(result[t] > 0 for t in times)
+    assert result["bound_ms"] == max(result["attention_ms"], result["gemms_ms"])
+
+
 def test_radix_lookup_matches_every_cached_token_and_writes_json(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run(
