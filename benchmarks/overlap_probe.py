@@ -20,6 +20,9 @@ and norms are left out (small against these). Timed as CUDA graphs (median of `-
 - `serial_ms`: the whole layers at the full batch on one stream (what braid runs today);
 - `halves_serial_ms`: two half-batches one after the other on one stream;
 - `two_streams_ms`: the two halves on two streams, each half's layers in order;
+- `carveout_ms`: the same with cuBLAS told to leave N SMs free (`--carveouts`, torch's
+  `_set_sm_carveout_experimental`), so the other stream's attention has SMs to run on while
+  a GEMM runs (a kernel that fills every SM leaves none: the streams then only alternate);
 - `bound_ms`: max(attention, gemms) (the offline bound's model of a step), and the fraction
   of the serial time the two streams save, against the most overlap could save
   (min(attention, gemms)).
@@ -75,9 +78,9 @@ class Batch:
 
     def __init__(self, s: dict, rows: range, context: int, dtype, device, gen) -> None:
         n = len(rows)
-        self.x = torch.randn(n, s["hidden"], generator=gen, device=device).to(dtype)
+        self.x = torch.randn(n, s["hidden"], generator=gen).to(device, dtype)
         width = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
-        self.qkv = torch.randn(n, width, generator=gen, device=device).to(dtype)
+        self.qkv = torch.randn(n, width, generator=gen).to(device, dtype)
         # Request r's tokens are the slots r * context ... r * context + context - 1, shuffled
         # within the request (a long-running pool's pages are not in order).
         order = torch.stack([torch.randperm(context, generator=gen) for _ in rows]).to(device)
@@ -138,19 +141,26 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(times)
 
 
-def two_streams(layers: list[Layer], a: Batch, b: Batch, device: torch.device) -> Callable:
+def two_streams(
+    layers: list[Layer], a: Batch, b: Batch, device: torch.device, carveout: int = 0
+) -> Callable:
     """Both halves' layers, each half on its own stream (forked from and joined to the current
-    one, so the pair captures into one graph); on the CPU, one after the other."""
+    one, so the pair captures into one graph), cuBLAS leaving `carveout` SMs free; on the CPU,
+    one after the other."""
     if device.type != "cuda":
         return lambda: (forward(layers, a), forward(layers, b))
     side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
 
     def run() -> None:
         main = torch.cuda.current_stream(device)
-        for stream, half in zip(side, (a, b)):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                forward(layers, half)
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        try:
+            for stream, half in zip(side, (a, b)):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    forward(layers, half)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
         for stream in side:
             main.wait_stream(stream)
 
@@ -183,6 +193,9 @@ def probe(args: argparse.Namespace) -> dict:
         "halves_serial_ms": timed(lambda: (forward(layers, a), forward(layers, b)), device, r),
         "two_streams_ms": timed(two_streams(layers, a, b, device), device, r),
         "halves_error": error,
+        "carveout_ms": {
+            str(c): timed(two_streams(layers, a, b, device, c), device, r) for c in args.carveouts
+        },
     }
     res["bound_ms"] = max(res["attention_ms"], res["gemms_ms"])
     most = min(res["attention_ms"], res["gemms_ms"])
@@ -199,8 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=640, help="KV tokens per request")
     ap.add_argument("--layers", type=int, default=4, help="layers per timed graph")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--carveouts", default="16,32,48,66", help="SMs cuBLAS leaves free, comma-separated"
+    )
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
+    args.carveouts = [int(c) for c in args.carveouts.split(",") if c]
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.batch, args.context, args.layers, args.repeats = 8, 24, 2, 1
@@ -221,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         f"({res['serial_over_bound']:.2f} of the bound), halves one after the other "
         f"{res['halves_serial_ms']:.3f}, halves on two streams {res['two_streams_ms']:.3f} "
         f"({res['two_streams_over_bound']:.2f} of the bound; saved "
-        f"{res['saved_of_possible']:.0%} of what overlap could save)\n  halves against the "
+        f"{res['saved_of_possible']:.0%} of what overlap could save)\n  with SMs left free by "
+        f"cuBLAS: {res['carveout_ms']} ms\n  halves against the "
         f"full batch: relative error {res['halves_error']:.1e}",
         flush=True,
     )

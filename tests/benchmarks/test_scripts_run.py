@@ -207,7 +207,8 @@ def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_pa
     the two half-batches, each with its own requests' KV, give the full batch's output."""
     out = tmp_path / "o.json"
     subprocess.run(
-        [sys.executable, "benchmarks/overlap_probe.py", "--smoke", "--out", str(out)],
+        [sys.executable, "benchmarks/overlap_probe.py", "--smoke", "--carveouts", "8"]
+        + ["--out", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -219,6 +220,7 @@ def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_pa
     times = ("attention_ms", "gemms_ms", "serial_ms", "halves_serial_ms", "two_streams_ms")
     assert all(result[t] > 0 for t in times)
     assert result["bound_ms"] == max(result["attention_ms"], result["gemms_ms"])
+    assert list(result["carveout_ms"]) == ["8"] and result["carveout_ms"]["8"] > 0
 
 
 def test_radix_lookup_matches_every_cached_token_and_writes_json(tmp_path):
