@@ -141,9 +141,10 @@ PLANAR_SWEEP = {
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)],
 }
 # The read floor (`_read_kernel`): (int32 words per loop step, warps, stages) x programs as
-# multiples of the SM count.
+# multiples of the SM count (below 1: how fast a part of the SMs reads, for sharing the GPU
+# between a memory-bound and a compute-bound kernel).
 READ_SWEEP = [(1024, 4, 1), (1024, 4, 3), (4096, 4, 1), (4096, 8, 3)]
-READ_WAVES = (1, 2, 4, 8, 16)
+READ_WAVES = (0.25, 0.5, 1, 2, 4, 8, 16)
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8")
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
@@ -296,10 +297,11 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
             sms = 2 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
             sweep = READ_SWEEP if not smoke else [(16, 1, 1), (32, 2, 2)]
             for block, warps, stages in sweep:
-                for waves in READ_WAVES if not smoke else (1, 4):
+                for waves in READ_WAVES if not smoke else (0.5, 4):
+                    programs = max(1, round(waves * sms))
                     out.append((
-                        f"read:p{waves * sms}_b{block}_w{warps}_s{stages}",
-                        lambda x, w, c=(waves * sms, block, warps, stages): read_words(w, *c),
+                        f"read:p{programs}_b{block}_w{warps}_s{stages}",
+                        lambda x, w, c=(programs, block, warps, stages): read_words(w, *c),
                     ))  # fmt: skip
     elif method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
