@@ -15,6 +15,11 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int8: M = 1, `int8_gemv` sweep and `int8_linear`; M > 1, `int8_linear`.
 - fp8 (per-channel weights, per-token activations): M = 1, `fp8_gemv` sweep and
   `per_token_quant_fp8` + `torch._scaled_mm`; M > 1, the latter, also with `use_fast_accum`.
+- read_int4_rows (M = 1): the int4 GEMV's own reads without its arithmetic: the planar codes
+  and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
+  them, at each configuration of its packed sweep, xor'ed (`_read_rows_kernel`). Between the
+  read floor below and the GEMV: what its access pattern costs, apart from its arithmetic
+  and its split-K reduction.
 - read_bf16, read_int4, read_int8, read_fp8 (M = 1): the read floor. A kernel that only reads
   as many bytes as that method's layer (int32 words, xor'ed: `_read_kernel`) over a sweep of
   program counts and tile sizes, timed as the GEMVs are (cold, in graphs, launch gaps and
@@ -55,6 +60,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from braid.kernels.gemv_split import _block_and_split, grid  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 128, 8192)
@@ -145,7 +152,7 @@ PLANAR_SWEEP = {
 # between a memory-bound and a compute-bound kernel).
 READ_SWEEP = [(1024, 4, 1), (1024, 4, 3), (4096, 4, 1), (4096, 8, 3)]
 READ_WAVES = (0.25, 0.5, 1, 2, 4, 8, 16)
-READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8")
+READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
@@ -160,6 +167,45 @@ def _read_kernel(Src, Out, words, per_program, BLOCK: tl.constexpr, STAGES: tl.c
         idx = off + tl.arange(0, BLOCK)
         acc ^= tl.load(Src + idx, mask=idx < end, other=0)
     tl.store(Out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+@triton.jit
+def _read_rows_kernel(Q, Meta, Out, N, KB, SPLIT_BLOCKS, GROUP_BLOCKS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SUBS: tl.constexpr, STAGES: tl.constexpr,
+                      SPLITS_FIRST: tl.constexpr):  # fmt: skip
+    """`int4_gemv`'s loads (planar codes [BLOCK_N, 16] words a 128-input block, each group's
+    meta words), xor'ed per row into Out[split, rows]: its access pattern without its math."""
+    block, split = _block_and_split(SPLITS_FIRST)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + tl.arange(0, 16)[None, :]
+    first = split * SPLIT_BLOCKS
+    end = tl.minimum(first + SPLIT_BLOCKS, KB)
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.int32)
+    macc = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
+        for sb in tl.static_range(SUBS):
+            b = b0 + sb
+            mask = rmask & ((rows * 0 + b) < end)  # past the split's end: masked off
+            acc ^= tl.load(q_rows + b * 16, mask=mask[:, None], other=0)
+            if b % GROUP_BLOCKS == 0:
+                macc ^= tl.load(Meta + (b // GROUP_BLOCKS) * N + rows, mask=mask, other=0)
+    tl.store(Out + split * N + rows, tl.xor_sum(acc, axis=1) ^ macc, mask=rmask)
+
+
+def read_rows(q: torch.Tensor, meta: torch.Tensor, cfg: tuple) -> torch.Tensor:
+    """`_read_rows_kernel` over planar int4 weights (`q`, `meta`, groups of GROUP) with the
+    launch shape (block_n, block_k, split_k, warps, stages, splits_first)."""
+    block_n, block_k, split_k, warps, stages, splits_first = cfg
+    n, kb = q.shape[0], q.shape[1] // 16
+    subs = block_k // 128
+    split_blocks = triton.cdiv(triton.cdiv(kb, split_k), subs) * subs
+    out = torch.zeros(split_k, n, dtype=torch.int32, device=q.device)
+    _read_rows_kernel[grid(triton.cdiv(n, block_n), split_k, splits_first)](
+        q, meta, out, n, kb, split_blocks, GROUP_BLOCKS=GROUP // 128, BLOCK_N=block_n, SUBS=subs,
+        STAGES=stages, SPLITS_FIRST=splits_first, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def read_words(src: torch.Tensor, programs: int, block: int, warps: int, stages: int):
@@ -252,7 +298,7 @@ def make_weights(n: int, k: int, device: torch.device, copies: int, gen: torch.G
         out["int8"].append((w8, s8))
         wf = (torch.randn(n, k, generator=gen, device=device) * 0.5).to(FP8_DTYPE)
         out["fp8"].append((wf, torch.rand(n, generator=gen, device=device) / 100 + 1e-3))
-    for method in READ_METHODS:
+    for method in READ_METHODS[:-1]:  # read_int4_rows reads the int4 weights
         words = weight_bytes(method, n, k) // 4
         out[method] = [
             torch.randint(
@@ -264,7 +310,7 @@ def make_weights(n: int, k: int, device: torch.device, copies: int, gen: torch.G
 
 
 def weight_bytes(method: str, n: int, k: int) -> int:
-    method = method.removeprefix("read_")
+    method = method.removeprefix("read_").removesuffix("_rows")
     per = {"bf16": 2.0, "int4": 0.5, "int8": 1.0, "fp8": 1.0}[method]
     meta = {"int4": 4 * n * (k // GROUP), "int8": 4 * n, "fp8": 4 * n}.get(method, 0)
     return int(n * k * per) + meta
@@ -292,7 +338,16 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         return full + [(*c, True) for c in full if c[2] > 1]
 
     out: list[tuple[str, Callable]] = []
-    if method in READ_METHODS:
+    if method == "read_int4_rows":
+        if m == 1:
+            sweep = [(16, 128, 2, 4, 1, False, 0), (16, 256, 2, 4, 2, False, 0)]
+            for c in and_splits_first(INT4_PACKED_SWEEP if not smoke else sweep):
+                cfg = (*c[:5], len(c) > 7 and c[7])
+                out.append((
+                    f"read:{cfg_name((*c[:5], False, 0, cfg[5]))}",
+                    lambda x, w, cfg=cfg: read_rows(w[3], w[4], cfg),
+                ))  # fmt: skip
+    elif method in READ_METHODS:
         if m == 1:
             sms = 2 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
             sweep = READ_SWEEP if not smoke else [(16, 1, 1), (32, 2, 2)]
@@ -404,7 +459,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
             xs = [torch.randn(m, k, generator=gen, device=dev).to(dtype) for _ in range(2)]
             for method in args.methods.split(","):
                 for name, call in variants(method, m, args.smoke):
-                    ws = weights[method]
+                    ws = weights["int4" if method == "read_int4_rows" else method]
                     row = {
                         "shape": shape,
                         "n": n,
@@ -417,7 +472,8 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
                         got = call(xs[0], ws[0])
                         if method in READ_METHODS:  # every word read: the same xor
                             if method not in want_xor:
-                                want_xor[method] = xor_all(ws[0])
+                                words = ws[0][3:] if method == "read_int4_rows" else [ws[0]]
+                                want_xor[method] = xor_all(torch.cat([w.ravel() for w in words]))
                             row["error"] = 0.0 if xor_all(got) == want_xor[method] else math.inf
                         else:
                             row["error"] = rel_error(got, reference(method, xs[0], ws[0]))

@@ -31,7 +31,7 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    reads = {"read_bf16", "read_int4", "read_int8", "read_fp8"}
+    reads = {"read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows"}
     assert {r["method"] for r in rows} == {"int4", "int8", "fp8"} | reads
     assert {r["m"] for r in rows} == {1, 3, 40}
     assert {r["m"] for r in rows if r["method"] in reads} == {1}
