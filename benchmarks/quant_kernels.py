@@ -152,6 +152,16 @@ PLANAR_SWEEP = {
 # between a memory-bound and a compute-bound kernel).
 READ_SWEEP = [(1024, 4, 1), (1024, 4, 3), (4096, 4, 1), (4096, 8, 3)]
 READ_WAVES = (0.25, 0.5, 1, 2, 4, 8, 16)
+# The GEMV's loads alone (`_read_rows_kernel`) also with long runs of each row (whole rows or
+# halves of them a program, few rows a program): whether the row pattern itself costs.
+READ_ROWS_LONG = [
+    (16, 512, 1, 4, 3),
+    (32, 512, 1, 4, 3),
+    (16, 1024, 1, 4, 2),
+    (32, 512, 2, 4, 3),
+    (64, 512, 2, 4, 3),
+    (64, 256, 4, 4, 3),
+]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
@@ -341,7 +351,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     if method == "read_int4_rows":
         if m == 1:
             sweep = [(16, 128, 2, 4, 1, False, 0), (16, 256, 2, 4, 2, False, 0)]
-            for c in and_splits_first(INT4_PACKED_SWEEP if not smoke else sweep):
+            for c in and_splits_first(INT4_PACKED_SWEEP + READ_ROWS_LONG if not smoke else sweep):
                 cfg = (*c[:5], len(c) > 7 and c[7])
                 out.append((
                     f"read:{cfg_name((*c[:5], False, 0, cfg[5]))}",
