@@ -21,8 +21,10 @@ and norms are left out (small against these). Timed as CUDA graphs (median of `-
 - `halves_serial_ms`: two half-batches one after the other on one stream;
 - `two_streams_ms`: the two halves on two streams, each half's layers in order;
 - `carveout_ms`: the same with cuBLAS told to leave N SMs free (`--carveouts`, torch's
-  `_set_sm_carveout_experimental`), so the other stream's attention has SMs to run on while
-  a GEMM runs (a kernel that fills every SM leaves none: the streams then only alternate);
+  `_set_sm_carveout_experimental`, which only cuBLASLt takes: the GEMMs go through it there;
+  `cublaslt_two_streams_ms` is cuBLASLt without a carveout, its baseline), so the other
+  stream's attention has SMs to run on while a GEMM runs (a kernel that fills every SM leaves
+  none: the streams then only alternate);
 - `bound_ms`: max(attention, gemms) (the offline bound's model of a step), and the fraction
   of the serial time the two streams save, against the most overlap could save
   (min(attention, gemms)).
@@ -32,6 +34,7 @@ Writes benchmarks/results/overlap_probe_<device>.json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -44,9 +47,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_result  # noqa: E402
-from braid.kernels.activation import silu_and_mul  # noqa: E402
-from braid.kernels.attention_decode import decode_attention, workspace_numel  # noqa: E402
-from braid.runtime.attention.triton_backend import kv_splits_for_batch  # noqa: E402
 
 # Llama-3.1-8B: hidden, heads, KV heads, head dim, intermediate.
 SHAPE = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336)
@@ -88,12 +88,17 @@ class Batch:
         self.table = (base + order).to(torch.int32)
         self.pool = torch.arange(n, dtype=torch.int32, device=device)
         self.lens = torch.full((n,), context, dtype=torch.int32, device=device)
+        from braid.kernels.attention_decode import workspace_numel
+        from braid.runtime.attention.triton_backend import kv_splits_for_batch
+
         self.splits = kv_splits_for_batch(n, s["kv_heads"]) if device.type == "cuda" else 2
         numel = workspace_numel(n, s["heads"], s["head_dim"], self.splits)
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def attention(layer: Layer, b: Batch, qkv: torch.Tensor) -> torch.Tensor:
+    from braid.kernels.attention_decode import decode_attention
+
     s = layer.s
     q = qkv[:, : s["heads"] * s["head_dim"]].view(-1, s["heads"], s["head_dim"])
     out = decode_attention(
@@ -106,6 +111,8 @@ def attention(layer: Layer, b: Batch, qkv: torch.Tensor) -> torch.Tensor:
 def forward(layers: list[Layer], b: Batch, parts: str = "all") -> torch.Tensor:
     """The layers over micro-batch `b`: "all", or "attention" / "gemms" alone (attention alone
     reads a fixed qkv; the GEMMs alone take q's columns for attention's output)."""
+    from braid.kernels.activation import silu_and_mul
+
     h = b.x
     for layer in layers:
         if parts == "attention":
@@ -153,6 +160,10 @@ def two_streams(
 
     def run() -> None:
         main = torch.cuda.current_stream(device)
+        # Only cuBLASLt takes an SM target: the carveout runs the GEMMs through it.
+        library = torch.backends.cuda.preferred_blas_library()
+        if carveout:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(carveout or None)
         try:
             for stream, half in zip(side, (a, b)):
@@ -161,8 +172,26 @@ def two_streams(
                     forward(layers, half)
         finally:
             torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(library)
         for stream in side:
             main.wait_stream(stream)
+
+    return run
+
+
+def lt(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn` with torch's GEMMs on cuBLASLt (on a GPU)."""
+
+    def run() -> None:
+        if not torch.cuda.is_available():
+            fn()
+            return
+        library = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            fn()
+        finally:
+            torch.backends.cuda.preferred_blas_library(library)
 
     return run
 
@@ -193,6 +222,7 @@ def probe(args: argparse.Namespace) -> dict:
         "halves_serial_ms": timed(lambda: (forward(layers, a), forward(layers, b)), device, r),
         "two_streams_ms": timed(two_streams(layers, a, b, device), device, r),
         "halves_error": error,
+        "cublaslt_two_streams_ms": timed(lt(two_streams(layers, a, b, device)), device, r),
         "carveout_ms": {
             str(c): timed(two_streams(layers, a, b, device, c), device, r) for c in args.carveouts
         },
@@ -228,7 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    elif not torch.cuda.is_available():
         sys.exit("benchmarks/overlap_probe.py needs a CUDA GPU; --smoke checks it on the CPU")
     res = probe(args)
     print(
@@ -239,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{res['halves_serial_ms']:.3f}, halves on two streams {res['two_streams_ms']:.3f} "
         f"({res['two_streams_over_bound']:.2f} of the bound; saved "
         f"{res['saved_of_possible']:.0%} of what overlap could save)\n  with SMs left free by "
-        f"cuBLAS: {res['carveout_ms']} ms\n  halves against the "
+        f"cuBLAS(Lt): {res['carveout_ms']} ms (cuBLASLt without: "
+        f"{res['cublaslt_two_streams_ms']:.3f})\n  halves against the "
         f"full batch: relative error {res['halves_error']:.1e}",
         flush=True,
     )

@@ -15,14 +15,15 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int8: M = 1, `int8_gemv` sweep and `int8_linear`; M > 1, `int8_linear`.
 - fp8 (per-channel weights, per-token activations): M = 1, `fp8_gemv` sweep and
   `per_token_quant_fp8` + `torch._scaled_mm`; M > 1, the latter, also with `use_fast_accum`.
-- read_int4_rows (M = 1): the int4 GEMV's own reads without its arithmetic: the planar codes
+- read_int4_rows (M = 1): the int4 GEMV's own loads without its arithmetic: the planar codes
   and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
-  them, at each configuration of its packed sweep, xor'ed (`_read_rows_kernel`). Between the
-  read floor below and the GEMV: what its access pattern costs, apart from its arithmetic
-  and its split-K reduction.
+  them, at each configuration of its packed sweep and at a few long runs of each row,
+  xor'ed (`benchmarks/read_floor.py`). Between the read floor below and the GEMV: what its
+  access pattern costs, apart from its arithmetic and its split-K reduction.
 - read_bf16, read_int4, read_int8, read_fp8 (M = 1): the read floor. A kernel that only reads
-  as many bytes as that method's layer (int32 words, xor'ed: `_read_kernel`) over a sweep of
-  program counts and tile sizes, timed as the GEMVs are (cold, in graphs, launch gaps and
+  as many bytes as that method's layer (int32 words, xor'ed: `read_floor.read_words`) over a
+  sweep of program counts (`p`: the programs asked for; at most that many run, each a whole
+  number of tiles) and tile sizes, timed as the GEMVs are (cold, in graphs, launch gaps and
   tails included): what any one-row kernel over those bytes costs at that size. The summary
   gives each GEMV's time over its method's floor.
 
@@ -56,12 +57,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from braid.kernels.gemv_split import _block_and_split, grid  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 128, 8192)
@@ -166,76 +163,6 @@ READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_ro
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
-@triton.jit
-def _read_kernel(Src, Out, words, per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """The xor of Src's words [pid * per_program, (pid + 1) * per_program) into Out[pid]:
-    reads and nothing else."""
-    start = tl.program_id(0) * per_program
-    end = tl.minimum(start + per_program, words)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
-        idx = off + tl.arange(0, BLOCK)
-        acc ^= tl.load(Src + idx, mask=idx < end, other=0)
-    tl.store(Out + tl.program_id(0), tl.xor_sum(acc, axis=0))
-
-
-@triton.jit
-def _read_rows_kernel(Q, Meta, Out, N, KB, SPLIT_BLOCKS, GROUP_BLOCKS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SUBS: tl.constexpr, STAGES: tl.constexpr,
-                      SPLITS_FIRST: tl.constexpr):  # fmt: skip
-    """`int4_gemv`'s loads (planar codes [BLOCK_N, 16] words a 128-input block, each group's
-    meta words), xor'ed per row into Out[split, rows]: its access pattern without its math."""
-    block, split = _block_and_split(SPLITS_FIRST)
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    q_rows = Q + rows.to(tl.int64)[:, None] * (KB * 16) + tl.arange(0, 16)[None, :]
-    first = split * SPLIT_BLOCKS
-    end = tl.minimum(first + SPLIT_BLOCKS, KB)
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.int32)
-    macc = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for b0 in tl.range(first, end, SUBS, num_stages=STAGES):
-        for sb in tl.static_range(SUBS):
-            b = b0 + sb
-            mask = rmask & ((rows * 0 + b) < end)  # past the split's end: masked off
-            acc ^= tl.load(q_rows + b * 16, mask=mask[:, None], other=0)
-            if b % GROUP_BLOCKS == 0:
-                macc ^= tl.load(Meta + (b // GROUP_BLOCKS) * N + rows, mask=mask, other=0)
-    tl.store(Out + split * N + rows, tl.xor_sum(acc, axis=1) ^ macc, mask=rmask)
-
-
-def read_rows(q: torch.Tensor, meta: torch.Tensor, cfg: tuple) -> torch.Tensor:
-    """`_read_rows_kernel` over planar int4 weights (`q`, `meta`, groups of GROUP) with the
-    launch shape (block_n, block_k, split_k, warps, stages, splits_first)."""
-    block_n, block_k, split_k, warps, stages, splits_first = cfg
-    n, kb = q.shape[0], q.shape[1] // 16
-    subs = block_k // 128
-    split_blocks = triton.cdiv(triton.cdiv(kb, split_k), subs) * subs
-    out = torch.zeros(split_k, n, dtype=torch.int32, device=q.device)
-    _read_rows_kernel[grid(triton.cdiv(n, block_n), split_k, splits_first)](
-        q, meta, out, n, kb, split_blocks, GROUP_BLOCKS=GROUP // 128, BLOCK_N=block_n, SUBS=subs,
-        STAGES=stages, SPLITS_FIRST=splits_first, num_warps=warps,
-    )  # fmt: skip
-    return out
-
-
-def read_words(src: torch.Tensor, programs: int, block: int, warps: int, stages: int):
-    """Per-program xors of int32 `src` read by `programs` programs (`_read_kernel`)."""
-    words = src.numel()
-    per_program = triton.cdiv(triton.cdiv(words, programs), block) * block
-    grid = triton.cdiv(words, per_program)
-    out = torch.empty(grid, dtype=torch.int32, device=src.device)
-    _read_kernel[(grid,)](src, out, words, per_program, BLOCK=block, STAGES=stages,
-                          num_warps=warps)  # fmt: skip
-    return out
-
-
-def xor_all(t: torch.Tensor) -> int:
-    """The xor of all of int32 `t`'s words (on the host)."""
-    import numpy as np
-
-    return int(np.bitwise_xor.reduce(t.cpu().numpy().ravel()))
-
-
 class Bench:
     """Times callables on one device: CUDA graphs of `calls` calls, median of `repeats`."""
 
@@ -284,8 +211,11 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def make_weights(n: int, k: int, device: torch.device, copies: int, gen: torch.Generator) -> dict:
-    """Random weights of every method for an [n, k] layer, `copies` of each (for cold reads)."""
+def make_weights(
+    n: int, k: int, device: torch.device, copies: int, gen: torch.Generator, methods: list[str]
+) -> dict:
+    """Random weights of every method for an [n, k] layer, `copies` of each (for cold reads);
+    the read floor's words only for the `methods` that read them."""
     from braid.kernels.quant_reference import (
         FP8_DTYPE,
         pack_int4,
@@ -308,7 +238,9 @@ def make_weights(n: int, k: int, device: torch.device, copies: int, gen: torch.G
         out["int8"].append((w8, s8))
         wf = (torch.randn(n, k, generator=gen, device=device) * 0.5).to(FP8_DTYPE)
         out["fp8"].append((wf, torch.rand(n, generator=gen, device=device) / 100 + 1e-3))
-    for method in READ_METHODS[:-1]:  # read_int4_rows reads the int4 weights
+    for method in READ_METHODS:
+        if method == "read_int4_rows" or method not in methods:  # that one reads int4's
+            continue
         words = weight_bytes(method, n, k) // 4
         out[method] = [
             torch.randint(
@@ -330,6 +262,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     """(name, call(x, weights, out)) of every variant of `method` at M = m."""
     import torch.nn.functional as F
 
+    from benchmarks.read_floor import read_rows, read_words
     from braid.kernels.fp8_quant import per_token_quant_fp8
     from braid.kernels.int4_gemv import int4_gemv
     from braid.kernels.quant_gemm import int4_linear, int8_linear
@@ -355,7 +288,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                 cfg = (*c[:5], len(c) > 7 and c[7])
                 out.append((
                     f"read:{cfg_name((*c[:5], False, 0, cfg[5]))}",
-                    lambda x, w, cfg=cfg: read_rows(w[3], w[4], cfg),
+                    lambda x, w, cfg=cfg: read_rows(w[3], w[4], GROUP, cfg),
                 ))  # fmt: skip
     elif method in READ_METHODS:
         if m == 1:
@@ -453,6 +386,8 @@ def reference(method: str, x: torch.Tensor, w) -> torch.Tensor:
 
 
 def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dict) -> list[dict]:
+    from benchmarks.read_floor import xor_all
+
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes, rows = (SMOKE["shapes"], SMOKE["rows"]) if args.smoke else (SHAPES, ROWS)
@@ -462,7 +397,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
     for shape, (n, k) in shapes.items():
         copies = 2 if args.smoke else max(2, -(-COLD_BYTES // weight_bytes("int4", n, k)))
         copies = min(copies, args.calls)
-        weights = make_weights(n, k, dev, copies, gen)
+        weights = make_weights(n, k, dev, copies, gen, args.methods.split(","))
         want_xor: dict[str, int] = {}
         for m in rows:
             dtype = torch.float32 if args.smoke else torch.bfloat16

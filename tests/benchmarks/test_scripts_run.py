@@ -218,8 +218,7 @@ def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_pa
     result = json.loads(out.read_text())
     assert result["halves_error"] < 1e-5
     times = ("attention_ms", "gemms_ms", "serial_ms", "halves_serial_ms", "two_streams_ms")
-    assert all(result[t] > 0 for t in times)
-    assert result["bound_ms"] == max(result["attention_ms"], result["gemms_ms"])
+    assert all(result[t] > 0 for t in times + ("cublaslt_two_streams_ms",))
     assert list(result["carveout_ms"]) == ["8"] and result["carveout_ms"]["8"] > 0
 
 
