@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,27 +123,10 @@ def forward(layers: list[Layer], b: Batch, parts: str = "all") -> torch.Tensor:
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median ms of `fn` replayed as a CUDA graph (on the CPU: wall time of calls)."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of `fn` replayed as a CUDA graph (on the CPU: the wall time of one call)."""
+    from benchmarks.quant_kernels import Bench
+
+    return Bench(device, 1, repeats).per_call_us(lambda i: fn(), graph=True) / 1e3
 
 
 def two_streams(

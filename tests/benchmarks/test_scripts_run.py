@@ -183,20 +183,24 @@ def test_structured_runs_at_toy_size(tmp_path):
     assert r["compile"]["schemas"] == 15 and r["compile"]["cached_total_s"] < 0.1
 
 
-def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
-    """benchmarks/tune_extend.py (the H200 sweep) through the interpreter: each configuration
-    is checked against the default's output, then timed."""
-    out = tmp_path / "t.json"
+def _smoke(tmp_path: Path, script: str, *args: str) -> dict:
+    """benchmarks/`script` --smoke `args` under the interpreter (it must succeed): its JSON."""
+    out = tmp_path / "smoke.json"
     subprocess.run(
-        [sys.executable, "benchmarks/tune_extend.py", "--smoke", "--repeats", "1"]
-        + ["--per-repeat", "1", "--out", str(out)],
+        [sys.executable, f"benchmarks/{script}", "--smoke", *args, "--out", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
         timeout=300,
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
+    """benchmarks/tune_extend.py (the H200 sweep) through the interpreter: each configuration
+    is checked against the default's output, then timed."""
+    result = _smoke(tmp_path, "tune_extend.py", "--repeats", "1", "--per-repeat", "1")
     assert [r["config"] for r in result["rows"]] == [[16, 16, 4, 1], [32, 16, 4, 2]]
     assert all(r["us"] > 0 and "error" not in r for r in result["rows"]), result["rows"]
     assert result["best"]["2x(5+20)"]["config"] in ([16, 16, 4, 1], [32, 16, 4, 2])
@@ -205,17 +209,7 @@ def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
 def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_path):
     """benchmarks/overlap_probe.py (issue 21's two-stream question) through the interpreter:
     the two half-batches, each with its own requests' KV, give the full batch's output."""
-    out = tmp_path / "o.json"
-    subprocess.run(
-        [sys.executable, "benchmarks/overlap_probe.py", "--smoke", "--carveouts", "8"]
-        + ["--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    result = json.loads(out.read_text())
+    result = _smoke(tmp_path, "overlap_probe.py", "--carveouts", "8")
     assert result["halves_error"] < 1e-5
     times = ("attention_ms", "gemms_ms", "serial_ms", "halves_serial_ms", "two_streams_ms")
     assert all(result[t] > 0 for t in times + ("cublaslt_two_streams_ms",))
