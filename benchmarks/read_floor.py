@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.kernels.gemv_split import _block_and_split, grid
+from braid.kernels.gemv_split import _block_and_split, grid, split_length
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def read_rows(q: torch.Tensor, meta: torch.Tensor, group: int, cfg: tuple) -> to
     block_n, block_k, split_k, warps, stages, splits_first = cfg
     n, kb = q.shape[0], q.shape[1] // 16
     subs = block_k // 128
-    split_blocks = triton.cdiv(triton.cdiv(kb, split_k), subs) * subs
+    split_blocks = split_length(kb, split_k, subs)
     out = torch.empty(split_k, n, dtype=torch.int32, device=q.device)  # every entry stored
     _read_rows_kernel[grid(triton.cdiv(n, block_n), split_k, splits_first)](
         q, meta, out, n, kb, split_blocks, GROUP_BLOCKS=group // 128, BLOCK_N=block_n, SUBS=subs,

@@ -22,6 +22,12 @@ def _block_and_split(SPLITS_FIRST: tl.constexpr):
     return tl.program_id(0), tl.program_id(1)
 
 
+def split_length(total: int, split_k: int, step: int) -> int:
+    """Each split's length along K: `total` cut into `split_k` pieces, each rounded up to whole
+    loop `step`s (the last split may run short, or be empty)."""
+    return triton.cdiv(triton.cdiv(total, split_k), step) * step
+
+
 def grid(n_blocks: int, split_k: int, splits_first: bool) -> tuple[int, int]:
     """The launch grid of `n_blocks` row blocks by `split_k` splits, as `_block_and_split`
     reads it."""

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_shape, check_tensor
-from braid.kernels.gemv_split import _block_and_split, _finish, grid
+from braid.kernels.gemv_split import _block_and_split, _finish, grid, split_length
 from braid.kernels.quant_gemm import MAGIC_BITS
 from braid.kernels.quant_gemv import (
     GemvConfig,
@@ -525,7 +525,7 @@ def int4_gemv(
     subs = cfg.block_k // PLANAR_BLOCK
     if subs < 1 or cfg.block_k % PLANAR_BLOCK:
         raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
-    split_blocks = triton.cdiv(triton.cdiv(kb, cfg.split_k), subs) * subs
+    split_blocks = split_length(kb, cfg.split_k, subs)
     partials, counters = _scratch(x, n, cfg, workspace)
     launch = grid(triton.cdiv(n, cfg.block_n), cfg.split_k, cfg.splits_first)
     even_k = k == kb * PLANAR_BLOCK and split_blocks * cfg.split_k == kb

@@ -51,7 +51,7 @@ from braid.kernels._checks import (
     tuned_configs,
 )
 from braid.kernels.fp8_quant import _round_to_e4m3, _row_scale
-from braid.kernels.gemv_split import _block_and_split, _finish, grid
+from braid.kernels.gemv_split import _block_and_split, _finish, grid, split_length
 from braid.kernels.quant_gemm import _int8_to_float
 from braid.kernels.quant_reference import FP8_DTYPE, FP8_MIN_SCALE
 
@@ -365,7 +365,7 @@ def _byte_split(
 ) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """A one-byte weight's split of K (each split a whole number of BLOCK_K), its scratch and
     the launch grid."""
-    split_len = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_len = split_length(k, cfg.split_k, cfg.block_k)
     partials, counters = _scratch(x, n, cfg, workspace)
     return (
         split_len,
