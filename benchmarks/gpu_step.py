@@ -20,6 +20,7 @@ Writes benchmarks/results/gpu_step_<device>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -124,15 +125,45 @@ def _kernel_rows(prof, steps: int) -> tuple[list[dict], float]:
     return rows, sum(r["us"] for r in rows)
 
 
-def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float, list, float]:
+def _idle(prof, wall_ms: float) -> dict:
+    """Where one profiled step's GPU stood idle: the kernels' busy time (their union), the gaps
+    between the first kernel's start and the last one's end, the rest of the step's wall time
+    (host work before the first kernel and after the last), and the widest gaps with the
+    kernels on either side."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return {}
+    busy, gaps, reach, before = 0.0, [], spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        if end > reach:
+            busy += end - max(start, reach)
+            reach, before = end, name
+    span_us = reach - spans[0][0]
+    gaps.sort(reverse=True)
+    return {
+        "busy_ms": busy / 1e3,
+        "gaps_inside_ms": (span_us - busy) / 1e3,
+        "outside_kernels_ms": wall_ms - span_us / 1e3,
+        "widest_gaps": [{"us": g, "after": a[:60], "before": b[:60]} for g, a, b in gaps[:6]],
+    }
+
+
+def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float, list, float, dict]:
     """Best wall ms of a prefill step of `batch` fresh prompts of `length` tokens (each step
-    admits exactly that batch; the requests are aborted after), and one step's kernels."""
+    admits exactly that batch; the requests are aborted after), one step's kernels and where
+    that step's GPU stood idle (`_idle`)."""
     from torch.profiler import ProfilerActivity, profile
 
     sched.overlap = False
     vocab = sched.vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times, prof = [], None
+    times, prof, idle = [], None, {}
     for rep in range(repeats + 2):
         for b in range(batch):
             # Fresh tokens each repeat: nothing comes from the prefix cache.
@@ -144,6 +175,7 @@ def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float,
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 sched.step()
                 torch.cuda.synchronize()
+            idle = _idle(prof, (time.perf_counter() - t0) * 1e3)
         else:
             sched.step()
             torch.cuda.synchronize()
@@ -152,7 +184,7 @@ def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float,
         while sched.has_work:
             sched.step()
         sched.flush_cache()
-    return (min(times), *_kernel_rows(prof, 1))
+    return (min(times), *_kernel_rows(prof, 1), idle)
 
 
 def main() -> None:
@@ -204,7 +236,7 @@ def main() -> None:
         )
         sched = build_scheduler(config, model_dir, frozenset())
         mm = matmul_rate("cuda", 8192, torch.bfloat16)
-        ms, kernels, total_us = extend_profile(sched, b, length, 5)
+        ms, kernels, total_us, idle = extend_profile(sched, b, length, 5)
         flops = b * cost.forward_flops(length)
         res = {
             "model": model_dir.name,
@@ -215,8 +247,10 @@ def main() -> None:
             "mfu": flops / (ms / 1e3) / mm["flops_per_s"],
             "kernel_us_per_step": total_us,
             "kernels": kernels[:40],
+            "idle": idle,
         }
         print(f"extend {b}x{length}: {ms:.2f} ms, MFU {res['mfu']:.3f}")
+        print(f"profiled step's GPU: {json.dumps(idle)}")
         print(f"kernel ms per step | {total_us / 1e3:.3f}")
         for r in kernels[:25]:
             print(f"{r['us']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['kernel'][:90]}")

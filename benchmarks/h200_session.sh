@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# The H200 session of 2026-12-05 (fourteenth), in calls that fit the device tool's 10-minute
+# The H200 session of 2026-12-05 (fifteenth), in calls that fit the device tool's 10-minute
 # limit; logs go to $OUT, JSON to $OUT/r. Run from the repository root after `source
 # .whl/install.sh`, carrying .whl (../shared/device/wheelhouse.sh .whl nvidia-ml-py requests
 # pillow, then the image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe
 # filelock cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
-# Earlier sessions' parts are in this file's git history (the thirteenth's: 593006a).
-#   part 1 (issue 18: int4 batch-1 decode 1.60-1.65x bf16 on the H200 against 2.5x; the
-#          thirteenth session's splits-first grid and second packed form were measured on an
-#          H100 only): the one-row sweep of int4 and fp8 with both, beside the read floor of
-#          each method's bytes (a kernel that only reads them, quant_kernels.py's read_*), its
-#          choices recorded for the H200; batch-1 decode of bf16, int4 and fp8 with them; the
-#          GEMVs' GPU tests
-#   part 2: the int4 and bf16 (float) steps kernel by kernel (gpu_step.py); issue 21 (offline
-#          at 0.60 of the bound): decode's attention and GEMMs at batch 1024 one after the
-#          other against two half-batches on two streams (overlap_probe.py)
+# Earlier sessions' parts are in this file's git history (the fourteenth's: 3f98ebf).
+#   part 1 (issue 21: offline at 0.60 of the bound; two streams overlapped nothing in the
+#          fourteenth session): decode's attention and GEMMs at batch 1024 as two lanes, one
+#          half's attention beside the other half's GEMMs, on plain streams and on green
+#          contexts that split the SMs between the lanes (overlap_probe.py), at 1024 x 640
+#          and 256 x 2048
+#   part 2 (issue 21: prefill of one 8192-token prompt at MFU 0.747-0.757 against 0.75): the
+#          prefill step kernel by kernel with where its GPU stands idle (gpu_step.py --extend),
+#          beside the end-to-end figure (gpu.py prefill)
 set -u
 part=${1:?part 1 or 2}
 source "$(dirname "$0")/step.sh"
@@ -29,26 +28,21 @@ pack() { (cd "$OUT" && tar czf logs.tgz ./*.log r); }
 clocks
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ "$part" = 1 ]; then
-    BRAID_PDL=0 TAIL=60 step 260 quant_kernels python benchmarks/quant_kernels.py \
-        --methods bf16,int4,fp8,read_bf16,read_int4,read_fp8 --rows 1 --write-config \
-        --out "$OUT/r/quant_kernels_floor_p${part}_cuda.json"
-    cp braid/kernels/configs/quant_gemv.json "$OUT/r/" 2>/dev/null
+    TAIL=30 step 200 overlap_probe python benchmarks/overlap_probe.py --carveouts "" \
+        --green-sms 48,64 --out "$OUT/r/overlap_probe_green_cuda.json"
     pack
-    TAIL=14 step 130 quantization python benchmarks/quantization.py \
-        --methods float,int4,fp8 --batch-sizes 1 --repeats 2 \
-        --out "$OUT/r/quantization_p${part}_cuda.json"
-    pack
-    TAIL=6 step 100 pytest_gpu python -m pytest -q -m gpu tests/kernels/test_quant_gemv.py \
-        -p no:cacheprovider
+    TAIL=30 step 150 overlap_probe_long python benchmarks/overlap_probe.py --carveouts "" \
+        --batch 256 --context 2048 --green-sms 64,80 \
+        --out "$OUT/r/overlap_probe_green_256x2048_cuda.json"
 fi
 if [ "$part" = 2 ]; then
-    for method in int4 float; do
-        TAIL=40 step 100 "gpu_step_$method" python benchmarks/gpu_step.py --method "$method" \
-            --out "$OUT/r/gpu_step_${method}_p${part}_cuda.json"
+    for shape in 1x8192 16x512; do
+        TAIL=24 step 150 "gpu_step_extend_$shape" python benchmarks/gpu_step.py --extend "$shape" \
+            --out "$OUT/r/gpu_step_extend_${shape}_cuda.json"
         pack
     done
-    TAIL=6 step 120 overlap_probe python benchmarks/overlap_probe.py \
-        --out "$OUT/r/overlap_probe_p${part}_cuda.json"
+    TAIL=30 step 240 gpu_prefill python benchmarks/gpu.py prefill --skip-hf --repeats 3 \
+        --out "$OUT/r/gpu_prefill_cuda.json"
 fi
 kill "$smi"
 pack

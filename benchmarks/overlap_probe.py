@@ -25,6 +25,14 @@ and norms are left out (small against these). Timed as CUDA graphs (median of `-
   `cublaslt_two_streams_ms` is cuBLASLt without a carveout, its baseline), so the other
   stream's attention has SMs to run on while a GEMM runs (a kernel that fills every SM leaves
   none: the streams then only alternate);
+- `lanes`: the halves as a pipeline of two lanes, every attention on one stream and every
+  GEMM on another (`lanes`), so one half's attention runs beside the other half's GEMMs by
+  construction: on two plain streams (`lanes_ms`: each kernel still takes every SM it finds),
+  and on two green contexts that split the SMs between the lanes (`green_ms`, keyed by the
+  attention lane's SMs, `--green-sms`; CUDA 12.4+ driver, `green_streams`): a partition the
+  hardware enforces, what two plain streams and cuBLAS's carveout could not give. Each lane
+  form is timed as a CUDA graph where its streams capture (`*_graph_ms`) and eagerly
+  (`*_eager_ms`, beside `serial_eager_ms`), since green contexts' streams may not capture;
 - `bound_ms`: max(attention, gemms) (the offline bound's model of a step), and the fraction
   of the serial time the two streams save, against the most overlap could save
   (min(attention, gemms)).
@@ -34,6 +42,8 @@ Writes benchmarks/results/overlap_probe_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import sys
 from collections.abc import Callable
@@ -94,6 +104,19 @@ class Batch:
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
 
+_EVICT_FIRST = [False]  # attention's K/V loads evict-first (`streaming_kv`)
+
+
+@contextlib.contextmanager
+def streaming_kv():
+    """Within: the attention's key and value loads are marked evict-first in L2."""
+    _EVICT_FIRST[0] = True
+    try:
+        yield
+    finally:
+        _EVICT_FIRST[0] = False
+
+
 def attention(layer: Layer, b: Batch, qkv: torch.Tensor) -> torch.Tensor:
     from braid.kernels.attention_decode import decode_attention
 
@@ -101,7 +124,7 @@ def attention(layer: Layer, b: Batch, qkv: torch.Tensor) -> torch.Tensor:
     q = qkv[:, : s["heads"] * s["head_dim"]].view(-1, s["heads"], s["head_dim"])
     out = decode_attention(
         q, layer.k, layer.v, b.table, b.pool, b.lens, s["head_dim"] ** -0.5,
-        num_kv_splits=b.splits, workspace=b.workspace,
+        num_kv_splits=b.splits, workspace=b.workspace, kv_evict_first=_EVICT_FIRST[0],
     )  # fmt: skip
     return out.view(q.shape[0], -1)
 
@@ -129,28 +152,201 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return Bench(device, 1, repeats).per_call_us(lambda i: fn(), graph=True) / 1e3
 
 
-def two_streams(
-    layers: list[Layer], a: Batch, b: Batch, device: torch.device, carveout: int = 0
-) -> Callable:
+def two_streams(layers: list[Layer], a: Batch, b: Batch, device: torch.device) -> Callable:
     """Both halves' layers, each half on its own stream (forked from and joined to the current
-    one, so the pair captures into one graph), cuBLAS leaving `carveout` SMs free (only
-    cuBLASLt honours it: wrap the result in `lt`); on the CPU, one after the other."""
+    one, so the pair captures into one graph); on the CPU, one after the other."""
     if device.type != "cuda":
         return lambda: (forward(layers, a), forward(layers, b))
     side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
 
     def run() -> None:
         main = torch.cuda.current_stream(device)
-        torch._C._set_sm_carveout_experimental(carveout or None)
-        try:
-            for stream, half in zip(side, (a, b)):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    forward(layers, half)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
+        for stream, half in zip(side, (a, b)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                forward(layers, half)
         for stream in side:
             main.wait_stream(stream)
+
+    return run
+
+
+def lanes(layers: list[Layer], halves: tuple[Batch, Batch], streams: tuple | None) -> Callable:
+    """Both halves' layers as two lanes: every attention on `streams[0]`, every GEMM (and
+    `silu_and_mul`) on `streams[1]`, ordered by events so that half A's attention of layer l
+    runs while half B's GEMMs of layer l - 1 (and the qkv of l) do, then B's attention beside
+    A's GEMMs. Each lane runs one kernel at a time; the lanes' streams are forked from and
+    joined to the current one (the pair captures into one graph where the streams allow). With
+    `streams` None (the CPU) the same kernels run in the same order on one stream. The
+    tensors a lane hands the other live until the join (no block is reused while the other
+    lane may read it)."""
+    from braid.kernels.activation import silu_and_mul
+
+    def on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def run() -> torch.Tensor:
+        attn_s, gemm_s = streams if streams is not None else (None, None)
+        keep: list[torch.Tensor] = []
+        if streams is not None:
+            main = torch.cuda.current_stream()
+            attn_s.wait_stream(main)
+            gemm_s.wait_stream(main)
+        ready: dict[int, object] = {}  # half -> the event after its last GEMM or attention
+
+        def handoff(i: int, stream) -> None:
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                ready[i] = event
+
+        def wait(i: int, stream) -> None:
+            if stream is not None:
+                stream.wait_event(ready[i])
+
+        qkv = {}
+        with on(gemm_s):
+            for i, half in enumerate(halves):
+                qkv[i] = F.linear(half.x, layers[0].qkv)
+                keep.append(qkv[i])
+                handoff(i, gemm_s)
+        outs = {}
+        for n, layer in enumerate(layers):
+            for i, half in enumerate(halves):
+                with on(attn_s):
+                    wait(i, attn_s)
+                    a = attention(layer, half, qkv[i])
+                    keep.append(a)
+                    handoff(i, attn_s)
+                with on(gemm_s):
+                    wait(i, gemm_s)
+                    h = F.linear(silu_and_mul(F.linear(F.linear(a, layer.o), layer.gate_up)),
+                                 layer.down)  # fmt: skip
+                    keep.append(h)
+                    if n + 1 < len(layers):
+                        qkv[i] = F.linear(h, layers[n + 1].qkv)
+                        keep.append(qkv[i])
+                    handoff(i, gemm_s)
+                outs[i] = h
+        if streams is not None:
+            main.wait_stream(attn_s)
+            main.wait_stream(gemm_s)
+        return torch.cat([outs[0], outs[1]])
+
+    return run
+
+
+# CUdevResource (cuda.h, CUDA 12.4-13): its type (4 bytes), 92 bytes of padding, then the SM
+# resource whose first field is smCount; under 160 bytes in every header so far, so a buffer
+# of 512 holds any of them.
+_RESOURCE_BYTES = 512
+_SM_COUNT_OFFSET = 96
+
+
+def green_streams(device: torch.device, sms: int) -> tuple[object, object, int, int]:
+    """Two streams whose kernels run on disjoint SMs of `device`: green contexts (CUDA driver
+    12.4+, through libcuda directly), the first on `sms` SMs (the driver rounds up to its
+    granularity), the second on the rest. Returns the streams and their SM counts."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.current_stream(device).synchronize()  # the primary context is current
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what}: {(name.value or b'?').decode()} ({rc})")
+
+    lib.cuGreenCtxCreate.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
+    ]  # fmt: skip
+    lib.cuGreenCtxStreamCreate.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
+    ]  # fmt: skip
+    dev = ctypes.c_int()
+    check(lib.cuDeviceGet(ctypes.byref(dev), device.index or 0), "cuDeviceGet")
+    whole = ctypes.create_string_buffer(_RESOURCE_BYTES)
+    check(lib.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource (SM)")
+    part = ctypes.create_string_buffer(_RESOURCE_BYTES)
+    rest = ctypes.create_string_buffer(_RESOURCE_BYTES)
+    groups = ctypes.c_uint(1)
+    check(
+        lib.cuDevSmResourceSplitByCount(part, ctypes.byref(groups), whole, rest, 0, sms),
+        f"cuDevSmResourceSplitByCount({sms})",
+    )
+    streams = []
+    for resource in (part, rest):
+        desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(lib.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "GenerateDesc")
+        check(lib.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")
+        # CU_STREAM_NON_BLOCKING, as the driver requires of a green context's streams.
+        check(lib.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0), "StreamCreate")
+        streams.append(torch.cuda.ExternalStream(stream.value, device=device))
+
+    def count(resource: ctypes.Array) -> int:
+        return ctypes.c_uint.from_buffer(resource, _SM_COUNT_OFFSET).value
+
+    return streams[0], streams[1], count(part), count(rest)
+
+
+def eager(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median ms of `fn` launched from Python, 4 calls a repeat (on the CPU: one call's wall)."""
+    from benchmarks.quant_kernels import Bench
+
+    return Bench(device, 4, repeats).per_call_us(lambda i: fn(), False) / 1e3
+
+
+def timed_both(fn: Callable[[], object], device: torch.device, repeats: int) -> dict:
+    """`fn`'s median ms as a CUDA graph (None, with the reason, where its streams do not
+    capture) and eagerly."""
+    res: dict = {"eager_ms": eager(fn, device, repeats)}
+    try:
+        res["graph_ms"] = timed(fn, device, repeats)
+    except Exception as e:  # noqa: BLE001 (a capture refused: reported, the eager time stands)
+        res["graph_ms"], res["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return res
+
+
+def on_stream(fn: Callable[[], object], stream) -> Callable[[], None]:
+    """`fn` on `stream`, forked from and joined to the current stream."""
+
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            fn()
+        main.wait_stream(stream)
+
+    return run
+
+
+def at_once(layers: list[Layer], b: Batch, attn_s, gemm_s) -> Callable[[], None]:
+    """The attention alone on `attn_s` and the GEMMs alone on `gemm_s`, with nothing ordering
+    one after the other: how long both take when each has only the other to contend with
+    (their SMs, if the streams' contexts split them, and the memory they share)."""
+
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        for stream, parts in ((attn_s, "attention"), (gemm_s, "gemms")):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                forward(layers, b, parts)
+        main.wait_stream(attn_s)
+        main.wait_stream(gemm_s)
+
+    return run
+
+
+def carved(fn: Callable[[], object], carveout: int) -> Callable[[], None]:
+    """`fn` with cuBLAS(Lt) told to leave `carveout` SMs free (only cuBLASLt takes it)."""
+
+    def run() -> None:
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        try:
+            fn()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
 
     return run
 
@@ -200,10 +396,62 @@ def probe(args: argparse.Namespace) -> dict:
         "halves_error": error,
         "cublaslt_two_streams_ms": timed(lt(two_streams(layers, a, b, device)), device, r),
         "carveout_ms": {
-            str(c): timed(lt(two_streams(layers, a, b, device, c)), device, r)
+            str(c): timed(lt(carved(two_streams(layers, a, b, device), c)), device, r)
             for c in args.carveouts
         },
     }
+    want_cat = torch.cat([got_a, got_b])
+    cuda = device.type == "cuda"
+    plain = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
+    run = lanes(layers, (a, b), plain)
+    res["lanes_error"] = float((run() - want_cat).float().norm() / want_cat.float().norm())
+    res["lanes"] = timed_both(run, device, r)
+    if cuda:
+        res["at_once"] = timed_both(at_once(layers, full, *plain), device, r)
+    res["serial_eager_ms"] = eager(lambda: forward(layers, full), device, r)
+    res["green"] = {}
+    greens = {}
+    for sms in args.green_sms if cuda else []:
+        try:
+            attn_s, gemm_s, n_attn, n_gemm = green_streams(device, sms)
+        except Exception as e:  # noqa: BLE001 (no green contexts here: said, not hidden)
+            res["green"][str(sms)] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        greens[str(sms)] = (attn_s, gemm_s)
+        run = lanes(layers, (a, b), (attn_s, gemm_s))
+        err = float((run() - want_cat).float().norm() / want_cat.float().norm())
+        res["green"][str(sms)] = {
+            "attention_sms": n_attn, "gemm_sms": n_gemm, "error": err,
+            **timed_both(run, device, r),
+            # cuBLAS sizes its grids for the whole GPU; cuBLASLt told the GEMM lane's share.
+            "cublaslt_sized": timed_both(lt(carved(run, n_attn)), device, r),
+            # Each lane's work alone on its SMs, at the full batch.
+            "attention_alone": timed_both(
+                on_stream(lambda: forward(layers, full, "attention"), attn_s), device, r
+            ),
+            "gemms_alone": timed_both(
+                on_stream(lambda: forward(layers, full, "gemms"), gemm_s), device, r
+            ),
+            "at_once": timed_both(at_once(layers, full, attn_s, gemm_s), device, r),
+        }  # fmt: skip
+    # Again with attention's K/V loads evict-first in L2, so that streaming the KV cache does
+    # not push out the tiles the GEMMs beside it reuse.
+    with streaming_kv():
+        ev = {
+            "attention_ms": timed(lambda: forward(layers, full, "attention"), device, r),
+            "serial_ms": timed(lambda: forward(layers, full), device, r),
+            "lanes": timed_both(lanes(layers, (a, b), plain), device, r),
+            "green": {
+                sms: {
+                    "lanes": timed_both(lanes(layers, (a, b), pair), device, r),
+                    "at_once": timed_both(at_once(layers, full, *pair), device, r),
+                }
+                for sms, pair in greens.items()
+            },
+        }  # fmt: skip
+        if cuda:
+            ev["at_once"] = timed_both(at_once(layers, full, *plain), device, r)
+    res["evict_first"] = ev
     res["bound_ms"] = max(res["attention_ms"], res["gemms_ms"])
     most = min(res["attention_ms"], res["gemms_ms"])
     res["saved_of_possible"] = (res["serial_ms"] - res["two_streams_ms"]) / most
@@ -222,9 +470,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--carveouts", default="16,32,48,66", help="SMs cuBLAS leaves free, comma-separated"
     )
+    ap.add_argument(
+        "--green-sms", default="32,48,64,80",
+        help="SMs of the attention lane's green context (the GEMM lane gets the rest)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     args.carveouts = [int(c) for c in args.carveouts.split(",") if c]
+    args.green_sms = [int(c) for c in args.green_sms.split(",") if c]
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.batch, args.context, args.layers, args.repeats = 8, 24, 2, 1
@@ -253,6 +506,40 @@ def main(argv: list[str] | None = None) -> None:
         f"full batch: relative error {res['halves_error']:.1e}",
         flush=True,
     )
+    bound = res["bound_ms"]
+
+    def lane_line(name: str, t: dict) -> str:
+        graph = t.get("graph_ms")
+        g = f"{graph:.3f} ms as a graph ({bound / graph:.2f} of the bound)" if graph else (
+            f"no graph ({t.get('graph_error', '')[:80]})"
+        )  # fmt: skip
+        return f"  {name}: {g}, {t['eager_ms']:.3f} ms eager ({bound / t['eager_ms']:.2f})"
+
+    print(f"  one stream eager {res['serial_eager_ms']:.3f} ms "
+          f"({bound / res['serial_eager_ms']:.2f} of the bound)")  # fmt: skip
+    plain = lane_line("lanes on two plain streams", res["lanes"])
+    print(f"{plain}, error {res['lanes_error']:.1e}")
+    if "at_once" in res:
+        print(lane_line("  attention and GEMMs at once on two plain streams", res["at_once"]))
+    for sms, t in res["green"].items():
+        if "eager_ms" not in t:
+            print(f"  green contexts, {sms} SMs for attention: {t['error']}")
+            continue
+        print(lane_line(f"lanes on green contexts, attention {t['attention_sms']} SMs / GEMMs "
+                        f"{t['gemm_sms']}", t) + f", error {t['error']:.1e}")  # fmt: skip
+        print(lane_line("    the same, GEMMs on cuBLASLt sized to their SMs", t["cublaslt_sized"]))
+        print(lane_line("    attention alone on its SMs", t["attention_alone"]))
+        print(lane_line("    GEMMs alone on theirs", t["gemms_alone"]))
+        print(lane_line("    both alone at once, nothing ordering them", t["at_once"]))
+    ev = res["evict_first"]
+    print(f"  with the K/V loads evict-first: attention {ev['attention_ms']:.3f} ms, one stream "
+          f"{ev['serial_ms']:.3f} ({bound / ev['serial_ms']:.2f} of the bound)")  # fmt: skip
+    print(lane_line("    lanes on two plain streams", ev["lanes"]))
+    if "at_once" in ev:
+        print(lane_line("    attention and GEMMs at once on two plain streams", ev["at_once"]))
+    for sms, t in ev["green"].items():
+        print(lane_line(f"    lanes on green contexts ({sms} SMs for attention)", t["lanes"]))
+        print(lane_line("      both alone at once", t["at_once"]))
     write_result(
         "overlap_probe",
         args.device,

@@ -56,6 +56,7 @@ def _fp8_words_as_f16(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PTX: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """A [BLOCK_N, BLOCK_D] block of an e4m3 cache as float16 (exact), read as 32-bit words
     (four codes each) and converted in registers before `tl.dot`'s layout change, so the dot
@@ -69,6 +70,7 @@ def _fp8_words_as_f16(
         + tl.arange(0, BLOCK_D // 4)[None, :],
         mask=mask_n[:, None],
         other=0,
+        eviction_policy=EVICT,
     )
     if PTX:
         b0, b1, b2, b3 = tl.inline_asm_elementwise(
@@ -113,15 +115,20 @@ def _kv_block(
     FP8_AS_F16: tl.constexpr,
     FP8_WORDS: tl.constexpr,
     PTX: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     """The keys or values of slots `loc` for one KV head, as the dot products take them: an
-    fp8 cache's codes as float16 (`FP8_AS_F16`; from words with `FP8_WORDS`) or q's dtype."""
+    fp8 cache's codes as float16 (`FP8_AS_F16`; from words with `FP8_WORDS`) or q's dtype.
+    `EVICT`: the loads' L2 eviction policy ("" or "evict_first")."""
     if FP8_WORDS:
-        return _fp8_words_as_f16(Cache, loc, stride_s, head_off, mask_n, BLOCK_N, BLOCK_D, PTX)
+        return _fp8_words_as_f16(
+            Cache, loc, stride_s, head_off, mask_n, BLOCK_N, BLOCK_D, PTX, EVICT
+        )
     x = tl.load(
         Cache + loc[:, None] * stride_s + head_off + offs_d[None, :],
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
+        eviction_policy=EVICT,
     )
     if FP8_AS_F16:
         x = x.to(tl.float16)  # e4m3 pairs convert in one instruction, exactly
@@ -172,6 +179,7 @@ def _decode_stage1(
     FP8_AS_F16: tl.constexpr,
     FP8_WORDS: tl.constexpr,
     PTX: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -217,7 +225,7 @@ def _decode_stage1(
             loc = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = _kv_block(
             KCache, loc, stride_ks, kvh * stride_kh, offs_d, mask_n, mask_d, q.dtype,
-            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX,
+            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX, EVICT,
         )  # fmt: skip
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -227,7 +235,7 @@ def _decode_stage1(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _kv_block(
             VCache, loc, stride_vs, kvh * stride_vh, offs_d, mask_n, mask_d, q.dtype,
-            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX,
+            BLOCK_N, BLOCK_D, KV_FP8, FP8_AS_F16, FP8_WORDS, PTX, EVICT,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
@@ -359,6 +367,7 @@ def decode_attention(
     tree_tail: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_evict_first: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens[b]` tokens.
 
@@ -391,6 +400,10 @@ def decode_attention(
     `k_cache` and `v_cache` may instead be float8_e4m3fn (an fp8 KV cache, any q dtype): a
     stored value x stands for x * `k_scale` (keys) or x * `v_scale` (values); the scales are
     ignored for a float cache.
+
+    `kv_evict_first` marks the key and value loads evict-first in L2 (each is read once per
+    step): what the cache leaves to kernels running beside this one (`benchmarks/
+    overlap_probe.py` measures it); the runtime leaves it off.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, num_heads, _ = q.shape
@@ -492,6 +505,7 @@ def decode_attention(
         FP8_AS_F16=mode > 0,
         FP8_WORDS=words,
         PTX=not triton.knobs.runtime.interpret,
+        EVICT="evict_first" if kv_evict_first else "",
         num_warps=warps,
         num_stages=stages,
     )

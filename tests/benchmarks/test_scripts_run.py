@@ -208,12 +208,18 @@ def test_extend_tuning_sweep_runs_at_toy_size(tmp_path):
 
 def test_overlap_probe_runs_at_toy_size_and_its_halves_are_the_full_batch(tmp_path):
     """benchmarks/overlap_probe.py (issue 21's two-stream question) through the interpreter:
-    the two half-batches, each with its own requests' KV, give the full batch's output."""
+    the two half-batches, each with its own requests' KV, give the full batch's output, and
+    so do the lanes' pipeline (attention of one half beside the other's GEMMs), whose events
+    and hand-offs run on the CPU in the order the GPU's streams would."""
     result = _smoke(tmp_path, "overlap_probe.py", "--carveouts", "8")
-    assert result["halves_error"] < 1e-5
+    assert result["halves_error"] < 1e-5 and result["lanes_error"] < 1e-5
     times = ("attention_ms", "gemms_ms", "serial_ms", "halves_serial_ms", "two_streams_ms")
-    assert all(result[t] > 0 for t in times + ("cublaslt_two_streams_ms",))
+    assert all(result[t] > 0 for t in times + ("cublaslt_two_streams_ms", "serial_eager_ms"))
     assert list(result["carveout_ms"]) == ["8"] and result["carveout_ms"]["8"] > 0
+    assert result["lanes"]["eager_ms"] > 0 and result["lanes"]["graph_ms"] > 0
+    assert result["green"] == {}  # green contexts are a GPU's
+    evict = result["evict_first"]  # the same with attention's K/V loads evict-first in L2
+    assert evict["serial_ms"] > 0 and evict["lanes"]["eager_ms"] > 0 and evict["green"] == {}
 
 
 def test_radix_lookup_matches_every_cached_token_and_writes_json(tmp_path):

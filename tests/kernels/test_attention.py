@@ -128,6 +128,23 @@ def test_decode_stage1_config_does_not_change_the_result(device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_kv_evict_first_gives_the_same_bits(device):
+    """`kv_evict_first` only marks the K/V loads' L2 policy: the same output, for a float
+    cache and for an fp8 one read as words."""
+    k_cache, v_cache, table = _paged(2, 70, 160, 2, 32, torch.float32, device)
+    rows = torch.tensor([1, 0], device=device)
+    seq_lens = torch.tensor([70, 33], device=device)
+    q = torch.randn(2, 4, 32, device=device)
+    for kc, vc, cfg, qq in (
+        (k_cache, v_cache, None, q),
+        (k_cache.to(FP8), v_cache.to(FP8), (16, 4, 1, 2), q.to(torch.bfloat16)),
+    ):
+        args = (qq, kc, vc, table, rows, seq_lens, 0.2)
+        plain = decode_attention(*args, num_kv_splits=2, stage1_config=cfg)
+        evict = decode_attention(*args, num_kv_splits=2, stage1_config=cfg, kv_evict_first=True)
+        assert torch.equal(plain, evict)
+
+
 def test_decode_takes_its_tuned_config_per_gpu_head_size_and_kv_dtype(tmp_path, monkeypatch):
     """`launch_config`: the entry written for this GPU, head size and KV dtype
     (`tune_attention.py --write-config`), the built-in choice elsewhere; a malformed entry is
