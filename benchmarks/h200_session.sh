@@ -13,8 +13,12 @@
 #   part 2 (issue 21: prefill of one 8192-token prompt at MFU 0.747-0.757 against 0.75): the
 #          prefill step kernel by kernel with where its GPU stands idle (gpu_step.py --extend),
 #          beside the end-to-end figure (gpu.py prefill)
+#   part 3 (issue 18: int4 batch-1 decode 1.86-1.90x bf16 against 2.5x; about 2 us a launch
+#          over its loads): the packed int4 GEMV over inputs packed ahead (int4_ahead: x's
+#          float16 pairs loaded as words, not made in every program) beside the GEMV as it is
+#          and the read floor, and the GEMV tests on the GPU (the packed-ahead ones included)
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -43,6 +47,14 @@ if [ "$part" = 2 ]; then
     done
     TAIL=30 step 240 gpu_prefill python benchmarks/gpu.py prefill --skip-hf --repeats 3 \
         --out "$OUT/r/gpu_prefill_cuda.json"
+fi
+if [ "$part" = 3 ]; then
+    BRAID_PDL=0 TAIL=40 step 330 quant_kernels_ahead python benchmarks/quant_kernels.py \
+        --methods int4,int4_ahead,read_int4 --rows 1 \
+        --out "$OUT/r/quant_kernels_ahead_cuda.json"
+    pack
+    TAIL=6 step 120 pytest_gemv python -m pytest -q tests/kernels/test_quant_gemv.py \
+        -p no:cacheprovider
 fi
 kill "$smi"
 pack

@@ -15,6 +15,9 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int8: M = 1, `int8_gemv` sweep and `int8_linear`; M > 1, `int8_linear`.
 - fp8 (per-channel weights, per-token activations): M = 1, `fp8_gemv` sweep and
   `per_token_quant_fp8` + `torch._scaled_mm`; M > 1, the latter, also with `use_fast_accum`.
+- int4_ahead (M = 1): the packed int4 GEMV over inputs packed ahead (`pack_int4_inputs`, made
+  once per x outside the timed calls): loading x's float16 pairs as words instead of making
+  them in every program. Against int4's packed sweep: what the GEMV spends on x.
 - read_int4_rows (M = 1): the int4 GEMV's own loads without its arithmetic: the planar codes
   and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
   them, at each configuration of its packed sweep and at a few long runs of each row,
@@ -160,6 +163,7 @@ READ_ROWS_LONG = [
     (64, 256, 4, 4, 3),
 ]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
+INT4_WEIGHTS = ("read_int4_rows", "int4_ahead")  # methods over int4's weights
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
@@ -252,7 +256,7 @@ def make_weights(
 
 
 def weight_bytes(method: str, n: int, k: int) -> int:
-    method = method.removeprefix("read_").removesuffix("_rows")
+    method = method.removeprefix("read_").removesuffix("_rows").removesuffix("_ahead")
     per = {"bf16": 2.0, "int4": 0.5, "int8": 1.0, "fp8": 1.0}[method]
     meta = {"int4": 4 * n * (k // GROUP), "int8": 4 * n, "fp8": 4 * n}.get(method, 0)
     return int(n * k * per) + meta
@@ -265,6 +269,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     from benchmarks.read_floor import read_rows, read_words
     from braid.kernels.fp8_quant import per_token_quant_fp8
     from braid.kernels.int4_gemv import int4_gemv
+    from braid.kernels.int4_pairs import pack_int4_inputs
     from braid.kernels.quant_gemm import int4_linear, int8_linear
     from braid.kernels.quant_gemv import GemvConfig, fp8_gemv, int8_gemv
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
@@ -301,6 +306,22 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                         f"read:p{programs}_b{block}_w{warps}_s{stages}",
                         lambda x, w, c=(programs, block, warps, stages): read_words(w, *c),
                     ))  # fmt: skip
+    elif method == "int4_ahead":
+        if m == 1:
+            packed = [(*c, False, form) for form in (1, 2) for c in INT4_PACKED_SWEEP]
+            smoke_sweep = [(16, 128, 2, 4, 1, False, 1), (16, 128, 2, 4, 1, False, 2)]
+            for c in and_splits_first(packed if not smoke else smoke_sweep):
+                cfg = GemvConfig(*c)
+                ahead: dict = {}  # x's packed inputs, made on its first call (not timed)
+
+                def gemv_ahead(x, w, cfg=cfg, ahead=ahead):
+                    if id(x) not in ahead:  # (the smoke run's float32 x goes in as bfloat16)
+                        x16 = x.bfloat16() if x.dtype == torch.float32 else x
+                        ahead[id(x)] = x16, pack_int4_inputs(x16, cfg.packed)
+                    x16, packed = ahead[id(x)]
+                    return int4_gemv(x16, w[3], w[4], GROUP, config=cfg, packed_inputs=packed)
+
+                out.append((f"ahead:{cfg_name(c)}", gemv_ahead))
     elif method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
@@ -378,7 +399,7 @@ def reference(method: str, x: torch.Tensor, w) -> torch.Tensor:
 
     if method == "bf16":
         return x.float() @ w.float().T
-    if method == "int4":
+    if method in ("int4", "int4_ahead"):
         return int4_linear_reference(x.float(), w[0], w[1], w[2], GROUP)
     if method == "int8":
         return int8_linear_reference(x.float(), w[0], w[1])
@@ -404,7 +425,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
             xs = [torch.randn(m, k, generator=gen, device=dev).to(dtype) for _ in range(2)]
             for method in args.methods.split(","):
                 for name, call in variants(method, m, args.smoke):
-                    ws = weights["int4" if method == "read_int4_rows" else method]
+                    ws = weights["int4" if method in INT4_WEIGHTS else method]
                     row = {
                         "shape": shape,
                         "n": n,
@@ -482,7 +503,7 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
     for (shape, m, method), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         base = best.get((shape, m, "bf16"))
         vs = f"{base['us'] / r['us']:5.2f}x bf16" if base else ""
-        floor = best.get((shape, m, f"read_{method}"))
+        floor = best.get((shape, m, f"read_{method.removesuffix('_ahead')}"))
         vs += f"  {r['us'] / floor['us']:5.2f}x its read floor" if floor else ""
         lines.append(_fmt(r) + "  " + vs)
     # One of each shape (a decoder layer's four GEMVs), per method, where every shape ran.
@@ -540,7 +561,8 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (interpreter)")
-    ap.add_argument("--methods", default=",".join(("bf16", "int4", "int8", "fp8", *READ_METHODS)))
+    methods = ("bf16", "int4", "int8", "fp8", "int4_ahead", *READ_METHODS)
+    ap.add_argument("--methods", default=",".join(methods))
     ap.add_argument("--calls", type=int, default=32, help="calls per timed graph replay")
     ap.add_argument("--repeats", type=int, default=7, help="timed replays (median)")
     ap.add_argument("--out", default=None, help="JSON path")

@@ -103,6 +103,7 @@ PROLOGUES = [{"ACT": True}, {"NORM": True, "HAS_RESIDUAL": True, "NORM_BLOCK": 4
 _INT4_POINTERS = {"X": "*bf16", "Q": "*i32", "Meta": "*i32", "Bias": "*bf16", "Out": "*bf16"}
 _INT4_POINTERS |= {"Partials": "*fp32", "Counters": "*i32"}
 _INT4_POINTERS |= {"NormW": "*bf16", "Residual": "*bf16", "ResidualOut": "*bf16"}
+_INT4_POINTERS |= {"XP": "*i32", "XG": "*fp32"}
 
 
 # Scalar arguments passed as float32; every other non-pointer, non-constexpr one is an int32.
@@ -142,6 +143,10 @@ def int4_rows() -> list[dict]:
     for extra in PROLOGUES:
         label = "int4 f16x2 " + ("silu_and_mul" if extra.get("ACT") else "rmsnorm+residual")
         cases.append((_int4_gemv_f16x2_kernel, INT4_PACKED[0], plain | extra, label))
+    # The inputs packed ahead (`int4_pairs.pack_int4_inputs`): loaded as words, not made.
+    ahead = zero_last | {"X_PACKED": True}
+    label = "int4 f16x2 zero-last, inputs packed ahead"
+    cases += [(_int4_gemv_f16x2_kernel, c, ahead, label) for c in INT4_PACKED]
     rows = []
     for fn, (bn, bk, split, warps, stages), extra, name in cases:
         values = {"GROUP": 128, "BLOCK_N": bn, "SUBS": bk // 128, "SPLIT_K": split}
@@ -152,6 +157,7 @@ def int4_rows() -> list[dict]:
             "PREFETCH_LINES": 1,
             "SPLITS_FIRST": False,
             "ZERO_LAST": False,
+            "X_PACKED": False,
         } | extra
         sig, consts, div = _int4_signature(fn, values)
         sass, regs, spills = compile_sm90(fn, sig, consts, div, warps)
@@ -237,6 +243,7 @@ def pdl_rows() -> list[dict]:
             values = {"GROUP": 128, "BLOCK_N": 256, "SUBS": 1, "SPLIT_K": 8, "EVEN_N": True}
             values |= {"EVEN_K": True, "HAS_BIAS": False, "STAGES": 3, "PTX": True}
             values |= {"PDL": on, "PREFETCH_LINES": 2, "SPLITS_FIRST": False, "ZERO_LAST": False}
+            values |= {"X_PACKED": False}
             values |= extra
             sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
             rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))

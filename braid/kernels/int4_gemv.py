@@ -68,6 +68,12 @@ import triton.language as tl
 from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_shape, check_tensor
 from braid.kernels.gemv_split import _block_and_split, _finish, grid, split_length
+from braid.kernels.int4_pairs import (
+    PackedInputs,
+    _block_inputs,
+    _packed_block_inputs,
+    _words_sum,
+)
 from braid.kernels.quant_gemm import MAGIC_BITS
 from braid.kernels.quant_gemv import (
     GemvConfig,
@@ -79,13 +85,7 @@ from braid.kernels.quant_gemv import (
     config_for,
 )
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import (
-    ACTIVATIONS,
-    NORM_BLOCK_MAX,
-    _check_norm,
-    _rmsnorm_rstd,
-    _silu_and_mul_rounded,
-)
+from braid.kernels.skinny_gemm import ACTIVATIONS, NORM_BLOCK_MAX, _check_norm, _rmsnorm_rstd
 
 __all__ = ["int4_gemv"]
 
@@ -196,133 +196,6 @@ def _int4_gemv_kernel(
     )  # fmt: skip
 
 
-# One word's four float16 pairs (planes (0,4), (1,5), (2,6), (3,7)) less the zero, times the
-# inputs, added to `acc`: $0 = acc out, $1 = word, $2..$5 = input pairs, $6 = acc in,
-# $7 / $8 = (1024 + zero) / (1024 + 16 zero) in both halves. LUT 0xEA is (a & b) | c.
-_WORD_PTX = tl.constexpr(
-    "{ .reg .b32 t0, t1, t2, t3, w; "
-    "lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea; "
-    "lop3.b32 t1, $1, 0x00f000f0, 0x64006400, 0xea; "
-    "shr.u32 w, $1, 8; "
-    "lop3.b32 t2, w, 0x000f000f, 0x64006400, 0xea; "
-    "lop3.b32 t3, w, 0x00f000f0, 0x64006400, 0xea; "
-    "sub.f16x2 t0, t0, $7; sub.f16x2 t1, t1, $8; sub.f16x2 t2, t2, $7; sub.f16x2 t3, t3, $8; "
-    "fma.rn.f16x2 $0, t0, $2, $6; fma.rn.f16x2 $0, t1, $3, $0; "
-    "fma.rn.f16x2 $0, t2, $4, $0; fma.rn.f16x2 $0, t3, $5, $0; }"
-)
-
-
-# The same for codes read as float16 subnormals (`ZERO_LAST`): the nibbles masked in place are
-# q * 2**-24 (bits 0-3 of a half) and 16 q * 2**-24 (bits 4-7) exactly, with no offset to remove;
-# the zero is applied once per group after the sums. $0 = acc out, $1 = word, $2..$5 = input
-# pairs, $6 = acc in.
-_WORD_PTX_SUBNORMAL = tl.constexpr(
-    "{ .reg .b32 t0, t1, t2, t3, w; "
-    "and.b32 t0, $1, 0x000f000f; and.b32 t1, $1, 0x00f000f0; shr.u32 w, $1, 8; "
-    "and.b32 t2, w, 0x000f000f; and.b32 t3, w, 0x00f000f0; "
-    "fma.rn.f16x2 $0, t0, $2, $6; fma.rn.f16x2 $0, t1, $3, $0; "
-    "fma.rn.f16x2 $0, t2, $4, $0; fma.rn.f16x2 $0, t3, $5, $0; }"
-)
-
-
-@triton.jit
-def _half(bits, SHIFT: tl.constexpr):
-    """The float16 in bits SHIFT..SHIFT+15 of int32 `bits` (the interpreter's path)."""
-    return ((bits >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _pack(lo, hi, PTX: tl.constexpr):
-    """float32 `lo`, `hi` rounded to float16 and packed: lo in bits 0-15, hi in 16-31."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True,
-            pack=1,
-        )  # fmt: skip
-    else:
-        lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return (hi_bits << 16) | lo_bits
-
-
-@triton.jit
-def _word(acc, w, xa, xb, xc, xd, zlo, zhi, PTX: tl.constexpr, ZERO_LAST: tl.constexpr):
-    """`_WORD_PTX` (`_WORD_PTX_SUBNORMAL` with ZERO_LAST: `zlo`, `zhi` unused) on packed pairs;
-    else its float16 arithmetic lane by lane (mul then add: two roundings where fma.rn has
-    one) on unpacked lanes, returned as (low, high) sums."""
-    if PTX:
-        if ZERO_LAST:
-            return tl.inline_asm_elementwise(
-                _WORD_PTX_SUBNORMAL, "=r,r,r,r,r,r,r", [w, xa, xb, xc, xd, acc],
-                dtype=tl.int32, is_pure=True, pack=1,
-            )  # fmt: skip
-        return tl.inline_asm_elementwise(
-            _WORD_PTX, "=r,r,r,r,r,r,r,r,r", [w, xa, xb, xc, xd, acc, zlo, zhi],
-            dtype=tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        lo, hi = acc
-        magic = 0 if ZERO_LAST else 0x64006400
-        t0 = (w & 0x000F000F) | magic
-        t1 = (w & 0x00F000F0) | magic
-        t2 = ((w >> 8) & 0x000F000F) | magic
-        t3 = ((w >> 8) & 0x00F000F0) | magic
-        for t, x, z in ((t0, xa, zlo), (t1, xb, zhi), (t2, xc, zlo), (t3, xd, zhi)):
-            if ZERO_LAST:
-                lo = _half(t, 0) * _half(x, 0) + lo
-                hi = _half(t, 16) * _half(x, 16) + hi
-            else:
-                lo = (_half(t, 0) - _half(z, 0)) * _half(x, 0) + lo
-                hi = (_half(t, 16) - _half(z, 16)) * _half(x, 16) + hi
-        return lo, hi
-
-
-@triton.jit
-def _words_sum(we, wo, xe, xo, zlo, zhi, PTX: tl.constexpr, ZERO_LAST: tl.constexpr):
-    """Two words' 16 products (even word `we` with inputs `xe`, odd `wo` with `xo`), summed
-    in float16 per half, then the halves in float32."""
-    if PTX:
-        acc = _word(we * 0, we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX, ZERO_LAST)
-        acc = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX, ZERO_LAST)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; "
-            "cvt.f32.f16 b, h; add.f32 $0, a, b; }",
-            "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        zero = tl.zeros(we.shape, dtype=tl.float16)
-        acc = _word((zero, zero), we, xe[0], xe[1], xe[2], xe[3], zlo, zhi, PTX, ZERO_LAST)
-        lo, hi = _word(acc, wo, xo[0], xo[1], xo[2], xo[3], zlo, zhi, PTX, ZERO_LAST)
-        return lo.to(tl.float32) + hi.to(tl.float32)
-
-
-@triton.jit
-def _even_odd(v):
-    """A [16] vector split into its even and odd elements ([8] each)."""
-    return tl.split(tl.reshape(v, [8, 2]))
-
-
-@triton.jit
-def _input(X, NormW, Residual, ks, mask, rstd, K, ACT: tl.constexpr, NORM: tl.constexpr,
-           HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The GEMV's inputs at `ks` as float32: x's, `silu(gate) * up` of x = [gate | up] (ACT),
-    or `rmsnorm(x (+ residual))` (NORM, `rstd` its row's inverse norm), each rounded as its
-    own kernel rounds it; zero where `mask` is off."""
-    if ACT:
-        gate = tl.load(X + ks, mask=mask, other=0.0)
-        up = tl.load(X + K + ks, mask=mask, other=0.0)
-        return _silu_and_mul_rounded(gate, up).to(tl.float32)
-    x = tl.load(X + ks, mask=mask, other=0.0)
-    if NORM:
-        if HAS_RESIDUAL:
-            r = tl.load(Residual + ks, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        nw = tl.load(NormW + ks, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
-        return (nw.to(tl.float32) * normed).to(X.dtype.element_ty).to(tl.float32)
-    return x.to(tl.float32)
-
-
 @triton.jit
 def _int4_gemv_f16x2_kernel(
     X,
@@ -357,6 +230,9 @@ def _int4_gemv_f16x2_kernel(
     PREFETCH_LINES: tl.constexpr,
     SPLITS_FIRST: tl.constexpr,
     ZERO_LAST: tl.constexpr,
+    XP,
+    XG,
+    X_PACKED: tl.constexpr,
 ):
     block, split = _block_and_split(SPLITS_FIRST)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -387,37 +263,12 @@ def _int4_gemv_f16x2_kernel(
                 gmask = rmask & ((rows * 0 + b) < end)
             wq = tl.load(q_rows + b * 16, mask=wmask, other=0)
             we, wo = tl.split(tl.reshape(wq, [BLOCK_N, 8, 2]))
-            ks = b * 128 + w16
-            x0 = _input(X, NormW, Residual, ks, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x1 = _input(X, NormW, Residual, ks + 16, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x2 = _input(X, NormW, Residual, ks + 32, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x3 = _input(X, NormW, Residual, ks + 48, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x4 = _input(X, NormW, Residual, ks + 64, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x5 = _input(X, NormW, Residual, ks + 80, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x6 = _input(X, NormW, Residual, ks + 96, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            x7 = _input(X, NormW, Residual, ks + 112, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL)
-            m = tl.maximum(
-                tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))),
-            )
-            # The block's largest |x| is 2**(e - 127) times [1, 2); f = 2**(134 - e) puts it in
-            # [128, 256) (ZERO_LAST: f = 2**(141 - e), [2**14, 2**15)); the odd planes' inputs
-            # take f / 16; g = 1 / f undoes it.
-            e = tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23
-            if ZERO_LAST:
-                e = tl.minimum(tl.maximum(e, 15), 254)
-                f = ((268 - e) << 23).to(tl.float32, bitcast=True)
-                f_odd = ((264 - e) << 23).to(tl.float32, bitcast=True)
-                g = ((e - 14) << 23).to(tl.float32, bitcast=True)
+            if X_PACKED:
+                ae, ao, be, bo, ce, co, de, do, g, xsum = _packed_block_inputs(XP, XG, b, end)
             else:
-                e = tl.minimum(tl.maximum(e, 8), 254)
-                f = ((261 - e) << 23).to(tl.float32, bitcast=True)
-                f_odd = ((257 - e) << 23).to(tl.float32, bitcast=True)
-                g = ((e - 7) << 23).to(tl.float32, bitcast=True)
-            ae, ao = _even_odd(_pack(x0 * f, x4 * f, PTX))
-            be, bo = _even_odd(_pack(x1 * f_odd, x5 * f_odd, PTX))
-            ce, co = _even_odd(_pack(x2 * f, x6 * f, PTX))
-            de, do = _even_odd(_pack(x3 * f_odd, x7 * f_odd, PTX))
+                ae, ao, be, bo, ce, co, de, do, g, xsum = _block_inputs(
+                    X, NormW, Residual, b, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL, PTX, ZERO_LAST
+                )
             grp = rows * 0 + b // (GROUP // 128)
             # (zero << 16) | float16 bits of the scale, one load for both.
             meta = tl.load(Meta + grp * N + rows, mask=gmask, other=0)
@@ -432,7 +283,6 @@ def _int4_gemv_f16x2_kernel(
             )  # fmt: skip
             acc += s * (scale * g)[:, None]
             if ZERO_LAST:
-                xsum = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=0)
                 zacc += zero.to(tl.float32) * scale * xsum
     y = tl.sum(acc, axis=1)
     if ZERO_LAST:
@@ -462,6 +312,7 @@ def int4_gemv(
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     workspace: GemvWorkspace | None = None,
+    packed_inputs: PackedInputs | None = None,
 ) -> torch.Tensor:
     """`x @ W.T + bias` for one row x [1, K] and the int4 weight W[n, k] = (q - zero[g, n]) *
     scale[g, n], g = k // group_size, held in the planar layout: `qweight` int32
@@ -482,7 +333,11 @@ def int4_gemv(
     input is `silu_and_mul(x)`, rounded as that kernel rounds it, never stored.
     `norm_weight` ([K]): the input is `rmsnorm(x, norm_weight, eps, residual)`'s first result;
     with `residual` ([1, K]), `residual_out` ([1, K], overlapping none of x, residual, out)
-    receives `x + residual` rounded to x's dtype, bit for bit `rmsnorm`'s second result."""
+    receives `x + residual` rounded to x's dtype, bit for bit `rmsnorm`'s second result.
+
+    `packed_inputs` (`int4_pairs.pack_int4_inputs(x, config.packed)`, no prologue): the packed
+    form loads x's float16 pairs from there instead of making them in every program; the
+    same bits."""
     check_tensor("x", x, ndim=2)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
@@ -522,6 +377,20 @@ def int4_gemv(
             f"group_size a multiple of {PLANAR_BLOCK}, got {x.dtype} and {group_size}"
         )
     cfg = config or config_for("int4", n, k, x.device)
+    if packed_inputs is not None:
+        if fused or not packable or packed_inputs.form != cfg.packed:
+            raise ValueError(
+                "packed_inputs go to the packed form alone, without a prologue, packed for "
+                f"its form: config.packed is {cfg.packed}, the inputs' form "
+                f"{packed_inputs.form}, prologue {fused}, x {x.dtype}, group_size {group_size}"
+            )
+        for name, t, dtype, shape in (
+            ("words", packed_inputs.words, torch.int32, (kb, 64)),
+            ("scales", packed_inputs.scales, torch.float32, (kb, 2)),
+        ):
+            check_tensor(f"packed_inputs.{name}", t, ndim=2, dtypes=(dtype,), device=x.device)
+            check_shape(f"packed_inputs.{name}", t, shape)
+            check_contiguous(f"packed_inputs.{name}", t)
     subs = cfg.block_k // PLANAR_BLOCK
     if subs < 1 or cfg.block_k % PLANAR_BLOCK:
         raise ValueError(f"config.block_k must be a multiple of 128, got {cfg.block_k}")
@@ -542,7 +411,10 @@ def int4_gemv(
             split_blocks, PTX=not triton.knobs.runtime.interpret, ACT=activation is not None,
             NORM=norm, HAS_RESIDUAL=residual is not None,
             NORM_BLOCK=min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1,
-            ZERO_LAST=cfg.packed == 2, **common,
+            ZERO_LAST=cfg.packed == 2,
+            XP=packed_inputs.words if packed_inputs is not None else x,
+            XG=packed_inputs.scales if packed_inputs is not None else x,
+            X_PACKED=packed_inputs is not None, **common,
         )  # fmt: skip
         return out
     _int4_gemv_kernel[launch](

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from braid.kernels.int4_gemv import int4_gemv
+from braid.kernels.int4_pairs import PackedInputs, pack_int4_inputs
 from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace, fp8_gemv, int8_gemv
 from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 from braid.kernels.quant_reference import (
@@ -209,6 +210,49 @@ def test_int4_gemv_in_float16_pairs_matches_the_dequantized_matmul(
     assert got.dtype == dtype and torch.isfinite(got).all()
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < {torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,config,scale", PACKED_CASES)
+def test_int4_gemv_over_inputs_packed_ahead_gives_the_same_bits(
+    device, dtype, n, k, group, config, scale
+):
+    """`pack_int4_inputs` makes the float16 pairs, scales and block sums each program of the
+    packed form makes (one jit helper, `_block_inputs`): the GEMV that loads them gives the
+    same bits, with ragged splits (blocks past a split's end masked) and both forms."""
+    _, (planar, meta) = _int4(n, k, group, device)
+    x = _x(1, k, dtype, device, scale=scale)
+    bias = _x(1, n, dtype, device, seed=2, scale=scale).reshape(n)
+    want = int4_gemv(x, planar, meta, group, bias, config=config)
+    ahead = pack_int4_inputs(x, config.packed)
+    assert ahead.words.shape == (k // 128, 64) and ahead.scales.shape == (k // 128, 2)
+    got = int4_gemv(x, planar, meta, group, bias, config=config, packed_inputs=ahead)
+    assert torch.equal(got, want)
+    # The words are what the GEMV multiplies: other inputs' words give another result.
+    other = pack_int4_inputs(_x(1, k, dtype, device, seed=5, scale=scale), config.packed)
+    moved = int4_gemv(x, planar, meta, group, bias, config=config, packed_inputs=other)
+    assert not torch.equal(moved, want)
+
+
+def test_inputs_packed_ahead_are_refused_where_they_do_not_fit(device):
+    _, (planar, meta) = _int4(16, 256, 128, device)
+    x = _x(1, 256, torch.float16, device)
+    first, second = GemvConfig(16, 128, 2, packed=1), GemvConfig(16, 128, 2, packed=2)
+    with pytest.raises(ValueError, match="config.packed is 2, the inputs' form 1"):
+        int4_gemv(x, planar, meta, 128, config=second, packed_inputs=pack_int4_inputs(x, 1))
+    ahead = pack_int4_inputs(x, 1)
+    w = _x(1, 256, torch.float16, device).reshape(256)
+    with pytest.raises(ValueError, match="prologue True"):
+        int4_gemv(x, planar, meta, 128, config=first, norm_weight=w, packed_inputs=ahead)
+    short = PackedInputs(ahead.words[:1], ahead.scales[:1], 1)
+    with pytest.raises(ValueError, match=r"packed_inputs.words must have shape \(2, 64\)"):
+        int4_gemv(x, planar, meta, 128, config=first, packed_inputs=short)
+    with pytest.raises(ValueError, match="form must be 1 or 2"):
+        pack_int4_inputs(x, 0)
+    with pytest.raises(ValueError, match=r"x must have shape \(1, K\) with K a multiple of 128"):
+        pack_int4_inputs(_x(1, 200, torch.float16, device), 1)
+    with pytest.raises(ValueError, match=r"x must be one of \(.*\), got torch.float32"):
+        pack_int4_inputs(x.float(), 1)
 
 
 def test_the_two_packed_forms_are_different_kernels_with_the_same_result(device):
