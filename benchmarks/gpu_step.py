@@ -173,9 +173,11 @@ def extend_profile(sched, batch: int, length: int, repeats: int) -> tuple[float,
         t0 = time.perf_counter()
         if rep == repeats + 1:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t1 = time.perf_counter()  # the step alone: not the profiler's start and stop
                 sched.step()
                 torch.cuda.synchronize()
-            idle = _idle(prof, (time.perf_counter() - t0) * 1e3)
+                wall_ms = (time.perf_counter() - t1) * 1e3
+            idle = _idle(prof, wall_ms)
         else:
             sched.step()
             torch.cuda.synchronize()

@@ -26,13 +26,19 @@ and norms are left out (small against these). Timed as CUDA graphs (median of `-
   stream's attention has SMs to run on while a GEMM runs (a kernel that fills every SM leaves
   none: the streams then only alternate);
 - `lanes`: the halves as a pipeline of two lanes, every attention on one stream and every
-  GEMM on another (`lanes`), so one half's attention runs beside the other half's GEMMs by
-  construction: on two plain streams (`lanes_ms`: each kernel still takes every SM it finds),
-  and on two green contexts that split the SMs between the lanes (`green_ms`, keyed by the
-  attention lane's SMs, `--green-sms`; CUDA 12.4+ driver, `green_streams`): a partition the
-  hardware enforces, what two plain streams and cuBLAS's carveout could not give. Each lane
-  form is timed as a CUDA graph where its streams capture (`*_graph_ms`) and eagerly
-  (`*_eager_ms`, beside `serial_eager_ms`), since green contexts' streams may not capture;
+  GEMM on another (`lanes()`), so one half's attention runs beside the other half's GEMMs by
+  construction, on two plain streams (each kernel still takes every SM it finds); `at_once`:
+  the full batch's attention and GEMMs on those streams with nothing ordering them (the most
+  any overlap could give);
+- `green`, keyed by the attention lane's SMs (`--green-sms`): the same on two green contexts
+  that split the SMs between the lanes (CUDA 12.4+ driver, `green_streams`), a partition the
+  hardware enforces, which two plain streams and cuBLAS's carveout could not give: the lanes,
+  `cublaslt_sized` (the GEMMs on cuBLASLt told their share), `attention_alone` and
+  `gemms_alone` (each lane's work alone on its SMs) and `at_once`;
+- `evict_first`: attention, one stream, the lanes and `at_once` (plain and green) again with
+  the attention's K/V loads marked evict-first in L2 (`decode_attention(kv_evict_first=)`).
+Each of these is timed as a CUDA graph where its streams capture (`graph_ms`, else None and
+`graph_error`) and eagerly (`eager_ms`, beside `serial_eager_ms`);
 - `bound_ms`: max(attention, gemms) (the offline bound's model of a step), and the fraction
   of the serial time the two streams save, against the most overlap could save
   (min(attention, gemms)).
@@ -177,9 +183,10 @@ def lanes(layers: list[Layer], halves: tuple[Batch, Batch], streams: tuple | Non
     runs while half B's GEMMs of layer l - 1 (and the qkv of l) do, then B's attention beside
     A's GEMMs. Each lane runs one kernel at a time; the lanes' streams are forked from and
     joined to the current one (the pair captures into one graph where the streams allow). With
-    `streams` None (the CPU) the same kernels run in the same order on one stream. The
-    tensors a lane hands the other live until the join (no block is reused while the other
-    lane may read it)."""
+    `streams` None (the CPU) the same kernels run in the same order on one stream, without
+    the events (the CPU checks the data flow, the GPU runs the events). The tensors a lane
+    hands the other live until the join (no block is reused while the other lane may read
+    it)."""
     from braid.kernels.activation import silu_and_mul
 
     def on(stream):

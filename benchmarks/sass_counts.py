@@ -170,20 +170,43 @@ def int4_rows() -> list[dict]:
 DECODE = [("*bf16", 64, 4, 3, 0), ("*fp8e4nv", 128, 4, 4, 1), ("*fp8e4nv", 128, 4, 4, 2)]
 
 
+def _decode_args(cache: str, block_n: int, mode: int, evict: str) -> tuple[dict, dict, list]:
+    """(signature, constexprs, 16-divisible arguments) of `_decode_stage1` over a `cache`
+    ("*bf16" or "*fp8e4nv") KV cache at Llama-3.1-8B's head shapes."""
+    from braid.kernels.attention_decode import _decode_stage1
+
+    pointers = {"Q": "*bf16", "KCache": cache, "VCache": cache, "ReqToToken": "*i32"}
+    pointers |= {"ReqIdx": "*i64", "SeqLens": "*i64", "Prefix": "*i64", "Tail": "*i64"}
+    pointers |= {"MidO": "*fp32", "MidLse": "*fp32"}
+    values = {"GROUP": 4, "BLOCK_H": 16, "H_BLOCKS": 1, "HEAD_DIM": 128, "BLOCK_D": 128}
+    values |= {"BLOCK_N": block_n, "NUM_SPLITS": 8, "USE_WINDOW": False, "HAS_TAIL": False}
+    values |= {"DOT_PREC": "tf32", "KV_FP8": cache != "*bf16", "FP8_AS_F16": mode > 0}
+    values |= {"FP8_WORDS": mode == 2, "PTX": True, "EVICT": evict}
+    sig, consts = _signature(_decode_stage1, pointers, values)
+    return sig, consts, [*pointers, *(p for p in sig if p.startswith("stride"))]
+
+
+def decode_ptx(evict: str) -> str:
+    """The PTX of the bf16 decode kernel with its K/V loads' eviction policy `evict`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from braid.kernels.attention_decode import _decode_stage1
+
+    sig, consts, div = _decode_args("*bf16", 64, 0, evict)
+    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in div}
+    src = ASTSource(fn=_decode_stage1, signature=sig, constexprs=consts, attrs=attrs)
+    options = {"num_warps": 4, "num_stages": 3}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
 def decode_rows() -> list[dict]:
     from braid.kernels.attention_decode import _decode_stage1
 
     rows = []
     for cache, block_n, warps, stages, mode in DECODE:
-        pointers = {"Q": "*bf16", "KCache": cache, "VCache": cache, "ReqToToken": "*i32"}
-        pointers |= {"ReqIdx": "*i64", "SeqLens": "*i64", "Prefix": "*i64", "Tail": "*i64"}
-        pointers |= {"MidO": "*fp32", "MidLse": "*fp32"}
-        values = {"GROUP": 4, "BLOCK_H": 16, "H_BLOCKS": 1, "HEAD_DIM": 128, "BLOCK_D": 128}
-        values |= {"BLOCK_N": block_n, "NUM_SPLITS": 8, "USE_WINDOW": False, "HAS_TAIL": False}
-        values |= {"DOT_PREC": "tf32", "KV_FP8": cache != "*bf16", "FP8_AS_F16": mode > 0}
-        values |= {"FP8_WORDS": mode == 2, "PTX": True}
-        sig, consts = _signature(_decode_stage1, pointers, values)
-        div = [*pointers, *(p for p in sig if p.startswith("stride"))]
+        sig, consts, div = _decode_args(cache, block_n, mode, "")
         sass, regs, spills = compile_sm90(_decode_stage1, sig, consts, div, warps, stages)
         label = f"decode {cache.strip('*')} mode {mode} block {block_n} w{warps} s{stages}"
         rows.append(_row(label, sass, regs, spills, "per_key", block_n, 32 * warps))

@@ -378,7 +378,7 @@ def int4_gemv(
         )
     cfg = config or config_for("int4", n, k, x.device)
     if packed_inputs is not None:
-        if fused or not packable or packed_inputs.form != cfg.packed:
+        if fused or not packable or cfg.packed == 0 or packed_inputs.form != cfg.packed:
             raise ValueError(
                 "packed_inputs go to the packed form alone, without a prologue, packed for "
                 f"its form: config.packed is {cfg.packed}, the inputs' form "

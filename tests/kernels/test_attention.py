@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +130,25 @@ def test_decode_stage1_config_does_not_change_the_result(device):
     ]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kv_evict_first_marks_the_kv_loads_in_the_machine_code():
+    """The flag reaches the loads: compiled for sm_90 (here, no GPU needed), the kernel's K/V
+    loads carry an L2 evict-first policy with it and none without (the interpreter ignores
+    policies, so the test below could not tell)."""
+    code = (
+        "from benchmarks.sass_counts import decode_ptx; "
+        "print(int('L2::evict_first' in decode_ptx('evict_first')), "
+        "int('evict_first' in decode_ptx('')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["1", "0"]
 
 
 def test_decode_kv_evict_first_gives_the_same_bits(device):

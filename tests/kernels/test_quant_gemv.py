@@ -244,6 +244,9 @@ def test_inputs_packed_ahead_are_refused_where_they_do_not_fit(device):
     w = _x(1, 256, torch.float16, device).reshape(256)
     with pytest.raises(ValueError, match="prologue True"):
         int4_gemv(x, planar, meta, 128, config=first, norm_weight=w, packed_inputs=ahead)
+    zero_form = PackedInputs(ahead.words, ahead.scales, 0)
+    with pytest.raises(ValueError, match="config.packed is 0"):  # the float32 form
+        int4_gemv(x, planar, meta, 128, config=GemvConfig(16, 128, 2), packed_inputs=zero_form)
     short = PackedInputs(ahead.words[:1], ahead.scales[:1], 1)
     with pytest.raises(ValueError, match=r"packed_inputs.words must have shape \(2, 64\)"):
         int4_gemv(x, planar, meta, 128, config=first, packed_inputs=short)
