@@ -16,9 +16,13 @@
 #   part 3 (issue 18: int4 batch-1 decode 1.86-1.90x bf16 against 2.5x; about 2 us a launch
 #          over its loads): the packed int4 GEMV over inputs packed ahead (int4_ahead: x's
 #          float16 pairs loaded as words, not made in every program) beside the GEMV as it is
-#          and the read floor, and the GEMV tests on the GPU (the packed-ahead ones included)
+#          and the read floor
+#   part 4 (issue 18: fp8 batch-1 decode 1.54-1.55x bf16 against 1.7x): the fp8 GEMV over
+#          per_token_quant_fp8's codes made ahead (fp8_ahead: no program reads the row for its
+#          scale) beside the GEMV as it is and the read floor; the GEMV tests on the GPU (the
+#          inputs-made-ahead ones included)
 set -u
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1, 2, 3 or 4}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -52,8 +56,13 @@ if [ "$part" = 3 ]; then
     BRAID_PDL=0 TAIL=40 step 330 quant_kernels_ahead python benchmarks/quant_kernels.py \
         --methods int4,int4_ahead,read_int4 --rows 1 \
         --out "$OUT/r/quant_kernels_ahead_cuda.json"
+fi
+if [ "$part" = 4 ]; then
+    TAIL=40 step 300 quant_kernels_fp8_ahead python benchmarks/quant_kernels.py \
+        --methods fp8,fp8_ahead,read_fp8 --rows 1 \
+        --out "$OUT/r/quant_kernels_fp8_ahead_cuda.json"
     pack
-    TAIL=6 step 120 pytest_gemv python -m pytest -q tests/kernels/test_quant_gemv.py \
+    TAIL=6 step 150 pytest_gemv python -m pytest -q tests/kernels/test_quant_gemv.py \
         -p no:cacheprovider
 fi
 kill "$smi"

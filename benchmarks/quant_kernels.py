@@ -18,6 +18,9 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int4_ahead (M = 1): the packed int4 GEMV over inputs packed ahead (`pack_int4_inputs`, made
   once per x outside the timed calls): loading x's float16 pairs as words instead of making
   them in every program. Against int4's packed sweep: what the GEMV spends on x.
+- fp8_ahead (M = 1): the fp8 GEMV over `per_token_quant_fp8(x)`'s codes and scale made once per
+  x outside the timed calls, instead of every program reading the row for its scale and
+  rounding its inputs. Against fp8's sweep: what the GEMV spends on x.
 - read_int4_rows (M = 1): the int4 GEMV's own loads without its arithmetic: the planar codes
   and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
   them, at each configuration of its packed sweep and at a few long runs of each row,
@@ -164,6 +167,7 @@ READ_ROWS_LONG = [
 ]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
 INT4_WEIGHTS = ("read_int4_rows", "int4_ahead")  # methods over int4's weights
+AHEAD = {"int4_ahead": "int4", "fp8_ahead": "fp8"}  # over inputs made ahead: the weights of
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
@@ -387,6 +391,21 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                     )  # fmt: skip
 
                 out.append((f"quant+scaled_mm{'(fast_accum)' if fast else ''}", scaled))
+    elif method == "fp8_ahead":
+        if m == 1:
+            sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
+            smoke_sweep = [(16, 64, 2, 4, 2), (16, 64, 2, 4, 2, True)]
+            for c in and_splits_first(sweep if not smoke else smoke_sweep):
+                cfg = GemvConfig(*c)
+                codes: dict = {}  # x's codes and scale, made on its first call (not timed)
+
+                def fp8_ahead(x, w, cfg=cfg, codes=codes):
+                    if id(x) not in codes:
+                        codes[id(x)] = per_token_quant_fp8(x)
+                    xq, xs = codes[id(x)]
+                    return fp8_gemv(x, w[0], w[1], config=cfg, x_codes=xq, x_scale=xs)
+
+                out.append((f"ahead:{cfg_name(c)}", fp8_ahead))
     return out
 
 
@@ -397,9 +416,10 @@ def reference(method: str, x: torch.Tensor, w) -> torch.Tensor:
         int8_linear_reference,
     )
 
+    method = AHEAD.get(method, method)
     if method == "bf16":
         return x.float() @ w.float().T
-    if method in ("int4", "int4_ahead"):
+    if method == "int4":
         return int4_linear_reference(x.float(), w[0], w[1], w[2], GROUP)
     if method == "int8":
         return int8_linear_reference(x.float(), w[0], w[1])
@@ -425,7 +445,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
             xs = [torch.randn(m, k, generator=gen, device=dev).to(dtype) for _ in range(2)]
             for method in args.methods.split(","):
                 for name, call in variants(method, m, args.smoke):
-                    ws = weights["int4" if method in INT4_WEIGHTS else method]
+                    ws = weights["int4" if method in INT4_WEIGHTS else AHEAD.get(method, method)]
                     row = {
                         "shape": shape,
                         "n": n,
@@ -443,7 +463,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
                             row["error"] = 0.0 if xor_all(got) == want_xor[method] else math.inf
                         else:
                             row["error"] = rel_error(got, reference(method, xs[0], ws[0]))
-                        if method == "fp8" and name.startswith("gemv"):
+                        if method.startswith("fp8") and name.startswith(("gemv", "ahead")):
                             row["error"] = max(row["error"], _fp8_codes_check(xs[0]))
                         row["ok"] = row["error"] < MAX_ERROR
                         us = bench.per_call_us(
@@ -458,7 +478,8 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
                     row.update(us=us, bytes=moved, of_copy=moved / (us * 1e-6) / copy_rate)
                     flops = 2 * m * n * k
                     row["tflops"] = flops / (us * 1e-6) / 1e12
-                    row["mfu"] = flops / (us * 1e-6) / rates["fp8" if method == "fp8" else "bf16"]
+                    rate = rates["fp8" if method.startswith("fp8") else "bf16"]
+                    row["mfu"] = flops / (us * 1e-6) / rate
                     results.append(row)
                     print(_fmt(row), flush=True)
         del weights
@@ -561,7 +582,7 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (interpreter)")
-    methods = ("bf16", "int4", "int8", "fp8", "int4_ahead", *READ_METHODS)
+    methods = ("bf16", "int4", "int8", "fp8", *AHEAD, *READ_METHODS)
     ap.add_argument("--methods", default=",".join(methods))
     ap.add_argument("--calls", type=int, default=32, help="calls per timed graph replay")
     ap.add_argument("--repeats", type=int, default=7, help="timed replays (median)")

@@ -274,8 +274,8 @@ def pdl_rows() -> list[dict]:
     byte_pointers = {"X": bf16, "Scales": "*fp32", "Bias": bf16, "Out": bf16}
     byte_pointers |= {"Partials": "*fp32", "Counters": "*i32"}
     for fn, weight, extra, name in (
-        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": True}, "fp8 dot"),
-        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": False}, "fp8"),
+        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": True, "X_AHEAD": False}, "fp8 dot"),
+        (_fp8_gemv_kernel, "*fp8e4nv", {"X_BLOCK": 4096, "DOT": False, "X_AHEAD": False}, "fp8"),
         (_int8_gemv_kernel, "*i8", {}, "int8"),
     ):
         for on in (True, False):

@@ -276,6 +276,9 @@ def _fp8_gemv_kernel(
     PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
     SPLITS_FIRST: tl.constexpr,
+    XQ,
+    XS,
+    X_AHEAD: tl.constexpr,
 ):
     """DOT: each block's products on the tensor cores, as an e4m3 matmul of the weight tile
     [BLOCK_N, BLOCK_K] by the activation's codes repeated in DOT_COLS columns (the narrowest
@@ -287,13 +290,18 @@ def _fp8_gemv_kernel(
     rmask = rows < N
     first = split * SPLIT_LEN
     _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
-    # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from L2).
-    xo = tl.arange(0, X_BLOCK)
-    amax = tl.zeros([X_BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, X_BLOCK):
-        xa = tl.load(X + k0 + xo, mask=k0 + xo < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xa))
-    x_scale, inverse = _row_scale(tl.max(amax, axis=0), 448.0, min_scale)
+    if X_AHEAD:  # the codes and scale per_token_quant_fp8 made before the launch
+        x_scale = tl.load(XS)
+        inverse = x_scale
+    else:
+        # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from
+        # L2).
+        xo = tl.arange(0, X_BLOCK)
+        amax = tl.zeros([X_BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, X_BLOCK):
+            xa = tl.load(X + k0 + xo, mask=k0 + xo < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xa))
+        x_scale, inverse = _row_scale(tl.max(amax, axis=0), 448.0, min_scale)
     offs = tl.arange(0, BLOCK_K)
     w_rows = W + rows.to(tl.int64)[:, None] * K
     end = tl.minimum(first + SPLIT_LEN, K)
@@ -305,10 +313,13 @@ def _fp8_gemv_kernel(
         ks = k0 + offs
         kmask = ks < end
         w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
-        # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
-        # float32, so on the CUDA cores the sum differs from _scaled_mm's only in its order.
-        xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
+        if X_AHEAD:
+            xq = tl.load(XQ + ks, mask=kmask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
+            # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
+            # float32, so on the CUDA cores the sum differs from _scaled_mm's only in its order.
+            xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
         if DOT:
             xt = tl.broadcast_to(xq[:, None], [BLOCK_K, DOT_COLS]).to(W.dtype.element_ty)
             # Sums moved into float32 after every tensor-core step of 32 products (Hopper's
@@ -444,14 +455,28 @@ def fp8_gemv(
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     workspace: GemvWorkspace | None = None,
+    x_codes: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W8A8 fp8 for one row: x [1, K] quantized per token inside the kernel (the codes and
     scale of `per_token_quant_fp8`), times the e4m3 weight [N, K] (contiguous) summed in
     float32, times x's scale then `scales` [N] (float32), plus the bias (x's dtype), rounded
     once to `out_dtype`: `fp8_linear_reference(x, weight, scales, bias, out_dtype)` up to the
     order of the float32 sum (with `dot`, also the rounding of sums of 32 products in the
-    tensor cores), in one launch."""
+    tensor cores), in one launch.
+
+    `x_codes`, `x_scale`: `per_token_quant_fp8(x)`'s results, made before the launch; the
+    kernel then loads the codes instead of reading the row for its scale in every program and
+    rounding each input (the same bits)."""
     n, k = _check_byte_weight(x, weight, scales, FP8_DTYPE)
+    if (x_codes is None) != (x_scale is None):
+        raise ValueError("x_codes and x_scale go together (per_token_quant_fp8(x)'s results)")
+    if x_codes is not None:
+        check_tensor("x_codes", x_codes, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
+        check_shape("x_codes", x_codes, (1, k))
+        check_contiguous("x_codes", x_codes)
+        check_tensor("x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=x.device)
+        check_shape("x_scale", x_scale, (1, 1))
     out = _check_out(x, n, bias, out, out_dtype)
     cfg = config or config_for("fp8", n, k, x.device)
     if cfg.dot and (cfg.block_k % DOT_STEP.value or cfg.block_n < 16):
@@ -465,5 +490,7 @@ def fp8_gemv(
         split_len, FP8_MIN_SCALE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         X_BLOCK=min(next_pow2(k), 4096), SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None,
         DOT=cfg.dot, **_launch_meta(cfg, "fp8", x.device, split_len),
+        XQ=x_codes if x_codes is not None else weight,
+        XS=x_scale if x_scale is not None else scales, X_AHEAD=x_codes is not None,
     )  # fmt: skip
     return out

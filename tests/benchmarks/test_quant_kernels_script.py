@@ -32,14 +32,18 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     reads = {"read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows"}
-    assert {r["method"] for r in rows} == {"int4", "int8", "fp8", "int4_ahead"} | reads
+    ahead_methods = {"int4_ahead", "fp8_ahead"}
+    assert {r["method"] for r in rows} == {"int4", "int8", "fp8"} | ahead_methods | reads
     assert {r["m"] for r in rows} == {1, 3, 40}
-    assert {r["m"] for r in rows if r["method"] in reads | {"int4_ahead"}} == {1}
+    assert {r["m"] for r in rows if r["method"] in reads | ahead_methods} == {1}
     variants = {r["variant"].split(":")[0] for r in rows}
     assert {"gemv", "planar", "dequant+cublas", "int4_linear(old)", "int8_linear"} <= variants
     # The GEMV over inputs packed ahead, both forms, checked against int4's reference.
     ahead = {r["variant"] for r in rows if r["method"] == "int4_ahead"}
     assert any(v.endswith("_f16x2") for v in ahead) and any(v.endswith("_f16x2z") for v in ahead)
+    # The fp8 GEMV over codes made ahead, on the CUDA cores and the tensor cores.
+    fp8_ahead = {r["variant"] for r in rows if r["method"] == "fp8_ahead"}
+    assert any(v.endswith("_dot") for v in fp8_ahead) and any("_dot" not in v for v in fp8_ahead)
     assert all(r["ok"] and r["us"] > 0 and r["error"] < 2e-2 for r in rows)
     assert set(result["tables"]) == {
         "INT4_CONFIGS",
@@ -53,6 +57,7 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
                for line in result["best"])  # fmt: skip
     assert any(line.startswith("a layer M=1 read_int4") for line in result["best"])
     assert any(line.startswith("a layer M=1 int4_ahead") for line in result["best"])
+    assert any(line.startswith("a layer M=1 fp8_ahead") for line in result["best"])
     assert any(r["variant"].endswith("_dot") and r["method"] == "fp8" for r in rows)
     assert any(r["variant"].endswith("_f16x2") and r["method"] == "int4" for r in rows)
     assert any(r["variant"].endswith("_f16x2_sf") and r["method"] == "int4" for r in rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from braid.kernels.fp8_quant import per_token_quant_fp8
 from braid.kernels.int4_gemv import int4_gemv
 from braid.kernels.int4_pairs import PackedInputs, pack_int4_inputs
 from braid.kernels.quant_gemv import GemvConfig, GemvWorkspace, fp8_gemv, int8_gemv
@@ -403,6 +404,44 @@ def test_fp8_gemv_is_w8a8_with_the_per_token_codes(device, dtype, config, n, k):
     # Not the unquantized product: the activation really went through e4m3.
     exact = x.float() @ (w.float() * scales[:, None]).T + bias.float()
     assert (got - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("config", FP8_CONFIGS)
+@pytest.mark.parametrize("n,k", [(40, 200), (16, 512)])
+def test_fp8_gemv_over_codes_made_ahead_gives_the_same_bits(device, dtype, config, n, k):
+    """`per_token_quant_fp8`'s codes and scale, made before the launch, are what every
+    program makes from x: the GEMV that loads them gives the same bits (a ragged K, split
+    and not, CUDA cores and tensor cores)."""
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(n, k, generator=g) * 0.3).to(FP8_DTYPE).to(device)
+    scales = (torch.rand(n, generator=g) + 0.5).to(device)
+    x, bias = _x(1, k, dtype, device, scale=5.0), _x(1, n, dtype, device, seed=2).reshape(n)
+    want = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config)
+    codes, scale = per_token_quant_fp8(x)
+    got = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config, x_codes=codes,
+                   x_scale=scale)  # fmt: skip
+    assert torch.equal(got, want)
+    # The codes are what the kernel multiplies: another row's codes give another result.
+    other_codes, other_scale = per_token_quant_fp8(_x(1, k, dtype, device, seed=7))
+    moved = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config,
+                     x_codes=other_codes, x_scale=other_scale)  # fmt: skip
+    assert not torch.equal(moved, want)
+
+
+def test_fp8_codes_made_ahead_are_refused_where_they_do_not_fit(device):
+    w = torch.zeros(16, 256, device=device).to(FP8_DTYPE)
+    scales = torch.ones(16, device=device)
+    x = _x(1, 256, torch.bfloat16, device)
+    codes, scale = per_token_quant_fp8(x)
+    with pytest.raises(ValueError, match="x_codes and x_scale go together"):
+        fp8_gemv(x, w, scales, x_codes=codes)
+    with pytest.raises(ValueError, match=r"x_codes must have shape \(1, 256\)"):
+        fp8_gemv(x, w, scales, x_codes=codes[:, :128], x_scale=scale)
+    with pytest.raises(ValueError, match="x_codes must be one of"):
+        fp8_gemv(x, w, scales, x_codes=x, x_scale=scale)
+    with pytest.raises(ValueError, match=r"x_scale must have shape \(1, 1\)"):
+        fp8_gemv(x, w, scales, x_codes=codes, x_scale=torch.ones(1, 2, device=device))
 
 
 def test_a_tensor_core_fp8_config_must_fit_the_instruction():
