@@ -318,14 +318,47 @@ def pdl_rows() -> list[dict]:
     return rows
 
 
+# (block_n, block_k, split_k, dot): fp8 one-row GEMVs of the sweeps, on the CUDA cores and the
+# tensor cores.
+FP8 = [(16, 512, 1, False), (64, 256, 4, False), (64, 256, 4, True), (128, 256, 2, True)]
+
+
+def fp8_rows() -> list[dict]:
+    """The fp8 GEMV with x quantized in every program and over codes made ahead (X_AHEAD):
+    the loop's instructions a weight, and the whole kernel's (the row's max |x| pass before
+    the loop is outside the loop)."""
+    from braid.kernels.quant_gemv import _fp8_gemv_kernel
+
+    bf16 = "*bf16"
+    pointers = {"X": bf16, "W": "*fp8e4nv", "Scales": "*fp32", "Bias": bf16, "Out": bf16}
+    pointers |= {"Partials": "*fp32", "Counters": "*i32", "XQ": "*fp8e4nv", "XS": "*fp32"}
+    rows = []
+    for bn, bk, split, dot in FP8:
+        for ahead in (False, True):
+            values = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "HAS_BIAS": False}
+            values |= {"STAGES": 3, "PDL": False, "PREFETCH_LINES": 1, "SPLITS_FIRST": False}
+            values |= {"X_BLOCK": 4096, "DOT": dot, "X_AHEAD": ahead}
+            sig, consts = _signature(_fp8_gemv_kernel, pointers, values)
+            sass, regs, spills = compile_sm90(
+                _fp8_gemv_kernel, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4, 3
+            )
+            label = f"fp8{' dot' if dot else ''}{' codes ahead' if ahead else ''} {bn}x{bk}"
+            row = _row(label, sass, regs, spills, "per_weight", bn * bk, 128)
+            row["kernel_instructions"] = len(_INSTR.findall(sass))
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--kernels", default="int4,decode", help="comma-separated: int4, decode, pdl")
+    ap.add_argument(
+        "--kernels", default="int4,decode", help="comma-separated: int4, decode, pdl, fp8"
+    )
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     import triton
 
-    families = {"int4": int4_rows, "decode": decode_rows, "pdl": pdl_rows}
+    families = {"int4": int4_rows, "decode": decode_rows, "pdl": pdl_rows, "fp8": fp8_rows}
     rows = [row for name in args.kernels.split(",") for row in families[name]()]
     out = Path(args.out or RESULTS / f"sass_counts_triton{triton.__version__}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
