@@ -17,10 +17,14 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
   `per_token_quant_fp8` + `torch._scaled_mm`; M > 1, the latter, also with `use_fast_accum`.
 - int4_ahead (M = 1): the packed int4 GEMV over inputs packed ahead (`pack_int4_inputs`, made
   once per x outside the timed calls): loading x's float16 pairs as words instead of making
-  them in every program. Against int4's packed sweep: what the GEMV spends on x.
+  them in every program. Against int4's packed sweep: what the GEMV spends on x. Also
+  "pack+ahead:table": the packing's own launch and the GEMV at the table's configuration,
+  both timed (whether a launch of its own already pays).
 - fp8_ahead (M = 1): the fp8 GEMV over `per_token_quant_fp8(x)`'s codes and scale made once per
   x outside the timed calls, instead of every program reading the row for its scale and
-  rounding its inputs. Against fp8's sweep: what the GEMV spends on x.
+  rounding its inputs. Against fp8's sweep: what the GEMV spends on x. Also
+  "quant+ahead:table": the quantization's own launch and the GEMV at the table's
+  configuration, both timed.
 - read_int4_rows (M = 1): the int4 GEMV's own loads without its arithmetic: the planar codes
   and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
   them, at each configuration of its packed sweep and at a few long runs of each row,
@@ -54,6 +58,7 @@ and quant_planar.py (DEQUANTIZE_MIN_ROWS). Writes benchmarks/results/quant_kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -275,7 +280,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
     from braid.kernels.int4_gemv import int4_gemv
     from braid.kernels.int4_pairs import pack_int4_inputs
     from braid.kernels.quant_gemm import int4_linear, int8_linear
-    from braid.kernels.quant_gemv import GemvConfig, fp8_gemv, int8_gemv
+    from braid.kernels.quant_gemv import GemvConfig, config_for, fp8_gemv, int8_gemv
     from braid.kernels.quant_planar import dequantize_int4_planar, int4_planar_linear
 
     def cfg_name(c):
@@ -326,6 +331,17 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                     return int4_gemv(x16, w[3], w[4], GROUP, config=cfg, packed_inputs=packed)
 
                 out.append((f"ahead:{cfg_name(c)}", gemv_ahead))
+
+            def pack_then_gemv(x, w):
+                """The packing's own launch timed too, at the table's configuration (the CPU's
+                default is not packed: its second form there)."""
+                cfg = config_for("int4", w[3].shape[0], x.shape[1], x.device)
+                cfg = cfg if cfg.packed else dataclasses.replace(cfg, packed=2)
+                x16 = x.bfloat16() if x.dtype == torch.float32 else x
+                ahead = pack_int4_inputs(x16, cfg.packed)
+                return int4_gemv(x16, w[3], w[4], GROUP, config=cfg, packed_inputs=ahead)
+
+            out.append(("pack+ahead:table", pack_then_gemv))
     elif method == "bf16":
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
@@ -406,6 +422,13 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                     return fp8_gemv(x, w[0], w[1], config=cfg, x_codes=xq, x_scale=xs)
 
                 out.append((f"ahead:{cfg_name(c)}", fp8_ahead))
+
+            def quant_then_gemv(x, w):
+                """The quantization's own launch timed too, at the table's configuration."""
+                xq, xs = per_token_quant_fp8(x)
+                return fp8_gemv(x, w[0], w[1], x_codes=xq, x_scale=xs)
+
+            out.append(("quant+ahead:table", quant_then_gemv))
     return out
 
 
