@@ -69,6 +69,7 @@ from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_shape, check_tensor
 from braid.kernels.gemv_split import _block_and_split, _finish, grid, split_length
 from braid.kernels.int4_pairs import (
+    PACKED_WORDS,
     PackedInputs,
     _block_inputs,
     _packed_block_inputs,
@@ -385,7 +386,7 @@ def int4_gemv(
                 f"{packed_inputs.form}, prologue {fused}, x {x.dtype}, group_size {group_size}"
             )
         for name, t, dtype, shape in (
-            ("words", packed_inputs.words, torch.int32, (kb, 64)),
+            ("words", packed_inputs.words, torch.int32, (kb, PACKED_WORDS)),
             ("scales", packed_inputs.scales, torch.float32, (kb, 2)),
         ):
             check_tensor(f"packed_inputs.{name}", t, ndim=2, dtypes=(dtype,), device=x.device)
