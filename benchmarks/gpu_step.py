@@ -7,13 +7,16 @@
 
 With dummy bf16 weights it reports, in one run:
 - `graph_ms`: replaying the captured decode graph alone (CUDA events): the forward's GPU time;
+  `graph_idle`: per replay, its kernels, their busy time and the gaps between them (what the
+  launches cost beyond their work, inside the graph);
 - `step_ms`: `Scheduler.step()` in a loop, with the overlapped schedule and without: what the
   sampler, the batch building and the host's per-step work add to the graph;
 - `roofline_ms`: weight bytes / the copy rate measured in the same run;
 - `kernels`: every kernel of one graph-replayed step under torch.profiler, grouped by name
   (GPU microseconds per step), and their sum: the step's time minus that sum is idle GPU.
 With `--extend BxL` it times prefill steps instead: B fresh prompts of L tokens per step
-(`extend_ms`, the model FLOP utilisation against the measured matmul rate, and the kernels).
+(`extend_ms`, the model FLOP utilisation against the measured matmul rate, the kernels, and
+`idle`: where the profiled step's GPU stood idle).
 Writes benchmarks/results/gpu_step_<device>.json.
 """
 
@@ -73,8 +76,12 @@ def step_ms(sched, batch: int, context: int, steps: int, overlap: bool) -> float
     return dt
 
 
-def graph_ms(sched, batch: int, context: int, steps: int) -> float:
-    """The decode graph of this batch size replayed alone, over the inputs of a real step."""
+def graph_ms(sched, batch: int, context: int, steps: int) -> tuple[float, dict]:
+    """The decode graph of this batch size replayed alone, over the inputs of a real step, and
+    where the GPU idles inside it (`_idle` over 5 replays, per replay): the gaps between one
+    kernel's end and the next one's start are what each launch costs beyond its work."""
+    from torch.profiler import ProfilerActivity, profile
+
     sched.overlap = False
     _start(sched, batch, context, steps)
     sched.step()
@@ -88,8 +95,23 @@ def graph_ms(sched, batch: int, context: int, steps: int) -> float:
         graph.replay()
     end.record()
     end.synchronize()
+    replays = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    idle = _idle(prof, wall_ms)
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    per_replay = {
+        "kernels": kernels / replays,
+        "busy_ms": idle.get("busy_ms", 0.0) / replays,
+        "gaps_inside_ms": idle.get("gaps_inside_ms", 0.0) / replays,
+        "widest_gaps": idle.get("widest_gaps", []),
+    }
     _stop(sched, batch)
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / steps, per_replay
 
 
 def kernel_table(sched, batch: int, context: int, steps: int) -> tuple[list[dict], float]:
@@ -265,6 +287,7 @@ def main() -> None:
     if args.method != "float":
         model = sched.runner.model
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    graph, graph_idle = graph_ms(sched, n, ctx, steps)  # first, as before
     res = {
         "model": Path(args.model).name,
         "method": args.method,
@@ -274,7 +297,8 @@ def main() -> None:
         "copy_bandwidth": copy,
         "weight_bytes": weight_bytes,
         "roofline_ms": weight_bytes / copy["bytes_per_s"] * 1e3,
-        "graph_ms": graph_ms(sched, n, ctx, steps),
+        "graph_ms": graph,
+        "graph_idle": graph_idle,
         "step_ms_overlap": step_ms(sched, n, ctx, steps, overlap=True),
         "step_ms_no_overlap": step_ms(sched, n, ctx, steps, overlap=False),
     }
@@ -284,6 +308,9 @@ def main() -> None:
     for k in ("roofline_ms", "graph_ms", "step_ms_overlap", "step_ms_no_overlap"):
         print(f"{k:>20} | {res[k]:.3f}")
     print(f"{'kernel ms per step':>20} | {total_us / 1e3:.3f}")
+    gi = res["graph_idle"]
+    print(f"{'graph, per replay':>20} | {gi['kernels']:.0f} kernels, busy {gi['busy_ms']:.3f} ms, "
+          f"gaps between them {gi['gaps_inside_ms']:.3f} ms")  # fmt: skip
     for r in kernels[:25]:
         print(f"{r['us']:9.1f} us  x{r['calls_per_step']:6.1f}  {r['kernel'][:90]}")
     write_result("gpu_step", "cuda", args.out, res, script="benchmarks/gpu_step.py")

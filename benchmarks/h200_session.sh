@@ -21,8 +21,11 @@
 #          per_token_quant_fp8's codes made ahead (fp8_ahead: no program reads the row for its
 #          scale) beside the GEMV as it is and the read floor; the GEMV tests on the GPU (the
 #          inputs-made-ahead ones included)
+#   part 5 (issue 18: about 2.1 us a launch beyond its bytes): the int4 and bf16 batch-1
+#          decode steps kernel by kernel, with the gaps between kernels inside the graph
+#          (gpu_step.py's graph_idle)
 set -u
-part=${1:?part 1, 2, 3 or 4}
+part=${1:?part 1, 2, 3, 4 or 5}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -64,6 +67,13 @@ if [ "$part" = 4 ]; then
     pack
     TAIL=6 step 150 pytest_gemv python -m pytest -q tests/kernels/test_quant_gemv.py \
         -p no:cacheprovider
+fi
+if [ "$part" = 5 ]; then
+    for method in int4 float fp8; do
+        TAIL=40 step 150 "gpu_step_$method" python benchmarks/gpu_step.py --method "$method" \
+            --out "$OUT/r/gpu_step_${method}_cuda.json"
+        pack
+    done
 fi
 kill "$smi"
 pack
