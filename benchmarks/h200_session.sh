@@ -24,8 +24,10 @@
 #   part 5 (issue 18: about 2.1 us a launch beyond its bytes): the int4 and bf16 batch-1
 #          decode steps kernel by kernel, with the gaps between kernels inside the graph
 #          (gpu_step.py's graph_idle)
+#   part 6 (issue 18): batch-1 decode of bf16, int4 and fp8 end to end, then again with each
+#          one-row GEMV's input prepared by a launch of its own (BRAID_GEMV_INPUTS_AHEAD=1)
 set -u
-part=${1:?part 1, 2, 3, 4 or 5}
+part=${1:?part 1 to 6}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -72,6 +74,14 @@ if [ "$part" = 5 ]; then
     for method in int4 float fp8; do
         TAIL=40 step 150 "gpu_step_$method" python benchmarks/gpu_step.py --method "$method" \
             --out "$OUT/r/gpu_step_${method}_cuda.json"
+        pack
+    done
+fi
+if [ "$part" = 6 ]; then
+    for ahead in 0 1; do
+        BRAID_GEMV_INPUTS_AHEAD=$ahead TAIL=14 step 150 "quantization_ahead$ahead" \
+            python benchmarks/quantization.py --methods float,int4,fp8 --batch-sizes 1 \
+            --repeats 2 --out "$OUT/r/quantization_ahead${ahead}_cuda.json"
         pack
     done
 fi

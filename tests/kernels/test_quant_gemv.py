@@ -595,6 +595,35 @@ def test_gpu_each_methods_layer_matches_its_reference(method, m):
         _close(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_gpu_one_row_layer_with_its_input_prepared_ahead_gives_the_same_bits(method, monkeypatch):
+    """BRAID_GEMV_INPUTS_AHEAD=1 (read when a layer loads): the one-row GEMV's input made by
+    a launch of its own (int4's float16 pairs, fp8's codes), at Llama-3.1-8B's down shape
+    with the GPU's table configuration; the same bits as the GEMV preparing it."""
+    from braid.runtime.quantization import select_quantization
+    from braid.runtime.quantization.base import INPUTS_AHEAD_ENV, LinearSpec
+
+    dev = torch.device("cuda")
+    spec = LinearSpec("layer", 14336, {None: (0, 4096)}, torch.bfloat16, dev)
+    w = torch.randn(4096, 14336, device=dev) * 0.02
+    layers = []
+    for ahead in ("0", "1"):
+        monkeypatch.setenv(INPUTS_AHEAD_ENV, ahead)
+        layer = select_quantization(None, method, dummy=False).linear_method(spec, ("layer",))
+        (placeholder,) = layer.create_weights().values()
+        placeholder.weight_loader(placeholder, w.clone(), None)
+        layer.finish_loading()
+        layers.append(layer)
+    if method == "awq":  # the table's one-row form must be a packed one for pairs to apply
+        from braid.kernels.quant_gemv import config_for
+
+        assert config_for("int4", 4096, 14336, dev).packed > 0
+    x = _x(1, 14336, torch.bfloat16, dev)
+    assert torch.equal(layers[1].apply(x, None), layers[0].apply(x, None))
+
+
 def test_tuned_configuration_files_are_read_or_refused_naming_the_file(tmp_path):
     from braid.kernels._checks import tuned_configs
 

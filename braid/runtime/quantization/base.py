@@ -31,6 +31,11 @@ WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | None"], None]
 # bfloat16); a float32 model's quantized layers round their input and output through it.
 CPU_COMPUTE_DTYPE = torch.bfloat16
 
+# BRAID_GEMV_INPUTS_AHEAD=1 (for measuring; read when a layer loads): a one-row int4 or fp8
+# GEMV on CUDA gets its input prepared by a launch of its own (`pack_int4_inputs`,
+# `per_token_quant_fp8`) instead of every program of the GEMV preparing it; the same bits.
+INPUTS_AHEAD_ENV = "BRAID_GEMV_INPUTS_AHEAD"
+
 
 @dataclass(frozen=True)
 class LinearSpec:

@@ -34,6 +34,7 @@ from braid.kernels.quant_reference import (
 )
 from braid.runtime.quantization import QUANTIZATION_METHODS
 from braid.runtime.quantization.base import (
+    INPUTS_AHEAD_ENV,
     LinearMethod,
     LinearSpec,
     QuantizationMethod,
@@ -141,10 +142,15 @@ class Fp8LinearMethod(LinearMethod):
         n, k = weight.shape
         workspace = GemvWorkspace.for_launch("fp8", n, k, self.spec.device)
         fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
+        ahead = os.environ.get(INPUTS_AHEAD_ENV) == "1"
 
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             inner = bias if fused_bias else None
-            if x.shape[0] == 1:
+            if x.shape[0] == 1 and ahead:
+                codes, x_scale = per_token_quant_fp8(x)
+                y = fp8_gemv(x, weight, scales, inner, workspace=workspace, x_codes=codes,
+                             x_scale=x_scale)  # fmt: skip
+            elif x.shape[0] == 1:
                 # One launch that quantizes the row as per_token_quant_fp8 does: _scaled_mm
                 # is built for many rows, and the separate quantization costs a launch.
                 y = fp8_gemv(x, weight, scales, inner, workspace=workspace)
