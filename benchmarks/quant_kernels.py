@@ -172,7 +172,7 @@ READ_ROWS_LONG = [
 ]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
 INT4_WEIGHTS = ("read_int4_rows", "int4_ahead")  # methods over int4's weights
-AHEAD = {"int4_ahead": "int4", "fp8_ahead": "fp8"}  # over inputs made ahead: the weights of
+AHEAD = {"int4_ahead": "int4", "fp8_ahead": "fp8"}  # inputs made ahead: over whose weights
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
@@ -336,6 +336,8 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                 """The packing's own launch timed too, at the table's configuration (the CPU's
                 default is not packed: its second form there)."""
                 cfg = config_for("int4", w[3].shape[0], x.shape[1], x.device)
+                if not cfg.packed and x.is_cuda:  # the runtime would not pack ahead either
+                    raise ValueError(f"the table's one-row int4 form is not packed: {cfg}")
                 cfg = cfg if cfg.packed else dataclasses.replace(cfg, packed=2)
                 x16 = x.bfloat16() if x.dtype == torch.float32 else x
                 ahead = pack_int4_inputs(x16, cfg.packed)

@@ -314,14 +314,18 @@ def _fp8_gemv_kernel(
         kmask = ks < end
         w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if X_AHEAD:
-            xq = tl.load(XQ + ks, mask=kmask, other=0.0).to(tl.float32)
+            xc = tl.load(XQ + ks, mask=kmask, other=0.0)
+            xq = xc.to(tl.float32)
         else:
             x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
             # The activation's e4m3 code, as a float32 (exact): e4m3 products are exact in
             # float32, so on the CUDA cores the sum differs from _scaled_mm's only in its order.
             xq = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -448.0), 448.0))
         if DOT:
-            xt = tl.broadcast_to(xq[:, None], [BLOCK_K, DOT_COLS]).to(W.dtype.element_ty)
+            if X_AHEAD:  # the codes as loaded
+                xt = tl.broadcast_to(xc[:, None], [BLOCK_K, DOT_COLS])
+            else:
+                xt = tl.broadcast_to(xq[:, None], [BLOCK_K, DOT_COLS]).to(W.dtype.element_ty)
             # Sums moved into float32 after every tensor-core step of 32 products (Hopper's
             # e4m3 products accumulate in fewer bits: Triton's default for sm_90 kept them
             # there for the whole block and moved outputs by ~1e-3, measured on an H200).

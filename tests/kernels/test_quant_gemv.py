@@ -427,6 +427,12 @@ def test_fp8_gemv_over_codes_made_ahead_gives_the_same_bits(device, dtype, confi
     moved = fp8_gemv(x, w, scales, bias, out_dtype=torch.float32, config=config,
                      x_codes=other_codes, x_scale=other_scale)  # fmt: skip
     assert not torch.equal(moved, want)
+    # And the scale given is the one applied (twice the scale: exactly twice the output).
+    plain = fp8_gemv(x, w, scales, out_dtype=torch.float32, config=config, x_codes=codes,
+                     x_scale=scale)  # fmt: skip
+    doubled = fp8_gemv(x, w, scales, out_dtype=torch.float32, config=config, x_codes=codes,
+                       x_scale=scale * 2)  # fmt: skip
+    assert torch.equal(doubled, plain * 2)
 
 
 def test_fp8_codes_made_ahead_are_refused_where_they_do_not_fit(device):
@@ -601,27 +607,36 @@ def test_gpu_each_methods_layer_matches_its_reference(method, m):
 def test_gpu_one_row_layer_with_its_input_prepared_ahead_gives_the_same_bits(method, monkeypatch):
     """BRAID_GEMV_INPUTS_AHEAD=1 (read when a layer loads): the one-row GEMV's input made by
     a launch of its own (int4's float16 pairs, fp8's codes), at Llama-3.1-8B's down shape
-    with the GPU's table configuration; the same bits as the GEMV preparing it."""
+    with the GPU's table configuration; the same bits as the GEMV preparing it, and the
+    preparing launch runs with the flag alone."""
+    from braid.kernels import fp8_quant, int4_pairs
+    from braid.kernels.quant_gemv import config_for
     from braid.runtime.quantization import select_quantization
     from braid.runtime.quantization.base import INPUTS_AHEAD_ENV, LinearSpec
 
     dev = torch.device("cuda")
+    if method == "awq" and not config_for("int4", 4096, 14336, dev).packed:
+        pytest.skip(f"{torch.cuda.get_device_name()}: no packed one-row int4 form in its table")
+    module, name = (int4_pairs, "pack_int4_inputs") if method == "awq" else (
+        fp8_quant, "per_token_quant_fp8"
+    )  # fmt: skip
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
     spec = LinearSpec("layer", 14336, {None: (0, 4096)}, torch.bfloat16, dev)
     w = torch.randn(4096, 14336, device=dev) * 0.02
-    layers = []
+    x = _x(1, 14336, torch.bfloat16, dev)
+    outs = []
     for ahead in ("0", "1"):
         monkeypatch.setenv(INPUTS_AHEAD_ENV, ahead)
         layer = select_quantization(None, method, dummy=False).linear_method(spec, ("layer",))
         (placeholder,) = layer.create_weights().values()
         placeholder.weight_loader(placeholder, w.clone(), None)
         layer.finish_loading()
-        layers.append(layer)
-    if method == "awq":  # the table's one-row form must be a packed one for pairs to apply
-        from braid.kernels.quant_gemv import config_for
-
-        assert config_for("int4", 4096, 14336, dev).packed > 0
-    x = _x(1, 14336, torch.bfloat16, dev)
-    assert torch.equal(layers[1].apply(x, None), layers[0].apply(x, None))
+        calls.clear()
+        outs.append(layer.apply(x, None))
+        assert len(calls) == int(ahead)
+    assert torch.equal(outs[1], outs[0])
 
 
 def test_tuned_configuration_files_are_read_or_refused_naming_the_file(tmp_path):
