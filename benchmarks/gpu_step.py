@@ -77,13 +77,19 @@ def step_ms(sched, batch: int, context: int, steps: int, overlap: bool) -> float
     return dt
 
 
-def graph_ms(sched, batch: int, context: int, steps: int) -> float:
-    """The decode graph of this batch size replayed alone, over the inputs of a real step."""
+def _decode_graph(sched, batch: int, context: int, steps: int):
+    """`batch` requests of `context` tokens running (plain schedule, one step taken) and the
+    captured decode graph their steps replay."""
     sched.overlap = False
     _start(sched, batch, context, steps)
     sched.step()
     graphs = sched.runner.graph_runner
-    graph = graphs._graphs[graphs._bucket[batch]]
+    return graphs._graphs[graphs._bucket[batch]]
+
+
+def graph_ms(sched, batch: int, context: int, steps: int) -> float:
+    """The decode graph of this batch size replayed alone, over the inputs of a real step."""
+    graph = _decode_graph(sched, batch, context, steps)
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,11 +109,7 @@ def graph_gaps(sched, batch: int, context: int, replays: int = 5) -> dict:
     (under the profiler: compare with `graph_ms`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sched.overlap = False
-    _start(sched, batch, context, 4)
-    sched.step()
-    graphs = sched.runner.graph_runner
-    graph = graphs._graphs[graphs._bucket[batch]]
+    graph = _decode_graph(sched, batch, context, 4)
     graph.replay()
     torch.cuda.synchronize()
     per = []

@@ -158,23 +158,33 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return Bench(device, 1, repeats).per_call_us(lambda i: fn(), graph=True) / 1e3
 
 
-def two_streams(layers: list[Layer], a: Batch, b: Batch, device: torch.device) -> Callable:
-    """Both halves' layers, each half on its own stream (forked from and joined to the current
-    one, so the pair captures into one graph); on the CPU, one after the other."""
-    if device.type != "cuda":
-        return lambda: (forward(layers, a), forward(layers, b))
-    side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+def side_by_side(*pairs: tuple[object, Callable[[], object]]) -> Callable[[], None]:
+    """Each (stream, fn) of `pairs`: fn on its stream, all forked from the current stream
+    before any runs and joined to it after (so they capture into one graph), with nothing
+    ordering one after another."""
 
     def run() -> None:
-        main = torch.cuda.current_stream(device)
-        for stream, half in zip(side, (a, b)):
+        main = torch.cuda.current_stream()
+        for stream, _ in pairs:
             stream.wait_stream(main)
+        for stream, fn in pairs:
             with torch.cuda.stream(stream):
-                forward(layers, half)
-        for stream in side:
+                fn()
+        for stream, _ in pairs:
             main.wait_stream(stream)
 
     return run
+
+
+def two_streams(layers: list[Layer], a: Batch, b: Batch, device: torch.device) -> Callable:
+    """Both halves' layers, each half on its own stream (`side_by_side`); on the CPU, one after
+    the other."""
+    if device.type != "cuda":
+        return lambda: (forward(layers, a), forward(layers, b))
+    side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    return side_by_side(
+        (side[0], lambda: forward(layers, a)), (side[1], lambda: forward(layers, b))
+    )
 
 
 def lanes(layers: list[Layer], halves: tuple[Batch, Batch], streams: tuple | None) -> Callable:
@@ -315,34 +325,14 @@ def timed_both(fn: Callable[[], object], device: torch.device, repeats: int) -> 
     return res
 
 
-def on_stream(fn: Callable[[], object], stream) -> Callable[[], None]:
-    """`fn` on `stream`, forked from and joined to the current stream."""
-
-    def run() -> None:
-        main = torch.cuda.current_stream()
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            fn()
-        main.wait_stream(stream)
-
-    return run
-
-
 def at_once(layers: list[Layer], b: Batch, attn_s, gemm_s) -> Callable[[], None]:
     """The attention alone on `attn_s` and the GEMMs alone on `gemm_s`, with nothing ordering
     one after the other: how long both take when each has only the other to contend with
     (their SMs, if the streams' contexts split them, and the memory they share)."""
-
-    def run() -> None:
-        main = torch.cuda.current_stream()
-        for stream, parts in ((attn_s, "attention"), (gemm_s, "gemms")):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                forward(layers, b, parts)
-        main.wait_stream(attn_s)
-        main.wait_stream(gemm_s)
-
-    return run
+    return side_by_side(
+        (attn_s, lambda: forward(layers, b, "attention")),
+        (gemm_s, lambda: forward(layers, b, "gemms")),
+    )
 
 
 def carved(fn: Callable[[], object], carveout: int) -> Callable[[], None]:
@@ -434,10 +424,10 @@ def probe(args: argparse.Namespace) -> dict:
             "cublaslt_sized": timed_both(lt(carved(run, n_attn)), device, r),
             # Each lane's work alone on its SMs, at the full batch.
             "attention_alone": timed_both(
-                on_stream(lambda: forward(layers, full, "attention"), attn_s), device, r
+                side_by_side((attn_s, lambda: forward(layers, full, "attention"))), device, r
             ),
             "gemms_alone": timed_both(
-                on_stream(lambda: forward(layers, full, "gemms"), gemm_s), device, r
+                side_by_side((gemm_s, lambda: forward(layers, full, "gemms"))), device, r
             ),
             "at_once": timed_both(at_once(layers, full, attn_s, gemm_s), device, r),
         }  # fmt: skip

@@ -171,8 +171,8 @@ READ_ROWS_LONG = [
     (64, 256, 4, 4, 3),
 ]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
-INT4_WEIGHTS = ("read_int4_rows", "int4_ahead")  # methods over int4's weights
 AHEAD = {"int4_ahead": "int4", "fp8_ahead": "fp8"}  # inputs made ahead: over whose weights
+WEIGHTS_OF = {"read_int4_rows": "int4", **AHEAD}  # methods over another method's weights
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
 
@@ -294,6 +294,23 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         full = [(*c, *(False,) * (7 - len(c))) for c in sweep]
         return full + [(*c, True) for c in full if c[2] > 1]
 
+    def once_per_x(prepare):
+        """`prepare(x)`, made on x's first call (outside the timed calls) and kept."""
+        made: dict = {}
+
+        def get(x):
+            if id(x) not in made:
+                made[id(x)] = prepare(x)
+            return made[id(x)]
+
+        return get
+
+    def to16(x):  # the smoke run's float32 x goes to the packed forms as bfloat16
+        return x.bfloat16() if x.dtype == torch.float32 else x
+
+    # The one-row sweeps of the packed int4 forms and of fp8 (CUDA cores, then tensor cores).
+    int4_packed = [(*c, False, form) for form in (1, 2) for c in INT4_PACKED_SWEEP]
+    fp8_sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
     out: list[tuple[str, Callable]] = []
     if method == "read_int4_rows":
         if m == 1:
@@ -317,17 +334,13 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                     ))  # fmt: skip
     elif method == "int4_ahead":
         if m == 1:
-            packed = [(*c, False, form) for form in (1, 2) for c in INT4_PACKED_SWEEP]
             smoke_sweep = [(16, 128, 2, 4, 1, False, 1), (16, 128, 2, 4, 1, False, 2)]
-            for c in and_splits_first(packed if not smoke else smoke_sweep):
+            for c in and_splits_first(int4_packed if not smoke else smoke_sweep):
                 cfg = GemvConfig(*c)
-                ahead: dict = {}  # x's packed inputs, made on its first call (not timed)
+                inputs = once_per_x(lambda x, form=cfg.packed: pack_int4_inputs(to16(x), form))
 
-                def gemv_ahead(x, w, cfg=cfg, ahead=ahead):
-                    if id(x) not in ahead:  # (the smoke run's float32 x goes in as bfloat16)
-                        x16 = x.bfloat16() if x.dtype == torch.float32 else x
-                        ahead[id(x)] = x16, pack_int4_inputs(x16, cfg.packed)
-                    x16, packed = ahead[id(x)]
+                def gemv_ahead(x, w, cfg=cfg, inputs=inputs):
+                    x16, packed = to16(x), inputs(x)
                     return int4_gemv(x16, w[3], w[4], GROUP, config=cfg, packed_inputs=packed)
 
                 out.append((f"ahead:{cfg_name(c)}", gemv_ahead))
@@ -339,7 +352,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                 if not cfg.packed and x.is_cuda:  # the runtime would not pack ahead either
                     raise ValueError(f"the table's one-row int4 form is not packed: {cfg}")
                 cfg = cfg if cfg.packed else dataclasses.replace(cfg, packed=2)
-                x16 = x.bfloat16() if x.dtype == torch.float32 else x
+                x16 = to16(x)
                 ahead = pack_int4_inputs(x16, cfg.packed)
                 return int4_gemv(x16, w[3], w[4], GROUP, config=cfg, packed_inputs=ahead)
 
@@ -348,8 +361,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         out.append(("F.linear", lambda x, w: F.linear(x, w)))
     elif method == "int4":
         if m == 1:
-            packed = [(*c, False, form) for form in (1, 2) for c in INT4_PACKED_SWEEP]
-            sweep = INT4_SWEEP + and_splits_first(packed)
+            sweep = INT4_SWEEP + and_splits_first(int4_packed)
             smoke_sweep = [(16, 128, 1, 4, 1), (16, 256, 2, 4, 2), (16, 128, 2, 4, 1, False, 1)]
             smoke_sweep.append((16, 128, 2, 4, 1, False, 2))
             for c in sweep if not smoke else and_splits_first(smoke_sweep):
@@ -389,9 +401,8 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
         out.append(("int8_linear", lambda x, w: int8_linear(x, w[0], w[1])))
     elif method == "fp8":
         if m == 1:
-            sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
             smoke_sweep = [(16, 64, 1, 4, 1), (16, 64, 2, 4, 2), (16, 64, 2, 4, 2, True)]
-            for c in and_splits_first(sweep if not smoke else smoke_sweep):
+            for c in and_splits_first(fp8_sweep if not smoke else smoke_sweep):
                 cfg = GemvConfig(*c)
 
                 def gemv_fp8(x, w, cfg=cfg):
@@ -411,16 +422,13 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
                 out.append((f"quant+scaled_mm{'(fast_accum)' if fast else ''}", scaled))
     elif method == "fp8_ahead":
         if m == 1:
-            sweep = BYTE_SWEEP + [(*c, True) for c in FP8_DOT_SWEEP]
             smoke_sweep = [(16, 64, 2, 4, 2), (16, 64, 2, 4, 2, True)]
-            for c in and_splits_first(sweep if not smoke else smoke_sweep):
+            for c in and_splits_first(fp8_sweep if not smoke else smoke_sweep):
                 cfg = GemvConfig(*c)
-                codes: dict = {}  # x's codes and scale, made on its first call (not timed)
+                codes = once_per_x(per_token_quant_fp8)
 
                 def fp8_ahead(x, w, cfg=cfg, codes=codes):
-                    if id(x) not in codes:
-                        codes[id(x)] = per_token_quant_fp8(x)
-                    xq, xs = codes[id(x)]
+                    xq, xs = codes(x)
                     return fp8_gemv(x, w[0], w[1], config=cfg, x_codes=xq, x_scale=xs)
 
                 out.append((f"ahead:{cfg_name(c)}", fp8_ahead))
@@ -470,7 +478,7 @@ def measure(args: argparse.Namespace, bench: Bench, copy_rate: float, rates: dic
             xs = [torch.randn(m, k, generator=gen, device=dev).to(dtype) for _ in range(2)]
             for method in args.methods.split(","):
                 for name, call in variants(method, m, args.smoke):
-                    ws = weights["int4" if method in INT4_WEIGHTS else AHEAD.get(method, method)]
+                    ws = weights[WEIGHTS_OF.get(method, method)]
                     row = {
                         "shape": shape,
                         "n": n,

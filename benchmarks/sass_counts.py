@@ -42,8 +42,9 @@ _INSTR = re.compile(
 )
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages=1):
-    """(SASS text, registers, spill stores) of `fn` compiled for sm_90."""
+def _build_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages):
+    """`fn` compiled for sm_90 (`.asm` holds its PTX and cubin), `divisible` arguments marked
+    16-divisible."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,7 +53,14 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], wa
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages=1):
+    """(SASS text, registers, spill stores) of `fn` compiled for sm_90."""
+    import triton
+
+    kernel = _build_sm90(fn, signature, constexprs, divisible, warps, stages)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -188,17 +196,10 @@ def _decode_args(cache: str, block_n: int, mode: int, evict: str) -> tuple[dict,
 
 def decode_ptx(evict: str) -> str:
     """The PTX of the bf16 decode kernel with its K/V loads' eviction policy `evict`."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from braid.kernels.attention_decode import _decode_stage1
 
     sig, consts, div = _decode_args("*bf16", 64, 0, evict)
-    attrs = {(list(sig).index(n),): [["tt.divisibility", 16]] for n in div}
-    src = ASTSource(fn=_decode_stage1, signature=sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": 4, "num_stages": 3}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return _build_sm90(_decode_stage1, sig, consts, div, 4, 3).asm["ptx"]
 
 
 def decode_rows() -> list[dict]:

@@ -292,7 +292,6 @@ def _fp8_gemv_kernel(
     _weights_then_wait(W, rows, rmask, K, first, SPLIT_LEN, PDL, PREFETCH_LINES)
     if X_AHEAD:  # the codes and scale per_token_quant_fp8 made before the launch
         x_scale = tl.load(XS)
-        inverse = x_scale
     else:
         # The row's scale, as per_token_quant_fp8 makes it (every program reads the row, from
         # L2).
