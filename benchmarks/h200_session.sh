@@ -26,8 +26,12 @@
 #          (gpu_step.py's graph_idle)
 #   part 6 (issue 18): batch-1 decode of bf16, int4 and fp8 end to end, then again with each
 #          one-row GEMV's input prepared by a launch of its own (BRAID_GEMV_INPUTS_AHEAD=1)
+#   part 7 (issue 18, sixteenth session): the GPU tests of inputs prepared before the GEMV
+#          (by a launch of its own, and by the norms and the activation in their own launch),
+#          then batch-1 decode of bf16, int4 and fp8 as it is and with the norms and the
+#          activation preparing the GEMVs' inputs (BRAID_GEMV_INPUTS_AHEAD=fused)
 set -u
-part=${1:?part 1 to 6}
+part=${1:?part 1 to 7}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -82,6 +86,18 @@ if [ "$part" = 6 ]; then
         BRAID_GEMV_INPUTS_AHEAD=$ahead TAIL=14 step 150 "quantization_ahead$ahead" \
             python benchmarks/quantization.py --methods float,int4,fp8 --batch-sizes 1 \
             --repeats 2 --out "$OUT/r/quantization_ahead${ahead}_cuda.json"
+        pack
+    done
+fi
+if [ "$part" = 7 ]; then
+    TAIL=8 step 170 pytest_prepared python -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_quant_gemv.py tests/runtime/test_quantization.py \
+        -k "producer or ahead or prepared or norms_and_activation"
+    pack
+    for ahead in 0 fused; do
+        BRAID_GEMV_INPUTS_AHEAD=$ahead TAIL=14 step 190 "quantization_ahead_$ahead" \
+            python benchmarks/quantization.py --methods float,int4,fp8 --batch-sizes 1 \
+            --repeats 2 --out "$OUT/r/quantization_ahead_${ahead}_cuda.json"
         pack
     done
 fi

@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
+from braid.kernels.norm import norm_warps
 from braid.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_MIN_SCALE,
     per_token_quant_fp8_reference,
 )
+from braid.kernels.skinny_gemm import _check_norm, _input, _rmsnorm_rstd
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_reference"]
 
@@ -54,27 +57,41 @@ def _row_scale(amax, fp8_max, min_scale):
 
 @triton.jit
 def _per_token_quant_kernel(
-    X, Codes, Scales, K, stride_xm, fp8_max, min_scale, BLOCK: tl.constexpr
-):
+    X, Codes, Scales, K, stride_xm, fp8_max, min_scale, NormW, Residual, ResidualOut, eps,
+    BLOCK: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):  # fmt: skip
+    pdl.trigger(TRIGGER)  # the GEMV after may start loading its weights (`pdl`)
     row = tl.program_id(0)
     x_row = X + row.to(tl.int64) * stride_xm
     c_row = Codes + row.to(tl.int64) * K
     offs = tl.arange(0, BLOCK)
+    rstd = 1.0
+    if NORM:  # one row (the wrapper checks): program 0 also stores x + residual
+        rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, BLOCK)
     amax = 0.0
     for k0 in range(0, K, BLOCK):
         ks = k0 + offs
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
         amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
     scale, inverse = _row_scale(amax, fp8_max, min_scale)
     tl.store(Scales + row, scale)
     for k0 in range(0, K, BLOCK):
         ks = k0 + offs
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
         q = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max))
         tl.store(c_row + ks, q.to(Codes.dtype.element_ty), mask=ks < K)
 
 
-def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8(
+    x: torch.Tensor,
+    *,
+    activation: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn codes [M, K] contiguous, float32 scales [M, 1]) with
     x ~= codes * scales, bit for bit `per_token_quant_fp8_reference` on any device: each row's
     scale is max|row| / 448 (at least FP8_MIN_SCALE), its codes x * (1 / scale) rounded to
@@ -82,15 +99,43 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     `x`: float [M, K] with unit stride in K (any row stride), M >= 0. Never synchronises with
     the host.
+
+    Or, for one row, the codes of what the kernel before would store, made in its place (one
+    launch for the two), with that kernel's roundings: `activation="silu_and_mul"` quantizes
+    `silu_and_mul(x)` of x = [gate | up] [1, 2K]; `norm_weight` quantizes `rmsnorm(x,
+    norm_weight, eps, residual)`'s first result, and `residual_out` receives its second (the
+    same bits where K <= 4096: the sum of squares in one load as wide as `rmsnorm`'s, with its
+    warps; wider rows add it in another order).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if activation is not None and activation != "silu_and_mul":
+        raise ValueError(f"activation must be None or 'silu_and_mul', got {activation!r}")
+    if activation is not None and norm_weight is not None:
+        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    norm = norm_weight is not None
+    fused = norm or activation is not None
     m, k = x.shape
+    if activation is not None:
+        k //= 2
+    if fused and (m != 1 or x.shape[1] != (2 * k if activation else k) or x.stride(1) != 1):
+        shape = "(1, 2 * K) ([gate | up])" if activation else "(1, K)"
+        raise ValueError(
+            f"x must have shape {shape} and unit stride with a fused producer, got {tuple(x.shape)}"
+        )
     codes = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if norm:
+        _check_norm(x, k, norm_weight, eps, residual, residual_out, codes)
+    elif residual is not None or residual_out is not None:
+        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
     if m == 0 or k == 0:
         return codes, scales.fill_(FP8_MIN_SCALE)
     block = min(next_pow2(k), BLOCK_MAX)
     _per_token_quant_kernel[(m,)](
-        x, codes, scales, k, x.stride(0), FP8_MAX, FP8_MIN_SCALE, BLOCK=block, num_warps=4
-    )
+        x, codes, scales, k, x.stride(0), FP8_MAX, FP8_MIN_SCALE,
+        norm_weight if norm else x, residual if residual is not None else x,
+        residual_out if residual_out is not None else x, float(eps), BLOCK=block,
+        ACT=activation is not None, NORM=norm, HAS_RESIDUAL=residual is not None,
+        TRIGGER=pdl.enabled(x.device), num_warps=norm_warps(block) if norm else 4,
+    )  # fmt: skip
     return codes, scales

@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_tensor
+from braid.kernels.norm import norm_warps
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import _silu_and_mul_rounded
+from braid.kernels.skinny_gemm import NORM_BLOCK_MAX, _check_norm, _input, _rmsnorm_rstd
 
 # Words of one block's packed inputs: the even and odd halves of the pairs (x0, x4), (x1,
 # x5), (x2, x6), (x3, x7) of its eight 16-input planes, 8 words each.
@@ -130,27 +132,6 @@ def _even_odd(v):
 
 
 @triton.jit
-def _input(X, NormW, Residual, ks, mask, rstd, K, ACT: tl.constexpr, NORM: tl.constexpr,
-           HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The GEMV's inputs at `ks` as float32: x's, `silu(gate) * up` of x = [gate | up] (ACT),
-    or `rmsnorm(x (+ residual))` (NORM, `rstd` its row's inverse norm), each rounded as its
-    own kernel rounds it; zero where `mask` is off."""
-    if ACT:
-        gate = tl.load(X + ks, mask=mask, other=0.0)
-        up = tl.load(X + K + ks, mask=mask, other=0.0)
-        return _silu_and_mul_rounded(gate, up).to(tl.float32)
-    x = tl.load(X + ks, mask=mask, other=0.0)
-    if NORM:
-        if HAS_RESIDUAL:
-            r = tl.load(Residual + ks, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        nw = tl.load(NormW + ks, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
-        return (nw.to(tl.float32) * normed).to(X.dtype.element_ty).to(tl.float32)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _block_inputs(X, NormW, Residual, b, xmask, rstd, K, ACT: tl.constexpr,
                   NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PTX: tl.constexpr,
                   ZERO_LAST: tl.constexpr):  # fmt: skip
@@ -217,11 +198,18 @@ def _packed_block_inputs(XP, XG, b, end):
 
 
 @triton.jit
-def _pack_inputs_kernel(X, XP, XG, K, PTX: tl.constexpr, ZERO_LAST: tl.constexpr):
+def _pack_inputs_kernel(X, NormW, Residual, ResidualOut, eps, XP, XG, K, PTX: tl.constexpr,
+                        ZERO_LAST: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                        TRIGGER: tl.constexpr):  # fmt: skip
+    pdl.trigger(TRIGGER)  # the GEMV after may start loading its weights (`pdl`)
     b = tl.program_id(0)
     xmask = tl.arange(0, 16) >= 0
+    rstd = 1.0
+    if NORM:
+        rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, NORM_BLOCK)
     ae, ao, be, bo, ce, co, de, do, g, xsum = _block_inputs(
-        X, X, X, b, xmask, 1.0, K, False, False, False, PTX, ZERO_LAST
+        X, NormW, Residual, b, xmask, rstd, K, ACT, NORM, HAS_RESIDUAL, PTX, ZERO_LAST
     )
     base = XP + b * 64 + tl.arange(0, 8)
     tl.store(base, ae)
@@ -247,21 +235,54 @@ class PackedInputs:
     form: int
 
 
-def pack_int4_inputs(x: torch.Tensor, form: int) -> PackedInputs:
+def pack_int4_inputs(
+    x: torch.Tensor,
+    form: int,
+    *,
+    activation: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> PackedInputs:
     """x [1, K] (bfloat16 or float16, K a multiple of 128) packed as the int4 GEMV's packed
     form `form` packs it in each program (`_block_inputs`), bit for bit; `int4_gemv`'s
-    `packed_inputs` then loads these words instead."""
+    `packed_inputs` then loads these words instead.
+
+    Or what the kernel before would store, packed in its place (one launch for the two), with
+    `int4_gemv`'s prologues: `activation="silu_and_mul"` packs `silu_and_mul(x)` of x = [gate
+    | up] [1, 2K]; `norm_weight` packs `rmsnorm(x, norm_weight, eps, residual)`'s first
+    result, and `residual_out` receives its second (the same bits where K <= 4096, as
+    `per_token_quant_fp8`'s)."""
     check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     check_contiguous("x", x)
-    if x.shape[0] != 1 or x.shape[1] % PLANAR_BLOCK:
-        raise ValueError(f"x must have shape (1, K) with K a multiple of 128, got {tuple(x.shape)}")
+    if activation is not None and activation != "silu_and_mul":
+        raise ValueError(f"activation must be None or 'silu_and_mul', got {activation!r}")
+    if activation is not None and norm_weight is not None:
+        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    k = x.shape[1] // 2 if activation is not None else x.shape[1]
+    if x.shape[0] != 1 or k % PLANAR_BLOCK or x.shape[1] != (2 * k if activation else k):
+        shape = "(1, 2 * K) ([gate | up])" if activation else "(1, K)"
+        raise ValueError(
+            f"x must have shape {shape} with K a multiple of 128, got {tuple(x.shape)}"
+        )
     if form not in (1, 2):
         raise ValueError(f"form must be 1 or 2 (GemvConfig.packed), got {form!r}")
-    kb = x.shape[1] // PLANAR_BLOCK
+    kb = k // PLANAR_BLOCK
     words = torch.empty(kb, PACKED_WORDS, dtype=torch.int32, device=x.device)
     scales = torch.empty(kb, 2, dtype=torch.float32, device=x.device)
+    norm = norm_weight is not None
+    if norm:
+        _check_norm(x, k, norm_weight, eps, residual, residual_out, words)
+    elif residual is not None or residual_out is not None:
+        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    norm_block = min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1
     _pack_inputs_kernel[(kb,)](
-        x, words, scales, x.shape[1], PTX=not triton.knobs.runtime.interpret,
-        ZERO_LAST=form == 2,
+        x, norm_weight if norm else x, residual if residual is not None else x,
+        residual_out if residual_out is not None else x, float(eps), words, scales, k,
+        PTX=not triton.knobs.runtime.interpret, ZERO_LAST=form == 2,
+        ACT=activation is not None, NORM=norm, HAS_RESIDUAL=residual is not None,
+        NORM_BLOCK=norm_block, TRIGGER=pdl.enabled(x.device),
+        num_warps=norm_warps(norm_block) if norm else 4,
     )  # fmt: skip
     return PackedInputs(words, scales, form)

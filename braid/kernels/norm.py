@@ -19,6 +19,13 @@ from braid.kernels.reference import rmsnorm_reference as rmsnorm_reference
 MAX_HIDDEN = 65536
 
 
+def norm_warps(block: int) -> int:
+    """The warps `rmsnorm` launches with for a row of `block` (its hidden size's power of two);
+    a kernel that makes the norm in its place with as many sums its squares in the same order
+    (the same layout, the same reduction) where its load is as wide."""
+    return min(max(block // 256, 1), 16)
+
+
 @triton.jit
 def _rmsnorm_kernel(
     X,
@@ -114,6 +121,6 @@ def rmsnorm(
             BLOCK=block,
             HAS_RESIDUAL=r2 is not None,
             TRIGGER=pdl.enabled(x.device),
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=norm_warps(block),
         )
     return out if new_res is None else (out, new_res)

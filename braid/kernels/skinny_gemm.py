@@ -113,6 +113,27 @@ def _rmsnorm_rstd(
 
 
 @triton.jit
+def _input(X, NormW, Residual, ks, mask, rstd, K, ACT: tl.constexpr, NORM: tl.constexpr,
+           HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The GEMV's inputs at `ks` as float32: x's, `silu(gate) * up` of x = [gate | up] (ACT),
+    or `rmsnorm(x (+ residual))` (NORM, `rstd` its row's inverse norm), each rounded as its
+    own kernel rounds it; zero where `mask` is off."""
+    if ACT:
+        gate = tl.load(X + ks, mask=mask, other=0.0)
+        up = tl.load(X + K + ks, mask=mask, other=0.0)
+        return _silu_and_mul_rounded(gate, up).to(tl.float32)
+    x = tl.load(X + ks, mask=mask, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(Residual + ks, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        nw = tl.load(NormW + ks, mask=mask, other=0.0)
+        normed = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
+        return (nw.to(tl.float32) * normed).to(X.dtype.element_ty).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _row_times_w(
     X,
     NormW,

@@ -259,6 +259,93 @@ def test_inputs_packed_ahead_are_refused_where_they_do_not_fit(device):
         pack_int4_inputs(x.float(), 1)
 
 
+def _produced(producer, dtype, device, k):
+    """(input, the producer's keyword arguments, its output, the new residual or None) of
+    the kernel before a GEMV: the norm (with or without the residual) or the activation."""
+    from braid.kernels.activation import silu_and_mul
+    from braid.kernels.norm import rmsnorm
+
+    if producer == "silu_and_mul":
+        gate_up = _x(1, 2 * k, dtype, device, scale=3.0)
+        return gate_up, dict(activation="silu_and_mul"), silu_and_mul(gate_up), None
+    x = _x(1, k, dtype, device, scale=4.0)
+    weight = _x(1, k, dtype, device, seed=3).reshape(k)
+    if producer == "norm":
+        return x, dict(norm_weight=weight, eps=1e-5), rmsnorm(x, weight, 1e-5), None
+    residual = _x(1, k, dtype, device, seed=4)
+    normed, added = rmsnorm(x, weight, 1e-5, residual)
+    kwargs = dict(norm_weight=weight, eps=1e-5, residual=residual,
+                  residual_out=torch.empty_like(x))  # fmt: skip
+    return x, kwargs, normed, added
+
+
+PRODUCERS = ["norm", "norm+residual", "silu_and_mul"]
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("k", [384, 4096])
+def test_inputs_packed_in_the_producers_place_are_its_output_packed(device, producer, form, k):
+    """`pack_int4_inputs` with the norm's or the activation's arguments packs what that
+    kernel would have stored (one launch in its place), bit for bit: the words of its output
+    (the sum of squares in one load as wide as `rmsnorm`'s, with its warps, so in its order),
+    and the new residual."""
+    x, kwargs, produced, added = _produced(producer, torch.float16, device, k)
+    got = pack_int4_inputs(x, form, **kwargs)
+    want = pack_int4_inputs(produced, form)
+    assert torch.equal(got.words, want.words) and torch.equal(got.scales, want.scales)
+    if added is not None:
+        assert torch.equal(kwargs["residual_out"], added)
+    # The GEMV over them: the same result as over the producer's output packed ahead.
+    _, (planar, meta) = _int4(48, k, 128, device)
+    cfg = GemvConfig(16, 128, 2, packed=form)
+    y = int4_gemv(produced, planar, meta, 128, config=cfg, packed_inputs=got)
+    _close(y, int4_gemv(produced, planar, meta, 128, config=cfg))
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("k", [200, 4096, 6144])
+def test_fp8_codes_made_in_the_producers_place_are_its_output_quantized(device, producer, k):
+    """`per_token_quant_fp8` with the norm's or the activation's arguments quantizes what
+    that kernel would have stored: its codes and scale (and the new residual), the same bits
+    where the sum of squares is one load as wide as `rmsnorm`'s (K <= 4096); at K = 6144 it
+    adds in two loads, which may flip a code's last place."""
+    x, kwargs, produced, added = _produced(producer, torch.float16, device, k)
+    codes, scale = per_token_quant_fp8(x, **kwargs)
+    want_codes, want_scale = per_token_quant_fp8(produced)
+    exact = producer == "silu_and_mul" or k <= 4096
+    if exact:
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+    else:
+        torch.testing.assert_close(scale, want_scale, rtol=2e-3, atol=0)
+        off = (codes.float() * scale - want_codes.float() * want_scale).abs()
+        assert (off > 0).float().mean() < 0.02 and off.max() <= 0.07 * want_scale.item() * 448
+    if added is not None:
+        assert torch.equal(kwargs["residual_out"], added)
+
+
+def test_producers_in_the_preparing_launch_refuse_what_they_cannot_fuse(device):
+    x = _x(1, 256, torch.float16, device)
+    w = _x(1, 256, torch.float16, device).reshape(256)
+    for prepare in (lambda **kw: pack_int4_inputs(x, 1, **kw), per_token_quant_fp8):
+        args = {} if prepare is not per_token_quant_fp8 else {"x": x}
+        with pytest.raises(ValueError, match="activation must be None with norm_weight"):
+            prepare(**args, activation="silu_and_mul", norm_weight=w)
+        with pytest.raises(ValueError, match="residual and residual_out need norm_weight"):
+            prepare(**args, residual=x)
+        with pytest.raises(ValueError, match="residual_out is required with residual"):
+            prepare(**args, norm_weight=w, residual=x)
+        with pytest.raises(ValueError, match="activation must be None or 'silu_and_mul'"):
+            prepare(**args, activation="gelu")
+    with pytest.raises(ValueError, match=r"x must have shape \(1, 2 \* K\) \(\[gate \| up\]\)"):
+        pack_int4_inputs(_x(1, 384, torch.float16, device), 1, activation="silu_and_mul")
+    with pytest.raises(ValueError, match=r"x must have shape \(1, K\) and unit stride"):
+        per_token_quant_fp8(_x(2, 256, torch.float16, device), norm_weight=w)
+    with pytest.raises(ValueError, match="residual_out must not overlap x"):
+        per_token_quant_fp8(x, norm_weight=w, residual=x.clone(), residual_out=x)
+
+
 def test_the_two_packed_forms_are_different_kernels_with_the_same_result(device):
     # The second form (`packed` 2) really runs: other roundings, so other bits, same product;
     # and a form that does not exist is refused.

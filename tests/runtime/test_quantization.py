@@ -18,15 +18,26 @@ import pytest
 import torch
 
 import braid
+from braid.kernels.fp8_quant import per_token_quant_fp8
 from braid.kernels.quant_reference import dequantize_int4
 from braid.runtime.config import EngineConfig
 from braid.runtime.ipc.to_scheduler import GenerateReq
-from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down, silu_mul_down
+from braid.runtime.layers.fusion import (
+    select_one_row_forward,
+    select_prepared_one_row_forward,
+    select_silu_mul_down,
+    silu_mul_down,
+)
 from braid.runtime.layers.linear import Linear
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.quantization import quantization_method_names, select_quantization
-from braid.runtime.quantization.base import LinearSpec, building
+from braid.runtime.quantization.base import (
+    INPUTS_AHEAD_ENV,
+    LinearSpec,
+    PreparedInputs,
+    building,
+)
 from braid.runtime.quantization.fp8 import quantize_fp8
 from braid.runtime.quantization.int4 import Int4LinearMethod, Int4Weights, quantize_int4
 from braid.runtime.quantization.int8 import quantize_int8
@@ -289,6 +300,34 @@ def test_a_quantized_model_takes_no_fused_float_kernel():
         assert select_silu_mul_down(cuda, bf16) is silu_mul_down
 
 
+def test_the_prepared_one_row_forward_needs_the_flag_and_every_projection_prepared(monkeypatch):
+    """`BRAID_GEMV_INPUTS_AHEAD=fused` chooses the layer forward whose norms and activation
+    make their GEMV's input, only where all four projections have that form (on CUDA; a CPU
+    model has none, so it keeps its own forward); a value other than 0, 1 or fused is
+    refused naming the variable."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama"
+    model = build_model(
+        ModelConfig.from_dir(path), None, dtype=torch.float32, device=CPU, max_positions=64,
+        load_format="dummy", quantization="fp8", progress=False,
+    )  # fmt: skip
+    layer = model.model.layers[0]
+    monkeypatch.setenv(INPUTS_AHEAD_ENV, "fused")
+    assert layer.one_row is None and select_prepared_one_row_forward(layer) is None
+    sa, mlp = layer.self_attn, layer.mlp
+    projections = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    for p in projections:
+        monkeypatch.setattr(p.method, "prepared", PreparedInputs(per_token_quant_fp8, None))
+    assert callable(select_prepared_one_row_forward(layer))
+    monkeypatch.setattr(mlp.down_proj.method, "prepared", None)
+    assert select_prepared_one_row_forward(layer) is None
+    monkeypatch.setattr(mlp.down_proj.method, "prepared", sa.o_proj.method.prepared)
+    monkeypatch.setenv(INPUTS_AHEAD_ENV, "1")
+    assert select_prepared_one_row_forward(layer) is None
+    monkeypatch.setenv(INPUTS_AHEAD_ENV, "yes")
+    with pytest.raises(ValueError, match="BRAID_GEMV_INPUTS_AHEAD must be 0, 1 or fused"):
+        select_prepared_one_row_forward(layer)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_random_weights_are_quantized_as_they_are_drawn(method):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama"
@@ -383,3 +422,37 @@ def test_on_gpu_each_format_gives_its_references_greedy_tokens(
     gpu = dict(device="cuda", dtype="bfloat16")
     got = _greedy(local_scheduler(path, kv_tokens=256, **gpu))
     assert got == _reference_greedy(path, monkeypatch, disable_cuda_graph=True, **gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_on_gpu_norms_and_activation_that_prepare_the_gemv_inputs_give_the_same_tokens(
+    tmp_path, monkeypatch, method
+):
+    """BRAID_GEMV_INPUTS_AHEAD=fused at Llama-3.1-8B's layer shapes (two layers, a small
+    vocabulary, random weights), batch-1 decode under CUDA graphs: each layer runs the
+    prepared forward (the norms and the activation make their GEMV's input), and the greedy
+    tokens equal those of the model whose GEMVs prepare their own input (the norms' sums of
+    squares add in `rmsnorm`'s order at hidden 4096, so the bits should not move)."""
+    from braid.kernels.quant_gemv import config_for
+
+    src = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama-3.1-8b"
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_hidden_layers=2, vocab_size=4096)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    dev = torch.device("cuda")
+    if method == "awq" and not config_for("int4", 6144, 4096, dev).packed:
+        pytest.skip(f"{torch.cuda.get_device_name()}: no packed one-row int4 form in its table")
+    gpu = dict(device="cuda", dtype="bfloat16", load_format="dummy", quantization=method)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for mode in ("0", "fused"):
+        monkeypatch.setenv(INPUTS_AHEAD_ENV, mode)
+        sched = local_scheduler(tmp_path, kv_tokens=512, **gpu)
+        layers = sched.runner.model.model.layers
+        assert all((layer.one_row is not None) == (mode == "fused") for layer in layers)
+        sched.handle(GenerateReq("a", list(range(5, 40)), sp, 0))
+        tokens[mode] = run_to_end(sched)["a"]
+        del sched
+    assert len(tokens["0"]) == 24 and tokens["fused"] == tokens["0"]

@@ -7,6 +7,9 @@ fusions and the same rounding points.
   one-row input on CUDA in 16 bits.
 - `select_one_row_forward`: a whole pre-norm decoder layer for one token on CUDA in 16 bits,
   each RMSNorm inside the projection after it.
+- `select_prepared_one_row_forward`: the same layer with quantized projections whose one-row
+  GEMVs take their input made before them (`quantization.base.PreparedInputs`), each norm and
+  the activation making it in their own launch.
 
 Both read the projections' float `.weight`, so a model built for quantized weights
 (`quantization.base.building` with a method) gets neither: its layers run their own path, each
@@ -24,7 +27,7 @@ from braid.runtime.layers.activation import silu_and_mul
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.parallel import RowParallelLinear
-from braid.runtime.quantization.base import building_quantized
+from braid.runtime.quantization.base import building_quantized, inputs_ahead
 
 SiluMulDown = Callable[[torch.Tensor, RowParallelLinear], torch.Tensor]
 
@@ -141,5 +144,45 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
         h = sa.o_proj.reduce(skinny_linear(h, sa.o_proj.weight, sa.o_proj.bias))
         gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
         return mlp.silu_mul_down(gate_up, mlp.down_proj), residual
+
+    return forward
+
+
+def select_prepared_one_row_forward(layer: PreNormDecoderLayer) -> OneRowForward | None:
+    """For a loaded `PreNormDecoderLayer` whose four projections are quantized with a
+    `prepared` form (`BRAID_GEMV_INPUTS_AHEAD=fused`; only then), a forward for one token
+    in which each RMSNorm (with its residual add) and the activation make the input of the
+    projection after them in their own launch, in the form its GEMV loads (`pack_int4_inputs`,
+    `per_token_quant_fp8` with the producer's arguments), so no GEMV program prepares x and
+    no launch is added but o_proj's; else None. Its outputs are the layer's own forward's up
+    to the order of the norms' sums of squares."""
+    sa, mlp = layer.self_attn, layer.mlp
+    projections = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if inputs_ahead() != "fused":
+        return None
+    if any(p.method is None or p.method.prepared is None for p in projections):
+        return None
+
+    def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """`proj(norm(x + residual))` and the new residual `x + residual`: two launches."""
+        prepared = proj.method.prepared
+        w = dict(norm_weight=norm.weight, eps=norm.eps)
+        if residual is None:
+            return prepared.apply(x, prepared.prepare(x, **w), proj.bias), x
+        new = torch.empty_like(x)
+        made = prepared.prepare(x, **w, residual=residual, residual_out=new)
+        return prepared.apply(x, made, proj.bias), new
+
+    def forward(layer: PreNormDecoderLayer, x, residual, cos_sin, batch, attn):
+        sa, mlp = layer.self_attn, layer.mlp
+        qkv, residual = norm_then(sa.qkv_proj, layer.input_layernorm, x, residual)
+        h = sa.attend(qkv, cos_sin, batch, attn).contiguous()
+        o = sa.o_proj.method.prepared
+        h = sa.o_proj.reduce(o.apply(h, o.prepare(h), sa.o_proj.bias))
+        gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
+        down = mlp.down_proj.method.prepared
+        made = down.prepare(gate_up, activation="silu_and_mul")
+        like = gate_up[:, : gate_up.shape[1] // 2]
+        return mlp.down_proj.reduce(down.apply(like, made, mlp.down_proj.bias)), residual
 
     return forward

@@ -15,7 +15,11 @@ from torch import nn
 from braid.runtime.attention.base import AttentionBackend
 from braid.runtime.distributed.group import building_group
 from braid.runtime.forward_batch import ForwardBatch
-from braid.runtime.layers.fusion import select_one_row_forward, select_silu_mul_down
+from braid.runtime.layers.fusion import (
+    select_one_row_forward,
+    select_prepared_one_row_forward,
+    select_silu_mul_down,
+)
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.parallel import (
     ColumnParallelLinear,
@@ -138,6 +142,9 @@ class LlamaModel(nn.Module):
 
     def after_weights_loaded(self) -> None:
         self.native_decode = NativeCpuDecode.for_model(self)
+        for layer in self.layers:
+            if layer.one_row is None:
+                layer.one_row = select_prepared_one_row_forward(layer)
 
     def forward(
         self,

@@ -15,12 +15,14 @@ one process (threads, tests) never see each other's method.
 
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,10 +33,34 @@ WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | None"], None]
 # bfloat16); a float32 model's quantized layers round their input and output through it.
 CPU_COMPUTE_DTYPE = torch.bfloat16
 
-# BRAID_GEMV_INPUTS_AHEAD=1 (for measuring; read when a layer loads): a one-row int4 or fp8
-# GEMV on CUDA gets its input prepared by a launch of its own (`pack_int4_inputs`,
-# `per_token_quant_fp8`) instead of every program of the GEMV preparing it; the same bits.
+# BRAID_GEMV_INPUTS_AHEAD (for measuring; read when a model loads): a one-row int4 or fp8 GEMV
+# on CUDA gets its input prepared before its launch (`pack_int4_inputs`, `per_token_quant_fp8`)
+# instead of in every program of the GEMV; the same bits. "1": by a launch of its own before
+# each such GEMV; "fused": a decoder layer's norms and activation prepare the input of the
+# projection after them in their own launch (`layers.fusion.select_prepared_one_row_forward`),
+# and only o_proj's input takes a launch of its own.
 INPUTS_AHEAD_ENV = "BRAID_GEMV_INPUTS_AHEAD"
+
+
+def inputs_ahead() -> str:
+    """`INPUTS_AHEAD_ENV`'s value: "0" (off), "1" or "fused"; `ValueError` for another."""
+    value = os.environ.get(INPUTS_AHEAD_ENV, "0")
+    if value not in ("0", "1", "fused"):
+        raise ValueError(f"{INPUTS_AHEAD_ENV} must be 0, 1 or fused, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PreparedInputs:
+    """How a layer's one-row GEMV takes its input made before its launch (a `LinearMethod`'s
+    `prepared`, where its kernel has such a form): `prepare(x, **producer)` makes it from x
+    [1, K], or in the place of the kernel before it with that kernel's arguments
+    (`activation="silu_and_mul"` over [1, 2K]; `norm_weight`, `eps`, `residual`,
+    `residual_out`: the RMSNorm); `apply(like, prepared, bias)` is the projection of it, `like`
+    any [1, K] tensor of the input's dtype (its values are not read)."""
+
+    prepare: Callable[..., Any]
+    apply: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,9 @@ class LinearMethod(ABC):
         self._kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = (
             self._reference_kernel
         )
+        # The one-row GEMV's form over an input made before it, where `finish_loading` chose
+        # one (`INPUTS_AHEAD_ENV`).
+        self.prepared: PreparedInputs | None = None
 
     @abstractmethod
     def create_weights(self) -> dict[str, nn.Parameter]:

@@ -34,12 +34,13 @@ from braid.kernels.quant_reference import (
 )
 from braid.runtime.quantization import QUANTIZATION_METHODS
 from braid.runtime.quantization.base import (
-    INPUTS_AHEAD_ENV,
     LinearMethod,
     LinearSpec,
+    PreparedInputs,
     QuantizationMethod,
     check_dtype,
     flat_rows,
+    inputs_ahead,
     kept,
     loadable,
     online_placeholder,
@@ -142,15 +143,23 @@ class Fp8LinearMethod(LinearMethod):
         n, k = weight.shape
         workspace = GemvWorkspace.for_launch("fp8", n, k, self.spec.device)
         fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
-        ahead = os.environ.get(INPUTS_AHEAD_ENV) == "1"
+        mode = inputs_ahead()
+
+        def apply_codes(like: torch.Tensor, codes_and_scale, bias: torch.Tensor | None):
+            codes, x_scale = codes_and_scale
+            y = fp8_gemv(like, weight, scales, bias if fused_bias else None, workspace=workspace,
+                         x_codes=codes, x_scale=x_scale).to(like.dtype)  # fmt: skip
+            return y if fused_bias or bias is None else y + bias
+
+        if mode != "0":
+            self.prepared = PreparedInputs(per_token_quant_fp8, apply_codes)
+        ahead = mode == "1"
 
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             inner = bias if fused_bias else None
             if x.shape[0] == 1 and ahead:
-                codes, x_scale = per_token_quant_fp8(x)
-                y = fp8_gemv(x, weight, scales, inner, workspace=workspace, x_codes=codes,
-                             x_scale=x_scale)  # fmt: skip
-            elif x.shape[0] == 1:
+                return apply_codes(x, per_token_quant_fp8(x), bias)
+            if x.shape[0] == 1:
                 # One launch that quantizes the row as per_token_quant_fp8 does: _scaled_mm
                 # is built for many rows, and the separate quantization costs a launch.
                 y = fp8_gemv(x, weight, scales, inner, workspace=workspace)

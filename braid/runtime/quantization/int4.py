@@ -23,7 +23,6 @@ quantized as it loads instead (round to nearest with a zero point, AutoAWQ's for
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,9 +41,10 @@ from braid.kernels.quant_reference import (
 )
 from braid.runtime.quantization.base import (
     CPU_COMPUTE_DTYPE,
-    INPUTS_AHEAD_ENV,
     LinearSpec,
+    PreparedInputs,
     WeightOnlyMethod,
+    inputs_ahead,
     kept,
     online_placeholder,
 )
@@ -225,18 +225,26 @@ class Int4LinearMethod(WeightOnlyMethod):
         # The input's float16 pairs made by a launch of their own (for measuring), where the
         # one-row GEMV runs a packed form.
         form = config_for("int4", n, k, self.spec.device).packed
-        ahead = os.environ.get(INPUTS_AHEAD_ENV) == "1" and form > 0 and group % 128 == 0
-        ahead = ahead and self.spec.dtype in (torch.bfloat16, torch.float16)
+        mode = inputs_ahead()
+        packable = form > 0 and group % 128 == 0 and perm is None
+        packable = packable and self.spec.dtype in (torch.bfloat16, torch.float16)
+
+        def apply_packed(like: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+            return int4_gemv(like, qweight, meta, group, bias, workspace=workspace,
+                             packed_inputs=packed)  # fmt: skip
+
+        if packable and mode != "0":
+            self.prepared = PreparedInputs(
+                lambda x, **producer: pack_int4_inputs(x, form, **producer), apply_packed
+            )
+        ahead = packable and mode == "1"
 
         def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             if perm is not None:
                 x = x.index_select(1, perm)
             rows = x.shape[0]
             if rows == 1 and ahead:
-                packed = pack_int4_inputs(x, form)
-                return int4_gemv(
-                    x, qweight, meta, group, bias, workspace=workspace, packed_inputs=packed
-                )
+                return apply_packed(x, pack_int4_inputs(x, form), bias)
             if rows == 1:
                 return int4_gemv(x, qweight, meta, group, bias, workspace=workspace)
             if rows < DEQUANTIZE_MIN_ROWS:
