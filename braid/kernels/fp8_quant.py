@@ -19,12 +19,19 @@ from braid.kernels.quant_reference import (
     FP8_MIN_SCALE,
     per_token_quant_fp8_reference,
 )
-from braid.kernels.skinny_gemm import _check_norm, _input, _rmsnorm_rstd
+from braid.kernels.skinny_gemm import (
+    NORM_BLOCK_MAX,
+    _check_norm_args,
+    _check_prologue,
+    _input,
+    _rmsnorm_rstd,
+)
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_reference"]
 
-# Widest load of a row: Llama hidden sizes up to 4096 (and 14336 in four) at 4 warps.
-BLOCK_MAX = 4096
+# Widest load of a row: Llama hidden sizes up to 4096 (and 14336 in four). The norm made in
+# the kernel before's place sums its squares in loads this wide: as `rmsnorm`'s up to 4096.
+BLOCK_MAX = NORM_BLOCK_MAX
 
 
 @triton.jit
@@ -108,10 +115,7 @@ def per_token_quant_fp8(
     warps; wider rows add it in another order).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    if activation is not None and activation != "silu_and_mul":
-        raise ValueError(f"activation must be None or 'silu_and_mul', got {activation!r}")
-    if activation is not None and norm_weight is not None:
-        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    _check_prologue(activation, norm_weight)
     norm = norm_weight is not None
     fused = norm or activation is not None
     m, k = x.shape
@@ -124,10 +128,7 @@ def per_token_quant_fp8(
         )
     codes = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if norm:
-        _check_norm(x, k, norm_weight, eps, residual, residual_out, codes)
-    elif residual is not None or residual_out is not None:
-        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    _check_norm_args(x, k, norm_weight, eps, residual, residual_out, codes)
     if m == 0 or k == 0:
         return codes, scales.fill_(FP8_MIN_SCALE)
     block = min(next_pow2(k), BLOCK_MAX)
@@ -136,6 +137,6 @@ def per_token_quant_fp8(
         norm_weight if norm else x, residual if residual is not None else x,
         residual_out if residual_out is not None else x, float(eps), BLOCK=block,
         ACT=activation is not None, NORM=norm, HAS_RESIDUAL=residual is not None,
-        TRIGGER=pdl.enabled(x.device), num_warps=norm_warps(block) if norm else 4,
+        TRIGGER=pdl.enabled(x.device), num_warps=norm_warps(block) if fused else 4,
     )  # fmt: skip
     return codes, scales

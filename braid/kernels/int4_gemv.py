@@ -86,7 +86,12 @@ from braid.kernels.quant_gemv import (
     config_for,
 )
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import ACTIVATIONS, NORM_BLOCK_MAX, _check_norm, _rmsnorm_rstd
+from braid.kernels.skinny_gemm import (
+    NORM_BLOCK_MAX,
+    _check_norm_args,
+    _check_prologue,
+    _rmsnorm_rstd,
+)
 
 __all__ = ["int4_gemv"]
 
@@ -340,10 +345,7 @@ def int4_gemv(
     form loads x's float16 pairs from there instead of making them in every program; the
     same bits."""
     check_tensor("x", x, ndim=2)
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
-    if activation is not None and norm_weight is not None:
-        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    _check_prologue(activation, norm_weight)
     k = x.shape[1] // 2 if activation is not None else x.shape[1]
     if activation is not None and (x.shape[0] != 1 or x.shape[1] != 2 * k):
         raise ValueError(
@@ -365,11 +367,7 @@ def int4_gemv(
     check_shape("meta", meta, (groups, n))
     check_contiguous("meta", meta)
     out = _check_out(x, n, bias, out, x.dtype)
-    norm = norm_weight is not None
-    if norm:
-        _check_norm(x, k, norm_weight, eps, residual, residual_out, out)
-    elif residual is not None or residual_out is not None:
-        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    norm = _check_norm_args(x, k, norm_weight, eps, residual, residual_out, out)
     packable = x.dtype != torch.float32 and group_size % PLANAR_BLOCK == 0
     fused = norm or activation is not None
     if fused and not packable:

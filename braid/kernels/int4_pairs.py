@@ -18,7 +18,13 @@ from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_tensor
 from braid.kernels.norm import norm_warps
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import NORM_BLOCK_MAX, _check_norm, _input, _rmsnorm_rstd
+from braid.kernels.skinny_gemm import (
+    NORM_BLOCK_MAX,
+    _check_norm_args,
+    _check_prologue,
+    _input,
+    _rmsnorm_rstd,
+)
 
 # Words of one block's packed inputs: the even and odd halves of the pairs (x0, x4), (x1,
 # x5), (x2, x6), (x3, x7) of its eight 16-input planes, 8 words each.
@@ -256,10 +262,7 @@ def pack_int4_inputs(
     `per_token_quant_fp8`'s)."""
     check_tensor("x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16))
     check_contiguous("x", x)
-    if activation is not None and activation != "silu_and_mul":
-        raise ValueError(f"activation must be None or 'silu_and_mul', got {activation!r}")
-    if activation is not None and norm_weight is not None:
-        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+    _check_prologue(activation, norm_weight)
     k = x.shape[1] // 2 if activation is not None else x.shape[1]
     if x.shape[0] != 1 or k % PLANAR_BLOCK or x.shape[1] != (2 * k if activation else k):
         shape = "(1, 2 * K) ([gate | up])" if activation else "(1, K)"
@@ -271,11 +274,7 @@ def pack_int4_inputs(
     kb = k // PLANAR_BLOCK
     words = torch.empty(kb, PACKED_WORDS, dtype=torch.int32, device=x.device)
     scales = torch.empty(kb, 2, dtype=torch.float32, device=x.device)
-    norm = norm_weight is not None
-    if norm:
-        _check_norm(x, k, norm_weight, eps, residual, residual_out, words)
-    elif residual is not None or residual_out is not None:
-        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    norm = _check_norm_args(x, k, norm_weight, eps, residual, residual_out, words)
     norm_block = min(triton.next_power_of_2(k), NORM_BLOCK_MAX) if norm else 1
     _pack_inputs_kernel[(kb,)](
         x, norm_weight if norm else x, residual if residual is not None else x,

@@ -404,6 +404,32 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_prologue(activation: str | None, norm_weight: torch.Tensor | None) -> None:
+    """A one-row kernel's prologue: the activation, the norm, or neither."""
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if activation is not None and norm_weight is not None:
+        raise ValueError(f"activation must be None with norm_weight, got {activation!r}")
+
+
+def _check_norm_args(
+    x: torch.Tensor,
+    k: int,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+    out: torch.Tensor,
+) -> bool:
+    """`_check_norm` where there is a norm; else no residual may be given. Whether there is."""
+    if norm_weight is not None:
+        _check_norm(x, k, norm_weight, eps, residual, residual_out, out)
+        return True
+    if residual is not None or residual_out is not None:
+        raise ValueError("residual and residual_out need norm_weight (the fused norm)")
+    return False
+
+
 def _check_norm(
     x: torch.Tensor,
     k: int,

@@ -296,11 +296,6 @@ def test_inputs_packed_in_the_producers_place_are_its_output_packed(device, prod
     assert torch.equal(got.words, want.words) and torch.equal(got.scales, want.scales)
     if added is not None:
         assert torch.equal(kwargs["residual_out"], added)
-    # The GEMV over them: the same result as over the producer's output packed ahead.
-    _, (planar, meta) = _int4(48, k, 128, device)
-    cfg = GemvConfig(16, 128, 2, packed=form)
-    y = int4_gemv(produced, planar, meta, 128, config=cfg, packed_inputs=got)
-    _close(y, int4_gemv(produced, planar, meta, 128, config=cfg))
 
 
 @pytest.mark.parametrize("producer", PRODUCERS)
@@ -318,9 +313,11 @@ def test_fp8_codes_made_in_the_producers_place_are_its_output_quantized(device, 
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(scale, want_scale)
     else:
+        # A flipped last place of a normalised element moves its code by one e4m3 step at
+        # most (an eighth of its size), or the row's scale by a last place.
         torch.testing.assert_close(scale, want_scale, rtol=2e-3, atol=0)
-        off = (codes.float() * scale - want_codes.float() * want_scale).abs()
-        assert (off > 0).float().mean() < 0.02 and off.max() <= 0.07 * want_scale.item() * 448
+        got, want = codes.float() * scale, want_codes.float() * want_scale
+        torch.testing.assert_close(got, want, rtol=0.13, atol=want_scale.item() * 2**-9)
     if added is not None:
         assert torch.equal(kwargs["residual_out"], added)
 
@@ -336,7 +333,7 @@ def test_producers_in_the_preparing_launch_refuse_what_they_cannot_fuse(device):
             prepare(**args, residual=x)
         with pytest.raises(ValueError, match="residual_out is required with residual"):
             prepare(**args, norm_weight=w, residual=x)
-        with pytest.raises(ValueError, match="activation must be None or 'silu_and_mul'"):
+        with pytest.raises(ValueError, match="activation must be None or one of"):
             prepare(**args, activation="gelu")
     with pytest.raises(ValueError, match=r"x must have shape \(1, 2 \* K\) \(\[gate \| up\]\)"):
         pack_int4_inputs(_x(1, 384, torch.float16, device), 1, activation="silu_and_mul")

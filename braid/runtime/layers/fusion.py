@@ -158,9 +158,9 @@ def select_prepared_one_row_forward(layer: PreNormDecoderLayer) -> OneRowForward
     to the order of the norms' sums of squares."""
     sa, mlp = layer.self_attn, layer.mlp
     projections = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if inputs_ahead() != "fused":
+    if not FUSE_ONE_ROW or any(p.method is None or p.method.prepared is None for p in projections):
         return None
-    if any(p.method is None or p.method.prepared is None for p in projections):
+    if inputs_ahead() != "fused":
         return None
 
     def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):

@@ -226,14 +226,16 @@ class Int4LinearMethod(WeightOnlyMethod):
         # one-row GEMV runs a packed form.
         form = config_for("int4", n, k, self.spec.device).packed
         mode = inputs_ahead()
-        packable = form > 0 and group % 128 == 0 and perm is None
+        packable = form > 0 and group % 128 == 0
         packable = packable and self.spec.dtype in (torch.bfloat16, torch.float16)
 
         def apply_packed(like: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
             return int4_gemv(like, qweight, meta, group, bias, workspace=workspace,
                              packed_inputs=packed)  # fmt: skip
 
-        if packable and mode != "0":
+        # The norm or the activation can make the input only where no permutation comes
+        # between them and the GEMV (act-order).
+        if packable and perm is None and mode != "0":
             self.prepared = PreparedInputs(
                 lambda x, **producer: pack_int4_inputs(x, form, **producer), apply_packed
             )
