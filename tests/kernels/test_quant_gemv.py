@@ -8,6 +8,8 @@ and each method's layer against its reference at 1, 16 and 300 rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -341,6 +343,44 @@ def test_producers_in_the_preparing_launch_refuse_what_they_cannot_fuse(device):
         per_token_quant_fp8(_x(2, 256, torch.float16, device), norm_weight=w)
     with pytest.raises(ValueError, match="residual_out must not overlap x"):
         per_token_quant_fp8(x, norm_weight=w, residual=x.clone(), residual_out=x)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="runs the kernels on the CPU (the GPU test of the same)")
+def test_the_prepared_one_row_forward_gives_the_tokens_of_the_gemvs_preparing_x(monkeypatch):
+    """The prepared forward's data flow on the CPU: an fp8 model with its CUDA kernels
+    installed (`_use_cuda`, run by Triton's interpreter: the one-row GEMV, per-token codes
+    then `_scaled_mm` for more rows) decodes one sequence with each norm and the activation
+    making the next GEMV's codes, and gives the greedy tokens of the same model whose GEMVs
+    quantize x themselves (the residual, o_proj's own launch and the down projection's
+    [gate | up] input all checked through the tokens)."""
+    from braid.runtime.ipc.to_scheduler import GenerateReq
+    from braid.runtime.layers.fusion import select_prepared_one_row_forward
+    from braid.runtime.layers.linear import Linear
+    from braid.runtime.models.llama import LlamaDecoderLayer
+    from braid.runtime.quantization.base import INPUTS_AHEAD_ENV
+    from braid.runtime.quantization.fp8 import Fp8LinearMethod
+    from braid.runtime.sampling_params import SamplingParams
+    from tests.conftest import local_scheduler, run_to_end
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama"
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for mode in ("0", "fused"):
+        monkeypatch.setenv(INPUTS_AHEAD_ENV, mode)
+        sched = local_scheduler(
+            path, kv_tokens=256, device="cpu", load_format="dummy", quantization="fp8"
+        )
+        model = sched.runner.model
+        for m in model.modules():
+            if isinstance(m, Linear) and isinstance(m.method, Fp8LinearMethod):
+                m.method._use_cuda()
+        layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+        for layer in layers:
+            layer.one_row = select_prepared_one_row_forward(layer)
+        assert all((layer.one_row is not None) == (mode == "fused") for layer in layers)
+        sched.handle(GenerateReq("a", [5, 17, 300, 42, 9, 77], sp, 0))
+        tokens[mode] = run_to_end(sched)["a"]
+    assert len(tokens["0"]) == 8 and tokens["fused"] == tokens["0"]
 
 
 def test_the_two_packed_forms_are_different_kernels_with_the_same_result(device):
