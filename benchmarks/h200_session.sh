@@ -30,8 +30,11 @@
 #          (by a launch of its own, and by the norms and the activation in their own launch),
 #          then batch-1 decode of bf16, int4 and fp8 as it is and with the norms and the
 #          activation preparing the GEMVs' inputs (BRAID_GEMV_INPUTS_AHEAD=fused)
+#   part 8 (the same, after part 7's findings: o_proj keeps its own path, the fp8 producer
+#          holds the row in registers, the GEMVs over prepared inputs take their own launch
+#          shapes): part 7, then the fp8 and int4 decode steps kernel by kernel, fused
 set -u
-part=${1:?part 1 to 7}
+part=${1:?part 1 to 8}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -89,7 +92,7 @@ if [ "$part" = 6 ]; then
         pack
     done
 fi
-if [ "$part" = 7 ]; then
+if [ "$part" = 7 ] || [ "$part" = 8 ]; then
     TAIL=8 step 170 pytest_prepared python -m pytest -q -p no:cacheprovider \
         tests/kernels/test_quant_gemv.py tests/runtime/test_quantization.py \
         -k "producer or ahead or prepared or norms_and_activation"
@@ -98,6 +101,14 @@ if [ "$part" = 7 ]; then
         BRAID_GEMV_INPUTS_AHEAD=$ahead TAIL=14 step 190 "quantization_ahead_$ahead" \
             python benchmarks/quantization.py --methods float,int4,fp8 --batch-sizes 1 \
             --repeats 2 --out "$OUT/r/quantization_ahead_${ahead}_cuda.json"
+        pack
+    done
+fi
+if [ "$part" = 8 ]; then
+    for method in fp8 int4; do
+        BRAID_GEMV_INPUTS_AHEAD=fused TAIL=30 step 100 "gpu_step_${method}_fused" \
+            python benchmarks/gpu_step.py --method "$method" \
+            --out "$OUT/r/gpu_step_${method}_fused_cuda.json"
         pack
     done
 fi

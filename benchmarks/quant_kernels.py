@@ -172,6 +172,9 @@ READ_ROWS_LONG = [
 ]
 READ_METHODS = ("read_bf16", "read_int4", "read_int8", "read_fp8", "read_int4_rows")
 AHEAD = {"int4_ahead": "int4", "fp8_ahead": "fp8"}  # inputs made ahead: over whose weights
+# The one-row launch shapes `--write-config` records, by `config_for` kind (the GEMVs over
+# inputs made ahead have their own: no program prepares x there, so other tiles win).
+CONFIG_KINDS = ("int4", "int8", "fp8", "int4_ahead", "fp8_ahead")
 WEIGHTS_OF = {"read_int4_rows": "int4", **AHEAD}  # methods over another method's weights
 SMOKE = dict(shapes={"a": (64, 256), "b": (48, 384)}, rows=(1, 3, 40))
 
@@ -567,10 +570,11 @@ def summarize(results: list[dict]) -> tuple[list[str], dict]:
         if all(got):
             us = sum(r["us"] for r in got)
             lines.append(f"a layer M=1 {method:9s} {us:9.2f} us (the best of each shape, summed)")
-    tables: dict = {"INT4_CONFIGS": {}, "INT8_CONFIGS": {}, "FP8_CONFIGS": {}}
+    tables: dict = {f"{kind.upper()}_CONFIGS": {} for kind in CONFIG_KINDS}
     for (_, m, method), r in best.items():
-        if m == 1 and r["variant"].startswith("gemv:") and method != "bf16":
-            parts = r["variant"].removeprefix("gemv:").split("_")
+        form, _, variant = r["variant"].partition(":")
+        if m == 1 and form in ("gemv", "ahead") and method != "bf16":
+            parts = variant.split("_")
             nums = tuple(int("".join(ch for ch in part if ch.isdigit())) for part in parts[:5])
             packed = 2 if "f16x2z" in parts[5:] else int("f16x2" in parts[5:])
             nums += ("dot" in parts[5:], packed, "sf" in parts[5:])
@@ -602,9 +606,8 @@ def write_config(tables: dict, device_name: str, path: Path) -> None:
 
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = data.setdefault(device_name, {})
-    for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
-        kind = name.removesuffix("_CONFIGS").lower()
-        for (n, k), c in tables[name].items():
+    for kind in CONFIG_KINDS:
+        for (n, k), c in tables[f"{kind.upper()}_CONFIGS"].items():
             entry[tuned_key(kind, n, k)] = list(astuple(table_config(c)))
     data[device_name] = dict(sorted(entry.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -666,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
     took = time.perf_counter() - t0
     print(f"\n{len(results)} variants measured in {took:.0f} s; {len(bad)} wrong or failed: {bad}")
     print("\n".join(lines))
-    for name in ("INT4_CONFIGS", "INT8_CONFIGS", "FP8_CONFIGS"):
+    for name in (f"{kind.upper()}_CONFIGS" for kind in CONFIG_KINDS):
         body = ", ".join(f"{nk}: GemvConfig{c}" for nk, c in sorted(tables[name].items()))
         print(f"{name} = {{{body}}}")
     print(f"DEQUANTIZE_MIN_ROWS = {tables['DEQUANTIZE_MIN_ROWS']}")

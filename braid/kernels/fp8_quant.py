@@ -32,6 +32,8 @@ __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_reference"]
 # Widest load of a row: Llama hidden sizes up to 4096 (and 14336 in four). The norm made in
 # the kernel before's place sums its squares in loads this wide: as `rmsnorm`'s up to 4096.
 BLOCK_MAX = NORM_BLOCK_MAX
+# Widest row of the activation made in the kernel before's place (Llama-3.1-8B's 14336).
+ACT_BLOCK_MAX = 16384
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _row_scale(amax, fp8_max, min_scale):
 def _per_token_quant_kernel(
     X, Codes, Scales, K, stride_xm, fp8_max, min_scale, NormW, Residual, ResidualOut, eps,
     BLOCK: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pdl.trigger(TRIGGER)  # the GEMV after may start loading its weights (`pdl`)
     row = tl.program_id(0)
@@ -76,18 +78,25 @@ def _per_token_quant_kernel(
     rstd = 1.0
     if NORM:  # one row (the wrapper checks): program 0 also stores x + residual
         rstd = _rmsnorm_rstd(X, Residual, ResidualOut, K, eps, HAS_RESIDUAL, BLOCK)
-    amax = 0.0
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + offs
-        x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-    scale, inverse = _row_scale(amax, fp8_max, min_scale)
-    tl.store(Scales + row, scale)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + offs
-        x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
+    if ONE_BLOCK:  # the row in registers: read (and made) once
+        x = _input(x_row, NormW, Residual, offs, offs < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
+        scale, inverse = _row_scale(tl.max(tl.abs(x), 0), fp8_max, min_scale)
+        tl.store(Scales + row, scale)
         q = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max))
-        tl.store(c_row + ks, q.to(Codes.dtype.element_ty), mask=ks < K)
+        tl.store(c_row + offs, q.to(Codes.dtype.element_ty), mask=offs < K)
+    else:
+        amax = 0.0
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+        scale, inverse = _row_scale(amax, fp8_max, min_scale)
+        tl.store(Scales + row, scale)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            x = _input(x_row, NormW, Residual, ks, ks < K, rstd, K, ACT, NORM, HAS_RESIDUAL)
+            q = _round_to_e4m3(tl.minimum(tl.maximum(x * inverse, -fp8_max), fp8_max))
+            tl.store(c_row + ks, q.to(Codes.dtype.element_ty), mask=ks < K)
 
 
 def per_token_quant_fp8(
@@ -131,12 +140,14 @@ def per_token_quant_fp8(
     _check_norm_args(x, k, norm_weight, eps, residual, residual_out, codes)
     if m == 0 or k == 0:
         return codes, scales.fill_(FP8_MIN_SCALE)
-    block = min(next_pow2(k), BLOCK_MAX)
+    # The activation's row is held whole (the one program of a one-row launch reads it once).
+    block = min(next_pow2(k), ACT_BLOCK_MAX if activation is not None else BLOCK_MAX)
     _per_token_quant_kernel[(m,)](
         x, codes, scales, k, x.stride(0), FP8_MAX, FP8_MIN_SCALE,
         norm_weight if norm else x, residual if residual is not None else x,
         residual_out if residual_out is not None else x, float(eps), BLOCK=block,
         ACT=activation is not None, NORM=norm, HAS_RESIDUAL=residual is not None,
-        TRIGGER=pdl.enabled(x.device), num_warps=norm_warps(block) if fused else 4,
+        TRIGGER=pdl.enabled(x.device), ONE_BLOCK=k <= block,
+        num_warps=norm_warps(block) if fused else 4,
     )  # fmt: skip
     return codes, scales

@@ -144,11 +144,15 @@ def table_config(c: list[int | bool] | tuple[int | bool, ...]) -> GemvConfig:
 
 def config_for(kind: str, n: int, k: int, device: torch.device | None = None) -> GemvConfig:
     """The launch shape for an [n, k] weight of `kind` ("int4", "int8", "fp8"): the one
-    measured on this GPU (`TUNED_CONFIGS`), else the tables', else `default_config`."""
+    measured on this GPU (`TUNED_CONFIGS`), else the tables', else `default_config`.
+    "int4_ahead", "fp8_ahead": the GEMV over inputs made before it, measured on this GPU,
+    else its kind's."""
     if device is not None and device.type == "cuda":
         tuned = _tuned_table(cuda_device_name(device.index)).get(tuned_key(kind, n, k))
         if tuned is not None:
             return tuned
+    if kind.endswith("_ahead"):
+        return config_for(kind.removesuffix("_ahead"), n, k, device)
     table = {"int4": INT4_CONFIGS, "int8": INT8_CONFIGS, "fp8": FP8_CONFIGS}[kind]
     return table.get((n, k)) or default_config(kind, n, k)
 

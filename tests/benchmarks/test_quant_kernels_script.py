@@ -52,9 +52,20 @@ def test_smoke_run_checks_every_variant_and_writes_the_tables(tmp_path):
         "INT4_CONFIGS",
         "INT8_CONFIGS",
         "FP8_CONFIGS",
+        "INT4_AHEAD_CONFIGS",
+        "FP8_AHEAD_CONFIGS",
         "DEQUANTIZE_MIN_ROWS",
     }
     assert "DEQUANTIZE_MIN_ROWS =" in p.stdout and "INT8_CONFIGS = {(" in p.stdout
+    # The GEMVs over inputs made ahead get launch shapes of their own, where a GEMV over them
+    # (not one timed with its preparing launch) is the best of its shape.
+    assert "FP8_AHEAD_CONFIGS = {" in p.stdout and "INT4_AHEAD_CONFIGS = {" in p.stdout
+    for method in ("int4_ahead", "fp8_ahead"):
+        shapes = {(r["n"], r["k"]) for r in rows if r["method"] == method}
+        fastest = [min((r["us"], r["variant"]) for r in rows if r["method"] == method
+                       and (r["n"], r["k"]) == shape)[1] for shape in shapes]  # fmt: skip
+        won = sum(v.startswith("ahead:") for v in fastest)
+        assert len(result["tables"][f"{method.upper()}_CONFIGS"]) == won
     # Each one-row GEMV's time over the floor of reading its bytes, and a layer's sums.
     assert any(line.startswith("a ") and "int4 " in line and "x its read floor" in line
                for line in result["best"])  # fmt: skip
@@ -85,12 +96,15 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
         },
         "INT8_CONFIGS": {},
         "FP8_CONFIGS": {(4096, 14336): (64, 256, 4, 4, 3, True, False)},
+        "INT4_AHEAD_CONFIGS": {},
+        "FP8_AHEAD_CONFIGS": {(4096, 14336): (16, 512, 1, 4, 3, False, 0, False)},
     }
     write_config(tables, "Some GPU", path)
     data = json.loads(path.read_text())
     assert data["Other GPU"] == {"fp8/1/2": [16, 512, 1, 4, 3, False]}
     assert data["Some GPU"] == {
         "fp8/4096/14336": [64, 256, 4, 4, 3, True, False, False],
+        "fp8_ahead/4096/14336": [16, 512, 1, 4, 3, False, 0, False],
         "int4/28672/4096": [256, 256, 8, 4, 2, False, 2, True],
         "int4/4096/4096": [256, 128, 8, 4, 3, False, False, False],
         "int4/6144/4096": [512, 128, 8, 4, 2, False, True, False],
@@ -109,6 +123,11 @@ def test_write_config_merges_the_one_row_choices_under_the_gpu(tmp_path):
             got = quant_gemv.config_for("int4", 6144, 4096, cuda0)
             assert got == quant_gemv.GemvConfig(512, 128, 8, 4, 2, packed=True)
             got = quant_gemv.config_for("int4", 28672, 4096, cuda0)
+            assert got == quant_gemv.GemvConfig(256, 256, 8, 4, 2, packed=2, splits_first=True)
+            # The GEMV over codes made ahead: its own entry, else its kind's choice.
+            got = quant_gemv.config_for("fp8_ahead", 4096, 14336, cuda0)
+            assert got == quant_gemv.GemvConfig(16, 512, 1, 4, 3)
+            got = quant_gemv.config_for("int4_ahead", 28672, 4096, cuda0)
             assert got == quant_gemv.GemvConfig(256, 256, 8, 4, 2, packed=2, splits_first=True)
             # An entry written before the packed flag existed (six fields) still reads.
             assert quant_gemv.config_for("fp8", 1, 2, cuda1) == quant_gemv.GemvConfig(

@@ -351,7 +351,7 @@ def test_the_prepared_one_row_forward_gives_the_tokens_of_the_gemvs_preparing_x(
     installed (`_use_cuda`, run by Triton's interpreter: the one-row GEMV, per-token codes
     then `_scaled_mm` for more rows) decodes one sequence with each norm and the activation
     making the next GEMV's codes, and gives the greedy tokens of the same model whose GEMVs
-    quantize x themselves (the residual, o_proj's own launch and the down projection's
+    quantize x themselves (the residual, o_proj's own path and the down projection's
     [gate | up] input all checked through the tokens)."""
     from braid.runtime.ipc.to_scheduler import GenerateReq
     from braid.runtime.layers.fusion import select_prepared_one_row_forward

@@ -302,7 +302,7 @@ def test_a_quantized_model_takes_no_fused_float_kernel():
 
 def test_the_prepared_one_row_forward_needs_the_flag_and_every_projection_prepared(monkeypatch):
     """`BRAID_GEMV_INPUTS_AHEAD=fused` chooses the layer forward whose norms and activation
-    make their GEMV's input, only where all four projections have that form (on CUDA; a CPU
+    make their GEMV's input, only where qkv, gate_up and down have that form (on CUDA; a CPU
     model has none, so it keeps its own forward); a value other than 0, 1 or fused is
     refused naming the variable."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama"
@@ -314,13 +314,13 @@ def test_the_prepared_one_row_forward_needs_the_flag_and_every_projection_prepar
     monkeypatch.setenv(INPUTS_AHEAD_ENV, "fused")
     assert layer.one_row is None and select_prepared_one_row_forward(layer) is None
     sa, mlp = layer.self_attn, layer.mlp
-    projections = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    for p in projections:
-        monkeypatch.setattr(p.method, "prepared", PreparedInputs(per_token_quant_fp8, None))
-    assert callable(select_prepared_one_row_forward(layer))
+    prepared = PreparedInputs(per_token_quant_fp8, None)
+    for p in (sa.qkv_proj, mlp.gate_up_proj, mlp.down_proj):
+        monkeypatch.setattr(p.method, "prepared", prepared)
+    assert callable(select_prepared_one_row_forward(layer))  # o_proj needs none
     monkeypatch.setattr(mlp.down_proj.method, "prepared", None)
     assert select_prepared_one_row_forward(layer) is None
-    monkeypatch.setattr(mlp.down_proj.method, "prepared", sa.o_proj.method.prepared)
+    monkeypatch.setattr(mlp.down_proj.method, "prepared", prepared)
     monkeypatch.setenv(INPUTS_AHEAD_ENV, "1")
     assert select_prepared_one_row_forward(layer) is None
     monkeypatch.setenv(INPUTS_AHEAD_ENV, "yes")

@@ -9,7 +9,7 @@ fusions and the same rounding points.
   each RMSNorm inside the projection after it.
 - `select_prepared_one_row_forward`: the same layer with quantized projections whose one-row
   GEMVs take their input made before them (`quantization.base.PreparedInputs`), each norm and
-  the activation making it in their own launch.
+  the activation making it in their own launch (o_proj keeps its own path).
 
 Both read the projections' float `.weight`, so a model built for quantized weights
 (`quantization.base.building` with a method) gets neither: its layers run their own path, each
@@ -149,15 +149,16 @@ def select_one_row_forward(device: torch.device, dtype: torch.dtype) -> OneRowFo
 
 
 def select_prepared_one_row_forward(layer: PreNormDecoderLayer) -> OneRowForward | None:
-    """For a loaded `PreNormDecoderLayer` whose four projections are quantized with a
-    `prepared` form (`BRAID_GEMV_INPUTS_AHEAD=fused`; only then), a forward for one token
-    in which each RMSNorm (with its residual add) and the activation make the input of the
-    projection after them in their own launch, in the form its GEMV loads (`pack_int4_inputs`,
-    `per_token_quant_fp8` with the producer's arguments), so no GEMV program prepares x and
-    no launch is added but o_proj's; else None. Its outputs are the layer's own forward's up
-    to the order of the norms' sums of squares."""
+    """For a loaded `PreNormDecoderLayer` whose qkv, gate_up and down projections are quantized
+    with a `prepared` form (`BRAID_GEMV_INPUTS_AHEAD=fused`; only then), a forward for one
+    token in which each RMSNorm (with its residual add) and the activation make the input of
+    the projection after them in their own launch, in the form its GEMV loads
+    (`pack_int4_inputs`, `per_token_quant_fp8` with the producer's arguments): no launch is
+    added, and those GEMVs prepare no x. o_proj, whose input attention makes, runs its own
+    path. Else None. Its outputs are the layer's own forward's (the norms' sums of squares add
+    in `rmsnorm`'s order where the hidden size is at most 4096)."""
     sa, mlp = layer.self_attn, layer.mlp
-    projections = (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    projections = (sa.qkv_proj, mlp.gate_up_proj, mlp.down_proj)
     if not FUSE_ONE_ROW or any(p.method is None or p.method.prepared is None for p in projections):
         return None
     if inputs_ahead() != "fused":
@@ -176,9 +177,7 @@ def select_prepared_one_row_forward(layer: PreNormDecoderLayer) -> OneRowForward
     def forward(layer: PreNormDecoderLayer, x, residual, cos_sin, batch, attn):
         sa, mlp = layer.self_attn, layer.mlp
         qkv, residual = norm_then(sa.qkv_proj, layer.input_layernorm, x, residual)
-        h = sa.attend(qkv, cos_sin, batch, attn).contiguous()
-        o = sa.o_proj.method.prepared
-        h = sa.o_proj.reduce(o.apply(h, o.prepare(h), sa.o_proj.bias))
+        h = sa.o_proj(sa.attend(qkv, cos_sin, batch, attn))
         gate_up, residual = norm_then(mlp.gate_up_proj, layer.post_attention_layernorm, h, residual)
         down = mlp.down_proj.method.prepared
         made = down.prepare(gate_up, activation="silu_and_mul")

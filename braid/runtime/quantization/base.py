@@ -37,8 +37,9 @@ CPU_COMPUTE_DTYPE = torch.bfloat16
 # on CUDA gets its input prepared before its launch (`pack_int4_inputs`, `per_token_quant_fp8`)
 # instead of in every program of the GEMV; the same bits. "1": by a launch of its own before
 # each such GEMV; "fused": a decoder layer's norms and activation prepare the input of the
-# projection after them in their own launch (`layers.fusion.select_prepared_one_row_forward`),
-# and only o_proj's input takes a launch of its own.
+# projection after them in their own launch (`layers.fusion.select_prepared_one_row_forward`;
+# o_proj keeps its own path). Those GEMVs then take their own launch shapes (`config_for`'s
+# "int4_ahead", "fp8_ahead").
 INPUTS_AHEAD_ENV = "BRAID_GEMV_INPUTS_AHEAD"
 
 

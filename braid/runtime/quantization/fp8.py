@@ -131,7 +131,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def _use_cuda(self) -> None:
         from braid.kernels.fp8_quant import per_token_quant_fp8
-        from braid.kernels.quant_gemv import GemvWorkspace, fp8_gemv
+        from braid.kernels.quant_gemv import GemvWorkspace, config_for, fp8_gemv
 
         self.out_dtype = torch.bfloat16
         self.bias_in_kernel = self.spec.dtype == torch.bfloat16
@@ -144,11 +144,16 @@ class Fp8LinearMethod(LinearMethod):
         workspace = GemvWorkspace.for_launch("fp8", n, k, self.spec.device)
         fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
         mode = inputs_ahead()
+        # The GEMV over codes made before it has launch shapes of its own (`fp8_ahead`).
+        ahead_config = config_for("fp8_ahead", n, k, self.spec.device)
+        if mode != "0":
+            ahead_workspace = GemvWorkspace.for_launch("fp8_ahead", n, k, self.spec.device)
 
         def apply_codes(like: torch.Tensor, codes_and_scale, bias: torch.Tensor | None):
             codes, x_scale = codes_and_scale
-            y = fp8_gemv(like, weight, scales, bias if fused_bias else None, workspace=workspace,
-                         x_codes=codes, x_scale=x_scale).to(like.dtype)  # fmt: skip
+            y = fp8_gemv(like, weight, scales, bias if fused_bias else None, config=ahead_config,
+                         workspace=ahead_workspace, x_codes=codes,
+                         x_scale=x_scale).to(like.dtype)  # fmt: skip
             return y if fused_bias or bias is None else y + bias
 
         if mode != "0":

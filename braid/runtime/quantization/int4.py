@@ -224,18 +224,22 @@ class Int4LinearMethod(WeightOnlyMethod):
         workspace = GemvWorkspace.for_launch("int4", n, k, self.spec.device)
         # The input's float16 pairs made by a launch of their own (for measuring), where the
         # one-row GEMV runs a packed form.
-        form = config_for("int4", n, k, self.spec.device).packed
+        # The GEMV over inputs made before it has launch shapes of its own (`int4_ahead`).
         mode = inputs_ahead()
-        packable = form > 0 and group % 128 == 0
+        ahead_config = config_for("int4_ahead", n, k, self.spec.device)
+        form = ahead_config.packed
+        packable = form > 0 and group % 128 == 0 and mode != "0"
         packable = packable and self.spec.dtype in (torch.bfloat16, torch.float16)
+        if packable:
+            ahead_workspace = GemvWorkspace.for_launch("int4_ahead", n, k, self.spec.device)
 
         def apply_packed(like: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-            return int4_gemv(like, qweight, meta, group, bias, workspace=workspace,
-                             packed_inputs=packed)  # fmt: skip
+            return int4_gemv(like, qweight, meta, group, bias, config=ahead_config,
+                             workspace=ahead_workspace, packed_inputs=packed)  # fmt: skip
 
         # The norm or the activation can make the input only where no permutation comes
         # between them and the GEMV (act-order).
-        if packable and perm is None and mode != "0":
+        if packable and perm is None:
             self.prepared = PreparedInputs(
                 lambda x, **producer: pack_int4_inputs(x, form, **producer), apply_packed
             )
