@@ -731,10 +731,13 @@ def test_gpu_each_methods_layer_matches_its_reference(method, m):
 def test_gpu_one_row_layer_with_its_input_prepared_ahead_gives_the_same_bits(method, monkeypatch):
     """BRAID_GEMV_INPUTS_AHEAD=1 (read when a layer loads): the one-row GEMV's input made by
     a launch of its own (int4's float16 pairs, fp8's codes), at Llama-3.1-8B's down shape
-    with the GPU's table configuration; the same bits as the GEMV preparing it, and the
-    preparing launch runs with the flag alone."""
+    with the GPU's table configuration for both (`same_launch_shapes`); the same bits as the
+    GEMV preparing it, and the preparing launch runs with the flag alone."""
     from braid.kernels import fp8_quant, int4_pairs
     from braid.kernels.quant_gemv import config_for
+    from tests.conftest import same_launch_shapes
+
+    same_launch_shapes(monkeypatch)
     from braid.runtime.quantization import select_quantization
     from braid.runtime.quantization.base import INPUTS_AHEAD_ENV, LinearSpec
 

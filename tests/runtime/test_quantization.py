@@ -434,8 +434,12 @@ def test_on_gpu_norms_and_activation_that_prepare_the_gemv_inputs_give_the_same_
     vocabulary, random weights), batch-1 decode under CUDA graphs: each layer runs the
     prepared forward (the norms and the activation make their GEMV's input), and the greedy
     tokens equal those of the model whose GEMVs prepare their own input (the norms' sums of
-    squares add in `rmsnorm`'s order at hidden 4096, so the bits should not move)."""
+    squares add in `rmsnorm`'s order at hidden 4096, and the GEMVs run the same launch shapes
+    here, so the bits do not move)."""
     from braid.kernels.quant_gemv import config_for
+    from tests.conftest import same_launch_shapes
+
+    same_launch_shapes(monkeypatch)
 
     src = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama-3.1-8b"
     config = json.loads((src / "config.json").read_text())
