@@ -13,19 +13,14 @@ import triton.language as tl
 from braid.kernels import pdl
 from braid.kernels._checks import FLOAT_DTYPES, check_tensor, next_pow2
 from braid.kernels.norm import norm_warps
+from braid.kernels.prologue import _check_norm_args, _check_prologue, _input
 from braid.kernels.quant_reference import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_MIN_SCALE,
     per_token_quant_fp8_reference,
 )
-from braid.kernels.skinny_gemm import (
-    NORM_BLOCK_MAX,
-    _check_norm_args,
-    _check_prologue,
-    _input,
-    _rmsnorm_rstd,
-)
+from braid.kernels.skinny_gemm import NORM_BLOCK_MAX, _rmsnorm_rstd
 
 __all__ = ["per_token_quant_fp8", "per_token_quant_fp8_reference"]
 

@@ -75,6 +75,7 @@ from braid.kernels.int4_pairs import (
     _packed_block_inputs,
     _words_sum,
 )
+from braid.kernels.prologue import _check_norm_args, _check_prologue
 from braid.kernels.quant_gemm import MAGIC_BITS
 from braid.kernels.quant_gemv import (
     GemvConfig,
@@ -86,12 +87,7 @@ from braid.kernels.quant_gemv import (
     config_for,
 )
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import (
-    NORM_BLOCK_MAX,
-    _check_norm_args,
-    _check_prologue,
-    _rmsnorm_rstd,
-)
+from braid.kernels.skinny_gemm import NORM_BLOCK_MAX, _rmsnorm_rstd
 
 __all__ = ["int4_gemv"]
 

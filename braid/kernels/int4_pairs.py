@@ -17,14 +17,9 @@ import triton.language as tl
 from braid.kernels import pdl
 from braid.kernels._checks import check_contiguous, check_tensor
 from braid.kernels.norm import norm_warps
+from braid.kernels.prologue import _check_norm_args, _check_prologue, _input
 from braid.kernels.quant_reference import PLANAR_BLOCK
-from braid.kernels.skinny_gemm import (
-    NORM_BLOCK_MAX,
-    _check_norm_args,
-    _check_prologue,
-    _input,
-    _rmsnorm_rstd,
-)
+from braid.kernels.skinny_gemm import NORM_BLOCK_MAX, _rmsnorm_rstd
 
 # Words of one block's packed inputs: the even and odd halves of the pairs (x0, x4), (x1,
 # x5), (x2, x6), (x3, x7) of its eight 16-input planes, 8 words each.
