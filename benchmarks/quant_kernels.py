@@ -18,13 +18,13 @@ M = 1, 16, 128 and 8192 rows of bfloat16 activations. Variants per method:
 - int4_ahead (M = 1): the packed int4 GEMV over inputs packed ahead (`pack_int4_inputs`, made
   once per x outside the timed calls): loading x's float16 pairs as words instead of making
   them in every program. Against int4's packed sweep: what the GEMV spends on x. Also
-  "pack+ahead:table": the packing's own launch and the GEMV at the table's configuration,
-  both timed (whether a launch of its own already pays).
+  "pack+ahead:table": the packing's own launch and the GEMV at the table's configuration
+  (`config_for("int4_ahead")`, the runtime's), both timed (whether a launch of its own pays).
 - fp8_ahead (M = 1): the fp8 GEMV over `per_token_quant_fp8(x)`'s codes and scale made once per
   x outside the timed calls, instead of every program reading the row for its scale and
   rounding its inputs. Against fp8's sweep: what the GEMV spends on x. Also
   "quant+ahead:table": the quantization's own launch and the GEMV at the table's
-  configuration, both timed.
+  configuration (`config_for("fp8_ahead")`, the runtime's), both timed.
 - read_int4_rows (M = 1): the int4 GEMV's own loads without its arithmetic: the planar codes
   and the meta words loaded by (row block, split) programs tile by tile as `int4_gemv` loads
   them, at each configuration of its packed sweep and at a few long runs of each row,
@@ -351,7 +351,7 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
             def pack_then_gemv(x, w):
                 """The packing's own launch timed too, at the table's configuration (the CPU's
                 default is not packed: its second form there)."""
-                cfg = config_for("int4", w[3].shape[0], x.shape[1], x.device)
+                cfg = config_for("int4_ahead", w[3].shape[0], x.shape[1], x.device)
                 if not cfg.packed and x.is_cuda:  # the runtime would not pack ahead either
                     raise ValueError(f"the table's one-row int4 form is not packed: {cfg}")
                 cfg = cfg if cfg.packed else dataclasses.replace(cfg, packed=2)
@@ -439,7 +439,8 @@ def variants(method: str, m: int, smoke: bool) -> list[tuple[str, Callable]]:
             def quant_then_gemv(x, w):
                 """The quantization's own launch timed too, at the table's configuration."""
                 xq, xs = per_token_quant_fp8(x)
-                return fp8_gemv(x, w[0], w[1], x_codes=xq, x_scale=xs)
+                cfg = config_for("fp8_ahead", w[0].shape[0], x.shape[1], x.device)
+                return fp8_gemv(x, w[0], w[1], config=cfg, x_codes=xq, x_scale=xs)
 
             out.append(("quant+ahead:table", quant_then_gemv))
     return out

@@ -143,11 +143,13 @@ class Fp8LinearMethod(LinearMethod):
         n, k = weight.shape
         workspace = GemvWorkspace.for_launch("fp8", n, k, self.spec.device)
         fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
+        # The row's codes made before the one-row GEMV (`INPUTS_AHEAD_ENV`, for measuring);
+        # that GEMV has launch shapes of its own.
         mode = inputs_ahead()
-        # The GEMV over codes made before it has launch shapes of its own (`fp8_ahead`).
         ahead_config = config_for("fp8_ahead", n, k, self.spec.device)
-        if mode != "0":
-            ahead_workspace = GemvWorkspace.for_launch("fp8_ahead", n, k, self.spec.device)
+        ahead_workspace = (
+            GemvWorkspace.for_launch("fp8_ahead", n, k, self.spec.device) if mode != "0" else None
+        )
 
         def apply_codes(like: torch.Tensor, codes_and_scale, bias: torch.Tensor | None):
             codes, x_scale = codes_and_scale

@@ -222,16 +222,16 @@ class Int4LinearMethod(WeightOnlyMethod):
         qweight, meta, group, k, perm = planar.qweight, planar.meta, w.group_size, planar.k, w.perm
         n = self.spec.out_features
         workspace = GemvWorkspace.for_launch("int4", n, k, self.spec.device)
-        # The input's float16 pairs made by a launch of their own (for measuring), where the
-        # one-row GEMV runs a packed form.
-        # The GEMV over inputs made before it has launch shapes of its own (`int4_ahead`).
+        # The input's float16 pairs made before the one-row GEMV (`INPUTS_AHEAD_ENV`, for
+        # measuring), where it runs a packed form; that GEMV has launch shapes of its own.
         mode = inputs_ahead()
         ahead_config = config_for("int4_ahead", n, k, self.spec.device)
         form = ahead_config.packed
         packable = form > 0 and group % 128 == 0 and mode != "0"
         packable = packable and self.spec.dtype in (torch.bfloat16, torch.float16)
-        if packable:
-            ahead_workspace = GemvWorkspace.for_launch("int4_ahead", n, k, self.spec.device)
+        ahead_workspace = (
+            GemvWorkspace.for_launch("int4_ahead", n, k, self.spec.device) if packable else None
+        )
 
         def apply_packed(like: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
             return int4_gemv(like, qweight, meta, group, bias, config=ahead_config,
