@@ -3,10 +3,17 @@ quantizers; random valid blocks for the K-quants, which gguf-py cannot quantize)
 braid's blocks directory and loaded three ways: kept quantized (CPU int4 kernels), dequantized
 (`dequantize_gguf`, which must equal transformers' own GGUF loader tensor for tensor), and
 through another method (`w8a16`). Also: mixed types inside one fused layer, the fallback for a
-type braid does not keep (one log line), and the errors that name the layer and the value."""
+type braid does not keep (one log line), the errors that name the layer and the value, and
+tensor parallelism (refused for the blocks, the float path let through).
+
+The CPU greedy tests compare the kernels with the same model whose quantized layers multiply by
+the weights decoded from the file's blocks in plain torch (checked against gguf-py's own
+dequantization), with the CPU form's documented roundings (`cpu_gguf_weight`): not with the
+layers' `reference`, which on the CPU reads the weight back through the kernel itself."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -15,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from braid import SamplingParams
-from braid.kernels.gguf_reference import random_blocks, row_bytes
+from braid.kernels.gguf_reference import Planes, decode, random_blocks, row_bytes
+from braid.runtime.distributed.group import TPGroup
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.layers.embedding import LMHead
 from braid.runtime.layers.linear import Linear
@@ -28,6 +36,7 @@ from braid.runtime.quantization.base import LinearSpec
 from braid.runtime.quantization.gguf import GGUF, GGUFLinearMethod
 from braid.runtime.quantization.gguf_file import write_llama_gguf
 from tests.conftest import local_scheduler, run_to_end
+from tests.runtime.test_quantization_checkpoints import bf16_kernel_linear, stacked_weight
 
 CPU = torch.device("cpu")
 CONFIG = dict(
@@ -111,6 +120,64 @@ def _build(path, **kw):
 
 def _linears(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def cpu_gguf_weight(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The float32 weight braid's CPU int4 form of blocks `raw` multiplies by, as `gguf_cpu.py`
+    documents it: the blocks' codes exactly, each group's scale s rounded to bfloat16, and its
+    offset o as the type's form rounds it (Q4_1, Q4_K: o + 8 s rounded to bfloat16; Q4_0: -8 s;
+    Q8_0: 0; Q6_K: -32 s, each exact given the rounded s). The blocks are decoded in plain torch
+    (`gguf_reference.decode`), checked here against gguf-py's dequantization."""
+    import gguf
+
+    planes = decode(raw, qtype)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert torch.equal(planes.dequantize(), torch.from_numpy(theirs)), qtype
+    s = planes.scale.bfloat16().float()
+    if qtype in ("Q4_1", "Q4_K"):
+        o = (planes.offset + 8 * planes.scale).bfloat16().float() - 8 * s
+    else:
+        o = {"Q4_0": -8 * s, "Q8_0": torch.zeros_like(s), "Q6_K": -32 * s}[qtype]
+    return Planes(planes.codes, s, o, planes.group_size).dequantize()
+
+
+def _multiply_as_in_file(model, blocks_dir) -> None:
+    """Each quantized layer of `model` (built on the CPU from `blocks_dir`), and its LM head's
+    blocks, multiply by `cpu_gguf_weight` of the file's blocks at the CPU kernel's rounding
+    points (`bf16_kernel_linear`) in place of the kernel."""
+    types = ModelConfig.from_dir(blocks_dir).quantization_config["tensor_types"]
+    with safe_open(str(blocks_dir / "model.safetensors"), framework="pt") as f:
+
+        def weight_of(key: str) -> torch.Tensor:
+            return cpu_gguf_weight(f.get_tensor(key), types[key])
+
+        for name, layer in _linears(model).items():
+            if layer.method is None:
+                continue
+            assert layer.method.cpu_int4_weights() is not None, name  # every segment
+            weight = stacked_weight(model, name, layer, weight_of)
+            layer.forward = functools.partial(bf16_kernel_linear, weight=weight, bias=layer.bias)
+        head = model.lm_head
+        if head.method is not None:
+            key = "model.embed_tokens.weight" if head.tied else "lm_head.weight"
+            weight = weight_of(key)
+
+            def logits(h: torch.Tensor) -> torch.Tensor:
+                if h.shape[0] <= head.QUANTIZED_MAX_ROWS:
+                    return bf16_kernel_linear(h, weight, None)
+                return head._linear(h, head.weight, None)
+
+            head.forward = logits
+
+
+def _greedy_as_in_file(blocks_dir, monkeypatch, **kw):
+    """Greedy tokens of the model at `blocks_dir` multiplying as `_multiply_as_in_file` does
+    (the native CPU decode, which calls the kernels itself, switched off)."""
+    with monkeypatch.context() as m:
+        m.setattr(native_decode, "ENABLED", False)
+        sched = local_scheduler(blocks_dir, kv_tokens=kw.pop("kv_tokens", 256))
+    _multiply_as_in_file(sched.runner.model, blocks_dir)
+    return _greedy(sched, **kw)
 
 
 def test_blocks_dir_declares_every_tensor_and_holds_raw_blocks(blocks_dir):
@@ -212,13 +279,10 @@ def _greedy(sched, n=6, prompts=PROMPTS):
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-def test_kept_quantized_model_gives_its_references_greedy_tokens(blocks_dir, monkeypatch):
+def test_kept_quantized_model_gives_the_greedy_tokens_of_its_files_blocks(blocks_dir, monkeypatch):
     got = _greedy(local_scheduler(blocks_dir, kv_tokens=256))
     assert all(len(t) == 6 for t in got)
-    with monkeypatch.context() as m:
-        m.setattr(Linear, "forward", Linear.reference)
-        m.setattr(LMHead, "forward", LMHead.reference)
-        assert got == _greedy(local_scheduler(blocks_dir, kv_tokens=256))
+    assert got == _greedy_as_in_file(blocks_dir, monkeypatch)
 
 
 def test_another_method_loads_the_gguf_as_floats_first(blocks_dir):
@@ -260,23 +324,61 @@ def test_bad_gguf_input_is_refused_naming_the_layer_and_value(blocks_dir, tmp_pa
         _build(bad)
 
 
+class _Rank1Alone(TPGroup):
+    """Rank 1 of 2 with no process group: the one collective a rank's runner makes as it
+    starts (the KV pool's size) returns its own value."""
+
+    def min_int(self, value: int) -> int:
+        return value
+
+
+def test_tensor_parallelism_refuses_the_blocks_and_splits_the_dequantized_file(blocks_dir):
+    """Kept quantized, a GGUF is refused under tensor parallelism; with dequantize_gguf it is
+    a float checkpoint, and each rank loads its block of every dequantized weight."""
+    from braid.runtime.config import EngineConfig
+    from braid.runtime.executor.model_runner import ModelRunner
+
+    rank1 = _Rank1Alone(rank=1, size=2, local_rank=1, device_group=None, cpu_group=None)
+
+    def runner(**kw) -> ModelRunner:
+        config = EngineConfig(
+            model=str(blocks_dir), device="cpu", kv_tokens=64, show_progress=False, **kw
+        )
+        return ModelRunner(config, ModelConfig.from_dir(blocks_dir), blocks_dir, tp=rank1)
+
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallelism of quantized checkpoints \(quant_method 'gguf'\) is not "
+        r"supported yet; dequantize_gguf loads",
+    ):
+        runner()
+    model = runner(dequantize_gguf=True).model
+    assert all(m.method is None for m in _linears(model).values())
+    floats = dict(_build(blocks_dir, dequantize_gguf=True).named_parameters())
+    # 4 query heads and 2 KV heads of 64: rank 1 holds query heads 2, 3 and KV head 1.
+    q, k, v = model.model.layers[0].self_attn.qkv_proj.weight.split([128, 64, 64])
+    full_q, full_k, full_v = floats["model.layers.0.self_attn.qkv_proj.weight"].split(
+        [256, 128, 128]
+    )
+    assert (
+        torch.equal(q, full_q[128:]) and torch.equal(k, full_k[64:]) and torch.equal(v, full_v[64:])
+    )
+    # Q5_0 in the file (gguf-py's dequantization): the second half of the input columns.
+    down = floats["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, down[:, 256:])
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_cpu_int4_forms_keep_every_code_and_round_only_the_scales(qtype):
     """torch's CPU int4 kernel holds each type's codes exactly (Q8_0 and Q6_K split in two
     halves of a doubled K) with the scale and offset of each group rounded to bfloat16, and
     multiplies by exactly the weight `dequantize` reports."""
-    from braid.kernels.gguf_reference import Planes, decode
     from braid.runtime.quantization.gguf_cpu import to_cpu_int4
 
     gen = torch.Generator().manual_seed(3)
-    planes = decode(random_blocks(qtype, 48, 512, gen), qtype)
-    form = to_cpu_int4(planes, qtype)
-    s = planes.scale.bfloat16().float()
-    if qtype in ("Q4_1", "Q4_K"):  # (u - 8) * s + (o + 8 s), both rounded
-        o = (planes.offset + 8 * planes.scale).bfloat16().float() - 8 * s
-    else:  # Q4_0: -8 s; Q8_0: 0; Q6_K: -32 s: exact given s
-        o = {"Q4_0": -8 * s, "Q8_0": torch.zeros_like(s), "Q6_K": -32 * s}[qtype]
-    want = Planes(planes.codes, s, o, planes.group_size).dequantize()
+    raw = random_blocks(qtype, 48, 512, gen)
+    form = to_cpu_int4(decode(raw, qtype), qtype)
+    want = cpu_gguf_weight(raw, qtype)
     assert torch.equal(form.dequantize(), want)
     x = torch.randn(5, 512, generator=gen)
     got = form(x).float()
@@ -284,9 +386,11 @@ def test_cpu_int4_forms_keep_every_code_and_round_only_the_scales(qtype):
     torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3)
 
 
-def test_embedded_smollm2_kept_quantized_gives_its_references_greedy_tokens(monkeypatch):
-    """The real model (its Q4_1 file): the CPU int4 kernels against the torch reference of the
-    same kept weights, in the engine's scheduler."""
+def test_embedded_smollm2_kept_quantized_gives_the_greedy_tokens_of_its_files_blocks(
+    monkeypatch,
+):
+    """The real model (its Q4_1 file): the CPU int4 kernels (and the native CPU decode) against
+    the weights decoded from the file's blocks, in the engine's scheduler."""
     from braid.runtime.tokenizer.tokenizer import load_tokenizer
 
     path = resolve_model(None)
@@ -296,12 +400,7 @@ def test_embedded_smollm2_kept_quantized_gives_its_references_greedy_tokens(monk
     # rounding apart, and the kernel and its reference sum in different orders.
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     got = _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
-    with monkeypatch.context() as m:
-        m.setattr(Linear, "forward", Linear.reference)
-        m.setattr(LMHead, "forward", LMHead.reference)
-        # The native CPU decode multiplies by the kept weights itself, not through `forward`.
-        m.setattr(native_decode, "ENABLED", False)
-        assert got == _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
+    assert got == _greedy_as_in_file(path, monkeypatch, kv_tokens=512, n=8, prompts=prompts)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,22 @@
 """Quantized linear layers end to end: the method names and bad configs (each refusal names the
-field, the layer and the value), the online quantizers' error bounds, the CPU kernels against
-each method's torch reference (and the shapes they refuse falling back to it), fusion switched
-off in a quantized model, random quantized weights for benchmarks, and greedy tokens of tiny
-quantized checkpoints (made by the packers of test_quantization_checkpoints.py) through the
-real loader and scheduler, equal to the same model run through its methods' references: one
-checkpoint through `braid.LLM`'s processes, the others through a scheduler in this process.
+field, the layer and the value), the online quantizers' error bounds, the CPU layers against a
+computation of their own from the float weights (and the shapes the CPU kernels refuse falling
+back to the torch reference), fusion switched off in a quantized model, random quantized
+weights for benchmarks, and greedy tokens of tiny quantized checkpoints (made by the packers of
+test_quantization_checkpoints.py) through the real loader and scheduler, equal to those of the
+same model whose quantized layers multiply by the weights the packer meant, computed from its
+own codes and scales at the kernels' rounding points (on the CPU; on a GPU, against the
+methods' torch references): one checkpoint through `braid.LLM`'s processes, the others
+through a scheduler in this process.
+
+No reference here runs the code it checks: on the CPU the int4 kernel's packing is opaque, so
+a CPU layer's `reference` reads its weight back through the kernel, and fp8 has no CPU kernel
+(its `reference` is what it runs); those references are for the GPU's kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import replace
@@ -38,12 +46,19 @@ from braid.runtime.quantization.base import (
     PreparedInputs,
     building,
 )
-from braid.runtime.quantization.fp8 import quantize_fp8
+from braid.runtime.quantization.fp8 import Fp8LinearMethod, quantize_fp8
 from braid.runtime.quantization.int4 import Int4LinearMethod, Int4Weights, quantize_int4
 from braid.runtime.quantization.int8 import quantize_int8
 from braid.runtime.sampling_params import SamplingParams
 from tests.conftest import local_scheduler, run_to_end
-from tests.runtime.test_quantization_checkpoints import FORMATS, write_quantized
+from tests.runtime.test_quantization_checkpoints import (
+    FORMATS,
+    Written,
+    bf16_kernel_linear,
+    cpu_int4_weight,
+    stacked_weight,
+    write_quantized,
+)
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [100, 200, 300, 400, 17]]
@@ -52,12 +67,44 @@ METHODS = ["awq", "fp8", "gptq", "w8a16"]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict[str, Path]:
-    """The tiny Qwen2 (qkv bias, tied embeddings) in every checkpoint format."""
+def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict[str, tuple[Path, Written]]:
+    """The tiny Qwen2 (qkv bias, tied embeddings) in every checkpoint format, with what each
+    holds."""
     root = tmp_path_factory.mktemp("quantized")
-    for fmt in FORMATS:
-        write_quantized(tiny_model_dirs["qwen2"], root / fmt, fmt)
-    return {fmt: root / fmt for fmt in FORMATS}
+    return {
+        fmt: (root / fmt, write_quantized(tiny_model_dirs["qwen2"], root / fmt, fmt))
+        for fmt in FORMATS
+    }
+
+
+def fp8_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 fp8 computed apart from braid's code: each row of x divided by its scale max|row| /
+    448 (a float32 number, as the method defines it) and rounded to e4m3 from float64, the
+    products with `weight` (float32, the dequantized e4m3 weight) summed in float64, plus the
+    bias, rounded once to x's dtype."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12).double()
+    codes = (x.double() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    y = (codes * scale) @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def _multiply_as_meant(model, written: Written) -> None:
+    """Each quantized layer of `model` (built on the CPU from a checkpoint of `write_quantized`)
+    multiplies, in place of its kernel, by the weight its checkpoint's packer meant at the
+    kernel's rounding points (`Written.on_cpu`): fp8 `fp8_float64`, int4 and int8, whose CPU
+    kernels take bfloat16, `bf16_kernel_linear`."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.method is None:
+            continue
+        if isinstance(layer.method, Fp8LinearMethod):
+            linear = fp8_float64
+        else:
+            assert layer.method.compute_dtype == torch.bfloat16, name  # torch's CPU kernel
+            linear = bf16_kernel_linear
+        weight = stacked_weight(model, name, layer, written.on_cpu)
+        layer.forward = functools.partial(linear, weight=weight, bias=layer.bias)
 
 
 def _config_dir(tmp_path: Path, src: Path, quantization_config: dict | None) -> Path:
@@ -161,6 +208,77 @@ def test_a_group_size_that_does_not_divide_a_layer_names_the_layer_and_value(
         _build(d, load_format="dummy")
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+def test_int4_checkpoint_shards_not_a_multiple_of_8_rows_are_refused_naming_the_layer(fmt):
+    """AWQ packs 8 outputs a word, GPTQ 8 zero points: a shard of 12 rows cannot be read."""
+    spec = LinearSpec(
+        "model.layers.3.self_attn.qkv_proj",
+        64,
+        {"q": (0, 64), "k": (64, 12), "v": (76, 12)},
+        torch.float32,
+        CPU,
+    )
+    method = select_quantization(FORMATS[fmt], None, dummy=False)
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.3\.self_attn\.qkv_proj: 12 output rows \(shard 'k'\) are not a multiple "
+        r"of 8",
+    ):
+        method.linear_method(spec, ("q_proj", "k_proj", "v_proj"))
+
+
+def test_fp8_refuses_sizes_not_a_multiple_of_16_and_gpus_before_8_9(monkeypatch):
+    """`_scaled_mm`'s limits, checked as the layer is made (the GPU's compute capability
+    stubbed: the check's function runs on the CPU)."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    method = select_quantization(None, "fp8", dummy=False)
+
+    def layer(k: int, n: int):
+        cuda, name = torch.device("cuda"), "model.layers.2.mlp.down_proj"
+        spec = LinearSpec(name, k, {None: (0, n)}, torch.bfloat16, cuda)
+        return method.linear_method(spec, ("down_proj",))
+
+    assert layer(64, 32) is not None
+    with pytest.raises(
+        ValueError, match=r"layers\.2\.mlp\.down_proj: fp8 needs its input size \(100\) to be a "
+    ):
+        layer(100, 32)
+    with pytest.raises(ValueError, match=r"down_proj: fp8 needs its output size \(24\) to be a "):
+        layer(64, 24)
+    capability[0] = (8, 6)
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.2\.mlp\.down_proj: fp8 needs a GPU of compute capability 8\.9 or newer, "
+        r"this one is 8\.6",
+    ):
+        layer(64, 32)
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq"])
+def test_online_int4_without_a_group_size_that_divides_the_input_names_the_layer(name):
+    spec = LinearSpec("model.layers.0.mlp.down_proj", 80, {None: (0, 64)}, torch.float32, CPU)
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.mlp\.down_proj: no int4 group size of \[128, 64, 32\] divides its "
+        r"input size 80",
+    ):
+        select_quantization(None, name, dummy=False).linear_method(spec, ("down_proj",))
+
+
+def test_tensor_parallelism_of_a_quantized_checkpoint_is_refused_naming_its_method(checkpoints):
+    from braid.runtime.distributed.group import TPGroup
+    from braid.runtime.executor.model_runner import ModelRunner
+
+    path, _ = checkpoints["awq"]
+    rank1 = TPGroup(rank=1, size=2, local_rank=1, device_group=None, cpu_group=None)
+    config = EngineConfig(model=str(path), device="cpu", kv_tokens=64, show_progress=False)
+    with pytest.raises(
+        ValueError, match=r"tensor parallelism of quantized checkpoints \(quant_method 'awq'\)"
+    ):
+        ModelRunner(config, ModelConfig.from_dir(path), path, tp=rank1)
+
+
 def test_a_fused_layer_half_left_in_floats_is_refused(tiny_model_dirs, tmp_path):
     qc = {**FORMATS["fp8_channel"], "ignore": ["re:.*\\.q_proj"]}
     d = _config_dir(tmp_path, tiny_model_dirs["qwen2"], qc)
@@ -180,7 +298,7 @@ def test_vision_language_models_are_refused(tiny_model_dirs):
 def test_quantized_checkpoints_load_strictly(checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    src = checkpoints["gptq_act_order"]
+    src, _ = checkpoints["gptq_act_order"]
     state = load_file(str(src / "model.safetensors"))
     d = tmp_path / "broken"
     shutil.copytree(src, d)
@@ -225,8 +343,32 @@ def test_online_quantizers_round_to_nearest():
 # ---- layers on the CPU ------------------------------------------------------------------------
 
 
+def _quantized_as_meant(
+    method: str, layer: Linear, x: torch.Tensor, float_weight: torch.Tensor
+) -> torch.Tensor:
+    """`layer`'s output for x computed from the float weight it was quantized from: the online
+    quantizer's codes and scales, dequantized in plain torch with the CPU kernel's roundings,
+    multiplied at its rounding points."""
+    if method == "fp8":
+        codes, scales = quantize_fp8(float_weight)
+        return fp8_float64(x, codes.float() * scales[:, None], layer.bias)
+    if method == "w8a16":
+        codes, scales = quantize_int8(float_weight)  # the kernel's scales are bfloat16
+        weight = codes.float() * scales.bfloat16().float()[:, None]
+        return bf16_kernel_linear(x, weight, layer.bias)
+    g = layer.method.group_size
+    codes, scales, zeros = quantize_int4(float_weight, g)
+    g_idx = torch.arange(layer.in_features) // g
+    weight = cpu_int4_weight(codes, scales.T, zeros.T, g_idx)
+    return bf16_kernel_linear(x, weight, layer.bias)
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_cpu_kernels_equal_their_reference_and_approximate_the_float_model(tiny_model_dirs, method):
+def test_cpu_layers_multiply_by_their_quantized_weights_and_approximate_the_float_model(
+    tiny_model_dirs, method
+):
+    """Each CPU layer against its float weight quantized by the online quantizer and
+    multiplied in plain torch (fp8, which has no CPU kernel of its own: in float64)."""
     path = tiny_model_dirs["qwen2"]
     quantized, floats = _build(path, quantization=method), _build(path)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
@@ -238,11 +380,15 @@ def test_cpu_kernels_equal_their_reference_and_approximate_the_float_model(tiny_
     assert len(pairs) == 8 and all(a.method is not None for _, a, _ in pairs)
     for name, q, f in pairs:
         xi = x if q.in_features == 64 else torch.randn(5, q.in_features)
-        got, ref, exact = q(xi), q.reference(xi), f(xi)
+        got, want, exact = q(xi), _quantized_as_meant(method, q, xi, f.weight), f(xi)
         assert got.dtype == torch.float32 and got.shape == exact.shape
-        # Same rounding points, sums in another order: last-place differences of bfloat16
-        # (fp8's reference is its CPU path: equal).
-        torch.testing.assert_close(got, ref, rtol=2**-7, atol=1e-3, msg=name)
+        if method == "fp8":
+            # float32 sums of exact e4m3 products against float64 ones.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            # Same rounding points, sums in another order: last-place differences of
+            # bfloat16; a wrong code, zero or scale is off by a step of the weight.
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3, msg=name)
         # The quantized weights approximate the float ones (int4: about a tenth).
         tol = {"awq": 0.25, "gptq": 0.25, "w8a16": 0.03, "fp8": 0.08}[method]
         assert (got - exact).abs().max() <= tol * exact.abs().max(), name
@@ -369,28 +515,35 @@ def _reference_greedy(path: Path, monkeypatch, **config) -> list[list[int]]:
         return _greedy(local_scheduler(path, kv_tokens=256, **config))
 
 
-def test_an_awq_model_through_the_engine_gives_its_references_greedy_tokens(
+def _greedy_as_meant(path: Path, written: Written) -> list[list[int]]:
+    """The same checkpoint on the CPU, its quantized layers multiplying by the weights the
+    packer meant (`_multiply_as_meant`)."""
+    sched = local_scheduler(path, kv_tokens=256)
+    _multiply_as_meant(sched.runner.model, written)
+    return _greedy(sched)
+
+
+def test_an_awq_model_through_the_engine_gives_the_greedy_tokens_of_its_packers_weights(
     checkpoints,
-    monkeypatch,
 ):
-    path = checkpoints["awq"]
+    path, written = checkpoints["awq"]
     with braid.LLM(path, kv_tokens=256, show_progress=False) as llm:
         sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         llm.check_invariants()
     got = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == MAX_TOKENS for t in got)
-    assert got == _reference_greedy(path, monkeypatch)
+    assert got == _greedy_as_meant(path, written)
 
 
 @pytest.mark.parametrize(
     "fmt", ["gptq_act_order", "fp8_channel", "fp8_tensor_static", "int8_packed"]
 )
-def test_each_format_gives_its_references_greedy_tokens(checkpoints, monkeypatch, fmt):
-    path = checkpoints[fmt]
+def test_each_format_gives_the_greedy_tokens_of_its_packers_weights(checkpoints, fmt):
+    path, written = checkpoints[fmt]
     got = _greedy(local_scheduler(path, kv_tokens=256))
     assert all(len(t) == MAX_TOKENS for t in got)
-    assert got == _reference_greedy(path, monkeypatch)
+    assert got == _greedy_as_meant(path, written)
 
 
 def test_the_quantization_setting_quantizes_a_float_checkpoint_in_the_engine(
@@ -417,8 +570,10 @@ def test_on_gpu_each_format_gives_its_references_greedy_tokens(
     fmt,
 ):
     """bfloat16 on CUDA: the Triton GEMMs (fp8: per-token quantization and _scaled_mm) under
-    CUDA graphs, against the references run eagerly."""
-    path = checkpoints[fmt]
+    CUDA graphs, against the references run eagerly (plain torch over the weights as the CUDA
+    path keeps them: the planar int4 form, which `test_the_planar_form_holds_the_same_weights`
+    ties to the checkpoint's)."""
+    path, _ = checkpoints[fmt]
     gpu = dict(device="cuda", dtype="bfloat16")
     got = _greedy(local_scheduler(path, kv_tokens=256, **gpu))
     assert got == _reference_greedy(path, monkeypatch, disable_cuda_graph=True, **gpu)

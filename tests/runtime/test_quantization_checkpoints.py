@@ -5,7 +5,10 @@ code, zero and scale comes back exactly (round trip), act-order included; tiny m
 in each format load through the real loader with the weights the packer meant.
 
 The packers quantize with GPTQ's formula (the range includes zero), not braid's online one, so
-the two sides share nothing but the format. Other test modules build their checkpoints here.
+the two sides share nothing but the format. Other test modules build their checkpoints here,
+and take from here the weight each layer's CPU kernel should multiply by, computed from the
+packer's own codes, zeros and scales (`Written.on_cpu`), and the kernels' rounding points
+(`bf16_kernel_linear`): references that share nothing with braid's readers and packing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +76,25 @@ def quantize_groups(w: torch.Tensor, group: int, order: torch.Tensor | None = No
 def dequantized(codes, scales, zeros, g_idx) -> torch.Tensor:
     g = g_idx.long()
     return (codes.float() - zeros[g].T.float()) * scales[g].T.float()
+
+
+def cpu_int4_weight(codes, scales, zeros, g_idx) -> torch.Tensor:
+    """The weight torch's CPU int4 kernel multiplies by for these codes, zeros and scales, as
+    `braid.runtime.quantization.int4` documents it: (q - 8) * s + (8 - zero) * s per group,
+    s the scale rounded to bfloat16, and the offset (8 - zero) * s rounded to bfloat16."""
+    g = g_idx.long()
+    s, z = scales[g].T.float().bfloat16().float(), zeros[g].T.float()
+    return (codes.float() - 8) * s + ((8 - z) * s).bfloat16().float()
+
+
+def bf16_kernel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T + bias with the rounding points of torch's CPU int4 and int8 kernels:
+    bfloat16 activations, float32 sums, the output rounded to bfloat16, then the bias in x's
+    dtype."""
+    y = (x.bfloat16().float() @ weight.T).bfloat16().to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def _int32(words: np.ndarray) -> torch.Tensor:
@@ -234,28 +258,40 @@ FORMATS = {
 
 
 def _quantize_one(fmt: str, w: torch.Tensor, order: torch.Tensor | None):
-    """The checkpoint tensors (suffix -> tensor) for one float weight, and the weight meant."""
-    if fmt == "awq":
-        codes, scales, zeros, g_idx = quantize_groups(w, GROUP)
-        return pack_awq(codes, zeros, scales), dequantized(codes, scales, zeros, g_idx)
-    if fmt.startswith("gptq"):
-        codes, scales, zeros, g_idx = quantize_groups(w, GROUP, order)
-        version = "gptq" if fmt == "gptq_act_order" else "gptq_v2"
-        return pack_gptq(codes, zeros, scales, g_idx, version), dequantized(
-            codes, scales, zeros, g_idx
-        )
+    """The checkpoint tensors (suffix -> tensor) for one float weight, the weight meant and
+    the weight the CPU kernel multiplies by."""
+    if fmt == "awq" or fmt.startswith("gptq"):
+        codes, scales, zeros, g_idx = quantize_groups(w, GROUP, None if fmt == "awq" else order)
+        if fmt == "awq":
+            tensors = pack_awq(codes, zeros, scales)
+        else:
+            version = "gptq" if fmt == "gptq_act_order" else "gptq_v2"
+            tensors = pack_gptq(codes, zeros, scales, g_idx, version)
+        parts = (codes, scales, zeros, g_idx)
+        return tensors, dequantized(*parts), cpu_int4_weight(*parts)
     if fmt.startswith("fp8"):
         tensors, meant = pack_fp8(w, per_channel=fmt == "fp8_channel")
         if fmt == "fp8_tensor_static":
             tensors["input_scale"] = torch.tensor(0.05)
-        return tensors, meant
-    return pack_int8(w, packed=fmt == "int8_packed")
+        return tensors, meant, meant
+    # The int8 kernel's bfloat16 scales are the checkpoint's own.
+    tensors, meant = pack_int8(w, packed=fmt == "int8_packed")
+    return tensors, meant, meant
 
 
-def write_quantized(src: Path, dst: Path, fmt: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write `src` (a float HF checkpoint) quantized in `fmt` to `dst`; returns, per checkpoint
-    weight key, the float32 weight the quantized tensors stand for (the float weight itself for
-    a module the config leaves in floats)."""
+@dataclass
+class Written:
+    """What `write_quantized` wrote, per checkpoint weight key: `meant`, the float32 weight the
+    quantized tensors stand for (the float weight itself for a module the config leaves in
+    floats); `on_cpu`, the weight braid's CPU kernel of the format multiplies by (int4: its
+    bfloat16 scales and offsets, `cpu_int4_weight`), from the packer's own values."""
+
+    meant: dict[str, torch.Tensor]
+    on_cpu: dict[str, torch.Tensor]
+
+
+def write_quantized(src: Path, dst: Path, fmt: str, seed: int = 0) -> Written:
+    """Write `src` (a float HF checkpoint) quantized in `fmt` to `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -269,29 +305,29 @@ def write_quantized(src: Path, dst: Path, fmt: str, seed: int = 0) -> dict[str, 
         state.update(load_file(str(f)))
     g = torch.Generator().manual_seed(seed)
     orders: dict[tuple[str, str], torch.Tensor] = {}
-    out, meant = {}, {}
+    out, written = {}, Written({}, {})
     for key, t in state.items():
         module, _, leaf = key.rpartition(".")
         parent, _, proj = module.rpartition(".")
         ignored = any(i.startswith("re:") and re.match(i[3:], module) for i in qc.get("ignore", []))
         if leaf != "weight" or proj not in PROJECTIONS or ignored:
             out[key] = t
-            meant[key] = t.float()
+            written.meant[key] = written.on_cpu[key] = t.float()
             continue
         w = t.float()
         source = (parent, SAME_INPUT.get(proj, proj))
         if source not in orders:
             orders[source] = torch.randperm(w.shape[1], generator=g)
-        tensors, meant[key] = _quantize_one(fmt, w, orders[source])
+        tensors, written.meant[key], written.on_cpu[key] = _quantize_one(fmt, w, orders[source])
         for suffix, tensor in tensors.items():
             out[f"{module}.{suffix}"] = tensor
     save_file(out, str(dst / "model.safetensors"))
-    return meant
+    return written
 
 
 @pytest.fixture(scope="session")
-def quantized_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """Tiny Qwen2 (qkv bias, tied embeddings) in every format: name -> (dir, weights meant)."""
+def quantized_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, tuple[Path, Written]]:
+    """Tiny Qwen2 (qkv bias, tied embeddings) in every format: name -> (dir, what it holds)."""
     root = tmp_path_factory.mktemp("quantized")
     return {
         fmt: (root / fmt, write_quantized(tiny_model_dirs["qwen2"], root / fmt, fmt))
@@ -363,18 +399,25 @@ def test_a_g_idx_without_whole_groups_is_refused_naming_the_layer():
 # ---- tiny models through the real loader --------------------------------------------------------
 
 
-def _meant_for(model, name: str, layer: Linear, meant: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The weight a layer should hold: its shards' meant weights stacked in its shard order."""
+def stacked_weight(
+    model,
+    name: str,
+    layer: Linear,
+    weights: dict[str, torch.Tensor] | Callable[[str], torch.Tensor],
+) -> torch.Tensor:
+    """Layer `name`'s weight from per-checkpoint-key weights (a mapping, or a function of the
+    key): its shards' stacked in its shard order."""
+    weight_of = weights.__getitem__ if isinstance(weights, dict) else weights
     prefix, _, leaf = name.rpartition(".")
     parts = {s: p for p, (fused, s) in model.stacked_params.items() if fused == leaf}
     if not parts:
-        return meant[f"{name}.weight"]
-    return torch.cat([meant[f"{prefix}.{parts[s]}.weight"] for s in layer.offsets])
+        return weight_of(f"{name}.weight")
+    return torch.cat([weight_of(f"{prefix}.{parts[s]}.weight") for s in layer.offsets])
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_format_loads_the_weights_its_packer_meant(quantized_dirs, fmt):
-    path, meant = quantized_dirs[fmt]
+    path, written = quantized_dirs[fmt]
     model = build_model(
         ModelConfig.from_dir(path),
         path,
@@ -393,17 +436,20 @@ def test_each_format_loads_the_weights_its_packer_meant(quantized_dirs, fmt):
     else:
         assert len(quantized) == len(linears) == 8
     for name, layer in linears:
-        want = _meant_for(model, name, layer, meant)
+        want = stacked_weight(model, name, layer, written.meant)
         got = layer.method.dequantize() if layer.method is not None else layer.weight.float()
-        if layer.method is None or not fmt.startswith(("awq", "gptq")):
-            # int8 (bfloat16 scales kept as they are), fp8, floats: exact.
-            assert torch.equal(got, want), name
-        else:
-            # The CPU int4 kernel keeps scales and zero offsets in bfloat16: within 1/64 of a
-            # step plus a bfloat16 rounding of the scale; a wrong code or zero is off by a
-            # whole step or more.
+        # The weight the kernel multiplies by (int4: read back through it) is the one the
+        # packer's values give with the kernel's roundings, exactly: int8's bfloat16 scales
+        # are the checkpoint's, fp8 and floats are exact; int4's scales and zero offsets are
+        # rounded to bfloat16.
+        assert torch.equal(got, stacked_weight(model, name, layer, written.on_cpu)), name
+        if layer.method is not None and fmt.startswith(("awq", "gptq")):
+            # Within 1/64 of a step plus a bfloat16 rounding of the scale of the weight meant;
+            # a wrong code or zero is off by a whole step or more.
             step = (want.abs().amax() / 7).item()
             torch.testing.assert_close(got, want, atol=step / 20, rtol=2**-7, msg=name)
+        else:
+            assert torch.equal(got, want), name
     # Weight bytes held per quantized layer (scales and zeros included) against float32's.
     ratio = 6 if fmt.startswith(("awq", "gptq")) else 3
     for name, layer in linears:

@@ -96,8 +96,15 @@ class ModelRunner:
                 f"tensor parallelism of vision-language models ({model_config.architecture}) "
                 "is not supported yet"
             )
-        if tp is not None and model_config.quantization_config:
-            raise ValueError("tensor parallelism of quantized checkpoints is not supported yet")
+        qc = model_config.quantization_config
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        # A GGUF file loaded with dequantize_gguf is a float checkpoint (`build_model`).
+        if tp is not None and qc and not (method == "gguf" and config.dequantize_gguf):
+            hint = "; dequantize_gguf loads a GGUF file as floats" if method == "gguf" else ""
+            raise ValueError(
+                f"tensor parallelism of quantized checkpoints (quant_method {method!r}) is not "
+                f"supported yet{hint}"
+            )
         self.heads = head_shard(model_config.num_heads, model_config.num_kv_heads, rank, size)
         with sharding(tp):
             self.model = build_model(

@@ -138,7 +138,10 @@ class LinearMethod(ABC):
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """What `apply` computes, in plain torch: the weight dequantized to float32 and
         multiplied in float32, with `apply`'s rounding points (its activation dtype, where the
-        bias is added). Equal to `apply` up to the order of float32 sums."""
+        bias is added). Equal to `apply` up to the order of float32 sums. Where the kernel's
+        layout is opaque (torch's CPU int4 kernel), `dequantize` reads the weight back through
+        the kernel, and where a device has no kernel (fp8 on the CPU) this is what `apply`
+        runs: neither is a check of the kernel, which tests make against the checkpoint."""
 
     @abstractmethod
     def dequantize(self) -> torch.Tensor:

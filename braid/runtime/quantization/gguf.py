@@ -158,7 +158,8 @@ class _CpuSegment(_Segment):
 
     def reference(self, x, bias):
         # Unpacking goes through the kernel (an identity matrix's worth of it): done once, on
-        # the first reference call (tests), and kept.
+        # the first reference call (tests), and kept. So this checks what is around the
+        # kernel, not the packing: the tests check that against the file's blocks.
         if self._dequantized is None:
             self._dequantized = self.weight.dequantize()
         y = (x.to(CPU_COMPUTE_DTYPE).float() @ self._dequantized.T).to(CPU_COMPUTE_DTYPE)

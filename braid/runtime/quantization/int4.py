@@ -14,10 +14,10 @@ quantized as it loads instead (round to nearest with a zero point, AutoAWQ's for
   `quant_planar.DEQUANTIZE_MIN_ROWS`, the Triton GEMM (`int4_planar_linear`); more, the weight
   dequantized to the model's dtype (each weight rounded once) then cuBLAS;
 - CPU: torch's int4 weight-packed matmul (`_weight_int4pack_mm_for_cpu`, bfloat16 in and
-  out), whose weight is (q - 8) * scale + offset per group: the offset (8 - zero) * scale is
-  rounded to bfloat16, and so is the scale, so its weights differ from the checkpoint's by up
-  to 1/64 of a quantization step. It needs N % 16 == 0 and groups of 32, 64, 128 or 256 rows
-  (a larger group is split into equal ones);
+  out), whose weight is (q - 8) * s + offset per group: s is the scale rounded to bfloat16,
+  and the offset (8 - zero) * s rounded to bfloat16 too, so its weights differ from the
+  checkpoint's by up to 1/64 of a quantization step beside the scale's rounding. It needs
+  N % 16 == 0 and groups of 32, 64, 128 or 256 rows (a larger group is split into equal ones);
 - otherwise (shapes the CPU kernel refuses, other devices): the torch reference.
 """
 
@@ -188,6 +188,8 @@ class Int4LinearMethod(WeightOnlyMethod):
 
     def finish_loading(self) -> dict[str, nn.Parameter]:
         w = self.checkpoint.read() if self.checkpoint is not None else self.weights
+        # The checkpoint's tensors as loaded are not kept: `w` (then the kernel's form) is.
+        self.checkpoint = None
         self.weights = w
         dev, n = self.spec.device, self.spec.out_features
         if dev.type == "cuda":
@@ -294,7 +296,9 @@ class Int4LinearMethod(WeightOnlyMethod):
             return self.weights.dequantize()
         packed, group, table, perm = self._cpu
         # The CPU kernel's packing is opaque; its codes come back through the kernel itself,
-        # with unit scales and zero offsets ((q - 8) * 1 + 0 is exact in bfloat16).
+        # with unit scales and zero offsets ((q - 8) * 1 + 0 is exact in bfloat16). So a CPU
+        # layer's `reference` checks what is around the kernel, not the packing: the tests
+        # check this weight against the checkpoint's own values.
         k = self.spec.in_features
         unit = torch.zeros_like(table)
         unit[..., 0] = 1

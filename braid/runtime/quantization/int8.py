@@ -100,6 +100,7 @@ class Int8LinearMethod(WeightOnlyMethod):
             self.weight = unpack_int8_words(self.weight_param.data, self.spec.in_features)
         if self.checkpoint is not None:
             self.scales = self.scale_param.data
+            del self.weight_param, self.scale_param  # the packed words are not kept
         dev = self.spec.device
         if dev.type == "cuda":
             self._use_triton()
