@@ -104,6 +104,10 @@ class Program:
         self.arg_names = params[1:]
         self._takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
         self.sessions = True
+        # The backends (by id) whose first run has pre-computed the constant prefix, and the
+        # lock runs started alongside it wait on (they then hit the prefix in the cache).
+        self._precached: set[int] = set()
+        self._precache_lock = threading.Lock()
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
 
@@ -128,7 +132,12 @@ class Program:
         return _split_kwargs(kwargs, set(self.arg_names))
 
     def _start(
-        self, backend: Backend, defaults: SamplingArgs, args: tuple, kwargs: dict[str, Any]
+        self,
+        backend: Backend,
+        defaults: SamplingArgs,
+        args: tuple,
+        kwargs: dict[str, Any],
+        precache: bool = False,
     ) -> tuple[ProgramState, Callable[[], None]]:
         # The run's name: its requests' program id, and its root session's when pinning.
         name = f"prog-{uuid.uuid4().hex[:12]}"
@@ -139,6 +148,8 @@ class Program:
 
         def body() -> None:
             try:
+                if precache:
+                    self._precache_once(backend)
                 state.ret_value = self.func(state, *args, **call_kwargs)
             finally:
                 state._ex.end()
@@ -161,7 +172,8 @@ class Program:
         defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run").over(
             current_sampling_defaults()
         )
-        state, body = self._start(b, defaults, args, prog_kwargs)
+        precache = global_config.enable_precache_with_tracing
+        state, body = self._start(b, defaults, args, prog_kwargs, precache)
         if stream:
             ctx = contextvars.copy_context()
             threading.Thread(
@@ -230,6 +242,8 @@ class Program:
             raise ValueError(f"run_batch: num_threads must be 'auto' or >= 1, got {num_threads!r}")
         if len(items) > 1 and global_config.enable_precache_with_tracing:
             self.cache(b, unknown=set(items[0]))
+        elif global_config.enable_precache_with_tracing:
+            self._precache_once(b)
 
         def one(kw: dict[str, Any]) -> ProgramState:
             args, samp = self._split(kw)
@@ -296,6 +310,16 @@ class Program:
             b.cache_prefix(prefix)
         return prefix
 
+    def _precache_once(self, backend: Backend) -> None:
+        """Before the program's first run on `backend`, compute the text every run starts
+        with (`cache`, every unbound argument unknown); runs started meanwhile wait for it,
+        later runs skip it."""
+        with self._precache_lock:
+            if id(backend) in self._precached:
+                return
+            self._precached.add(id(backend))
+            self.cache(backend)
+
     def constant_prefix(self, backend: Backend, unknown: set[str]) -> str:
         """The text every run starts with whatever the arguments in `unknown` are ("" if the
         program cannot be traced)."""
@@ -306,6 +330,7 @@ class Program:
             graph = trace(self, given, placeholders=unknown)
         except TraceError as e:
             # The program looks inside a value at run time: its prefix up to there still holds.
+            logger.debug("%s: traced up to where it reads a run-time value (%s)", self.__name__, e)
             graph = e.graph
         except Exception as e:  # the program's own code failed on placeholders: no prefix
             logger.debug("%s: no shared prefix (tracing raised %r)", self.__name__, e)

@@ -172,3 +172,32 @@ def test_a_program_without_sessions_is_still_one_program_to_the_scheduler(small_
         small_llm.tm.submit("p", [5, 6], SamplingParams(max_tokens=1), program_position=0)
     with pytest.raises(ParamError, match="program_id must be a non-empty string"):
         small_llm.tm.submit("p", [5, 6], SamplingParams(max_tokens=1), program_id="")
+
+
+def test_endpoint_program_without_sessions_is_one_program_ended_at_its_end(served):
+    """Over HTTP with sessions off, every call carries the run's program_id: the server's
+    scheduler knows one program across the run's calls, with nothing pinned, and the run's end
+    (/end_program) ends it."""
+    url = served.url
+
+    def stats() -> dict:
+        return httpx.get(f"{url}/get_server_info").json()["stats"]
+
+    @sgl.function
+    def three_calls(s):
+        s += CONTEXT[:200]
+        for k in range(3):
+            s += f"\nStep {k}:"
+            s += sgl.gen(f"a{k}", max_tokens=2, temperature=0)
+            s[f"a{k}"]
+            s.seen = getattr(s, "seen", []) + [stats()]
+
+    three_calls.sessions = False
+    before = stats()
+    state = three_calls.run(backend=sgl.RuntimeEndpoint(url))
+    for seen in state.seen:
+        assert seen["programs_known"] == before["programs_known"] + 1
+        assert seen["pinned_sessions"] == 0
+    after = stats()
+    assert after["programs_ended"] == before["programs_ended"] + 1
+    assert after["programs_known"] == before["programs_known"]

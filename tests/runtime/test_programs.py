@@ -22,7 +22,7 @@ from braid.runtime.scheduler.programs import (
     SEQUENCES_KEPT,
     ProgramTable,
 )
-from braid.runtime.scheduler.request import Req
+from braid.runtime.scheduler.request import Req, ReqStatus
 from braid.runtime.scheduler.sessions import SessionPins
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.speculative.base import Proposer
@@ -383,6 +383,59 @@ def test_pins_are_counted_per_program():
     assert pins.by_program() == {"p": (8, 1), "agent": (6, 1)}
 
 
+def test_a_program_ended_with_requests_in_flight_ends_when_the_last_leaves():
+    table = ProgramTable(clock=Clock())
+    a, b = _req("a", program="p", position=0), _req("b", program="p", position=0)
+    table.arrive(a)
+    table.arrive(b)
+    assert table.end("p")  # known: it ends once its requests are done
+    assert not table.end("p")  # told once
+    assert table.stats()["programs_known"] == 1 and table.ended == 0
+    table.leave(a)
+    assert table.stats()["programs_known"] == 1
+    table.leave(b)
+    assert table.stats()["programs_known"] == 0 and table.ended == 1
+    assert not table.end("p") and not table.end("unknown")
+
+
+def test_closing_a_root_session_releases_its_forks_pins(tiny_model_dirs):
+    """A client that closes only a program's root session leaves no fork pinned (nor a
+    session of another program whose name starts alike)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
+    sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+    rng = random.Random(8)
+    for session in ("trip", "trip.0", "trip.1", "trip.0.0", "tripod"):
+        prompt = [rng.randrange(1, 500) for _ in range(24)]
+        s.handle(GenerateReq(f"r-{session}", prompt, sp, 0, session_id=session))
+    run_to_end(s)
+    assert s.control("stats")["pinned_sessions"] == 5
+    assert s.close_session("trip")
+    assert s.control("stats")["pinned_sessions"] == 1  # "tripod" only
+    assert [i.id for i in s.program_infos()] == ["tripod"]
+    s.check_invariants()
+
+
+def test_check_invariants_counts_each_pins_lock(tiny_model_dirs):
+    """A pin holds one lock on its path: check_invariants fails when that lock is lost and
+    when a lock no request or pin holds is left behind."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256)
+    sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+    s.handle(GenerateReq("a", list(range(1, 25)), sp, 0, session_id="a"))
+    run_to_end(s)
+    (node,) = s.kv.sessions.nodes()
+    s.kv.cache.unlock(node)  # the pin's lock lost
+    with pytest.raises(AssertionError):
+        s.check_invariants()
+    s.kv.cache.lock(node)
+    s.check_invariants()
+    s.kv.cache.lock(node)  # a lock nobody holds
+    with pytest.raises(AssertionError):
+        s.check_invariants()
+    s.kv.cache.unlock(node)
+    assert s.close_session("a")
+    s.check_invariants()
+
+
 def test_a_schedulers_program_list_shows_positions_service_and_pins(tiny_model_dirs):
     s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
     sp = braid.SamplingParams(max_tokens=3, **GREEDY)
@@ -467,6 +520,47 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
         "h2",
         "solo",
     ]
+
+
+@pytest.mark.parametrize("policy_name", ["program", "lpm"])
+def test_a_calls_branches_are_admitted_together_or_wait_together(tiny_model_dirs, policy_name):
+    """Under `program` the three branches of one fork call (one program, one position) go in
+    together: while a runner runs and the pool holds two of them but not three, none goes in
+    (lpm admits two), and the step after the runner ends admits all three. With nothing else
+    running, a call too large for the pool goes in as far as it fits (no stall)."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=256, schedule_policy=policy_name)
+    rng = random.Random(21)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    s.handle(GenerateReq("runner", ids(100), braid.SamplingParams(max_tokens=40, **GREEDY), 0))
+    s.step()
+    sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+    for i in range(3):
+        s.handle(GenerateReq(f"g/{i}", ids(50), sp, 0, session_id=f"g.{i}", program_position=1))
+    running = s.requests.view(ReqStatus.RUNNING)
+    branches = s.requests.view(ReqStatus.WAITING)
+    assert [r.rid for r in running] == ["runner"] and len(branches) == 3
+    assert s.prefill.fits(100, running + branches[:2])  # two fit beside the runner ...
+    assert not s.prefill.fits(150, running + branches)  # ... three do not
+    assert s.prefill.admits_now() is (policy_name == "lpm")
+
+    def waiting() -> set[str]:
+        return {r.rid for r in s.requests.view(ReqStatus.WAITING)}
+
+    while waiting() == {"g/0", "g/1", "g/2"}:  # until a step admits some
+        runner_ran = s.requests.get("runner") is not None
+        s.step()
+        s.check_invariants()
+    if policy_name == "lpm":
+        assert runner_ran and waiting() == {"g/2"}  # two went in beside the runner
+    else:
+        assert not runner_ran and not waiting()  # all three, once the runner had ended
+    run_to_end(s)
+    for i in range(3):  # alone, three that cannot fit together still all run
+        s.handle(GenerateReq(f"h/{i}", ids(100), sp, 0, session_id=f"g.{i}", program_position=2))
+    assert set(run_to_end(s)) == {"h/0", "h/1", "h/2"}
 
 
 def test_a_calls_output_counts_once_all_its_requests_have_finished():
@@ -1019,7 +1113,10 @@ def test_pins_are_released_before_a_running_request_is_retracted(tiny_model_dirs
 
 
 # ---- pre-caching ------------------------------------------------------------------------------
-def test_run_batch_computes_the_constant_prefix_once(tmp_path):
+def test_run_batch_computes_the_constant_prefix_once(tmp_path, caplog):
+    """run_batch computes the batch's constant prefix once before its programs; a program's
+    first run computes its own before its first call (once: later runs skip it); a program
+    that cannot be traced runs as it is, saying so at debug level."""
     from braid.lang.backends.engine import EngineBackend
     from braid.lang.config import global_config
     from tests.runtime.tiny_tokenizers import build_tiny_constrained_model
@@ -1032,8 +1129,27 @@ def test_run_batch_computes_the_constant_prefix_once(tmp_path):
         s += f"question {i}:"
         s += braid.gen("a", max_tokens=1, temperature=0)
 
-    def run(precache: bool) -> tuple[int, int, list[int]]:
-        """(prefill tokens computed, prefix tokens, each program's cached prompt tokens)."""
+    @braid.function
+    def lone(s):
+        s += "a bird flew over the tree and a fish swam under the boat. " * 8
+        s += "answer:"
+        s += braid.gen("a", max_tokens=1, temperature=0)
+
+    @braid.function
+    def peeks(s, i):
+        s += "the sun rose over the hill and the moon set behind the sea. " * 4
+        s += braid.gen("x", max_tokens=1, temperature=0)
+        if s["x"]:  # a generated value read in Python: traced up to here
+            s += f" {i}"
+
+    @braid.function
+    def breaks(s, i):
+        # Works on the real argument, fails (TypeError) on the tracer's: no prefix at all.
+        s += "tea " + (i if isinstance(i, str) else 1)
+
+    def run(precache: bool) -> tuple[int, int, list[int], int, int]:
+        """(prefill tokens computed, prefix tokens, each program's cached prompt tokens, the
+        cached tokens of lone's first run, lone's prefix tokens)."""
         with braid.LLM(path, kv_tokens=8192, schedule_policy="fcfs", show_progress=False) as llm:
             backend = EngineBackend(llm)
             prefix = len(llm.tokenizer.encode(prog.constant_prefix(backend, {"i"})))
@@ -1042,17 +1158,34 @@ def test_run_batch_computes_the_constant_prefix_once(tmp_path):
             global_config.enable_precache_with_tracing = precache
             try:
                 states = prog.run_batch([{"i": i} for i in range(64)], backend=backend)
+                computed = llm.stats()["prefill_tokens_computed"] - before
+                first = lone.run(backend=backend).get_meta_info("a")["cached_tokens"]
+                computed_before = llm.stats()["prefill_tokens_computed"]
+                again = lone.run(backend=backend).get_meta_info("a")
+                # The second run computes only its last prompt token and no prefix again.
+                assert again["cached_tokens"] == again["prompt_tokens"] - 1
+                assert llm.stats()["prefill_tokens_computed"] - computed_before == 1
+                for odd in (peeks, breaks):
+                    with caplog.at_level("DEBUG", logger="braid.lang.program"):
+                        odd_states = odd.run_batch([{"i": "a"}, {"i": "b"}], backend=backend)
+                    assert all(st.error() is None for st in odd_states)
             finally:
                 global_config.enable_precache_with_tracing = old
             cached = [st.get_meta_info("a")["cached_tokens"] for st in states]
-            return llm.stats()["prefill_tokens_computed"] - before, prefix, cached
+            lone_prefix = len(llm.tokenizer.encode(lone.constant_prefix(backend, set())))
+            return computed, prefix, cached, first, lone_prefix
 
-    computed, prefix, cached = run(True)
-    assert prefix > 100
+    computed, prefix, cached, first, lone_prefix = run(True)
+    assert prefix > 100 and lone_prefix > 100
     # Every program found the prefix cached: it was computed once, before them; what was
     # computed is that prefix and each program's own few tokens.
     assert min(cached) >= prefix - 1
     assert computed <= prefix + 64 * 12
+    assert first >= lone_prefix - 1  # computed before lone's first call
+    logged = caplog.text
+    assert "peeks: traced up to where it reads a run-time value" in logged
+    assert "breaks: no shared prefix (tracing raised" in logged
     # Without pre-caching, the first program admitted computes the prefix itself.
-    _, _, cached = run(False)
+    _, _, cached, first, _ = run(False)
     assert min(cached) < prefix // 2
+    assert first < lone_prefix // 2

@@ -485,6 +485,50 @@ def test_program_positions_over_generate_show_per_program_in_info_and_metrics(se
     assert 'program="trip"' not in httpx.get(f"{url}/metrics").text
 
 
+def test_program_id_without_sessions_over_generate_and_end_program(server):
+    """/generate takes program_id (and a call's position beside it) without a session: while
+    a call streams, /get_server_info lists the program in flight with its calls and last
+    position, and programs_in_flight counts it (also in /metrics); /end_program ends it once,
+    and an unknown program is not ended."""
+    url = server.url
+    wait_idle(url)
+    before = httpx.get(f"{url}/get_server_info").json()["stats"]
+    sp = {"max_new_tokens": 3, "temperature": 0}
+    r = httpx.post(
+        f"{url}/generate",
+        json={"text": "Plan:", "sampling_params": sp, "program_id": "plan", "session_position": 0},
+    )
+    assert r.status_code == 200, r.text
+    body = {
+        "text": "Plan: step two, at length:",
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+        "program_id": "plan",
+        "session_position": 1,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        info = httpx.get(f"{url}/get_server_info").json()
+        (plan,) = [p for p in info["programs"] if p["id"] == "plan"]
+        assert (plan["in_flight"], plan["calls"], plan["last_position"]) == (1, 2, 1)
+        assert plan["pinned_sessions"] == 0
+        assert info["stats"]["programs_in_flight"] >= 1
+        assert _metric(url, "braid_programs_in_flight", 1.0) >= 1
+        for _ in lines:  # the call runs to its end
+            pass
+    stats = wait_idle(url)
+    assert stats["programs_in_flight"] == 0
+    assert stats["programs_known"] == before["programs_known"] + 1
+    ended = httpx.post(f"{url}/end_program", json={"program_id": "plan"})
+    assert ended.status_code == 200 and ended.json() == {"success": True}
+    stats = httpx.get(f"{url}/get_server_info").json()["stats"]
+    assert stats["programs_ended"] == before["programs_ended"] + 1
+    assert stats["programs_known"] == before["programs_known"]
+    again = httpx.post(f"{url}/end_program", json={"program_id": "plan"})
+    assert again.json() == {"success": False}
+
+
 WHOLE = [
     ("/v1/completions", {"prompt": ["Red,", "Blue,"], "n": 2, "logprobs": 2, "stop": [","]}),
     ("/v1/completions", {"prompt": "One, two", "echo": True, "logprobs": 1}),

@@ -50,6 +50,8 @@ class RuntimeEndpoint(Backend):
         # Program sessions need one server; behind a router (`braid serve --dp-size`, which
         # routes no /close_session) they are dropped after the first close finds no route.
         self.sessions = True
+        # Likewise /end_program (a router's workers forget an ended program when it idles).
+        self.program_ends = True
 
     @property
     def role_template(self) -> RoleTemplate:
@@ -114,7 +116,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": params,
             "return_logprob": bool(sampling.return_logprob),
             "top_logprobs_num": sampling.top_logprobs_num or 0,
-            **self._session(prompt.session, prompt.position),
+            **self._program_fields(prompt.session, prompt.position, prompt.program),
         }
         if prompt.images:
             body["image_data"] = [to_base64(x) for x in prompt.images]
@@ -165,10 +167,10 @@ class RuntimeEndpoint(Backend):
             # it with its images for the options).
             prompt_tokens = self._prefill(prompt.text, image_data)
             spans = [s + prompt_tokens - len(prompt_ids) for s in spans]
-        jobs = [(fulls, spans, prompt.session, prompt.position, image_data)]
+        jobs = [(fulls, spans, prompt.session, prompt.position, image_data, prompt.program)]
         if unconditional:
             alone = [self._tokenize(c) for c in choices]
-            jobs.append((alone, [0] * len(alone), None, None, []))
+            jobs.append((alone, [0] * len(alone), None, None, [], None))
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda j: self._score(*j), jobs))
         tokens = results[0]
@@ -180,12 +182,18 @@ class RuntimeEndpoint(Backend):
     def _tokenize(self, text: str) -> list[int]:
         return self._request("POST", "/tokenize", {"prompt": text})["tokens"]
 
-    def _session(self, session: str | None, position: int | None) -> dict[str, Any]:
-        """A /generate body's session fields: the session and the call's position in the
-        program (while sessions are on)."""
-        if not self.sessions or session is None:
-            return {"session_id": None}
-        return {"session_id": session, "session_position": position}
+    def _program_fields(
+        self, session: str | None, position: int | None, program: str | None
+    ) -> dict[str, Any]:
+        """A /generate body's program fields: the program run (so the server's program
+        policies see one program, sessions or not), the session while sessions are on, and
+        with either the call's position in the program."""
+        body: dict[str, Any] = {"session_id": session if self.sessions else None}
+        if program is not None:
+            body["program_id"] = program
+        if body["session_id"] is not None or program is not None:
+            body["session_position"] = position
+        return body
 
     def _score(
         self,
@@ -194,6 +202,7 @@ class RuntimeEndpoint(Backend):
         session: str | None,
         position: int | None,
         image_data: list[str],
+        program: str | None,
     ) -> list[list[list[Any]]]:
         """`[logprob, token_id, text]` of `ids[i][spans[i]:]`, all in one /generate batch;
         every prompt with the images `image_data` (spans count their tokens widened)."""
@@ -203,7 +212,7 @@ class RuntimeEndpoint(Backend):
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "logprob_start_len": first,
-            **self._session(session, position),
+            **self._program_fields(session, position, program),
         }
         if image_data:
             body["image_data"] = [image_data] * len(ids)
@@ -228,14 +237,26 @@ class RuntimeEndpoint(Backend):
 
     def close_session(self, session: str) -> None:
         if not self.sessions:
+            if "." not in session:  # a run's root session names its program
+                self.end_program(session)
             return
         try:
             self._request("POST", "/close_session", {"session_id": session})
         except ValueError as e:
-            if "404" not in str(e) and "Not Found" not in str(e):
+            if not _no_route(e):
                 raise
             # A router: its workers let the pin expire (session_ttl_s).
             self.sessions = False
+
+    def end_program(self, program: str) -> None:
+        if not self.program_ends:
+            return
+        try:
+            self._request("POST", "/end_program", {"program_id": program})
+        except ValueError as e:
+            if not _no_route(e):
+                raise
+            self.program_ends = False
 
     def get_model_name(self) -> str:
         return self.info["model_path"]
@@ -249,6 +270,11 @@ class RuntimeEndpoint(Backend):
 
     def get_server_info(self) -> dict[str, Any]:
         return self._request("GET", "/get_server_info")
+
+
+def _no_route(e: ValueError) -> bool:
+    """Whether a 4xx was the server (a router) having no such route."""
+    return "404" in str(e) or "Not Found" in str(e)
 
 
 class Runtime:

@@ -12,9 +12,13 @@ PROGRAM_AGING_S it waits (no starvation). Within a level, the program whose wait
 has the longest cached prefix goes first (the cache match as the tie-break: a program whose
 context is still cached costs only its new tokens, and running it before the cache loses that
 context saves computing it again), then the program that started waiting first. A program's
-waiting requests stay together (its fork branches are admitted one after the other), the
-longest cached prefix first. It defers in-batch sharers as lpm does, and unlike lpm it looks
-up every waiting request's prefix however long the queue.
+waiting requests stay together, the longest cached prefix first, and the requests of one call
+(a fork's branches, a select's choices: same program, same position, `call_key`) are admitted
+as a gang, all in one step or none while anything else runs (`prefill.PrefillPlanner.
+_gang_fits`): the program's join waits for every branch, so a branch admitted alone only holds
+KV. It defers in-batch sharers as lpm does (a shared prefix not yet cached is computed once,
+by the first sharer), and unlike lpm it looks up every waiting request's prefix however long
+the queue.
 
 `program-srpt` orders by program too, by the work each program is predicted to ask for yet
 (shortest remaining first, which least attained service approximates without a prediction):
@@ -157,6 +161,26 @@ def _by_program(
         key=lambda i: (*best[keys[i]], -cands[i].matched_tokens, i),
     )
     return [cands[i] for i in order]
+
+
+def call_key(req: Req) -> tuple[str, int] | None:
+    """The program call `req` is one request of (its program and position: a fork's
+    branches and a select's choices share both), or None (no program, or no position)."""
+    program = program_of(req)
+    if program is None or req.program_position is None:
+        return None
+    return program, req.program_position
+
+
+def gangs_of(cands: list[Candidate]) -> dict[tuple[str, int], list[Candidate]]:
+    """The calls with more than one waiting request among `cands`: call -> its requests
+    (the program policies admit them together)."""
+    calls: dict[tuple[str, int], list[Candidate]] = {}
+    for c in cands:
+        key = call_key(c.req)
+        if key is not None:
+            calls.setdefault(key, []).append(c)
+    return {k: v for k, v in calls.items() if len(v) > 1}
 
 
 def shares_uncached_prefix(c: Candidate, admitted: list[Candidate]) -> bool:

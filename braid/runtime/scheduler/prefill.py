@@ -3,11 +3,12 @@
 One extend holds, within the prefill budget: the jump-forward tokens of running requests (their
 KV), the next chunk of a prompt between chunks, and newly admitted requests in policy order
 (also after a prompt's last chunk, in the budget it leaves: a step that ends a chunked prompt
-is not a short one). A
-request is admitted when its table row, its first chunk and the decode reserve of everything
-running fit in free and evictable pages (a request admitted alone needs no reserve); admission
-stops at the first that does not fit. With chunked prefill, a long prompt runs in page-aligned
-chunks, one prompt at a time. Session pins are the KV that goes first after the unpinned cache
+is not a short one). A request is admitted when its table row, its first chunk and the decode
+reserve of everything running fit in free and evictable pages (a request admitted alone needs
+no reserve); admission stops at the first that does not fit. Under the program policies the
+requests of one program call (a fork's branches) fit together or wait together while anything
+else runs (`_gang_fits`). With chunked prefill, a long prompt runs in page-aligned chunks, one
+prompt at a time. Session pins are the KV that goes first after the unpinned cache
 (`_pins_give_way`): they give way, the soonest to expire first and one at a time, to the first
 request in policy order when releasing them can make it fit (a pin never keeps the queue's
 head waiting: under a queue, pins that held half the pool for paused programs had halved what
@@ -45,10 +46,13 @@ from braid.runtime.scheduler.batch import StepPlan, build_extend
 from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.policy import (
+    PROGRAM_POLICIES,
     Candidate,
     aged_key,
+    call_key,
     candidates,
     effective_policy,
+    gangs_of,
     match_limit,
     shares_uncached_prefix,
 )
@@ -145,6 +149,7 @@ class PrefillPlanner:
         admitted = []
         ordered = candidates(waiting, self.kv.cache, policy, self.reqs.programs, self.reqs.clock())
         gate = self._program_gate()
+        gangs = gangs_of(ordered) if policy in PROGRAM_POLICIES else {}
         for cand in ordered:
             if len(running) + len(items) >= self.max_running:
                 break
@@ -154,6 +159,9 @@ class PrefillPlanner:
                 continue
             if self._waits_to_start(cand, gate, busy=bool(items or running)):
                 continue
+            gang = gangs.pop(call_key(cand.req), None)
+            if gang is not None and not self._gang_fits(gang, running, items):
+                break  # the call's requests wait together, as one request that does not fit
             req = cand.req
             # Match again: making room for earlier admissions may have evicted pages.
             match = None
@@ -208,6 +216,26 @@ class PrefillPlanner:
             budget -= end - req.kv_len
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
+
+    def _gang_fits(self, gang: list[Candidate], running: list[Req], items: list) -> bool:
+        """Whether a call's waiting requests (a fork's branches, a select's choices: the
+        program goes on only once all are done) may go in together: each prompt's uncached
+        pages, table rows and the decode reserve of all of them fit beside what runs and is
+        admitted, or nothing else runs (else nothing would free the room; they then go in as
+        far as they fit, pins giving way). The prefill budget may still split them over
+        consecutive steps."""
+        admitted = [r for r, _ in items]
+        if not (running or admitted):
+            return True
+        if len(running) + len(admitted) + len(gang) > self.max_running:
+            return False
+        if self.kv.table.free_slots < len(gang):
+            return False
+        alloc = self.kv.allocator
+        grow = sum(
+            alloc.pages_for(c.req.seq_len) - len(c.match.pages if c.match else []) for c in gang
+        )
+        return self.fits(grow, running + admitted + [c.req for c in gang])
 
     def _program_gate(self) -> list[int] | None:
         """Program admission, under program-srpt while programs hold pins: [programs under
@@ -308,6 +336,9 @@ class PrefillPlanner:
         if cand is None:
             return False
         req = cand.req
+        gang = gangs_of(ordered).get(call_key(req)) if policy in PROGRAM_POLICIES else None
+        if gang is not None and not self._gang_fits(gang, running, []):
+            return False
         cached, match = 0, None
         if cand.use_cache:
             match = self.kv.cache.match_prefix(req.cache_tokens(match_limit(req)))

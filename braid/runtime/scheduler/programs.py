@@ -140,6 +140,7 @@ class Program:
     # admitted yet), and the longest sequence of its requests (its KV at its peak).
     first_cached: int | None = None
     peak: int = 0
+    ending: bool = False  # told to end with requests in flight: it ends when the last leaves
 
     @property
     def calls_served(self) -> int:
@@ -223,6 +224,10 @@ class ProgramTable:
         if p.in_flight == 0:
             p.idle_since = self.clock()
         p.peak = max(p.peak, req.seq_len)
+        if p.ending and p.in_flight == 0:
+            del self._programs[p.id]
+            self._ended(p)
+            return
         # What was computed of it (an aborted request's prompt may not have been), never the
         # last sample (whose KV only a step run ahead computes).
         done = min(req.program_seen, req.seq_len - 1)
@@ -319,10 +324,15 @@ class ProgramTable:
         return self._pauses.value
 
     def end(self, program_id: str) -> bool:
-        """Forget a program (its root session was closed); whether it was known."""
+        """Forget a program (its root session was closed, or `end_program`), at once or, with
+        requests in flight (their aborts may still be on their way), when the last leaves;
+        whether it was known."""
         p = self._programs.get(program_id)
-        if p is None or p.in_flight:
+        if p is None or p.ending:
             return False
+        if p.in_flight:
+            p.ending = True
+            return True
         del self._programs[program_id]
         self._ended(p)
         return True

@@ -467,10 +467,12 @@ class Scheduler:
 
     def close_session(self, session: str) -> bool:
         """Release `session`'s pin; whether it had one. Its program forgets the session;
-        closing a program's root session ends the program."""
+        closing a program's root session ends the program and releases its forks' pins too
+        (a client that closes only the root leaves none behind)."""
         self.programs.close_session(session)
         if "." not in session:
             self.programs.end(session)
+            self.kv.sessions.close_forks(session)
         return self.kv.sessions.close(session)
 
     def usage(self) -> dict[str, float]:

@@ -99,6 +99,13 @@ class SessionPins:
             self.cache.unlock(old[0])
         return old is not None
 
+    def close_forks(self, root: str) -> int:
+        """Release the pins of `root`'s forks (sessions "<root>.<i>", and theirs); how many."""
+        forks = [s for s in self._pins if s.startswith(root + ".")]
+        for session in forks:
+            self.close(session)
+        return len(forks)
+
     def close_all(self) -> None:
         for session in list(self._pins):
             self.close(session)

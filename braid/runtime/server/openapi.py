@@ -18,6 +18,7 @@ from braid.runtime.server.protocol import (
     CloseSessionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    EndProgramRequest,
     GenerateRequest,
     TokenizeRequest,
 )
@@ -30,6 +31,7 @@ _BODY_MODELS = (
     TokenizeRequest,
     AbortRequest,
     CloseSessionRequest,
+    EndProgramRequest,
 )
 _ERROR = {
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}

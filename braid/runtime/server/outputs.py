@@ -38,6 +38,7 @@ def submit_all(
     grammar_waits: list[tuple[list[int], int | None]] | None = None,
     session_ttl_s: float | None = None,
     program_position: int | None = None,
+    program_id: str | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
     of prompt i and `grammar_waits[i]` what its constraint waits for (`GenerateReq`'s
@@ -54,6 +55,7 @@ def submit_all(
                 grammar_wait=grammar_waits[i] if grammar_waits else None,
                 session_ttl_s=session_ttl_s,
                 program_position=program_position,
+                program_id=program_id,
             )
     except BaseException:
         for r in rids:

@@ -347,9 +347,14 @@ class GenerateRequest(_Body):
     # How long the session keeps this request's KV after it (default: twice the longest pause
     # between the program's calls so far, 30 s before any; at most --session-ttl-s).
     session_ttl: SessionTTL | None = None
-    # The call's position in the session's program (0 for its first call, then 1, ...), for the
-    # scheduler's per-program accounting.
+    # The call's position in its program (0 for its first call, then 1, ...), for the
+    # scheduler's per-program accounting; needs session_id or program_id.
     session_position: ProgramPosition | None = None
+    # The program run the request belongs to (default: its session's root, the part of
+    # session_id before the first "."): a run without sessions names itself here, so the
+    # program policies (--schedule-policy program, program-srpt) see one program, and ends
+    # with POST /end_program.
+    program_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # The same as session_id, session_ttl and session_position, SGLang's way:
     # {"id": ..., "ttl": ..., "position": ...}.
     session_params: SessionParams | None = None
@@ -366,6 +371,10 @@ class AbortRequest(_Body):
 
 class CloseSessionRequest(_Body):
     session_id: Annotated[Text, Field(min_length=1)]
+
+
+class EndProgramRequest(_Body):
+    program_id: Annotated[Text, Field(min_length=1)]
 
 
 class EmbeddingRequest(_Body):

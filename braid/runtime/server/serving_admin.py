@@ -17,7 +17,12 @@ from braid.runtime.server.guard import error_response
 from braid.runtime.server.inputs import json_body, tokenize_prompts
 from braid.runtime.server.openapi import EMPTY, takes
 from braid.runtime.server.outputs import GONE, unless_gone
-from braid.runtime.server.protocol import AbortRequest, CloseSessionRequest, TokenizeRequest
+from braid.runtime.server.protocol import (
+    AbortRequest,
+    CloseSessionRequest,
+    EndProgramRequest,
+    TokenizeRequest,
+)
 from braid.runtime.server.state import ServerState
 
 
@@ -169,6 +174,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         """Release what a program session keeps cached."""
         result = await state.tm.control("close_session", timeout=10.0, arg=body.session_id)
         return {"success": bool(result.get("closed"))}
+
+    @app.post("/end_program", openapi_extra=takes(EndProgramRequest))
+    async def end_program(body: Annotated[EndProgramRequest, json_body(EndProgramRequest)]):
+        """A program run named by `program_id` (without sessions) has ended: the scheduler
+        forgets it (once its requests in flight are done) and counts its calls."""
+        result = await state.tm.control("end_program", timeout=10.0, arg=body.program_id)
+        return {"success": bool(result.get("ended"))}
 
     @app.post(
         "/abort_request",

@@ -47,9 +47,12 @@ def session_of(req: GenerateRequest) -> tuple[str | None, float | None, int | No
                 400, "give session_params or session_position, not both", "session_params"
             )
         return req.session_params.id, req.session_params.ttl, req.session_params.position
-    for name in ("session_ttl", "session_position"):
-        if getattr(req, name) is not None and req.session_id is None:
-            raise APIError(400, f"{name} needs a session_id", name)
+    if req.session_ttl is not None and req.session_id is None:
+        raise APIError(400, "session_ttl needs a session_id", "session_ttl")
+    if req.session_position is not None and req.session_id is None and req.program_id is None:
+        raise APIError(
+            400, "session_position needs a session_id or a program_id", "session_position"
+        )
     return req.session_id, req.session_ttl, req.session_position
 
 
@@ -117,6 +120,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             images,
             session_ttl_s=session_ttl,
             program_position=position,
+            program_id=req.program_id,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
         sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
