@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -63,10 +65,29 @@ def wait_for_graphs(llm, limit_s: float = 300.0) -> float:
     return waited
 
 
+def code_version() -> str | None:
+    """The braid commit a result was measured at (`git rev-parse --short HEAD`, "-dirty"
+    where tracked files differ from it), else $BRAID_CODE_VERSION (set by the command on a
+    machine whose copy of the tree has no .git), else None."""
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return os.environ.get("BRAID_CODE_VERSION")
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def write_result(
     benchmark: str, device: str, out: str | None, fields: dict, *, script: str | None = None
 ) -> Path:
-    """Write `fields` with the benchmark's name, date, command and machine as JSON (default:
+    """Write `fields` with the benchmark's name, date, command, commit and machine as JSON (default:
     results/<benchmark>_<device>.json) and return the path. `script` is the path the command
     line names (default: benchmarks/<benchmark>.py)."""
     script = script or f"benchmarks/{benchmark}.py"
@@ -74,6 +95,7 @@ def write_result(
         "benchmark": benchmark,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python", script, *sys.argv[1:]]),
+        "code": code_version(),
         "device": device,
         "machine": machine_info(device),
         **fields,

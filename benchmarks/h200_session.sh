@@ -33,8 +33,11 @@
 #   part 8 (the same, after part 7's findings: o_proj keeps its own path, the fp8 producer
 #          holds the row in registers, the GEMVs over prepared inputs take their own launch
 #          shapes): part 7, then the fp8 and int4 decode steps kernel by kernel, fused
+#   part 9 (seventeenth session): every GPU test of quantization (the GEMVs and GEMMs, the
+#          methods' layers and greedy tokens, GGUF), part 7's two among them now that the
+#          GEMVs they compare run the same launch shapes (tests/conftest.py: same_launch_shapes)
 set -u
-part=${1:?part 1 to 8}
+part=${1:?part 1 to 9}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -54,6 +57,12 @@ if [ "$part" = 1 ]; then
     TAIL=30 step 150 overlap_probe_long python benchmarks/overlap_probe.py --carveouts "" \
         --batch 256 --context 2048 --green-sms 64,80 \
         --out "$OUT/r/overlap_probe_green_256x2048_cuda.json"
+fi
+if [ "$part" = 9 ]; then
+    TAIL=30 step 540 pytest_quant_gpu python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        --durations=15 tests/kernels/test_quant_gemv.py tests/kernels/test_quant_gemm.py \
+        tests/kernels/test_gguf_gemm.py tests/runtime/test_quantization.py \
+        tests/runtime/test_gguf.py tests/runtime/test_kv_cache_fp8.py
 fi
 if [ "$part" = 2 ]; then
     for shape in 1x8192 16x512; do

@@ -55,6 +55,9 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path):
     r = json.loads(out.read_text())
     assert r["benchmark"] == "quantization" and r["preset"] == "tiny"
     assert r["command"].startswith("python benchmarks/quantization.py --tiny-cpu")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True,
+                          capture_output=True).stdout.strip()  # fmt: skip
+    assert head and r["code"].startswith(head[:7])  # the commit it was measured at
     bw = r["copy_bandwidth"]["bytes_per_s"]
     methods = r["methods"]
     assert list(methods) == ["float", "int4", "fp8"]
