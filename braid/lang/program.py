@@ -91,6 +91,15 @@ def _split_kwargs(
     return args, sampling
 
 
+def _refuse_inside_a_trace(what: str) -> None:
+    """A program run inside another's trace (a program that runs a program): the trace stops
+    there (`TraceError`), and nothing runs with placeholder arguments."""
+    from braid.lang.tracer import TRACING, TraceError
+
+    if TRACING.get() is not None:
+        raise TraceError(f"{what} inside a trace: a program run cannot be traced")
+
+
 class Program:
     """A braid program. Call it (or `run`) to run it once, `run_batch` to run many."""
 
@@ -104,9 +113,10 @@ class Program:
         self.arg_names = params[1:]
         self._takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
         self.sessions = True
-        # The backends (by id) whose first run has pre-computed the constant prefix, and the
-        # lock runs started alongside it wait on (they then hit the prefix in the cache).
-        self._precached: set[int] = set()
+        # The runtimes (`Backend.precache_key`) the program's first run has pre-computed its
+        # constant prefix on, and the lock runs started alongside it wait on (they then hit
+        # the prefix in the cache).
+        self._precached: set[object] = set()
         self._precache_lock = threading.Lock()
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
@@ -167,6 +177,7 @@ class Program:
         and not parameters of the program are defaults for every gen; the rest go to the
         program. With `stream=True` it returns at once; read the state with `text_iter()`.
         Raises `ProgramError` (with the failing program line) if a step fails."""
+        _refuse_inside_a_trace(f"{self.__name__}.run")
         b = resolve_backend(backend)
         prog_kwargs, sampling = self._split(kwargs)
         defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run").over(
@@ -229,6 +240,7 @@ class Program:
         in parallel; states in input order (with `generator_style`, yielded in order as they
         finish). The constant prefix the programs share is computed once before they start.
         A failed program's state raises its error when read (`state.error()` returns it)."""
+        _refuse_inside_a_trace(f"{self.__name__}.run_batch")
         items = self._as_kwargs(batch_kwargs)
         if not items:
             return iter(()) if generator_style else []
@@ -311,14 +323,27 @@ class Program:
         return prefix
 
     def _precache_once(self, backend: Backend) -> None:
-        """Before the program's first run on `backend`, compute the text every run starts
-        with (`cache`, every unbound argument unknown); runs started meanwhile wait for it,
-        later runs skip it."""
+        """Before the program's first run on `backend`'s runtime, compute the text every run
+        starts with (`cache`, every unbound argument unknown); runs started meanwhile wait for
+        it, later runs skip it. Not where the backend keeps no cache (`cache_prefix` is
+        Backend's no-op: tracing would run the body for nothing), nor inside a trace. A
+        failure is said at debug level and the run goes on (it is only a head start)."""
+        if type(backend).cache_prefix is Backend.cache_prefix:
+            return
+        from braid.lang.tracer import TRACING
+
+        if TRACING.get() is not None:
+            return
+        key = backend.precache_key
         with self._precache_lock:
-            if id(backend) in self._precached:
+            if key in self._precached:
                 return
-            self._precached.add(id(backend))
-            self.cache(backend)
+            try:
+                self.cache(backend)
+            except Exception as e:
+                logger.debug("%s: constant prefix not pre-computed (%r)", self.__name__, e)
+                return
+            self._precached.add(key)
 
     def constant_prefix(self, backend: Backend, unknown: set[str]) -> str:
         """The text every run starts with whatever the arguments in `unknown` are ("" if the

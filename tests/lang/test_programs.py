@@ -280,6 +280,40 @@ def test_untraceable_argument_fails_loudly():
     assert fstring.trace(name="Bob").nodes[0].node.value == "Hello Bob"
 
 
+def test_a_program_run_inside_a_trace_stops_the_trace_and_runs_nothing(backend):
+    """A program that runs a program: tracing it stops at the inner run (TraceError) without
+    running it, its constant prefix is the text before, and a program that runs itself
+    finishes (its first run's pre-computing of the prefix does not wait on itself)."""
+    ran = []
+
+    @sgl.function
+    def helper(s):
+        ran.append("helper")
+        s += "hi"
+
+    @sgl.function
+    def outer(s, q):
+        s += "System prompt. "
+        helper.run(backend=backend)
+        s += q
+
+    with pytest.raises(sgl.TraceError, match="helper.run inside a trace"):
+        outer.trace()
+    assert outer.constant_prefix(backend, {"q"}) == "System prompt. "
+    assert ran == []
+
+    @sgl.function
+    def recursive(s, q, depth=0):
+        s += "Think step by step. "
+        if depth < 1:  # the inner run happens while the outer's prefix is pre-computed
+            ran.append(recursive.run(q="inner", depth=depth + 1, backend=backend).text())
+        s += q
+
+    state = recursive.run(q="outer", backend=backend)
+    assert state.text() == "Think step by step. outer"
+    assert ran == ["Think step by step. inner"]
+
+
 def test_unknown_variable_is_a_clear_error(backend):
     @sgl.function
     def reads_missing(s):

@@ -396,6 +396,15 @@ def test_a_program_ended_with_requests_in_flight_ends_when_the_last_leaves():
     table.leave(b)
     assert table.stats()["programs_known"] == 0 and table.ended == 1
     assert not table.end("p") and not table.end("unknown")
+    # A request arriving after the end (not yet done) means the program goes on.
+    c, d = _req("c", program="q", position=0), _req("d", program="q", position=1)
+    table.arrive(c)
+    table.serve(c, 0, 40)
+    assert table.end("q")
+    table.arrive(d)
+    table.leave(c)
+    table.leave(d)
+    assert table.stats()["programs_known"] == 1 and table.service(d) == 40
 
 
 def test_closing_a_root_session_releases_its_forks_pins(tiny_model_dirs):
@@ -561,6 +570,37 @@ def test_a_calls_branches_are_admitted_together_or_wait_together(tiny_model_dirs
     for i in range(3):  # alone, three that cannot fit together still all run
         s.handle(GenerateReq(f"h/{i}", ids(100), sp, 0, session_id=f"g.{i}", program_position=2))
     assert set(run_to_end(s)) == {"h/0", "h/1", "h/2"}
+
+
+def test_pins_give_way_to_a_call_at_the_head_as_to_one_request(tiny_model_dirs):
+    """Two paused programs hold pins; a runner runs. A fork call of two branches that fits
+    only once the pins go is at the head of the order: the pins give way to it and both
+    branches go in together, in one step, beside the runner."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
+    rng = random.Random(3)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    sp = braid.SamplingParams(max_tokens=2, **GREEDY)
+    for session in ("x", "y"):
+        s.handle(GenerateReq(f"pin-{session}", ids(110), sp, 0, session_id=session))
+    run_to_end(s)
+    assert s.control("stats")["pinned_sessions"] == 2
+    s.handle(GenerateReq("runner", ids(100), braid.SamplingParams(max_tokens=60, **GREEDY), 0))
+    s.step()
+    for i in range(2):
+        s.handle(GenerateReq(f"g/{i}", ids(90), sp, 0, session_id=f"g.{i}", program_position=1))
+    branches = s.requests.view(ReqStatus.WAITING)
+    running = s.requests.view(ReqStatus.RUNNING)
+    assert not s.prefill.fits(180, running + branches)  # not without the pins' room
+    while {r.rid for r in s.requests.view(ReqStatus.WAITING)} == {"g/0", "g/1"}:
+        s.step()
+        s.check_invariants()
+    assert not s.requests.view(ReqStatus.WAITING)  # both went in, in one step ...
+    assert s.requests.get("runner") is not None  # ... beside the runner
+    assert s.control("stats")["pins_released_for_room"] >= 1
+    run_to_end(s)
 
 
 def test_a_calls_output_counts_once_all_its_requests_have_finished():

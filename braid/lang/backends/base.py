@@ -126,6 +126,12 @@ class Backend(ABC):
         """Release what the runtime keeps for `session`. Optional."""
         return None
 
+    @property
+    def precache_key(self) -> object:
+        """What names the runtime whose cache `cache_prefix` fills (a program pre-computes
+        its constant prefix once per runtime, whichever backend object reaches it)."""
+        return id(self)
+
     def end_program(self, program: str) -> None:
         """The program run `program` (a `Prompt.program` sent without a session) has ended:
         the runtime may forget it. Optional."""

@@ -54,6 +54,10 @@ class RuntimeEndpoint(Backend):
         self.program_ends = True
 
     @property
+    def precache_key(self) -> object:
+        return ("endpoint", self.base_url)
+
+    @property
     def role_template(self) -> RoleTemplate:
         return self._roles
 

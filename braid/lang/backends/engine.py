@@ -122,6 +122,10 @@ class EngineBackend(Backend):
         self._roles = role_template(llm.tokenizer)
 
     @property
+    def precache_key(self) -> object:
+        return ("engine", id(self.llm))
+
+    @property
     def role_template(self) -> RoleTemplate:
         return self._roles
 

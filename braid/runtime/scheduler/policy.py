@@ -5,20 +5,22 @@ prefix cache already holds, and defers a request that shares an uncached prefix 
 already in this batch, so the shared part is computed once (the first request computes and
 caches it; the deferred one hits it a step later). `fcfs` takes requests in arrival order.
 
-`program` orders by program (Autellix's least attained service): requests of the program
-that has received the least service so far come first, at a level of PROGRAM_LEVELS, so a
-short agent's next step is not stuck behind long ones; a request rises one level for every
-PROGRAM_AGING_S it waits (no starvation). Within a level, the program whose waiting request
-has the longest cached prefix goes first (the cache match as the tie-break: a program whose
-context is still cached costs only its new tokens, and running it before the cache loses that
-context saves computing it again), then the program that started waiting first. A program's
-waiting requests stay together, the longest cached prefix first, and the requests of one call
-(a fork's branches, a select's choices: same program, same position, `call_key`) are admitted
-as a gang, all in one step or none while anything else runs (`prefill.PrefillPlanner.
-_gang_fits`): the program's join waits for every branch, so a branch admitted alone only holds
-KV. It defers in-batch sharers as lpm does (a shared prefix not yet cached is computed once,
-by the first sharer), and unlike lpm it looks up every waiting request's prefix however long
-the queue.
+`program` orders by program (Autellix's least attained service): requests of the program that
+has received the least service so far come first, at a level of PROGRAM_LEVELS, so a short
+agent's next step is not stuck behind long ones; a request rises one level for every
+PROGRAM_AGING_S it waits (no starvation). Within a level, the program whose waiting request has
+the longest cached prefix goes first (the cache match as the tie-break: a program whose context
+is still cached costs only its new tokens, and running it before the cache loses that context
+saves computing it again), then the program that started waiting first. A program's waiting
+requests stay together, the longest cached prefix first, and the requests of one call (a fork's
+branches, a select's choices: same program, same position, `call_key`) are admitted as a gang:
+while anything else runs, they go in only when all of them fit (`PrefillPlanner.
+_gang_fits`; the pins give way to them as to one request at the head), since the
+program's join waits for every branch and a branch admitted alone only holds KV. The prefill
+budget, or a prefix they share that the cache does not hold yet (computed by the first, the
+others a step later), may still split their prefill over consecutive steps. It defers in-batch
+sharers as lpm does (a shared prefix not yet cached is computed once, by the first sharer), and
+unlike lpm it looks up every waiting request's prefix however long the queue.
 
 `program-srpt` orders by program too, by the work each program is predicted to ask for yet
 (shortest remaining first, which least attained service approximates without a prediction):

@@ -150,6 +150,7 @@ class PrefillPlanner:
         ordered = candidates(waiting, self.kv.cache, policy, self.reqs.programs, self.reqs.clock())
         gate = self._program_gate()
         gangs = gangs_of(ordered) if policy in PROGRAM_POLICIES else {}
+        heads: set[str] = set()  # the head gang's requests (admitted first this step)
         for cand in ordered:
             if len(running) + len(items) >= self.max_running:
                 break
@@ -160,8 +161,11 @@ class PrefillPlanner:
             if self._waits_to_start(cand, gate, busy=bool(items or running)):
                 continue
             gang = gangs.pop(call_key(cand.req), None)
-            if gang is not None and not self._gang_fits(gang, running, items):
-                break  # the call's requests wait together, as one request that does not fit
+            if gang is not None:
+                if not self._gang_fits(gang, running, items, head=not admitted):
+                    break  # the call's requests wait together, as one request that does not fit
+                if not admitted:  # the pins give way to each of them, as to the head
+                    heads = {c.req.rid for c in gang}
             req = cand.req
             # Match again: making room for earlier admissions may have evicted pages.
             match = None
@@ -191,7 +195,7 @@ class PrefillPlanner:
             # The pinned paths are walked only for a head that does not fit without them.
             head = (
                 not fits
-                and not admitted
+                and (not admitted or req.rid in heads)
                 and self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
             )
             idle = not (items or running)  # nothing else would free the room
@@ -217,12 +221,17 @@ class PrefillPlanner:
             if end < req.seq_len:
                 break  # one prompt between chunks at a time
 
-    def _gang_fits(self, gang: list[Candidate], running: list[Req], items: list) -> bool:
+    def _gang_fits(
+        self, gang: list[Candidate], running: list[Req], items: list, head: bool
+    ) -> bool:
         """Whether a call's waiting requests (a fork's branches, a select's choices: the
         program goes on only once all are done) may go in together: each prompt's uncached
-        pages, table rows and the decode reserve of all of them fit beside what runs and is
-        admitted, or nothing else runs (else nothing would free the room; they then go in as
-        far as they fit, pins giving way). The prefill budget may still split them over
+        pages (its cached prefix locked meanwhile: it is not room for itself), table rows and
+        the decode reserve of all of them fit beside what runs and is admitted, with the room
+        of the pins that would give way to them at the `head` of the order, or nothing else
+        runs (else nothing would free the room; they then go in as far as they fit). A shared
+        prefix the cache does not hold yet is counted once per request. The prefill budget,
+        or a shared prefix computed by the first of them, may still split their prefill over
         consecutive steps."""
         admitted = [r for r, _ in items]
         if not (running or admitted):
@@ -231,11 +240,28 @@ class PrefillPlanner:
             return False
         if self.kv.table.free_slots < len(gang):
             return False
-        alloc = self.kv.allocator
-        grow = sum(
-            alloc.pages_for(c.req.seq_len) - len(c.match.pages if c.match else []) for c in gang
-        )
-        return self.fits(grow, running + admitted + [c.req for c in gang])
+        cache, alloc = self.kv.cache, self.kv.allocator
+        matches = [
+            cache.match_prefix(c.req.cache_tokens(match_limit(c.req))) if c.use_cache else None
+            for c in gang
+        ]
+        grow = 0
+        for c, m in zip(gang, matches):
+            grow += alloc.pages_for(c.req.seq_len) - (len(m.pages) if m else 0)
+            if m is not None:
+                cache.lock(m.node)
+        try:
+            decoding = running + admitted + [c.req for c in gang]
+            if self.fits(grow, decoding):
+                return True
+            if not head:
+                return False
+            keep = self._pins_kept_from(gang[0])
+            return self.fits(grow, decoding, self.kv.sessions.releasable_pages(keep))
+        finally:
+            for m in matches:
+                if m is not None:
+                    cache.unlock(m.node)
 
     def _program_gate(self) -> list[int] | None:
         """Program admission, under program-srpt while programs hold pins: [programs under
@@ -337,7 +363,7 @@ class PrefillPlanner:
             return False
         req = cand.req
         gang = gangs_of(ordered).get(call_key(req)) if policy in PROGRAM_POLICIES else None
-        if gang is not None and not self._gang_fits(gang, running, []):
+        if gang is not None and not self._gang_fits(gang, running, [], head=True):
             return False
         cached, match = 0, None
         if cand.use_cache:

@@ -193,6 +193,7 @@ class ProgramTable:
             self._pauses.add(p.pauses[-1])
         p.in_flight += 1
         p.idle_since = None
+        p.ending = False  # a request after the end: the program goes on
         pos = req.program_position
         if pos is None or p.positions.get(req.session_id) != pos:
             p.calls += 1
@@ -325,8 +326,9 @@ class ProgramTable:
 
     def end(self, program_id: str) -> bool:
         """Forget a program (its root session was closed, or `end_program`), at once or, with
-        requests in flight (their aborts may still be on their way), when the last leaves;
-        whether it was known."""
+        requests in flight (their aborts may still be on their way), when the last leaves
+        (unless another arrives first: then it goes on); whether it was known and not told
+        already."""
         p = self._programs.get(program_id)
         if p is None or p.ending:
             return False

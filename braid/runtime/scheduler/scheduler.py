@@ -466,14 +466,15 @@ class Scheduler:
         return self.programs.infos(self.kv.pinned_by_program())
 
     def close_session(self, session: str) -> bool:
-        """Release `session`'s pin; whether it had one. Its program forgets the session;
-        closing a program's root session ends the program and releases its forks' pins too
-        (a client that closes only the root leaves none behind)."""
+        """Release `session`'s pin; whether a pin was released. Its program forgets the
+        session; closing a program's root session ends the program and releases its forks'
+        pins too (a client that closes only the root leaves none behind)."""
         self.programs.close_session(session)
+        forks = 0
         if "." not in session:
             self.programs.end(session)
-            self.kv.sessions.close_forks(session)
-        return self.kv.sessions.close(session)
+            forks = self.kv.sessions.close_forks(session)
+        return self.kv.sessions.close(session) or forks > 0
 
     def usage(self) -> dict[str, float]:
         graphs = self.runner.graph_runner

@@ -374,7 +374,7 @@ class CloseSessionRequest(_Body):
 
 
 class EndProgramRequest(_Body):
-    program_id: Annotated[Text, Field(min_length=1)]
+    program_id: Annotated[Text, Field(min_length=1, max_length=256)]
 
 
 class EmbeddingRequest(_Body):
