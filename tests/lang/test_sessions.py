@@ -140,10 +140,8 @@ def test_endpoint_program_calls_carry_their_positions_over_http(served):
     check_staged(state, programs())
 
 
-def test_a_program_without_sessions_is_still_one_program_to_the_scheduler(small_llm):
-    """With sessions off nothing is pinned, but every call carries the run's program id, so
-    the scheduler counts one program (for the program policies), which the run's end ends."""
-    from braid.lang.backends.engine import EngineBackend
+def three_calls_without_sessions(stats):
+    """A program of three dependent gens with sessions off, which keeps `stats()` after each."""
 
     @sgl.function
     def three_calls(s):
@@ -152,17 +150,31 @@ def test_a_program_without_sessions_is_still_one_program_to_the_scheduler(small_
             s += f"\nStep {k}:"
             s += sgl.gen(f"a{k}", max_tokens=2, temperature=0)
             s[f"a{k}"]
-            s.seen = getattr(s, "seen", []) + [small_llm.stats()]
+            s.seen = getattr(s, "seen", []) + [stats()]
 
     three_calls.sessions = False
-    before = small_llm.stats()
-    state = three_calls.run(backend=EngineBackend(small_llm))
-    for seen in state.seen:  # one program, known across its calls, nothing pinned
+    return three_calls
+
+
+def assert_one_program_ended(before: dict, state, after: dict) -> None:
+    """Across the run's calls the scheduler knew one more program, with nothing pinned, and
+    the run's end ended it."""
+    for seen in state.seen:
         assert seen["programs_known"] == before["programs_known"] + 1
         assert seen["pinned_sessions"] == 0
-    after = small_llm.stats()
     assert after["programs_ended"] == before["programs_ended"] + 1
     assert after["programs_known"] == before["programs_known"]
+
+
+def test_a_program_without_sessions_is_still_one_program_to_the_scheduler(small_llm):
+    """With sessions off nothing is pinned, but every call carries the run's program id, so
+    the scheduler counts one program (for the program policies), which the run's end ends."""
+    from braid.lang.backends.engine import EngineBackend
+
+    before = small_llm.stats()
+    program = three_calls_without_sessions(small_llm.stats)
+    state = program.run(backend=EngineBackend(small_llm))
+    assert_one_program_ended(before, state, small_llm.stats())
     assert_kv_all_free_or_cached(small_llm)
     # What the runtime takes: a position with a session or a program id; an id that is a
     # non-empty string.
@@ -178,26 +190,10 @@ def test_endpoint_program_without_sessions_is_one_program_ended_at_its_end(serve
     """Over HTTP with sessions off, every call carries the run's program_id: the server's
     scheduler knows one program across the run's calls, with nothing pinned, and the run's end
     (/end_program) ends it."""
-    url = served.url
 
     def stats() -> dict:
-        return httpx.get(f"{url}/get_server_info").json()["stats"]
+        return httpx.get(f"{served.url}/get_server_info").json()["stats"]
 
-    @sgl.function
-    def three_calls(s):
-        s += CONTEXT[:200]
-        for k in range(3):
-            s += f"\nStep {k}:"
-            s += sgl.gen(f"a{k}", max_tokens=2, temperature=0)
-            s[f"a{k}"]
-            s.seen = getattr(s, "seen", []) + [stats()]
-
-    three_calls.sessions = False
     before = stats()
-    state = three_calls.run(backend=sgl.RuntimeEndpoint(url))
-    for seen in state.seen:
-        assert seen["programs_known"] == before["programs_known"] + 1
-        assert seen["pinned_sessions"] == 0
-    after = stats()
-    assert after["programs_ended"] == before["programs_ended"] + 1
-    assert after["programs_known"] == before["programs_known"]
+    state = three_calls_without_sessions(stats).run(backend=sgl.RuntimeEndpoint(served.url))
+    assert_one_program_ended(before, state, stats())

@@ -244,23 +244,22 @@ class RuntimeEndpoint(Backend):
             if "." not in session:  # a run's root session names its program
                 self.end_program(session)
             return
-        try:
-            self._request("POST", "/close_session", {"session_id": session})
-        except ValueError as e:
-            if not _no_route(e):
-                raise
-            # A router: its workers let the pin expire (session_ttl_s).
-            self.sessions = False
+        if not self._post_routed("/close_session", {"session_id": session}):
+            self.sessions = False  # a router: its workers let the pin expire (session_ttl_s)
 
     def end_program(self, program: str) -> None:
-        if not self.program_ends:
-            return
-        try:
-            self._request("POST", "/end_program", {"program_id": program})
-        except ValueError as e:
-            if not _no_route(e):
-                raise
+        if self.program_ends and not self._post_routed("/end_program", {"program_id": program}):
             self.program_ends = False
+
+    def _post_routed(self, path: str, body: dict[str, Any]) -> bool:
+        """POST `body` to `path`; False where the server (a router) has no such route."""
+        try:
+            self._request("POST", path, body)
+        except ValueError as e:
+            if "404" not in str(e) and "Not Found" not in str(e):
+                raise
+            return False
+        return True
 
     def get_model_name(self) -> str:
         return self.info["model_path"]
@@ -274,11 +273,6 @@ class RuntimeEndpoint(Backend):
 
     def get_server_info(self) -> dict[str, Any]:
         return self._request("GET", "/get_server_info")
-
-
-def _no_route(e: ValueError) -> bool:
-    """Whether a 4xx was the server (a router) having no such route."""
-    return "404" in str(e) or "Not Found" in str(e)
 
 
 class Runtime:
