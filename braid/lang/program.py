@@ -326,13 +326,10 @@ class Program:
         """Before the program's first run on `backend`'s runtime, compute the text every run
         starts with (`cache`, every unbound argument unknown); runs started meanwhile wait for
         it, later runs skip it. Not where the backend keeps no cache (`cache_prefix` is
-        Backend's no-op: tracing would run the body for nothing), nor inside a trace. A
-        failure is said at debug level and the run goes on (it is only a head start)."""
+        Backend's no-op: tracing would run the body for nothing). (Never inside a trace: a run
+        there is refused first.) A failure is said at debug level and the run goes on (it is
+        only a head start)."""
         if type(backend).cache_prefix is Backend.cache_prefix:
-            return
-        from braid.lang.tracer import TRACING
-
-        if TRACING.get() is not None:
             return
         key = backend.precache_key
         with self._precache_lock:

@@ -226,8 +226,7 @@ class ProgramTable:
             p.idle_since = self.clock()
         p.peak = max(p.peak, req.seq_len)
         if p.ending and p.in_flight == 0:
-            del self._programs[p.id]
-            self._ended(p)
+            self._ended(self._programs.pop(p.id))
             return
         # What was computed of it (an aborted request's prompt may not have been), never the
         # last sample (whose KV only a step run ahead computes).
@@ -335,8 +334,7 @@ class ProgramTable:
         if p.in_flight:
             p.ending = True
             return True
-        del self._programs[program_id]
-        self._ended(p)
+        self._ended(self._programs.pop(program_id))
         return True
 
     def _ended(self, p: Program) -> None:
