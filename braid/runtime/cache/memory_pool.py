@@ -190,14 +190,17 @@ class ReqToTokenPool:
         # As `KVPool.journal`: every write, recorded for the other tensor-parallel ranks.
         self.journal: list[tuple] | None = None
 
-    def write(self, row: int, start: int, slots: Sequence[int] | torch.Tensor) -> None:
-        """Positions [start, start + len(slots)) of table row `row` hold `slots`."""
+    def write(
+        self, row: int, start: int, slots: Sequence[int], on_device: torch.Tensor | None = None
+    ) -> None:
+        """Positions [start, start + len(slots)) of table row `row` hold `slots`;
+        `on_device`: the same slots already on the table's device (a batch builder's packed
+        copy)."""
         if self.journal is not None:
-            host = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-            self.journal.append(("row", row, start, host))
-        if not isinstance(slots, torch.Tensor):
-            slots = to_device(list(slots), self.table.device)
-        self.table[row, start : start + len(slots)] = slots
+            self.journal.append(("row", row, start, list(slots)))
+        if on_device is None:
+            on_device = to_device(list(slots), self.table.device)
+        self.table[row, start : start + len(slots)] = on_device
 
     def write_at(
         self,
@@ -235,17 +238,29 @@ class SlotHolder(Protocol):
 
 
 def assign_slots(
-    req: SlotHolder, new_len: int, allocator: PageAllocator, table: ReqToTokenPool
+    req: SlotHolder,
+    new_len: int,
+    allocator: PageAllocator,
+    table: ReqToTokenPool | None,
 ) -> list[int]:
     """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
-    them in its row of the request-to-token table. The caller has made sure the pages are free.
-    `req` is anything holding KV this way: a scheduler request, a draft model's state."""
+    them in its row of the request-to-token table (unless `table` is None: the caller writes
+    them). The caller has made sure the pages are free. `req` is anything holding KV this way:
+    a scheduler request, a draft model's state."""
     ps = allocator.page_size
     need = allocator.pages_for(new_len) - len(req.pages)
     if need > 0:
         pages = allocator.alloc(need)
         assert pages is not None, "no free KV pages: the scheduler must make room first"
         req.pages.extend(pages)
-    slots = [req.pages[p // ps] * ps + p % ps for p in range(req.kv_len, new_len)]
-    table.write(req.pool_row, req.kv_len, slots)
+    slots = slots_of(req.pages, ps, req.kv_len, new_len)
+    if table is not None:
+        table.write(req.pool_row, req.kv_len, slots)
     return slots
+
+
+def slots_of(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
+    """The KV slots of positions [start, end) of a sequence holding `pages`."""
+    if page_size == 1:
+        return pages[start:end]
+    return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]

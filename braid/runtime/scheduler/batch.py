@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool, assign_slots
-from braid.runtime.forward_batch import ForwardBatch, ForwardMode, ImageSlice, to_device
+from braid.runtime.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    ImageSlice,
+    packed_to_device,
+    to_device,
+)
 from braid.runtime.scheduler.request import Req
 
 
@@ -62,7 +68,7 @@ def build_extend(
     pooling: list[tuple[Req, int, int]] = []
     for r, end in items:
         start = r.kv_len
-        locs += assign_slots(r, end, allocator, table)
+        locs += assign_slots(r, end, allocator, None)  # the table is written from the copy
         base = len(ids)
         seq = r.tokens(end)
         ids += seq[start:end]
@@ -90,16 +96,23 @@ def build_extend(
         sampling.append(r)
     reqs = [r for r, _ in items]
     ends = [end for _, end in items]
+    ids_t, pos_t, locs_t, rows_t, ends_t, logits_t = packed_to_device(
+        [ids, positions, locs, [r.pool_row for r in reqs], ends, logits_rows], device
+    )
+    done = 0
+    for r, start, n in zip(reqs, prefix_lens, extend_lens):
+        table.write(r.pool_row, start, locs[done : done + n], on_device=locs_t[done : done + n])
+        done += n
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=to_device(ids, device),
-        positions=to_device(positions, device),
-        out_cache_loc=to_device(locs, device),
-        req_pool_indices=to_device([r.pool_row for r in reqs], device),
-        seq_lens=to_device(ends, device),
+        input_ids=ids_t,
+        positions=pos_t,
+        out_cache_loc=locs_t,
+        req_pool_indices=rows_t,
+        seq_lens=ends_t,
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
-        logits_indices=to_device(logits_rows, device),
+        logits_indices=logits_t,
         images=images,
         mrope_positions=_mrope_positions(items, device),
         capture_hidden=bool(pooling),
@@ -158,18 +171,12 @@ def build_decode(
         positions.append(pos)
         locs.append(r.pages[pos // ps] * ps + pos % ps)
         deltas.append(r.rope_delta)
-    # One copy to the device for the vectors (M-RoPE deltas only when some request has one),
-    # each starting 16 bytes apart: Triton specialises kernels on their pointers' alignment,
-    # so views at odd offsets would compile second variants for odd batch sizes.
+    # One copy to the device for the vectors (M-RoPE deltas only when some request has one).
     n = len(reqs)
-    m = n + (n & 1)
-    pad = [0] * (m - n)
     shifted = any(deltas)
-    packed = to_device(
-        rows + pad + positions + pad + locs + pad + (deltas if shifted else []), device
-    )
-    rows_t, pos_t, locs_t = packed[:n], packed[m : m + n], packed[2 * m : 2 * m + n]
-    rope_t = pos_t + packed[3 * m :] if shifted else pos_t
+    vectors = packed_to_device([rows, positions, locs] + ([deltas] if shifted else []), device)
+    rows_t, pos_t, locs_t = vectors[:3]
+    rope_t = pos_t + vectors[3] if shifted else pos_t
     table.write_at(rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
     ends, last_rows = [p + 1 for p in positions], list(range(n))
     host = {

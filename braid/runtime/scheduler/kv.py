@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
-from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
+from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool, slots_of
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
 from braid.runtime.scheduler.programs import program_of
 from braid.runtime.scheduler.request import Req
@@ -177,10 +175,8 @@ class KVManager:
         self.allocator.free(req.pages[keep:])
         del req.pages[keep:]
 
-    def _slots(self, pages: list[int]) -> torch.Tensor:
-        ps = self.page_size
-        p = torch.tensor(pages, dtype=torch.int64)
-        return (p[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+    def _slots(self, pages: list[int]) -> list[int]:
+        return slots_of(pages, self.page_size, 0, len(pages) * self.page_size)
 
     # ---- the pool as a whole --------------------------------------------------------------
     def usage(self) -> dict[str, float]:

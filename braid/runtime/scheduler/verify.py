@@ -14,7 +14,7 @@ import torch
 
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
 from braid.runtime.executor.sampler import SamplingInput
-from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, packed_to_device
 from braid.runtime.scheduler.batch import StepPlan
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.request import Req
@@ -170,15 +170,15 @@ def _tree_plan(reqs, drafts, allocator, table, device, common) -> VerifyPlan:
             prefix.append(row_prefix[n + 1])
             tails.append(row_tails[n + 1] + [0] * (depth - len(row_tails[n + 1])))
     k = len(ids)
-    packed = to_device(pool_rows + positions + locs + rope + ids + prefix, device)
-    tail = to_device([s for t in tails for s in t], device).view(k, depth)
-    rows_t, pos_t = packed[:k], packed[k : 2 * k]
-    prefix_t = packed[5 * k :]
+    rows_t, pos_t, locs_t, rope_t, ids_t, prefix_t, tail = packed_to_device(
+        [pool_rows, positions, locs, rope, ids, prefix, [s for t in tails for s in t]], device
+    )
+    tail = tail.view(k, depth)
     batch = ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=packed[4 * k : 5 * k],
-        positions=packed[3 * k : 4 * k],
-        out_cache_loc=packed[2 * k : 3 * k],
+        input_ids=ids_t,
+        positions=rope_t,
+        out_cache_loc=locs_t,
         req_pool_indices=rows_t,
         seq_lens=pos_t + 1,
         prefix_lens=positions,
