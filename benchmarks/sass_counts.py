@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +43,7 @@ _INSTR = re.compile(
 )
 
 
-def _build_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages):
+def _build_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages=1):
     """`fn` compiled for sm_90 (`.asm` holds its PTX and cubin), `divisible` arguments marked
     16-divisible."""
     import triton
@@ -58,9 +59,22 @@ def _build_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], war
 
 def compile_sm90(fn, signature: dict, constexprs: dict, divisible: list[str], warps: int, stages=1):
     """(SASS text, registers, spill stores) of `fn` compiled for sm_90."""
+    return disassemble(_build_sm90(fn, signature, constexprs, divisible, warps, stages))
+
+
+def compile_all(jobs: list[tuple]) -> list[tuple[str, int | None, int]]:
+    """`compile_sm90(*job)` of each job, in order: built one after another (Triton's compiler
+    is not for threads), disassembled two at a time (cuobjdump, a few tenths of a second a
+    kernel, runs outside the GIL)."""
+    kernels = [_build_sm90(*job) for job in jobs]
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(disassemble, kernels))
+
+
+def disassemble(kernel) -> tuple[str, int | None, int]:
+    """(SASS text, registers, spill stores) of a kernel `_build_sm90` built."""
     import triton
 
-    kernel = _build_sm90(fn, signature, constexprs, divisible, warps, stages)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -254,7 +268,7 @@ def pdl_rows() -> list[dict]:
     from braid.kernels.norm import _rmsnorm_kernel
     from braid.kernels.quant_gemv import _fp8_gemv_kernel, _int8_gemv_kernel
 
-    rows = []
+    jobs: list[tuple[str, tuple]] = []  # (row label, compile_sm90's arguments)
     plain = {"ACT": False, "NORM": False, "HAS_RESIDUAL": False, "NORM_BLOCK": 1}
     norm = {"ACT": False, "NORM": True, "HAS_RESIDUAL": True, "NORM_BLOCK": 4096}
     gemvs = [
@@ -269,8 +283,7 @@ def pdl_rows() -> list[dict]:
             values |= {"PDL": on, "PREFETCH_LINES": 2, "SPLITS_FIRST": False, "ZERO_LAST": False}
             values |= {"X_PACKED": False}
             values |= extra
-            sass, _, _ = compile_sm90(fn, *_int4_signature(fn, values), 4)
-            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
+            jobs.append((f"{name} pdl={on}", (fn, *_int4_signature(fn, values), 4)))
     bf16 = "*bf16"
     byte_pointers = {"X": bf16, "Scales": "*fp32", "Bias": bf16, "Out": bf16}
     byte_pointers |= {"Partials": "*fp32", "Counters": "*i32"}
@@ -285,8 +298,7 @@ def pdl_rows() -> list[dict]:
             values |= {"STAGES": 3, "PDL": on, "PREFETCH_LINES": 4, "SPLITS_FIRST": False}
             values |= extra
             sig, consts = _signature(fn, pointers, values)
-            sass, _, _ = compile_sm90(fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)
-            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
+            jobs.append((f"{name} pdl={on}", (fn, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4)))
     from braid.kernels.skinny_gemm import _skinny_gemm_kernel
 
     skinny_pointers = {"X": bf16, "W": bf16, "Bias": bf16, "Out": bf16, "NormW": bf16}
@@ -299,8 +311,7 @@ def pdl_rows() -> list[dict]:
             values |= {"NORM_BLOCK": 4096 if one_row else 1, "PDL": on}
             sig, consts = _signature(_skinny_gemm_kernel, skinny_pointers, values)
             div = [*skinny_pointers, "K", "stride_wn"]
-            sass, _, _ = compile_sm90(_skinny_gemm_kernel, sig, consts, div, 4)
-            rows.append({"kernel": f"{name} pdl={on}"} | pdl_order(sass))
+            jobs.append((f"{name} pdl={on}", (_skinny_gemm_kernel, sig, consts, div, 4)))
     norm_pointers = {"X": bf16, "Residual": bf16, "W": bf16, "Out": bf16, "NewResidual": bf16}
     triggers = [
         (_rmsnorm_kernel, norm_pointers,
@@ -312,8 +323,9 @@ def pdl_rows() -> list[dict]:
     ]  # fmt: skip
     for fn, pointers, values, warps, name in triggers:
         sig, consts = _signature(fn, pointers, values | {"TRIGGER": True})
-        sass, _, _ = compile_sm90(fn, sig, consts, list(pointers), warps)
-        rows.append({"kernel": f"{name} trigger=True"} | pdl_order(sass))
+        jobs.append((f"{name} trigger=True", (fn, sig, consts, list(pointers), warps)))
+    built = compile_all([job for _, job in jobs])
+    rows = [{"kernel": label} | pdl_order(sass) for (label, _), (sass, _, _) in zip(jobs, built)]
     for row in rows:
         print(json.dumps(row))
     return rows
@@ -333,20 +345,20 @@ def fp8_rows() -> list[dict]:
     bf16 = "*bf16"
     pointers = {"X": bf16, "W": "*fp8e4nv", "Scales": "*fp32", "Bias": bf16, "Out": bf16}
     pointers |= {"Partials": "*fp32", "Counters": "*i32", "XQ": "*fp8e4nv", "XS": "*fp32"}
-    rows = []
+    jobs, cases = [], []
     for bn, bk, split, dot in FP8:
         for ahead in (False, True):
             values = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "HAS_BIAS": False}
             values |= {"STAGES": 3, "PDL": False, "PREFETCH_LINES": 1, "SPLITS_FIRST": False}
             values |= {"X_BLOCK": 4096, "DOT": dot, "X_AHEAD": ahead}
             sig, consts = _signature(_fp8_gemv_kernel, pointers, values)
-            sass, regs, spills = compile_sm90(
-                _fp8_gemv_kernel, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4, 3
-            )
-            label = f"fp8{' dot' if dot else ''}{' codes ahead' if ahead else ''} {bn}x{bk}"
-            row = _row(label, sass, regs, spills, "per_weight", bn * bk, 128)
-            row["kernel_instructions"] = len(_INSTR.findall(sass))
-            rows.append(row)
+            jobs.append((_fp8_gemv_kernel, sig, consts, [*pointers, "K", "SPLIT_LEN"], 4, 3))
+            cases.append((f"fp8{' dot' if dot else ''}{' codes ahead' if ahead else ''}", bn, bk))
+    rows = []
+    for (label, bn, bk), (sass, regs, spills) in zip(cases, compile_all(jobs)):
+        row = _row(f"{label} {bn}x{bk}", sass, regs, spills, "per_weight", bn * bk, 128)
+        row["kernel_instructions"] = len(_INSTR.findall(sass))
+        rows.append(row)
     return rows
 
 
