@@ -36,8 +36,18 @@
 #   part 9 (seventeenth session): every GPU test of quantization (the GEMVs and GEMMs, the
 #          methods' layers and greedy tokens, GGUF), part 7's two among them now that the
 #          GEMVs they compare run the same launch shapes (tests/conftest.py: same_launch_shapes)
+#   part 10 (eighteenth session, issue 21: the 8k prefill step's GPU idled about 4 ms between
+#          eight small host-to-device copies): the step path's GPU tests, then the prefill
+#          step (gpu_step.py --extend 1x8192) and the 8k prefill end to end (gpu.py prefill),
+#          each run by the code before (OLD: `git archive --format=tar.gz -o
+#          .gpu/old_acfe7aa.tgz acfe7aa braid benchmarks/configs benchmarks/*.py`, carried with
+#          .gpu) and after an extend's vectors were copied once (batch.py: packed_to_device),
+#          then batch-1 decode
+#   part 11 (issue 23: the H200 agent runs predate later scheduler changes): agents.py, the
+#          heavy-tailed mix at 32/s, lpm against program-srpt (no pins), two rounds; needs
+#          the SmolLM2 tokenizer carried as .gpu/tok (AutoTokenizer.save_pretrained)
 set -u
-part=${1:?part 1 to 9}
+part=${1:?part 1 to 11}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -63,6 +73,30 @@ if [ "$part" = 9 ]; then
         --durations=15 tests/kernels/test_quant_gemv.py tests/kernels/test_quant_gemm.py \
         tests/kernels/test_gguf_gemm.py tests/runtime/test_quantization.py \
         tests/runtime/test_gguf.py tests/runtime/test_kv_cache_fp8.py
+fi
+if [ "$part" = 10 ]; then
+    TAIL=8 step 230 pytest_step_path python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/runtime/test_cuda_graph.py tests/runtime/test_overlap.py \
+        tests/runtime/test_speculative.py tests/runtime/test_constrained.py
+    pack
+    old=${OLD:?OLD: the archive of the code before}
+    mkdir -p /tmp/old && tar xzf "$old" -C /tmp/old
+    # Old and new one after the other, twice (the old tree's scripts put it first on sys.path).
+    for round in 1 2; do
+        for code in old new; do
+            dir=$PWD; [ "$code" = old ] && dir=/tmp/old
+            (cd "$dir" && TAIL=3 step 70 "extend_1x8192_${code}_$round" \
+                python benchmarks/gpu_step.py --extend 1x8192 \
+                --out "$OUT/r/gpu_step_extend_1x8192_${code}_${round}_cuda.json")
+        done
+    done
+    pack
+    for code in old new; do
+        dir=$PWD; [ "$code" = old ] && dir=/tmp/old
+        (cd "$dir" && TAIL=4 step 100 "prefill_$code" python benchmarks/gpu.py prefill \
+            --skip-hf --repeats 5 --out "$OUT/r/gpu_prefill_${code}_cuda.json")
+        pack
+    done
 fi
 if [ "$part" = 2 ]; then
     for shape in 1x8192 16x512; do
@@ -120,6 +154,15 @@ if [ "$part" = 8 ]; then
             --out "$OUT/r/gpu_step_${method}_fused_cuda.json"
         pack
     done
+fi
+if [ "$part" = 10 ]; then
+    TAIL=14 step 90 gpu_decode python benchmarks/gpu.py decode --skip-hf \
+        --out "$OUT/r/gpu_decode_cuda.json"
+fi
+if [ "$part" = 11 ]; then
+    TAIL=12 step 560 agents_heavy_srpt python benchmarks/agents.py --gpu-config llama-3.1-8b \
+        --tokenizer .gpu/tok --programs 256 --kv-tokens 4096 --mix heavy --rates 32 \
+        --setups lpm,program-srpt --repeats 2 --out "$OUT/r/agents_heavy_srpt_again_cuda.json"
 fi
 kill "$smi"
 pack
