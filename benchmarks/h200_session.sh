@@ -2,8 +2,9 @@
 # The H200 session of 2026-12-05 (fifteenth), in calls that fit the device tool's 10-minute
 # limit; logs go to $OUT, JSON to $OUT/r. Run from the repository root after `source
 # .whl/install.sh`, carrying .whl (../shared/device/wheelhouse.sh .whl nvidia-ml-py requests
-# pillow, then the image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe
-# filelock cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
+# pillow xgrammar (the CUDA grammar default: without it the grammar GPU tests fail), then the
+# image's own packages deleted: sympy mpmath networkx fsspec jinja2 markupsafe filelock
+# cuda_bindings cuda_pathfinder protobuf kernels hf_xet pyyaml regex packaging tqdm).
 # Earlier sessions' parts are in this file's git history (the fourteenth's: 3f98ebf).
 #   part 1 (issue 21: offline at 0.60 of the bound; two streams overlapped nothing in the
 #          fourteenth session): decode's attention and GEMMs at batch 1024 as two lanes, one
