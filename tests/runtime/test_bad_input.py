@@ -56,6 +56,9 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         (["hello"], SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
         (["a", "b"], [SamplingParams()], "sampling_params"),
         ([3.5], None, "prompt 0"),
+        ([[1, 2.0, 3]], None, "token ids must be integers"),
+        ([[1, True, 3]], None, "token ids must be integers"),
+        ([{"prompt_token_ids": [1, "2"]}], None, "token ids must be integers"),
     ],
 )
 def test_bad_requests_fail_cleanly_and_engine_keeps_serving(smollm2, prompts, params, match):

@@ -269,7 +269,8 @@ class RadixCache(PrefixCache):
                 child = self._split(child, m)
             child.last_access = now
             offered = pages[pos // ps : pos // ps + m]
-            duplicates += [p for p, q in zip(offered, child.pages) if p != q]
+            if offered != child.pages:  # mostly equal: the inserter matched these pages
+                duplicates += [p for p, q in zip(offered, child.pages) if p != q]
             pos += m * ps
             node = child
         return duplicates
