@@ -191,13 +191,20 @@ class ReqToTokenPool:
         self.journal: list[tuple] | None = None
 
     def write(
-        self, row: int, start: int, slots: Sequence[int], on_device: torch.Tensor | None = None
+        self,
+        row: int,
+        start: int,
+        slots: Sequence[int] | torch.Tensor,
+        on_device: torch.Tensor | None = None,
     ) -> None:
         """Positions [start, start + len(slots)) of table row `row` hold `slots`;
         `on_device`: the same slots already on the table's device (a batch builder's packed
-        copy)."""
+        copy). A list goes to the device through pinned memory (`to_device`)."""
+        if isinstance(slots, torch.Tensor):
+            on_device = slots
         if self.journal is not None:
-            self.journal.append(("row", row, start, list(slots)))
+            host = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+            self.journal.append(("row", row, start, host))
         if on_device is None:
             on_device = to_device(list(slots), self.table.device)
         self.table[row, start : start + len(slots)] = on_device
