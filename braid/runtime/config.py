@@ -429,10 +429,11 @@ class EngineConfig:
                 "EAGLE",
                 "EAGLE3",
             )
-            if (decodes or drafts) and self.speculative_tree_nodes:
+            if (decodes or drafts) and self.speculative_tree_nodes and self.page_size != 1:
                 raise ValueError(
-                    f"{name} 'flashinfer' does not read draft-tree tails: speculative trees "
-                    "(speculative_eagle_topk > 1) need 'triton' or 'torch_native'"
+                    f"{name} 'flashinfer' reads draft-tree tails (speculative_eagle_topk > 1) "
+                    f"at page_size 1, not {self.page_size}: use page_size 1, or 'triton' or "
+                    "'torch_native'"
                 )
             if self.kv_cache_dtype != "auto":
                 raise ValueError(

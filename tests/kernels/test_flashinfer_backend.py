@@ -245,6 +245,76 @@ def test_padded_decode_through_the_plan_keeps_real_rows_and_finite_padding():
     assert bool(torch.isfinite(got[n:]).all())
 
 
+def tree_batch(s: Pool, rng: random.Random, depth: int = 3) -> ForwardBatch:
+    """A draft-tree decode over `s` (page size 1), as `build_verify` lays one out: two rows a
+    request, each reading its table row's first P slots, then a branch of up to `depth` fresh
+    slots (the two branches share their first slot: a common ancestor), its own last, which
+    the row's forward writes."""
+    dev = s.table.table.device
+    free = s.pool.allocator.alloc(2 * depth * len(s.rows))
+    rows, prefix, tails, lens = [], [], [], []
+    for row, p, n in zip(s.rows, s.prefix, s.extend):
+        keep = rng.randint(1, p + n)  # the verified prefix
+        shared = free.pop()
+        for _ in range(2):
+            # At least one slot past the shared one: each row writes a slot of its own.
+            tail = [shared] + [free.pop() for _ in range(rng.randint(1, depth - 1))]
+            rows.append(row)
+            prefix.append(keep)
+            tails.append(tail + [0] * (depth - len(tail)))
+            lens.append(keep + len(tail))
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(len(rows), dtype=torch.int64, device=dev),
+        positions=torch.tensor([n - 1 for n in lens], device=dev),
+        out_cache_loc=torch.tensor(
+            [t[n - k - 1] for t, n, k in zip(tails, lens, prefix)], device=dev
+        ),
+        req_pool_indices=torch.tensor(rows, device=dev),
+        seq_lens=torch.tensor(lens, device=dev),
+        prefix_lens=[n - 1 for n in lens],
+        extend_lens=[1] * len(rows),
+        logits_indices=torch.arange(len(rows), device=dev),
+        tree_prefix=torch.tensor(prefix, device=dev),
+        tree_tail=torch.tensor(tails, device=dev),
+    )
+
+
+def test_draft_tree_rows_through_the_plan_equal_torch_native():
+    """A tree decode's rows through the plan's pages (page size 1: a branch's slots are its
+    pages) give torch_native's output, which reads the same tails; at larger pages the plan
+    refuses the tails."""
+    heads, kv_heads, dim = 4, 2, 16
+    rng = random.Random(21)
+    g = torch.Generator().manual_seed(21)
+    checked = 0
+    for _ in range(4):
+        s = random_pool(rng, 1, torch.float32, torch.device("cpu"), kv_heads, dim)
+        native = TorchNativeBackend(s.pool, s.table, heads, kv_heads, dim)
+        batch = tree_batch(s, rng)
+        q, k, v = _qkv(batch.batch_size, heads, kv_heads, dim, torch.float32, "cpu", g)
+        native.init_forward_metadata(batch)
+        want = native.forward(q, k, v, 0, batch).view(-1, heads, dim)  # stores k, v too
+        kv_lens = batch.seq_lens.tolist()
+        tree = (batch.tree_prefix, batch.tree_tail)
+        plan = plan_paged_kv(s.table, batch.req_pool_indices, kv_lens, 1, tree=tree)
+        for i, (p, n) in enumerate(zip(batch.tree_prefix.tolist(), kv_lens)):
+            pages = plan.indices[plan.indptr[i] : plan.indptr[i + 1]].tolist()
+            row = batch.req_pool_indices[i]
+            assert pages == s.table.table[row, :p].tolist() + batch.tree_tail[i, : n - p].tolist()
+            checked += n > p
+        got = attention_through_plan(
+            q, s.pool.k[0], s.pool.v[0], plan, [1] * batch.batch_size, 1, dim**-0.5
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # Without the tails, the rows would read their table rows' slots instead: different.
+        plain = plan_paged_kv(s.table, batch.req_pool_indices, kv_lens, 1)
+        assert not torch.equal(plain.indices, plan.indices)
+    assert checked > 0
+    with pytest.raises(ValueError, match="at page size 1, not 16"):
+        plan_paged_kv(s.table, batch.req_pool_indices, kv_lens, 16, tree=tree)
+
+
 def test_window_left_counts_the_querys_own_key():
     assert window_left(None) == -1
     assert window_left(1) == 0  # a window of one key: the query's own
@@ -497,6 +567,63 @@ def test_flashinfer_decode_through_a_cuda_graph_equals_eager(page_size):
         assert bool(torch.isfinite(out[n:]).all())
 
 
+@pytest.mark.gpu
+@needs_flashinfer
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (8, 8, 64)])
+def test_flashinfer_reads_draft_tree_tails_eager_and_through_a_cuda_graph(heads, kv_heads, dim):
+    """Tree rows (`tree_batch`) through FlashInfer's decode equal torch_native's on the same
+    pool, eager and replayed from a graph captured over padding rows; at page size 16 the
+    backend refuses the tails."""
+    rng, dev, dtype = random.Random(5), torch.device("cuda"), torch.bfloat16
+    s = random_pool(rng, 1, dtype, dev, kv_heads, dim)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+    native = TorchNativeBackend(s.pool, s.table, heads, kv_heads, dim)
+    eager = create_backend("flashinfer", kv_pool=s.pool, req_to_token=s.table, **kw)
+    graphed = create_backend("flashinfer", kv_pool=s.pool, req_to_token=s.table, **kw)
+    for b in (eager, graphed):
+        b.enable_tree_tails(3)
+    bs = 16
+    graphed.init_cuda_graph_state(bs)
+    static_q = torch.zeros(bs, heads, dim, dtype=dtype, device=dev)
+    static_k = torch.zeros(bs, kv_heads, dim, dtype=dtype, device=dev)
+    static_v = torch.zeros_like(static_k)
+    static = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+        positions=torch.zeros(bs, dtype=torch.int64, device=dev),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=dev),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+        seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+        prefix_lens=[0] * bs,
+        extend_lens=[1] * bs,
+        logits_indices=torch.arange(bs, device=dev),
+    )
+    graphed.init_forward_metadata_capture_cuda_graph(static)
+    graphed.forward(static_q, static_k, static_v, 0, static)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = graphed.forward(static_q, static_k, static_v, 0, static)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batch = tree_batch(s, rng)
+    n = batch.batch_size
+    q, k, v = _qkv(n, heads, kv_heads, dim, dtype, "cuda", g)
+    native.init_forward_metadata(batch)
+    want = native.forward(q, k, v, 0, batch)  # stores k, v
+    eager.init_forward_metadata(batch)
+    got = eager.forward(q, k, v, 0, batch)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    static_q[:n], static_k[:n], static_v[:n] = q, k, v
+    static.out_cache_loc[:n] = batch.out_cache_loc
+    graphed.init_forward_metadata_replay_cuda_graph(batch, bs)
+    graph.replay()
+    torch.testing.assert_close(out[:n].float(), want.float(), atol=2e-2, rtol=2e-2)
+    paged = random_pool(rng, 16, dtype, dev, kv_heads, dim)
+    fi16 = create_backend("flashinfer", kv_pool=paged.pool, req_to_token=paged.table, **kw)
+    with pytest.raises(ValueError, match="at page_size 1, not 16"):
+        fi16.enable_tree_tails(3)
+
+
 def _tiny_llama_head_dim_64(path):
     import transformers as tf
 
@@ -567,11 +694,21 @@ def test_runtime_through_flashinfer_and_cuda_graphs_gives_transformers_greedy_to
         ),
     ],
 )
-def test_draft_trees_with_flashinfer_are_refused_at_configuration(backends, refused):
+def test_draft_trees_with_flashinfer_are_refused_at_configuration_past_page_size_1(
+    backends, refused
+):
     trees = dict(
         speculative_algorithm="EAGLE",
         speculative_draft_model_path="/nonexistent",
         speculative_eagle_topk=2,
     )
-    with pytest.raises(ValueError, match=rf"{refused} 'flashinfer' does not read draft-tree"):
-        EngineConfig(device="cpu", **backends, **trees)
+    with pytest.raises(
+        ValueError, match=rf"{refused} 'flashinfer' reads draft-tree tails .* not 16"
+    ):
+        EngineConfig(device="cpu", page_size=16, **backends, **trees)
+    # At page size 1 the trees are read: only a missing package is refused.
+    if HAS_FLASHINFER:
+        EngineConfig(device="cpu", page_size=1, **backends, **trees)
+    else:
+        with pytest.raises(ValueError, match="needs the flashinfer-python package"):
+            EngineConfig(device="cpu", page_size=1, **backends, **trees)

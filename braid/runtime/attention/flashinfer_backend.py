@@ -28,8 +28,12 @@ itself is imported only when a backend is built.
 
 Supported: CUDA, float16 / bfloat16 KV (FlashInfer has no float32 kernels), head dims 64, 128
 and 256, any page size, sliding windows (`window_left = sliding_window - 1`: braid's window
-counts the query's own key), decode CUDA graphs. Draft-tree tails (speculative decoding with
-trees) are refused: `EngineConfig` refuses the combination at construction.
+counts the query's own key), decode CUDA graphs, and draft-tree tails (speculative decoding
+with trees) at page size 1: a tree row's keys are its table row's first `tree_prefix` slots,
+then the slots of its branch (`ForwardBatch.tree_tail`), and at page size 1 a slot is a page,
+so the row's page list is just those slots (`plan_paged_kv(tree=...)`), read by the plain
+decode kernel. At larger pages a branch's slots are not whole pages: refused, as
+`EngineConfig` refuses the combination at construction.
 """
 
 from __future__ import annotations
@@ -128,9 +132,12 @@ def plan_paged_kv(
     *,
     pad_rows: int = 0,
     out: torch.Tensor | None = None,
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PagedKVPlan:
     """The pages of each request: row `req_pool_indices[i]` of `table`, positions
     0..kv_lens[i]-1. Then `pad_rows` padding rows of one key each (`PAD_PAGE`, length 1).
+    `tree`: a draft-tree decode's (`tree_prefix`, `tree_tail`), device tensors: row i's
+    positions from `tree_prefix[i]` on are the slots `tree_tail[i]` lists (page size 1 only).
 
     The indices are gathered on the device without a host synchronisation (the lengths are
     host values); `out`, an int32 device buffer, receives them in its first entries (a CUDA
@@ -143,6 +150,8 @@ def plan_paged_kv(
         raise ValueError(f"every row attends at least one key, got lengths {kv_lens}")
     if pad_rows < 0:
         raise ValueError(f"pad_rows must be >= 0, got {pad_rows}")
+    if tree is not None and page_size != 1:
+        raise ValueError(f"draft-tree tails are read at page size 1, not {page_size}")
     counts = [-(-k // page_size) for k in kv_lens]
     indptr = [0]
     for c in counts + [1] * pad_rows:
@@ -168,6 +177,10 @@ def plan_paged_kv(
         first = torch.cumsum(counts_t, 0) - counts_t  # each row's first entry
         page_no = torch.arange(real, device=device) - first[row_of]
         slots = table.table[req_pool_indices[row_of], page_no * page_size]
+        if tree is not None:  # past a row's prefix, its branch's slots
+            prefix, tail = tree[0][row_of], tree[1][row_of]
+            at = (page_no - prefix).clamp(0, tail.shape[1] - 1)
+            slots = torch.where(page_no < prefix, slots, tail.gather(1, at[:, None])[:, 0])
         indices[:real] = torch.div(slots, page_size, rounding_mode="floor")
     indices[real:] = PAD_PAGE
     return PagedKVPlan(
@@ -322,16 +335,24 @@ class FlashInferBackend(AttentionBackend):
         return self.req_to_token.table.device
 
     def enable_tree_tails(self, depth: int) -> None:
-        """Refused: FlashInfer's kernels read a row's pages, not a draft branch after them."""
-        raise ValueError(
-            "attention backend 'flashinfer' does not read draft-tree tails (speculative "
-            "decoding with speculative_eagle_topk > 1): use 'triton' for decode, or chains"
-        )
+        """Draft-tree tails are read as page lists (module docstring): at page size 1 only,
+        and not with a sliding window (`AttentionBackend`'s refusal)."""
+        super().enable_tree_tails(depth)
+        if self.page_size != 1:
+            raise ValueError(
+                "attention backend 'flashinfer' reads draft-tree tails (speculative decoding "
+                f"with speculative_eagle_topk > 1) at page_size 1, not {self.page_size}: a "
+                "branch's slots are not whole pages (or use 'triton' for decode)"
+            )
 
     def _kv_lens(self, batch: ForwardBatch) -> list[int]:
-        if batch.tree_prefix is not None:
-            self.enable_tree_tails(0)  # raises: a tree batch cannot be read here
         return [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
+
+    def _tree(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if batch.tree_prefix is None:
+            return None
+        self.enable_tree_tails(0)  # refuses what cannot be read
+        return batch.tree_prefix, batch.tree_tail
 
     def _planning(self, wrapper: Any) -> None:
         """Before re-planning `wrapper`: wait until the device has taken its last plan.
@@ -369,7 +390,9 @@ class FlashInferBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         kv_lens = self._kv_lens(batch)
         table = self.req_to_token
-        plan = plan_paged_kv(table, batch.req_pool_indices, kv_lens, self.page_size)
+        plan = plan_paged_kv(
+            table, batch.req_pool_indices, kv_lens, self.page_size, tree=self._tree(batch)
+        )
         if batch.mode is ForwardMode.DECODE:
             self._plan_decode(self._decode, plan)
             batch.attn_metadata = _Meta(self._decode, plan)
@@ -482,6 +505,7 @@ class FlashInferBackend(AttentionBackend):
             self.page_size,
             pad_rows=bs - n,
             out=g.indices,
+            tree=self._tree(batch),
         )
         self._plan_decode(wrapper, plan)
         batch.attn_metadata = _Meta(wrapper, plan)
