@@ -634,29 +634,49 @@ def _tiny_llama_head_dim_64(path):
     return model.eval()
 
 
+# How the runtime runs FlashInfer: both phases, at two page sizes; with decode rows mixed into
+# prefill steps (FlashInfer's prefill wrapper takes them); FlashInfer prefill beside Triton
+# decode over one pool. (The last two were added 2026-12-06 and have not run on a GPU yet.)
+RUNTIME_SETUPS = {
+    "page 1": dict(attention_backend="flashinfer", page_size=1),
+    "page 16": dict(attention_backend="flashinfer", page_size=16),
+    "mixed steps": dict(attention_backend="flashinfer", page_size=1, enable_mixed_chunk=True),
+    "prefill flashinfer, decode triton": dict(
+        prefill_attention_backend="flashinfer", decode_attention_backend="triton", page_size=1
+    ),
+}
+
+
 @pytest.mark.gpu
 @needs_flashinfer
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("setup", list(RUNTIME_SETUPS))
 def test_runtime_through_flashinfer_and_cuda_graphs_gives_transformers_greedy_tokens(
-    tmp_path, page_size
+    tmp_path, setup
 ):
     """A tiny Llama with head dim 64 (FlashInfer has no 16) in float16 (it has no float32):
     greedy tokens through the scheduler, decode replayed from CUDA graphs, equal transformers'
     float32 greedy tokens wherever transformers' top two logits are not a near tie (beyond
     one, float16 rounding may pick either); with hits and chunks. (Calibrated on CPU with
     torch_native in float16 and bfloat16: every token matched, and the rule compares 31 of
-    the 48.)"""
+    the 48.) `setup`: `RUNTIME_SETUPS`."""
     hf = _tiny_llama_head_dim_64(tmp_path / "m")
     rng = random.Random(5)
     base = [rng.randrange(512) for _ in range(40)]
     prompts = [base, base[:32] + [rng.randrange(512) for _ in range(9)], base[:5], base * 3]
     new = 12
-    kw = dict(dtype="float16", kv_tokens=4096, page_size=page_size, chunked_prefill_size=64)
-    fi = local_scheduler(tmp_path / "m", attention_backend="flashinfer", **kw)
-    assert type(fi.runner.attn_backend).__name__ == "FlashInferBackend"
+    kw = dict(dtype="float16", kv_tokens=4096, chunked_prefill_size=64, **RUNTIME_SETUPS[setup])
+    fi = local_scheduler(tmp_path / "m", **kw)
+    phases = (fi.runner.prefill_backend, fi.runner.attn_backend)
+    want_phases = (
+        "FlashInferBackend",
+        "TritonBackend" if "triton" in setup else "FlashInferBackend",
+    )
+    assert tuple(type(b).__name__ for b in phases) == want_phases
     assert fi.runner.graph_runner is not None
     got = _generate(fi, prompts, new)
     assert sum(fi.runner.graph_runner.replays.values()) > 0
+    if setup == "mixed steps":
+        assert fi.stats.mixed_steps > 0
     compared = 0
     for p, tokens in zip(prompts, got):
         ids = torch.tensor([p])
