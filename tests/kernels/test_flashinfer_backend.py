@@ -505,6 +505,36 @@ def test_flashinfer_matches_torch_native_at_real_sizes(
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def _captured_decode(backend, bs: int, dtype: torch.dtype):
+    """A decode of `bs` padding rows captured in a CUDA graph through `backend` (after
+    `init_cuda_graph_state`): the graph, its static batch, its static (q, k, v) and output."""
+    dev = torch.device("cuda")
+    heads, kv_heads, dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
+    qkv = (
+        torch.zeros(bs, heads, dim, dtype=dtype, device=dev),
+        torch.zeros(bs, kv_heads, dim, dtype=dtype, device=dev),
+        torch.zeros(bs, kv_heads, dim, dtype=dtype, device=dev),
+    )
+    static = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+        positions=torch.zeros(bs, dtype=torch.int64, device=dev),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=dev),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+        seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+        prefix_lens=[0] * bs,
+        extend_lens=[1] * bs,
+        logits_indices=torch.arange(bs, device=dev),
+    )
+    backend.init_forward_metadata_capture_cuda_graph(static)
+    backend.forward(*qkv, 0, static)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*qkv, 0, static)
+    return graph, static, qkv, out
+
+
 @pytest.mark.gpu
 @needs_flashinfer
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -519,26 +549,7 @@ def test_flashinfer_decode_through_a_cuda_graph_equals_eager(page_size):
     graphed = create_backend("flashinfer", kv_pool=s.pool, req_to_token=s.table, **kw)
     bs, dev = 8, torch.device("cuda")
     graphed.init_cuda_graph_state(16)
-    static_q = torch.zeros(bs, heads, dim, dtype=dtype, device=dev)
-    static_k = torch.zeros(bs, kv_heads, dim, dtype=dtype, device=dev)
-    static_v = torch.zeros_like(static_k)
-    static = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
-        positions=torch.zeros(bs, dtype=torch.int64, device=dev),
-        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=dev),
-        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
-        seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
-        prefix_lens=[0] * bs,
-        extend_lens=[1] * bs,
-        logits_indices=torch.arange(bs, device=dev),
-    )
-    graphed.init_forward_metadata_capture_cuda_graph(static)
-    graphed.forward(static_q, static_k, static_v, 0, static)  # warm-up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed.forward(static_q, static_k, static_v, 0, static)
+    graph, static, (static_q, static_k, static_v), out = _captured_decode(graphed, bs, dtype)
     g = torch.Generator(device="cuda").manual_seed(2)
     for lens in lengths:
         n = len(lens)
@@ -584,26 +595,7 @@ def test_flashinfer_reads_draft_tree_tails_eager_and_through_a_cuda_graph(heads,
         b.enable_tree_tails(3)
     bs = 16
     graphed.init_cuda_graph_state(bs)
-    static_q = torch.zeros(bs, heads, dim, dtype=dtype, device=dev)
-    static_k = torch.zeros(bs, kv_heads, dim, dtype=dtype, device=dev)
-    static_v = torch.zeros_like(static_k)
-    static = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
-        positions=torch.zeros(bs, dtype=torch.int64, device=dev),
-        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=dev),
-        req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
-        seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
-        prefix_lens=[0] * bs,
-        extend_lens=[1] * bs,
-        logits_indices=torch.arange(bs, device=dev),
-    )
-    graphed.init_forward_metadata_capture_cuda_graph(static)
-    graphed.forward(static_q, static_k, static_v, 0, static)  # warm-up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed.forward(static_q, static_k, static_v, 0, static)
+    graph, static, (static_q, static_k, static_v), out = _captured_decode(graphed, bs, dtype)
     g = torch.Generator(device="cuda").manual_seed(3)
     batch = tree_batch(s, rng)
     n = batch.batch_size
