@@ -628,7 +628,7 @@ def _tiny_llama_head_dim_64(path):
 
 # How the runtime runs FlashInfer: both phases, at two page sizes; with decode rows mixed into
 # prefill steps (FlashInfer's prefill wrapper takes them); FlashInfer prefill beside Triton
-# decode over one pool. (The last two were added 2026-12-06 and have not run on a GPU yet.)
+# decode over one pool.
 RUNTIME_SETUPS = {
     "page 1": dict(attention_backend="flashinfer", page_size=1),
     "page 16": dict(attention_backend="flashinfer", page_size=16),
