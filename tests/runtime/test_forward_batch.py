@@ -10,6 +10,8 @@ import torch
 
 from braid import SamplingParams
 from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool
+from braid.runtime.distributed.plan import _TENSORS as TP_FIELDS
+from braid.runtime.distributed.plan import apply_writes
 from braid.runtime.forward_batch import packed_to_device, to_device
 from braid.runtime.scheduler.batch import build_extend
 from braid.runtime.scheduler.request import Req
@@ -59,6 +61,7 @@ def _req(rid: str, prompt: list[int], pool_row: int) -> Req:
 def test_an_extend_writes_each_requests_table_row_and_its_batch_vectors(page_size):
     allocator = PageAllocator(64, page_size)
     table = ReqToTokenPool(4, 64, CPU)
+    table.journal = []  # as under tensor parallelism: every write recorded for the followers
     a, b = _req("a", list(range(100, 111)), 2), _req("b", list(range(200, 206)), 0)
     # `b` holds a cached prefix of one page (admitted with it, as KVManager.admit does).
     b.pages = allocator.alloc(1)
@@ -79,3 +82,11 @@ def test_an_extend_writes_each_requests_table_row_and_its_batch_vectors(page_siz
     assert batch.seq_lens.tolist() == [11, 6]
     assert batch.logits_indices.tolist() == [10, 11 + 6 - page_size - 1]
     assert len(set(batch.out_cache_loc.tolist())) == 11 + 6 - page_size  # no slot twice
+    # What tensor parallelism sends without reading the device: the tensors' own values.
+    assert set(batch.host) == set(TP_FIELDS)
+    for name in TP_FIELDS:
+        assert batch.host[name] == getattr(batch, name).tolist(), name
+    # A follower replaying the journal gets the same table.
+    follower = ReqToTokenPool(4, 64, CPU)
+    apply_writes(table.journal, follower, None)
+    assert torch.equal(follower.table, table.table)

@@ -32,8 +32,9 @@ counts the query's own key), decode CUDA graphs, and draft-tree tails (speculati
 with trees) at page size 1: a tree row's keys are its table row's first `tree_prefix` slots,
 then the slots of its branch (`ForwardBatch.tree_tail`), and at page size 1 a slot is a page,
 so the row's page list is just those slots (`plan_paged_kv(tree=...)`), read by the plain
-decode kernel. At larger pages a branch's slots are not whole pages: refused, as
-`EngineConfig` refuses the combination at construction.
+decode kernel. At larger pages a branch's slots are not whole pages, and trees never go with a
+sliding window (`AttentionBackend.enable_tree_tails`): both refused, as `EngineConfig` refuses
+them at construction.
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ def plan_paged_kv(
         raise ValueError(f"pad_rows must be >= 0, got {pad_rows}")
     if tree is not None and page_size != 1:
         raise ValueError(f"draft-tree tails are read at page size 1, not {page_size}")
+    if tree is not None and not tree[0].shape[0] == tree[1].shape[0] == n:
+        raise ValueError(
+            f"draft-tree prefixes and tails of {tree[0].shape[0]} and {tree[1].shape[0]} rows "
+            f"for {n} lengths"
+        )
     counts = [-(-k // page_size) for k in kv_lens]
     indptr = [0]
     for c in counts + [1] * pad_rows:
@@ -178,9 +184,10 @@ def plan_paged_kv(
         page_no = torch.arange(real, device=device) - first[row_of]
         slots = table.table[req_pool_indices[row_of], page_no * page_size]
         if tree is not None:  # past a row's prefix, its branch's slots
-            prefix, tail = tree[0][row_of], tree[1][row_of]
-            at = (page_no - prefix).clamp(0, tail.shape[1] - 1)
-            slots = torch.where(page_no < prefix, slots, tail.gather(1, at[:, None])[:, 0])
+            prefix, tail = tree[0][row_of], tree[1]
+            depth = tail.shape[1]
+            at = row_of * depth + (page_no - prefix).clamp(0, depth - 1)
+            slots = torch.where(page_no < prefix, slots, tail.reshape(-1)[at])
         indices[:real] = torch.div(slots, page_size, rounding_mode="floor")
     indices[real:] = PAD_PAGE
     return PagedKVPlan(

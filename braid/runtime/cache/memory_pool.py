@@ -206,7 +206,7 @@ class ReqToTokenPool:
             host = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
             self.journal.append(("row", row, start, host))
         if on_device is None:
-            on_device = to_device(list(slots), self.table.device)
+            on_device = to_device(slots, self.table.device)
         self.table[row, start : start + len(slots)] = on_device
 
     def write_at(
@@ -244,30 +244,22 @@ class SlotHolder(Protocol):
     pool_row: int | None
 
 
-def assign_slots(
-    req: SlotHolder,
-    new_len: int,
-    allocator: PageAllocator,
-    table: ReqToTokenPool | None,
-) -> list[int]:
-    """Give positions [req.kv_len, new_len) KV slots (growing the request's pages) and record
-    them in its row of the request-to-token table (unless `table` is None: the caller writes
-    them). The caller has made sure the pages are free. `req` is anything holding KV this way:
-    a scheduler request, a draft model's state."""
+def assign_slots(req: SlotHolder, new_len: int, allocator: PageAllocator) -> list[int]:
+    """Give positions [req.kv_len, new_len) KV slots, growing the request's pages; the caller
+    records them in its table row (`build_extend`, from its one copy to the device) and has
+    made sure the pages are free."""
     ps = allocator.page_size
     need = allocator.pages_for(new_len) - len(req.pages)
     if need > 0:
         pages = allocator.alloc(need)
         assert pages is not None, "no free KV pages: the scheduler must make room first"
         req.pages.extend(pages)
-    slots = slots_of(req.pages, ps, req.kv_len, new_len)
-    if table is not None:
-        table.write(req.pool_row, req.kv_len, slots)
-    return slots
+    return slots_of(req.pages, ps, req.kv_len, new_len)
 
 
 def slots_of(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
     """The KV slots of positions [start, end) of a sequence holding `pages`."""
+    assert end <= len(pages) * page_size, "positions past the sequence's pages"
     if page_size == 1:
         return pages[start:end]
     return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]

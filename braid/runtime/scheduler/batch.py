@@ -68,7 +68,7 @@ def build_extend(
     pooling: list[tuple[Req, int, int]] = []
     for r, end in items:
         start = r.kv_len
-        locs += assign_slots(r, end, allocator, None)  # the table is written from the copy
+        locs += assign_slots(r, end, allocator)  # the table is written from the copy below
         base = len(ids)
         seq = r.tokens(end)
         ids += seq[start:end]
@@ -96,8 +96,9 @@ def build_extend(
         sampling.append(r)
     reqs = [r for r, _ in items]
     ends = [end for _, end in items]
+    rows = [r.pool_row for r in reqs]
     ids_t, pos_t, locs_t, rows_t, ends_t, logits_t = packed_to_device(
-        [ids, positions, locs, [r.pool_row for r in reqs], ends, logits_rows], device
+        [ids, positions, locs, rows, ends, logits_rows], device
     )
     done = 0
     for r, start, n in zip(reqs, prefix_lens, extend_lens):
@@ -117,6 +118,14 @@ def build_extend(
         mrope_positions=_mrope_positions(items, device),
         capture_hidden=bool(pooling),
         decode_tail=decode_rows,
+        host={  # what tensor parallelism sends the other ranks, without reading them back
+            "input_ids": ids,
+            "positions": positions,
+            "out_cache_loc": locs,
+            "req_pool_indices": rows,
+            "seq_lens": ends,
+            "logits_indices": logits_rows,
+        },
     )
     return StepPlan(
         reqs,

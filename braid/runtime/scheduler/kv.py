@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool, slots_of
+import torch
+
+from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
+from braid.runtime.forward_batch import to_device
 from braid.runtime.scheduler.programs import program_of
 from braid.runtime.scheduler.request import Req
 from braid.runtime.scheduler.sessions import SessionPins
@@ -175,8 +178,16 @@ class KVManager:
         self.allocator.free(req.pages[keep:])
         del req.pages[keep:]
 
-    def _slots(self, pages: list[int]) -> list[int]:
-        return slots_of(pages, self.page_size, 0, len(pages) * self.page_size)
+    def _slots(self, pages: list[int]) -> list[int] | torch.Tensor:
+        """Every slot of `pages`, for a table row: at page size 1 the pages themselves, else
+        made on the device from the pages (a 32k-token prefix's slots built in Python took
+        3.4 ms at page size 16), through pinned memory (a CPU tensor would be a copy that
+        waits for the stream)."""
+        ps = self.page_size
+        if ps == 1:
+            return pages
+        p = to_device(pages, self.table.table.device)
+        return (p[:, None] * ps + torch.arange(ps, device=p.device)[None, :]).reshape(-1)
 
     # ---- the pool as a whole --------------------------------------------------------------
     def usage(self) -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch
 from braid.runtime.attention import create_backend
 from braid.runtime.cache.memory_pool import KVPool
 from braid.runtime.executor.sampler import Sampler
-from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, packed_to_device
 from braid.runtime.speculative import PROPOSERS
 from braid.runtime.speculative.base import Drafting, Proposer
 from braid.runtime.speculative.checkpoint import safetensors_dir
@@ -310,19 +310,21 @@ class EagleProposer(Proposer):
             prefix.append(pos[r])
             tails.append(branch + [0] * (depth - 1 - len(branch)))
         m = len(rows)
-        packed = to_device(ids + positions + pool_rows + locs + prefix, device)
+        ids_t, pos_t, rows_t, locs_t, prefix_t, tail_t = packed_to_device(
+            [ids, positions, pool_rows, locs, prefix, [s for t in tails for s in t]], device
+        )
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=packed[:m],
-            positions=packed[m : 2 * m],
-            out_cache_loc=packed[3 * m : 4 * m],
-            req_pool_indices=packed[2 * m : 3 * m],
-            seq_lens=packed[m : 2 * m] + 1,
+            input_ids=ids_t,
+            positions=pos_t,
+            out_cache_loc=locs_t,
+            req_pool_indices=rows_t,
+            seq_lens=pos_t + 1,
             prefix_lens=positions,
             extend_lens=[1] * m,
             logits_indices=torch.arange(m, device=device),
-            tree_prefix=packed[4 * m :],
-            tree_tail=to_device([s for t in tails for s in t], device).view(m, depth - 1),
+            tree_prefix=prefix_t,
+            tree_tail=tail_t.view(m, depth - 1),
         )
 
 

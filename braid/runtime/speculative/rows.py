@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool, SlotHolder
-from braid.runtime.forward_batch import ForwardBatch, ForwardMode, to_device
+from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool, SlotHolder, slots_of
+from braid.runtime.forward_batch import ForwardBatch, ForwardMode, packed_to_device
 
 
 def grow(holder: SlotHolder, end: int, allocator: PageAllocator) -> None:
@@ -48,13 +48,14 @@ def row_batch(
             locs.append(h.pages[pos // ps] * ps + pos % ps)
             ids.append(t)
     n = len(ids)
-    packed = to_device(pool_rows + positions + locs + rope + ids, device)
-    rows_t, pos_t, locs_t = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n]
+    rows_t, pos_t, locs_t, rope_t, ids_t = packed_to_device(
+        [pool_rows, positions, locs, rope, ids], device
+    )
     table.write_at(pool_rows, positions, locs, on_device=(rows_t, pos_t, locs_t))
     return ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=packed[4 * n :],
-        positions=packed[3 * n : 4 * n],
+        input_ids=ids_t,
+        positions=rope_t,
         out_cache_loc=locs_t,
         req_pool_indices=rows_t,
         seq_lens=pos_t + 1,
@@ -81,20 +82,28 @@ def extend_batch(
     for h, toks, start in zip(holders, tokens, begins):
         end = start + len(toks)
         grow(h, end, allocator)
-        slots = [h.pages[p // ps] * ps + p % ps for p in range(start, end)]
-        table.write(h.pool_row, start, slots)
+        locs += slots_of(h.pages, ps, start, end)
         ids += toks
         positions += range(start, end)
-        locs += slots
         lasts.append(len(ids) - 1)
+    rows = [h.pool_row for h in holders]
+    ends = [s + len(t) for s, t in zip(begins, tokens)]
+    ids_t, pos_t, locs_t, rows_t, ends_t, lasts_t = packed_to_device(
+        [ids, positions, locs, rows, ends, lasts], device
+    )
+    done = 0
+    for row, start, toks in zip(rows, begins, tokens):
+        n = len(toks)
+        table.write(row, start, locs[done : done + n], on_device=locs_t[done : done + n])
+        done += n
     return ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=to_device(ids, device),
-        positions=to_device(positions, device),
-        out_cache_loc=to_device(locs, device),
-        req_pool_indices=to_device([h.pool_row for h in holders], device),
-        seq_lens=to_device([s + len(t) for s, t in zip(begins, tokens)], device),
+        input_ids=ids_t,
+        positions=pos_t,
+        out_cache_loc=locs_t,
+        req_pool_indices=rows_t,
+        seq_lens=ends_t,
         prefix_lens=begins,
         extend_lens=[len(t) for t in tokens],
-        logits_indices=to_device(lasts, device),
+        logits_indices=lasts_t,
     )
