@@ -78,11 +78,14 @@ def react(s, task, tools_ms, thought_tokens=THOUGHT_TOKENS):
 MIXES = ("uniform", "heavy")
 
 
-def workload(n: int, rate: float, seed: int, mix: str = "uniform") -> list[tuple[float, dict]]:
+def workload(
+    n: int, rate: float, seed: int, mix: str = "uniform", tool_scale: float = 1.0
+) -> list[tuple[float, dict]]:
     """(arrival time, program arguments) of `n` programs at `rate` per second (Poisson), 3-8
-    steps each, tool calls of 50-500 ms; thoughts of THOUGHT_TOKENS (`mix` uniform) or of a
-    Pareto-distributed length per program (heavy). The same seed gives the same programs at
-    every rate (and, uniform, the programs of earlier runs)."""
+    steps each, tool calls of 50-500 ms (times `tool_scale`: a smoke run's shorter waits);
+    thoughts of THOUGHT_TOKENS (`mix` uniform) or of a Pareto-distributed length per program
+    (heavy). The same seed gives the same programs at every rate (and, uniform, the programs
+    of earlier runs)."""
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}: one of {', '.join(MIXES)}")
     rng = random.Random(seed)
@@ -91,7 +94,8 @@ def workload(n: int, rate: float, seed: int, mix: str = "uniform") -> list[tuple
         t += rng.expovariate(rate)
         steps = rng.randint(3, 8)
         task = f"what do {rng.choice(TOPICS)} have to do with {rng.choice(TOPICS)} (case {i})?"
-        args = {"task": task, "tools_ms": [rng.randint(50, 500) for _ in range(steps)]}
+        tools = [rng.randint(50, 500) for _ in range(steps)]
+        args = {"task": task, "tools_ms": [round(ms * tool_scale) for ms in tools]}
         if mix == "heavy":
             think = HEAVY_MIN * rng.paretovariate(HEAVY_SHAPE)
             args["thought_tokens"] = min(HEAVY_MAX, int(think))
@@ -212,6 +216,7 @@ def agent_traffic(
     mix: str = "uniform",
     setups: tuple[str, ...] = tuple(SETUPS),
     repeats: int = 1,
+    tool_scale: float = 1.0,
     **engine: object,
 ) -> dict:
     """`setups`: which of SETUPS to compare (lpm always), each `repeats` times at the load
@@ -223,20 +228,21 @@ def agent_traffic(
     if unknown:  # before minutes of runs
         raise ValueError(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
     names = [n for n in SETUPS if n in setups or n == "lpm"]
-    sample = workload(min(n, UNLOADED_SAMPLE), 1.0, seed, mix)
+    sample = workload(min(n, UNLOADED_SAMPLE), 1.0, seed, mix, tool_scale)
     alone = measure(model, kv_tokens, "lpm", sample, False, alone=True, **engine)["times_s"]
     unloaded, unloaded_p99 = statistics.median(alone), max(alone)
     print(f"agents: unloaded p50 {unloaded:.2f} s, p99 {unloaded_p99:.2f} s: {alone}", flush=True)
     sweep, chosen = [], rates[-1]
     for rate in rates:
-        row = measure(model, kv_tokens, "lpm", workload(n, rate, seed, mix), False, **engine)
+        programs = workload(n, rate, seed, mix, tool_scale)
+        row = measure(model, kv_tokens, "lpm", programs, False, **engine)
         row["rate"] = rate
         sweep.append(row)
         print(f"agents: lpm at {rate}/s: {_brief(row)}", flush=True)
         if row["p99_s"] > 4 * unloaded_p99:
             chosen = rate
             break
-    programs = workload(n, chosen, seed, mix)
+    programs = workload(n, chosen, seed, mix, tool_scale)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(repeats):  # rounds of every setup, one after the other
         for name in names:
@@ -267,6 +273,7 @@ def agent_traffic(
         "rate": chosen,
         "setups": rows,
         "repeats": repeats,
+        "tool_scale": tool_scale,
     }
 
 
@@ -322,10 +329,18 @@ def main() -> None:
         default=1,
         help="runs of every setup at the load point, in rounds (a CPU run varies by a third)",
     )
+    ap.add_argument(
+        "--tool-scale",
+        type=float,
+        default=1.0,
+        help="times each simulated tool call's 50-500 ms (a smoke run's shorter waits)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.tool_scale <= 0:
+        ap.error(f"--tool-scale must be positive, got {args.tool_scale}")
     engine = {} if args.max_running is None else {"max_running_requests": args.max_running}
     rates = [float(r) for r in args.rates.split(",")]
     names = tuple(args.setups.split(","))
@@ -347,6 +362,7 @@ def main() -> None:
             mix=args.mix,
             setups=names,
             repeats=args.repeats,
+            tool_scale=args.tool_scale,
             **engine,
         )
     if args.gpu_config is not None:

@@ -17,9 +17,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _run(tmp_path: Path, *args: str) -> dict:
-    """Run the benchmark at one rate (50 programs/s) on an 8192-token pool; its JSON."""
+    """Run the benchmark at one rate (50 programs/s) on an 8192-token pool, its tool calls a
+    tenth as long; its JSON."""
     out = tmp_path / "agents.json"
     cmd = [sys.executable, *args, "--rates", "50", "--kv-tokens", "8192", "--out", str(out)]
+    cmd += ["--tool-scale", "0.1"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
@@ -54,6 +56,7 @@ def test_agent_traffic_runs_every_setup(tmp_path):
         assert max(row["completion_s"]) == pytest.approx(row["p99_s"], abs=0.01)
     assert res["setups"]["lpm"]["p50_vs_lpm"] == 1.0
     assert res["unloaded_s"] > 0 and res["lpm_sweep"][0]["rate"] == 50.0
+    assert res["tool_scale"] == 0.1
 
 
 def test_agent_traffic_runs_on_a_configs_shapes_with_random_weights(tmp_path):
@@ -90,5 +93,10 @@ def test_the_heavy_mix_gives_each_program_its_own_thought_length():
     slower = agents.workload(256, 2.0, seed=0, mix="heavy")
     assert [a for _, a in slower] == [a for _, a in heavy]
     assert slower[-1][0] > heavy[-1][0]
+    # A smoke run's shorter tool calls: the same programs, each wait scaled.
+    scaled = agents.workload(256, 4.0, seed=0, mix="heavy", tool_scale=0.1)
+    for (at, a), (at_s, b) in zip(heavy, scaled):
+        assert at == at_s and a["task"] == b["task"]
+        assert b["tools_ms"] == [round(ms * 0.1) for ms in a["tools_ms"]]
     with pytest.raises(ValueError, match="unknown mix 'long'"):
         agents.workload(4, 1.0, seed=0, mix="long")
