@@ -209,6 +209,22 @@ class ReqToTokenPool:
             on_device = to_device(slots, self.table.device)
         self.table[row, start : start + len(slots)] = on_device
 
+    def write_runs(
+        self,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        lens: Sequence[int],
+        slots: list[int],
+        on_device: torch.Tensor,
+    ) -> None:
+        """Row `rows[i]`'s positions [starts[i], starts[i] + lens[i]) hold the next lens[i] of
+        `slots` (an extend's new tokens, request after request), from `on_device`, the same
+        slots already on the table's device."""
+        done = 0
+        for row, start, n in zip(rows, starts, lens):
+            self.write(row, start, slots[done : done + n], on_device=on_device[done : done + n])
+            done += n
+
     def write_at(
         self,
         rows: list[int],
@@ -244,17 +260,21 @@ class SlotHolder(Protocol):
     pool_row: int | None
 
 
+def grow(holder: SlotHolder, end: int, allocator: PageAllocator) -> None:
+    """Give `holder` the pages positions up to `end` need (the caller made room)."""
+    need = allocator.pages_for(end) - len(holder.pages)
+    if need > 0:
+        pages = allocator.alloc(need)
+        assert pages is not None, "no free KV pages: room must be made first"
+        holder.pages.extend(pages)
+
+
 def assign_slots(req: SlotHolder, new_len: int, allocator: PageAllocator) -> list[int]:
     """Give positions [req.kv_len, new_len) KV slots, growing the request's pages; the caller
     records them in its table row (`build_extend`, from its one copy to the device) and has
     made sure the pages are free."""
-    ps = allocator.page_size
-    need = allocator.pages_for(new_len) - len(req.pages)
-    if need > 0:
-        pages = allocator.alloc(need)
-        assert pages is not None, "no free KV pages: the scheduler must make room first"
-        req.pages.extend(pages)
-    return slots_of(req.pages, ps, req.kv_len, new_len)
+    grow(req, new_len, allocator)
+    return slots_of(req.pages, allocator.page_size, req.kv_len, new_len)
 
 
 def slots_of(pages: list[int], page_size: int, start: int, end: int) -> list[int]:

@@ -100,10 +100,7 @@ def build_extend(
     ids_t, pos_t, locs_t, rows_t, ends_t, logits_t = packed_to_device(
         [ids, positions, locs, rows, ends, logits_rows], device
     )
-    done = 0
-    for r, start, n in zip(reqs, prefix_lens, extend_lens):
-        table.write(r.pool_row, start, locs[done : done + n], on_device=locs_t[done : done + n])
-        done += n
+    table.write_runs(rows, prefix_lens, extend_lens, locs, locs_t)
     batch = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=ids_t,

@@ -8,17 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
-from braid.runtime.cache.memory_pool import PageAllocator, ReqToTokenPool, SlotHolder, slots_of
+from braid.runtime.cache.memory_pool import (
+    PageAllocator,
+    ReqToTokenPool,
+    SlotHolder,
+    grow,
+    slots_of,
+)
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode, packed_to_device
-
-
-def grow(holder: SlotHolder, end: int, allocator: PageAllocator) -> None:
-    """Give `holder` the pages positions up to `end` need (the caller made room)."""
-    need = allocator.pages_for(end) - len(holder.pages)
-    if need > 0:
-        pages = allocator.alloc(need)
-        assert pages is not None, "no free KV pages: room must be made first"
-        holder.pages.extend(pages)
 
 
 def row_batch(
@@ -91,11 +88,8 @@ def extend_batch(
     ids_t, pos_t, locs_t, rows_t, ends_t, lasts_t = packed_to_device(
         [ids, positions, locs, rows, ends, lasts], device
     )
-    done = 0
-    for row, start, toks in zip(rows, begins, tokens):
-        n = len(toks)
-        table.write(row, start, locs[done : done + n], on_device=locs_t[done : done + n])
-        done += n
+    lens = [len(t) for t in tokens]
+    table.write_runs(rows, begins, lens, locs, locs_t)
     return ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=ids_t,
@@ -104,6 +98,6 @@ def extend_batch(
         req_pool_indices=rows_t,
         seq_lens=ends_t,
         prefix_lens=begins,
-        extend_lens=[len(t) for t in tokens],
+        extend_lens=lens,
         logits_indices=lasts_t,
     )
