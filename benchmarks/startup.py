@@ -138,8 +138,14 @@ def main() -> None:
     ap.add_argument(
         "--ab-env",
         default=None,
-        help="alternate this environment variable between 1 and 0 (start-up overlap on) "
+        help="alternate this environment variable between --ab-values (start-up overlap on) "
         "instead of the start-up overlap",
+    )
+    ap.add_argument(
+        "--ab-values",
+        default="1,0",
+        help="--ab-env's two values, comma-separated (e.g. forkserver,spawn for "
+        "BRAID_START_METHOD)",
     )
     ap.add_argument(
         "--fresh-triton",
@@ -159,7 +165,8 @@ def main() -> None:
     extra = (["--model", model] if model else []) + args.server_args.split()
     if args.ab_env:
         settings = {
-            f"{args.ab_env}={v}": {args.ab_env: v, "BRAID_OVERLAP_STARTUP": "1"} for v in "10"
+            f"{args.ab_env}={v}": {args.ab_env: v, "BRAID_OVERLAP_STARTUP": "1"}
+            for v in args.ab_values.split(",")
         }
     else:
         settings = {

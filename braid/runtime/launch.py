@@ -9,13 +9,12 @@ manager built without `spawn` still imports this module itself, for callers not 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from braid.runtime.config import EngineConfig
-from braid.runtime.ipc.sockets import Addresses, free_port, without_main_reimport
+from braid.runtime.ipc.sockets import Addresses, free_port, runtime_process, start_children
 
 
 def use_braid_triton_cache() -> None:
@@ -50,33 +49,26 @@ def spawn_runtime(
     addrs: Addresses,
     log_level: str,
 ) -> dict[str, BaseProcess]:
-    """Start the detokenizer and scheduler processes (spawned, daemonic; each exits when this
-    process dies), talking on `addrs`; returns them, started, by name ("detokenizer",
+    """Start the detokenizer and scheduler processes (`runtime_process`: daemonic, each exits
+    when this process dies), talking on `addrs`; returns them, started, by name ("detokenizer",
     "scheduler"). With `tp_size` > 1 the scheduler is rank 0 of the tensor-parallel group and
     this machine's other ranks start too ("tp-rank-N"; `executor/tp_worker.py`), meeting at
     `dist_init_addr` or, on one machine, a free port here."""
     if config.tp_size > 1 and config.dist_init_addr is None:
         config = dataclasses.replace(config, dist_init_addr=f"127.0.0.1:{free_port()}")
     use_braid_triton_cache()
-    ctx = mp.get_context("spawn")
     pid = os.getpid()
     procs: dict[str, BaseProcess] = {
-        "detokenizer": ctx.Process(
-            target=_run_detokenizer,
-            args=(str(model_path), addrs, pid, log_level),
-            name="braid-detokenizer",
-            daemon=True,
+        "detokenizer": runtime_process(
+            _run_detokenizer, (str(model_path), addrs, pid, log_level), "braid-detokenizer"
         ),
-        "scheduler": ctx.Process(
-            target=_run_scheduler,
-            args=(config, str(model_path), sorted(eos_token_ids), addrs, pid, log_level),
-            name="braid-scheduler",
-            daemon=True,
+        "scheduler": runtime_process(
+            _run_scheduler,
+            (config, str(model_path), sorted(eos_token_ids), addrs, pid, log_level),
+            "braid-scheduler",
         ),
     }
-    with without_main_reimport():
-        for p in procs.values():
-            p.start()
+    start_children(procs.values())
     if config.tp_size > 1:
         from braid.runtime.executor.tp_worker import spawn_followers
 

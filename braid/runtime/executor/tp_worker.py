@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, init_group
-from braid.runtime.ipc.sockets import die_with_parent, without_main_reimport
+from braid.runtime.ipc.sockets import die_with_parent, runtime_process, start_children
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def run_follower_process(
     from braid.runtime.executor.model_runner import ModelRunner
     from braid.runtime.models.config import ModelConfig
 
-    die_with_parent()
+    die_with_parent(parent_pid)
     configure_logging(log_level)
     path = Path(model_path)
     try:
@@ -104,19 +103,16 @@ def follower_ranks(config: EngineConfig) -> list[int]:
 def spawn_followers(
     config: EngineConfig, model_path: Path, log_level: str
 ) -> dict[str, BaseProcess]:
-    """Start this machine's follower ranks (spawned, daemonic); returns them by name."""
-    ctx = mp.get_context("spawn")
-    procs: dict[str, BaseProcess] = {}
-    for rank in follower_ranks(config):
-        procs[f"tp-rank-{rank}"] = ctx.Process(
-            target=run_follower_process,
-            args=(config, str(model_path), rank, os.getpid(), log_level),
-            name=f"braid-tp-rank-{rank}",
-            daemon=True,
+    """Start this machine's follower ranks (`runtime_process`); returns them by name."""
+    procs = {
+        f"tp-rank-{rank}": runtime_process(
+            run_follower_process,
+            (config, str(model_path), rank, os.getpid(), log_level),
+            f"braid-tp-rank-{rank}",
         )
-    with without_main_reimport():
-        for p in procs.values():
-            p.start()
+        for rank in follower_ranks(config)
+    }
+    start_children(procs.values())
     return procs
 
 

@@ -234,7 +234,7 @@ def run_scheduler_process(
     # graphs) and the rest of building the scheduler.
     started = since_process_start()
     phases = {"process start": started} if started is not None else {}
-    die_with_parent()
+    die_with_parent(parent_pid)
     configure_logging(log_level)
     # Short GIL slices: this thread launches kernels, each launch releasing the GIL, while
     # other threads run Python (grammar compiles, the tokenizer's load during the weights').

@@ -109,7 +109,7 @@ class DetokenizerManager:
 def run_detokenizer_process(
     model_path: str, addrs: Addresses, parent_pid: int, log_level: str
 ) -> None:
-    die_with_parent()
+    die_with_parent(parent_pid)
     configure_logging(log_level)
     from braid.runtime.ipc import codec
     from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_decoder

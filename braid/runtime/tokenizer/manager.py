@@ -23,8 +23,10 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -155,6 +157,7 @@ class TokenizerManager:
         # end).
         self.start_time_s = 0.0
         self._spawned_at: float | None = None
+        self._spawning: Future | None = None  # `spawn_early`'s start, done in a thread
         self.start_wait_s = 0.0  # how long `start` itself took
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -168,9 +171,21 @@ class TokenizerManager:
         """Start the runtime processes now, so that they load the model while the caller does
         the rest of its start-up (`braid serve` loads the tokenizer meanwhile); `start` then
         connects and waits for them. Their messages wait in ZMQ until `start` binds. A caller
-        that fails before `start` stops them with `shutdown`."""
-        if not self.procs:
-            self._start_processes()
+        that fails before `start` stops them with `shutdown`. The starting itself runs in a
+        thread: a process's first start from the fork server waits for the server's imports
+        (1.5 s on the 2-core machine), which the caller's own start-up overlaps."""
+        if self.procs or self._spawning is not None:
+            return
+        self._spawning = done = Future()
+
+        def run() -> None:
+            try:
+                self._start_processes()
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised by `start`
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="braid-spawn", daemon=True).start()
 
     async def start(self, timeout: float = 600.0) -> SchedulerReady:
         """Start the processes (unless `spawn_early` did) and wait until the model is
@@ -181,6 +196,8 @@ class TokenizerManager:
         self._inbox.bind(self.addrs.tokenizer)
         self._to_sched = self._zctx.socket(zmq.PUSH)
         self._to_sched.connect(self.addrs.scheduler)
+        if self._spawning is not None:
+            await asyncio.wrap_future(self._spawning)
         if not self.procs:
             self._start_processes()
         loop = asyncio.get_running_loop()
@@ -244,6 +261,8 @@ class TokenizerManager:
         self._closing = True
         for t in self._tasks:
             t.cancel()
+        if self._spawning is not None:
+            await asyncio.wait([asyncio.wrap_future(self._spawning)])
         try:
             self._to_sched.send_multipart(codec.encode(ShutdownReq()), zmq.NOBLOCK)
         except (zmq.ZMQError, AttributeError):
