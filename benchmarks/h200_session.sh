@@ -47,8 +47,12 @@
 #   part 11 (issue 23: the H200 agent runs predate later scheduler changes): agents.py, the
 #          heavy-tailed mix at 32/s, lpm against program-srpt (no pins), two rounds; needs
 #          the SmolLM2 tokenizer carried as .gpu/tok (AutoTokenizer.save_pretrained)
+#   part 12 (nineteenth session: the runtime's children start from a fork server with torch
+#          imported): the GPU tests that start engines on CUDA, the 8k prefill end to end
+#          after the eighteenth session's copy change (issue 21: MFU 0.751 before it), then
+#          `braid serve` start-up at the 8B shapes, fork server against spawn (.gpu/tok)
 set -u
-part=${1:?part 1 to 11}
+part=${1:?part 1 to 12}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -164,6 +168,18 @@ if [ "$part" = 11 ]; then
     TAIL=12 step 560 agents_heavy_srpt python benchmarks/agents.py --gpu-config llama-3.1-8b \
         --tokenizer .gpu/tok --programs 256 --kv-tokens 4096 --mix heavy --rates 32 \
         --setups lpm,program-srpt --repeats 2 --out "$OUT/r/agents_heavy_srpt_again_cuda.json"
+fi
+if [ "$part" = 12 ]; then
+    TAIL=8 step 200 pytest_engines python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/runtime/test_cuda_graph.py tests/runtime/test_overlap.py
+    pack
+    TAIL=4 step 100 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
+        --out "$OUT/r/gpu_prefill_cuda.json"
+    pack
+    TAIL=6 step 200 startup_8b_forkserver python benchmarks/startup.py --config llama-3.1-8b \
+        --tokenizer .gpu/tok --repeats 2 --server-args "--load-format dummy" \
+        --ab-env BRAID_START_METHOD --ab-values forkserver,spawn \
+        --out "$OUT/r/startup_8b_forkserver_ab_cuda.json"
 fi
 kill "$smi"
 pack
