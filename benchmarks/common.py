@@ -66,9 +66,11 @@ def wait_for_graphs(llm, limit_s: float = 300.0) -> float:
 
 
 def code_version() -> str | None:
-    """The braid commit a result was measured at (`git rev-parse --short HEAD`, "-dirty"
-    where tracked files differ from it), else $BRAID_CODE_VERSION (set by the command on a
-    machine whose copy of the tree has no .git), else None."""
+    """The braid commit a result was measured at: $BRAID_CODE_VERSION where the command sets
+    it (the GPU machine's copy of the tree has no .git, or a stale one), else `git rev-parse
+    --short HEAD` with "-dirty" where tracked files differ from it, else None."""
+    if os.environ.get("BRAID_CODE_VERSION"):
+        return os.environ["BRAID_CODE_VERSION"]
     root = str(Path(__file__).resolve().parent.parent)
 
     def git(*args: str) -> str | None:
@@ -80,7 +82,7 @@ def code_version() -> str | None:
 
     head = git("rev-parse", "--short", "HEAD")
     if not head:
-        return os.environ.get("BRAID_CODE_VERSION")
+        return None
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

@@ -153,7 +153,7 @@ def _server_procs(pid: int) -> dict[str, object]:
     for child in server.children(recursive=True):
         cmd = " ".join(child.cmdline())
         name = child.name()
-        if "resource_tracker" in cmd:
+        if "resource_tracker" in cmd or "multiprocessing.forkserver" in cmd:
             continue
         procs[name if name.startswith("braid-") else f"child-{child.pid}"] = child
     return procs

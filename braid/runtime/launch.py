@@ -14,7 +14,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from braid.runtime.config import EngineConfig
-from braid.runtime.ipc.sockets import Addresses, free_port, runtime_process, start_children
+from braid.runtime.ipc.children import runtime_process, start_children
+from braid.runtime.ipc.sockets import Addresses, free_port
 
 
 def use_braid_triton_cache() -> None:

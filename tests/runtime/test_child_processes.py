@@ -1,4 +1,4 @@
-"""The runtime's children (`ipc.sockets.runtime_process`): started from a fork server that has
+"""The runtime's children (`ipc.children.runtime_process`): started from a fork server that has
 the runtime's modules imported, with the caller's environment and working directory as they are
 at the start, and killed when the caller dies even while busy (the fork server, their parent,
 outlives the caller while they run)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from braid.runtime.ipc.sockets import CHILD_PRELOAD, runtime_process, start_children
+from braid.runtime.ipc.children import CHILD_PRELOAD, runtime_process, start_children
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +31,11 @@ def _report(path: str) -> None:
                 "preloaded": [m for m in CHILD_PRELOAD if m in sys.modules],
                 "torch": "torch" in sys.modules,
                 "ppid": os.getppid(),
+                "braid": sys.modules["braid"].__file__,
             }
         )
     )
+    print("a line from the child", file=sys.stderr, flush=True)
 
 
 def _run(out: Path) -> dict:
@@ -67,6 +69,57 @@ def test_a_child_has_the_callers_environment_and_directory_and_the_preloaded_mod
     assert spawned["ppid"] == os.getpid()
 
 
+def test_a_child_whose_caller_changed_a_variable_read_at_import_is_spawned(tmp_path, monkeypatch):
+    _run(tmp_path / "warm.json")
+    monkeypatch.setenv("OMP_NUM_THREADS", str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1))
+    seen = _run(tmp_path / "child.json")
+    assert seen["ppid"] == os.getpid() and not seen["torch"]  # spawned: torch's threads obey
+
+
+def test_a_childs_output_goes_where_the_callers_went_at_its_start(tmp_path):
+    _run(tmp_path / "warm.json")  # the fork server runs, its stderr whatever it was then
+    log = tmp_path / "stderr.log"
+    saved = os.dup(2)
+    try:
+        with open(log, "w") as f:
+            os.dup2(f.fileno(), 2)
+        _run(tmp_path / "child.json")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert "a line from the child" in log.read_text()
+
+
+def test_the_fork_server_imports_the_callers_braid_not_one_in_its_directory(tmp_path):
+    # A caller whose braid comes from its sys.path, started in a directory that holds another
+    # `braid` package: the fork server (Python 3.11's ignores the caller's sys.path) must not
+    # import that one.
+    (tmp_path / "braid").mkdir()
+    (tmp_path / "braid" / "__init__.py").write_text("raise ImportError('the wrong braid')\n")
+    out = tmp_path / "child.json"
+    caller = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from braid.runtime.ipc.children import runtime_process, start_children
+        from tests.runtime.test_child_processes import _report
+
+        p = runtime_process(_report, ({str(out)!r},), "braid-test-child")
+        start_children([p])
+        p.join(60)
+        sys.exit(p.exitcode)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BRAID_START_METHOD")}
+    done = subprocess.run(
+        [sys.executable, "-c", caller], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(out.read_text())
+    assert seen["braid"] == str(ROOT / "braid" / "__init__.py")
+    assert seen["preloaded"] == list(CHILD_PRELOAD)
+
+
 def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("BRAID_START_METHOD", "fork")
     with pytest.raises(ValueError, match="BRAID_START_METHOD must be forkserver or spawn"):
@@ -79,7 +132,7 @@ CALLER = textwrap.dedent(
     """
     import os, sys, threading, time
     sys.path.insert(0, {root!r})
-    from braid.runtime.ipc.sockets import runtime_process, start_children
+    from braid.runtime.ipc.children import runtime_process, start_children
     from tests.runtime.test_child_processes import _busy
 
     p = runtime_process(_busy, (os.getpid(),), "braid-test-busy")
@@ -98,7 +151,7 @@ CALLER = textwrap.dedent(
 
 
 def _busy(parent_pid: int) -> None:
-    from braid.runtime.ipc.sockets import die_with_parent
+    from braid.runtime.ipc.children import die_with_parent
 
     die_with_parent(parent_pid)
     while True:

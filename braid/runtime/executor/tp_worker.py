@@ -26,7 +26,7 @@ import torch
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, init_group
-from braid.runtime.ipc.sockets import die_with_parent, runtime_process, start_children
+from braid.runtime.ipc.children import die_with_parent, runtime_process, start_children
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from braid.runtime.executor.model_runner import ModelRunner
 from braid.runtime.executor.profiler import PROFILER
 from braid.runtime.executor.tp_worker import join_group
 from braid.runtime.ipc import codec
+from braid.runtime.ipc.children import die_with_parent, parent_alive
 from braid.runtime.ipc.sockets import (
     Addresses,
-    die_with_parent,
     freeze_startup_heap,
-    parent_alive,
     release_free_heap,
     send,
     since_process_start,

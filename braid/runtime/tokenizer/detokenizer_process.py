@@ -15,7 +15,8 @@ from pathlib import Path
 import zmq
 
 from braid._logging import configure_logging
-from braid.runtime.ipc.sockets import Addresses, die_with_parent, parent_alive, send
+from braid.runtime.ipc.children import die_with_parent, parent_alive
+from braid.runtime.ipc.sockets import Addresses, send
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut, TokenOut
 from braid.runtime.ipc.to_scheduler import AbortReq
 from braid.runtime.ipc.to_tokenizer import BatchStrOut, StrOut

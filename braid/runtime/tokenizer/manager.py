@@ -17,6 +17,7 @@ token, so it cannot fall further behind the scheduler the more streams it serves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -262,7 +263,8 @@ class TokenizerManager:
         for t in self._tasks:
             t.cancel()
         if self._spawning is not None:
-            await asyncio.wait([asyncio.wrap_future(self._spawning)])
+            with contextlib.suppress(Exception):  # `start` raised it, or nobody asks
+                await asyncio.wait_for(asyncio.wrap_future(self._spawning), 60.0)
         try:
             self._to_sched.send_multipart(codec.encode(ShutdownReq()), zmq.NOBLOCK)
         except (zmq.ZMQError, AttributeError):

@@ -88,7 +88,7 @@ def _cap_memory(extra_bytes: int) -> None:
 
 
 def _worker(model_path: str, max_chars: int, conn: Connection) -> None:
-    from braid.runtime.ipc.sockets import die_with_parent
+    from braid.runtime.ipc.children import die_with_parent
     from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
 
     die_with_parent()
@@ -152,7 +152,7 @@ class TemplateSandbox:
             name="braid-template-sandbox",
             daemon=True,
         )
-        from braid.runtime.ipc.sockets import without_main_reimport
+        from braid.runtime.ipc.children import without_main_reimport
 
         with without_main_reimport():
             proc.start()
