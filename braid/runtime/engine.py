@@ -14,6 +14,8 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import numbers
+import operator
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -461,9 +463,14 @@ class LLM:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError(f"prompt {i}: the prompt is empty")
-            if not set(map(type, prompt)) <= {int}:  # a quarter of an isinstance loop's time
+            types = set(map(type, prompt))  # a quarter of an isinstance loop's time
+            if types <= {int}:
+                return None, list(prompt), sources
+            # Other integer types (numpy's, an IntEnum) become ints; bools and floats are not
+            # token ids.
+            if any(t is bool or not issubclass(t, numbers.Integral) for t in types):
                 raise ValueError(f"prompt {i}: token ids must be integers")
-            return None, list(prompt), sources
+            return None, [operator.index(t) for t in prompt], sources
         raise ValueError(f"prompt {i}: expected a string or token ids, got {type(prompt).__name__}")
 
     def _params_for(

@@ -70,6 +70,24 @@ def test_bad_requests_fail_cleanly_and_engine_keeps_serving(smollm2, prompts, pa
     _assert_all_kv_free(smollm2)
 
 
+def test_token_ids_of_other_integer_types_give_the_same_tokens_as_ints(smollm2):
+    import enum
+
+    import numpy as np
+
+    class Token(enum.IntEnum):
+        TWO = 17
+
+    ids = [28, 955, 28, 17, 446]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    want = smollm2.generate([ids], sp, use_tqdm=False)[0]
+    for other in (list(np.array(ids)), [*ids[:3], Token.TWO, ids[4]]):
+        got = smollm2.generate([other], sp, use_tqdm=False)[0]
+        assert got.prompt_token_ids == ids and all(type(t) is int for t in got.prompt_token_ids)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _assert_all_kv_free(smollm2)
+
+
 def test_small_kv_pool_caps_the_context(tiny_model_dirs):
     """A pool smaller than the model's context caps the context: a prompt that cannot fit is
     rejected, and generation stops at the cap with finish_reason "length"."""
