@@ -61,6 +61,7 @@ JIT_VARIANTS = [
     ("bfloat16", 128, 32, 8, None),  # Llama-3.1-8B: FA3 prefill, tensor-core decode
     ("float16", 64, 8, 8, None),  # MHA: the CUDA-core decode kernel (the tests' second shape)
     ("bfloat16", 256, 16, 8, 1024),  # head dim 256 with a sliding window
+    ("bfloat16", 128, 32, 8, 1000),  # Mistral-like: head dim 128 with a sliding window
     ("float16", 64, 4, 2, None),  # the tiny fidelity model (tests: TINY with head dim 64)
 ]
 

@@ -7,6 +7,9 @@
 #           (benchmarks/gpu.py), the same run
 #   part 3: what a second fresh machine had time for: the JIT build, the GPU tests, and the
 #           FlashInfer side of part 2
+#   part 4 (nineteenth session): the JIT build, the backend's GPU tests with a window at head
+#           dim 128 (Mistral-like) among them, then the runtime's children from the fork server
+#           on CUDA (their own tests, the engines' CUDA-graph and overlap tests)
 # Run from the repository root after `source .whl/install.sh`, the wheels carried as .whl:
 #   ../shared/device/wheelhouse.sh .whl flashinfer-python==0.5.3 nvidia-ml-py requests \
 #       opentelemetry-api uvloop
@@ -16,7 +19,7 @@
 # opentelemetry-api (without it the GPU tests fail at collection, seen 2026-12-02).
 # A step past its limit is stopped with SIGABRT first (benchmarks/step.sh).
 set -u
-part=${1:?part 1 or 2}
+part=${1:?part 1 to 4}
 source "$(dirname "$0")/step.sh"
 if [ "$part" = 1 ]; then
     nproc; nvcc --version | tail -1; python -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
@@ -31,6 +34,11 @@ elif [ "$part" = 2 ]; then
         TAIL=6 step 130 "offline_$b" python benchmarks/gpu.py offline --attention-backend "$b" --skip-hf --repeats 1 --out "$OUT/r/gpu_offline_$b.json"
     done
     TAIL=6 step 90 decode_flashinfer python benchmarks/gpu.py decode --attention-backend flashinfer --skip-hf --out "$OUT/r/gpu_decode_flashinfer.json"
+elif [ "$part" = 4 ]; then
+    TAIL=8 step 200 jit python benchmarks/attention_backends.py jit --out "$OUT/r/flashinfer_jit_cuda.json"
+    TAIL=15 step 200 pytest_fi python -m pytest -q -m gpu tests/kernels/test_flashinfer_backend.py -p no:cacheprovider -rfE
+    TAIL=8 step 150 pytest_children python -m pytest -q -p no:cacheprovider -rfE tests/runtime/test_child_processes.py \
+        tests/runtime/test_cuda_graph.py tests/runtime/test_overlap.py
 else  # part 3: one call on a fresh machine, after part 1 and 2 showed fa3 stalls
     TAIL=8 step 190 jit python benchmarks/attention_backends.py jit --cached-limit 30 --out "$OUT/r/flashinfer_jit_cuda.json"
     TAIL=15 step 100 pytest_fi python -m pytest -q -m gpu tests/kernels/test_flashinfer_backend.py -p no:cacheprovider --maxfail 5

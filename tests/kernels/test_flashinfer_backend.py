@@ -482,6 +482,7 @@ REAL_SIZES = [
         (torch.bfloat16, 128, 32, 8, None),  # Llama-3.1-8B: tensor-core decode (group 4)
         (torch.float16, 64, 8, 8, None),  # MHA: the CUDA-core decode kernel
         (torch.bfloat16, 256, 16, 8, 1024),  # Gemma-like: head dim 256, sliding window
+        (torch.bfloat16, 128, 32, 8, 1000),  # Mistral-like: head dim 128, a window < the context
     ],
 )
 @pytest.mark.gpu
