@@ -110,7 +110,7 @@ def test_the_fork_server_imports_the_callers_braid_not_one_in_its_directory(tmp_
         sys.exit(p.exitcode)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BRAID_START_METHOD")}
+    env = {k: v for k, v in os.environ.items() if k != "BRAID_START_METHOD"}
     done = subprocess.run(
         [sys.executable, "-c", caller], cwd=tmp_path, env=env, capture_output=True, text=True
     )
