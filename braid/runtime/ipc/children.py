@@ -90,7 +90,10 @@ def _fork_server_fits() -> bool:
             forkserver.ensure_running()
         finally:
             for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - no public accessor
         if _server is None or _server[0] != pid:  # started now (the first time, or again)
             _server = (pid, env)
@@ -131,7 +134,7 @@ def _in_caller_state(
     if os.environ != env:
         os.environ.clear()
         os.environ.update(env)
-    here = getattr(sys.modules.get("braid"), "__file__", braid_file)
+    here = sys.modules["braid"].__file__
     if os.path.realpath(here) != os.path.realpath(braid_file):
         raise RuntimeError(
             f"this runtime process imported braid from {here}, its caller from {braid_file}: "
@@ -206,7 +209,7 @@ def parent_alive(parent_pid: int) -> bool:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            pass  # it runs, as another user
         return True
     return fd >= 0 and not _readable(fd, 0)
 
