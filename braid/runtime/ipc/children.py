@@ -58,11 +58,9 @@ def runtime_process(target: Callable[..., None], args: tuple, name: str) -> Base
         raise ValueError(f"{START_METHOD_ENV} must be forkserver or spawn, got {method!r}")
     if method == "forkserver" and not _fork_server_fits():
         method = "spawn"
-    import braid
-
     return mp.get_context(method).Process(
         target=_in_caller_state,
-        args=(dict(os.environ), _Stdio(), braid.__file__, target, *args),
+        args=(dict(os.environ), _Stdio(), sys.modules["braid"].__file__, target, *args),
         name=name,
         daemon=True,
     )
