@@ -90,16 +90,14 @@ def test_a_childs_output_goes_where_the_callers_went_at_its_start(tmp_path):
     assert "a line from the child" in log.read_text()
 
 
-def test_the_fork_server_imports_the_callers_braid_not_one_in_its_directory(tmp_path):
-    # A caller whose braid comes from its sys.path, started in a directory that holds another
-    # `braid` package: the fork server (Python 3.11's ignores the caller's sys.path) must not
-    # import that one.
-    (tmp_path / "braid").mkdir()
-    (tmp_path / "braid" / "__init__.py").write_text("raise ImportError('the wrong braid')\n")
+def _caller_run(tmp_path: Path, prelude: str = "", **env: str) -> tuple[dict, str]:
+    """Start a child from a fresh caller process (its braid from its sys.path, after `prelude`)
+    in `tmp_path`, with `env` added; what the child saw and the caller's stderr."""
     out = tmp_path / "child.json"
     caller = textwrap.dedent(
         f"""
         import sys
+        {prelude}
         sys.path.insert(0, {str(ROOT)!r})
         from braid.runtime.ipc.children import runtime_process, start_children
         from tests.runtime.test_child_processes import _report
@@ -110,14 +108,34 @@ def test_the_fork_server_imports_the_callers_braid_not_one_in_its_directory(tmp_
         sys.exit(p.exitcode)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "BRAID_START_METHOD"}
+    full = {k: v for k, v in os.environ.items() if k != "BRAID_START_METHOD"} | env
     done = subprocess.run(
-        [sys.executable, "-c", caller], cwd=tmp_path, env=env, capture_output=True, text=True
+        [sys.executable, "-c", caller], cwd=tmp_path, env=full, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    seen = json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stderr
+
+
+def test_the_fork_server_imports_the_callers_braid_not_one_in_its_directory(tmp_path):
+    # A caller started in a directory that holds another `braid` package: the fork server
+    # (Python 3.11's ignores the caller's sys.path) must not import that one.
+    (tmp_path / "braid").mkdir()
+    (tmp_path / "braid" / "__init__.py").write_text("raise ImportError('the wrong braid')\n")
+    seen, stderr = _caller_run(tmp_path)
     assert seen["braid"] == str(ROOT / "braid" / "__init__.py")
     assert seen["preloaded"] == list(CHILD_PRELOAD)
+    assert "could not import" not in stderr
+
+
+def test_a_child_the_server_could_not_preload_for_runs_and_says_so(tmp_path):
+    # The server's path has a `zmq` that fails to import; the caller removed it from its own.
+    fake = tmp_path / "fake"
+    (fake / "zmq").mkdir(parents=True)
+    (fake / "zmq" / "__init__.py").write_text("raise ImportError('not this zmq')\n")
+    path = os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))
+    seen, stderr = _caller_run(tmp_path, f"sys.path.remove({str(fake)!r})", PYTHONPATH=path)
+    assert seen["preloaded"] == []
+    assert "the fork server could not import braid.runtime.scheduler.process" in stderr
 
 
 def test_an_unknown_start_method_is_refused_by_name(monkeypatch):

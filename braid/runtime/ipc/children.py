@@ -13,7 +13,9 @@ the server is made to be what a spawned child is, where that matters:
 - stdout and stderr: the caller's at the child's start, passed as file descriptors;
 - braid itself: the server imports the caller's braid (its directory first on the server's
   path, the caller's working directory left off it: Python 3.11's fork server ignores the
-  caller's `sys.path`), and a child checks that it runs the caller's;
+  caller's `sys.path`), and a child checks that it runs the caller's; where the server's
+  path lacks what the preload needs and the caller's has, its children import the modules
+  themselves (correct, slower) and say so on stderr;
 - `__main__`: hidden, so scripts need no `if __name__ == "__main__"` guard;
 - death: with the caller (`die_with_parent`).
 
@@ -58,9 +60,10 @@ def runtime_process(target: Callable[..., None], args: tuple, name: str) -> Base
         raise ValueError(f"{START_METHOD_ENV} must be forkserver or spawn, got {method!r}")
     if method == "forkserver" and not _fork_server_fits():
         method = "spawn"
+    caller = (dict(os.environ), _Stdio(), sys.modules["braid"].__file__, method == "forkserver")
     return mp.get_context(method).Process(
         target=_in_caller_state,
-        args=(dict(os.environ), _Stdio(), sys.modules["braid"].__file__, target, *args),
+        args=(caller, target, *args),
         name=name,
         daemon=True,
     )
@@ -118,13 +121,8 @@ def _received_fds(*fds) -> tuple[int | None, ...]:
     return tuple(None if f is None else f.detach() for f in fds)
 
 
-def _in_caller_state(
-    env: dict[str, str],
-    stdio: tuple[int | None, ...],
-    braid_file: str,
-    target: Callable[..., None],
-    *args,
-) -> None:
+def _in_caller_state(caller: tuple, target: Callable[..., None], *args) -> None:
+    env, stdio, braid_file, forked = caller
     for fd, received in zip((1, 2), stdio):
         if received is not None and received != fd:
             os.dup2(received, fd)
@@ -137,6 +135,16 @@ def _in_caller_state(
         raise RuntimeError(
             f"this runtime process imported braid from {here}, its caller from {braid_file}: "
             f"set {START_METHOD_ENV}=spawn"
+        )
+    missing = [m for m in CHILD_PRELOAD if m not in sys.modules]
+    if forked and missing:
+        # The server's path lacks what the caller's has (the server imports with its own
+        # path): correct, but every start pays the imports.
+        print(
+            f"braid: the fork server could not import {', '.join(missing)}; each runtime "
+            "process imports them itself (slower starts)",
+            file=sys.stderr,
+            flush=True,
         )
     target(*args)
 
