@@ -90,3 +90,27 @@ def test_an_extend_writes_each_requests_table_row_and_its_batch_vectors(page_siz
     follower = ReqToTokenPool(4, 64, CPU)
     apply_writes(table.journal, follower, None)
     assert torch.equal(follower.table, table.table)
+
+
+@pytest.mark.parametrize("journaled", [False, True])
+def test_a_cached_prefix_row_at_page_size_4_holds_its_pages_slots(journaled):
+    """`KVManager.admit` writes a cached prefix's table row: at page size > 1 made on the
+    device from the pages, or, when the table journals for tensor parallelism, on the host (so
+    the journal needs no read-back from the device); the same slots either way."""
+    from braid.runtime.cache.radix_cache import RadixCache
+    from braid.runtime.scheduler.kv import KVManager
+    from braid.runtime.scheduler.stats import SchedulerStats
+
+    allocator = PageAllocator(64, 4)
+    table = ReqToTokenPool(4, 64, CPU)
+    if journaled:
+        table.journal = []
+    kv = KVManager(allocator, table, RadixCache(allocator), SchedulerStats(), 4, 60.0)
+    req = _req("r", list(range(300, 313)), 0)
+    pages = [7, 2, 11]
+    kv.admit(req, None, pages)
+    want = [p * 4 + i for p in pages for i in range(4)]
+    assert table.table[req.pool_row, :12].tolist() == want
+    if journaled:
+        assert table.journal == [("row", req.pool_row, 0, want)]
+        assert all(type(s) is int for s in table.journal[0][3])

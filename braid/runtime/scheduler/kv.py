@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool
+from braid.runtime.cache.memory_pool import KVPool, PageAllocator, ReqToTokenPool, slots_of
 from braid.runtime.cache.radix_cache import PrefixCache, TreeNode
 from braid.runtime.forward_batch import to_device
 from braid.runtime.scheduler.programs import program_of
@@ -186,6 +186,10 @@ class KVManager:
         ps = self.page_size
         if ps == 1:
             return pages
+        if self.table.journal is not None:
+            # Tensor parallelism journals the row's slots for the other ranks: made here on the
+            # host, not read back from the device (a read-back waits for the stream).
+            return slots_of(pages, ps, 0, len(pages) * ps)
         p = to_device(pages, self.table.table.device)
         return (p[:, None] * ps + torch.arange(ps, device=p.device)[None, :]).reshape(-1)
 
