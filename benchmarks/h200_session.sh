@@ -51,8 +51,17 @@
 #          imported): the GPU tests that start engines on CUDA, the 8k prefill end to end
 #          after the eighteenth session's copy change (issue 21: MFU 0.751 before it), then
 #          `braid serve` start-up at the 8B shapes, fork server against spawn (.gpu/tok)
+#   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give):
+#          only on an H200 (any other GPU ends the call at once, exit 3), the 8k prefill end
+#          to end after the eighteenth session's copy change (issue 21: MFU 0.751 before it),
+#          batch-1 decode, then batch-1 decode of bf16, int4 and fp8 end to end (issue 18)
 set -u
-part=${1:?part 1 to 12}
+part=${1:?part 1 to 13}
+if [ "$part" = 13 ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    echo "part 13 runs on an H200 only"
+    exit 3
+fi
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -180,6 +189,16 @@ if [ "$part" = 12 ]; then
         --tokenizer .gpu/tok --repeats 2 --server-args "--load-format dummy" \
         --ab-env BRAID_START_METHOD --ab-values forkserver,spawn \
         --out "$OUT/r/startup_8b_forkserver_ab_cuda.json"
+fi
+if [ "$part" = 13 ]; then
+    TAIL=4 step 110 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
+        --out "$OUT/r/gpu_prefill_h200_cuda.json"
+    pack
+    TAIL=14 step 90 gpu_decode python benchmarks/gpu.py decode --skip-hf \
+        --out "$OUT/r/gpu_decode_h200_cuda.json"
+    pack
+    TAIL=20 step 280 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_h200_cuda.json"
 fi
 kill "$smi"
 pack
