@@ -252,6 +252,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -259,7 +260,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (OpenAI message format),
-        rendered with the tokenizer's chat template (or `chat_template`).
+        rendered with the tokenizer's chat template (or `chat_template`), given
+        `chat_template_kwargs` as extra template variables (such as Qwen3's `enable_thinking`).
 
         `tools` are OpenAI tool dicts. `tool_choice` is "auto" (the default with tools: calls
         are parsed from the text by `tool_call_parser`, which "auto" detects from the chat
@@ -290,6 +292,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=plan.template_tools if plan is not None else None,
+                template_kwargs=chat_template_kwargs,
                 where="messages" if c == 0 else f"messages[{c}]",
             )
             items.append((prompt.text, prompt.ids, prompt.sources))

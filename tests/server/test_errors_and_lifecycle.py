@@ -87,6 +87,31 @@ BAD = [
     (C, {"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
     (C, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    (C, {"prompt": "x", "suffix": "y"}, 400, "suffix: not supported"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CH, {"messages": MSG, "stream_options": {}}, 400, "only with stream: true"),
+    (CH, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400, "sets this"),
+    (CH, {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400, "request's tools field"),
+    (CH, {"messages": MSG, "chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
+    # SGLang's per-prompt lists in a /generate batch: one entry per prompt.
+    (G, {"text": ["a", "b"], "sampling_params": [{}]}, 400, "a list of 1 for 2 prompt(s)"),
+    (G, {"text": ["a", "b"], "rid": ["r", "r"]}, 400, "rid[1]: 'r' is given twice"),
+    (G, {"text": ["a", "b"], "rid": ["r"]}, 400, "rid: a list of 1"),
+    (G, {"text": ["a", "b"], "return_logprob": [True]}, 400, "return_logprob: a list of 1"),
+    (G, {"text": "a", "top_logprobs_num": [1, 2]}, 400, "top_logprobs_num: a list of 2"),
+    (
+        G,
+        {"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": -1}]},
+        400,
+        "sampling_params[1]: max_tokens",
+    ),
+    (G, {"text": ["a", "b"], "sampling_params": [{}, {"bogus": 1}]}, 400, "sampling_params[1]: "),
+    (
+        G,
+        {"text": ["a", "b"], "sampling_params": [{"n": 100}, {"n": 29}]},
+        400,
+        "129 samples over 2 prompts",
+    ),
     (C, b'{"prompt": "\\ud800"}', 400, "surrogate"),
     (C, b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "stop"),
     (CH, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate"),
@@ -156,6 +181,13 @@ PARAMS = [
         "json_schema",
     ),
     ("chat", {"extra_body": {"choice": []}}, "choice"),
+    ("completions", {"suffix": "the end"}, "suffix"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
+    (
+        "chat",
+        {"extra_body": {"chat_template_kwargs": {"tokenize": True}}},
+        "chat_template_kwargs.tokenize",
+    ),
 ]
 
 

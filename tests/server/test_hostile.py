@@ -98,6 +98,20 @@ def test_a_request_template_renders_in_a_sandbox_with_limits(server):
     assert again.status_code == 200  # a fresh worker replaced the one that overran
 
 
+def test_a_request_template_takes_chat_template_kwargs(server):
+    """A request's own template (rendered in the sandbox) reads chat_template_kwargs."""
+    tpl = "{% for m in messages %}{{ m.content }}{% endfor %}{% if loud %} LOUD LOUD{% endif %}"
+    counts = []
+    for kwargs in ({}, {"loud": True}):
+        body = {"messages": MSG, "chat_template": tpl, "max_tokens": 1}
+        r = post(server.url + CH, {**body, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["usage"]["prompt_tokens"])
+    url = server.url + "/tokenize"
+    want = [httpx.post(url, json={"prompt": t}).json()["count"] for t in ("hi", "hi LOUD LOUD")]
+    assert counts == want and want[0] < want[1]
+
+
 def test_heavy_inputs_do_not_block_the_event_loop(server):
     fields = [f"field_{i}" for i in range(200)]
     schema = {

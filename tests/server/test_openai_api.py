@@ -351,6 +351,71 @@ def test_generate_speaks_sglangs_native_fields(server):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": "[a-z]{4}"}
 
 
+def test_generate_takes_sglangs_per_prompt_lists_in_a_batch(server):
+    """A /generate batch with a list per prompt of sampling_params, rid, return_logprob,
+    top_logprobs_num and logprob_start_len (SGLang's shapes): each prompt runs with its own,
+    exactly as it does alone."""
+    gen = f"{server.url}/generate"
+    texts = ["The capital of France is", "Once upon a time"]
+    first = {"max_new_tokens": 2, "temperature": 0}
+    second = {"max_new_tokens": 5, "temperature": 0, "n": 2}
+    batch = httpx.post(
+        gen,
+        json={
+            "text": texts,
+            "rid": ["paris", "story"],
+            "sampling_params": [first, second],
+            "return_logprob": [True, False],
+            "top_logprobs_num": [2, 0],
+            "logprob_start_len": [0, -1],
+        },
+    ).json()
+    assert [b["meta_info"]["id"] for b in batch] == ["paris", "story/0", "story/1"]
+    alone_first = httpx.post(
+        gen,
+        json={
+            "text": texts[0],
+            "sampling_params": first,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": 0,
+        },
+    ).json()
+    alone_second = httpx.post(
+        gen, json={"text": texts[1], "sampling_params": {**second, "n": 1}}
+    ).json()
+    assert batch[0]["output_ids"] == alone_first["output_ids"] and len(batch[0]["output_ids"]) == 2
+    for sample in batch[1:]:
+        assert sample["output_ids"] == alone_second["output_ids"]
+        assert len(sample["output_ids"]) == 5 and "output_token_logprobs" not in sample["meta_info"]
+    meta = batch[0]["meta_info"]
+    assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2]
+    assert meta["input_token_logprobs"] == alone_first["meta_info"]["input_token_logprobs"]
+    # A list of one serves a single prompt too.
+    one = httpx.post(
+        gen, json={"text": texts[0], "rid": ["solo"], "sampling_params": [first]}
+    ).json()
+    assert one["meta_info"]["id"] == "solo" and one["output_ids"] == alone_first["output_ids"]
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+
+
+def test_chat_template_kwargs_reach_the_servers_template(client):
+    """vLLM's and SGLang's chat_template_kwargs (Qwen3's enable_thinking): accepted, and a
+    variable the served template never reads (SmolLM2 has no thinking switch) changes
+    nothing. That the variables reach a template is tested with a request's own template
+    (tests/server/test_hostile.py) and with LLM.chat."""
+    msgs = [{"role": "user", "content": "Say hi."}]
+    plain = client.chat.completions.create(model="m", messages=msgs, max_tokens=1)
+    off = client.chat.completions.create(
+        model="m",
+        messages=msgs,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert off.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 def test_any_model_name_gets_the_served_model(client):
     # As SGLang: a server of one model answers whatever `model` a client names.
     for name in ("gpt-5", ""):

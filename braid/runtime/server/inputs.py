@@ -142,21 +142,31 @@ def tokenize_prompts(
     return out
 
 
-def _check_fan_out(state: ServerState, params: SamplingParams, prompts: int) -> None:
-    if params.n * prompts > state.max_samples:
-        each = f" x {prompts} prompts" if prompts > 1 else ""
+def _check_fan_out(state: ServerState, each: list[SamplingParams]) -> None:
+    total = sum(p.n for p in each)
+    if total > state.max_samples:
+        n = each[0].n
+        shown = f"{n} samples x {len(each)} prompts" if len(each) > 1 else f"{n} samples"
+        if any(p.n != n for p in each):
+            shown = f"{total} samples over {len(each)} prompts"
         raise APIError(
             400,
-            f"n: {params.n} samples{each} is more than this server runs for one request "
+            f"n: {shown} is more than this server runs for one request "
             f"({state.max_samples}; --max-samples-per-request)",
             "n",
         )
 
 
-def validate_prompts(state: ServerState, prompts: list, params: SamplingParams, where: str) -> None:
+def validate_prompts(
+    state: ServerState,
+    prompts: list,
+    params: SamplingParams | list[SamplingParams],
+    where: str,
+) -> None:
     """Refuse what the scheduler would refuse: more samples than the server runs for one
     request (`APIError`), a prompt too long for the context or a token id outside the
-    vocabulary (`ParamError`)."""
-    _check_fan_out(state, params, len(prompts))
-    for i, (_, ids) in enumerate(prompts):
-        state.tm.validate(ids, params, where=where if len(prompts) == 1 else f"{where}[{i}]")
+    vocabulary (`ParamError`). `params` is one for every prompt or a list, one per prompt."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    _check_fan_out(state, each)
+    for i, ((_, ids), p) in enumerate(zip(prompts, each)):
+        state.tm.validate(ids, p, where=where if len(prompts) == 1 else f"{where}[{i}]")

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 def submit_all(
     state: ServerState,
     jobs: list[tuple[str, list[int]]],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     session_id: str | None = None,
     images: list[list[ImageInput]] | None = None,
     grammar_waits: list[tuple[list[int], int | None]] | None = None,
@@ -40,16 +40,17 @@ def submit_all(
     program_position: int | None = None,
     program_id: str | None = None,
 ) -> list[AsyncIterator[StrOut]]:
-    """Submit `params.n` samples of every (rid, prompt), with `images[i]` the processed images
-    of prompt i and `grammar_waits[i]` what its constraint waits for (`GenerateReq`'s
-    `grammar_after`, `grammar_open`): all of them or (on an error) none."""
+    """Submit `params.n` samples of every (rid, prompt) (`params[i]` for prompt i when a list),
+    with `images[i]` the processed images of prompt i and `grammar_waits[i]` what its
+    constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
+    an error) none."""
     rids: list[str] = []
     try:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(
                 rid,
                 ids,
-                params,
+                params[i] if isinstance(params, list) else params,
                 session_id=session_id,
                 images=images[i] if images else None,
                 grammar_wait=grammar_waits[i] if grammar_waits else None,

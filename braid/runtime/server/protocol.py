@@ -229,6 +229,8 @@ class _SamplingFields(_Body):
         self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """`SamplingParams` for this body; a `ParamError` names a bad field."""
+        if self.stream_options is not None and not self.stream:
+            raise ParamError.at("stream_options", "only with stream: true")
         fields: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
@@ -280,6 +282,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[Int, _doc(minimum=0, maximum=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Int | None = None  # only equal to n (braid returns every sample)
+    suffix: Text | None = None  # refused unless empty: braid does not fill in the middle
 
 
 class ChatMessage(_Body):
@@ -301,6 +304,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # Refused unless the server runs with --allow-request-chat-template (see app.py).
     chat_template: Text | None = None
+    # Extra variables for the chat template (vLLM's and SGLang's field), such as Qwen3's
+    # enable_thinking; `tokenizer.chat.check_template_kwargs` refuses the names braid sets.
+    chat_template_kwargs: JsonObject | None = None
     # Tool calling: shapes are checked by braid.runtime.function_call, whose errors name the
     # field precisely (tools[i].function.name, tool_choice.function.name, ...).
     tools: list[JsonValue] | None = None
@@ -328,20 +334,27 @@ class SessionParams(_Body):
     position: ProgramPosition | None = None
 
 
+RequestId = Annotated[Text, Field(min_length=1, max_length=256)]
+
+
 class GenerateRequest(_Body):
     """SGLang's native /generate body."""
 
     text: Text | list[Text] | None = Field(None, union_mode="left_to_right")
     input_ids: list[Int] | list[list[Int]] | None = Field(None, union_mode="left_to_right")
-    sampling_params: JsonObject = Field(default_factory=dict)
+    # For a batch, each of these may also be a list with one entry per prompt (SGLang's
+    # shapes); a single value applies to every prompt.
+    sampling_params: JsonObject | list[JsonObject] = Field(
+        default_factory=dict, union_mode="left_to_right"
+    )
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: Int = 0
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: Int | list[Int] = 0
     # Token texts are always in the logprob entries; accepted for SGLang clients.
     return_text_in_logprobs: bool = False
     # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
-    logprob_start_len: Int = -1
-    rid: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    logprob_start_len: Int | list[Int] = -1
+    rid: RequestId | list[RequestId] | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # How long the session keeps this request's KV after it (default: twice the longest pause

@@ -33,6 +33,7 @@ from braid.runtime.server.protocol import ChatCompletionRequest
 from braid.runtime.server.serving_openai import OpenAIResponse
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.chat import ChatPrompt, chat_prompt, template_messages
+from braid.runtime.tokenizer.tokenizer import check_template_kwargs
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | None):
@@ -72,6 +73,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "messages: must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        try:
+            check_template_kwargs(req.chat_template_kwargs)
+        except ParamError as e:
+            raise APIError.refused(e) from None
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
@@ -97,6 +102,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
                 tools=plan.template_tools if plan else None,
+                template_kwargs=req.chat_template_kwargs,
             ),
         )
 
@@ -294,6 +300,7 @@ def _chat_prompt(
             _placeholder(state),
             add_generation_prompt=req.add_generation_prompt,
             tools=plan.template_tools if plan else None,
+            template_kwargs=req.chat_template_kwargs,
             rendered=rendered,
             max_chars=state.max_prompt_chars,
         )

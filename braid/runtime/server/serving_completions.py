@@ -30,6 +30,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "echo: not supported with stream=true", "echo")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of: not supported (only best_of equal to n)", "best_of")
+        if req.suffix:
+            raise APIError(
+                400, "suffix: not supported (braid does not fill in the middle)", "suffix"
+            )
         prompts = tokenize_prompts(state, req.prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         if max_tokens == 0 and not req.echo:

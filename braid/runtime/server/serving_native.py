@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from braid.runtime.errors import ParamError
 from braid.runtime.outputs import finish_reason_info, spec_meta_info
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import json_body, tokenize_prompts, validate_prompts
@@ -68,13 +69,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         prompts = tokenize_prompts(
             state, req.text if req.text is not None else req.input_ids, where
         )
-        params = native_sampling_params(req.sampling_params, state.defaults)
-        if req.return_logprob:
-            params = params.replace(logprobs=req.top_logprobs_num)
-            if req.logprob_start_len >= 0:
-                params = params.replace(
-                    prompt_logprobs=req.top_logprobs_num, logprob_start_len=req.logprob_start_len
-                )
+        each = _PerPrompt(req, len(prompts))
+        params = [_prompt_params(state, req, each, i) for i in range(len(prompts))]
         images = _image_sources(req, len(prompts), single)
         for i, sources in enumerate(images):
             state.media.check_count(len(sources), "image_data" if single else f"image_data[{i}]")
@@ -83,13 +79,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
         if not any(images):
             validate_prompts(state, prompts, params, "text")
-        return prompts, params, single, images, session
+        return prompts, params, single, images, session, each
 
     @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
     async def generate(
         request: Request, req: Annotated[GenerateRequest, json_body(GenerateRequest)]
     ):
-        prompts, params, single, sources, session = await asyncio.to_thread(prepare_generate, req)
+        prompts, params, single, sources, session, each = await asyncio.to_thread(
+            prepare_generate, req
+        )
         images = None
         if any(sources):
             # Images load and process in the media workers; their placeholders then expand.
@@ -102,12 +100,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             prompts = [(text, ids) for (text, _), (ids, _) in zip(prompts, prepared)]
             images = [wire for _, wire in prepared]
             validate_prompts(state, prompts, params, "text")
-        top = req.top_logprobs_num
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
-        n = params.n
-        base = req.rid or f"gen-{uuid.uuid4().hex[:12]}"
-        rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
+        rids = each.rids(single)
         t0 = time.perf_counter()
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
@@ -122,8 +117,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             program_position=position,
             program_id=req.program_id,
         )
-        prompt_of = [i for i in range(len(prompts)) for _ in range(n)]
-        sample_rids = [f"{rids[p]}/{k % n}" if n > 1 else rids[p] for k, p in enumerate(prompt_of)]
+        prompt_of = [i for i in range(len(prompts)) for _ in range(params[i].n)]
+        sample_rids = [
+            f"{rids[p]}/{k}" if params[p].n > 1 else rids[p]
+            for p in range(len(prompts))
+            for k in range(params[p].n)
+        ]
         choices = [Choice() for _ in streams]
 
         def entry(lp, tid: int, texts: dict[int, str]) -> list[Any]:
@@ -131,7 +130,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         def native(i: int) -> dict[str, Any]:
             c = choices[i]
-            ids = prompts[prompt_of[i]][1]
+            p = prompt_of[i]
+            ids = prompts[p][1]
+            top = each.top_logprobs_num[p]
             meta = {
                 "id": sample_rids[i],
                 "prompt_tokens": c.prompt_tokens,
@@ -144,7 +145,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             }
             if c.spec is not None:
                 meta |= spec_meta_info(c.spec)
-            if req.return_logprob:
+            if each.return_logprob[p]:
                 meta["output_token_logprobs"] = [
                     entry(lp.logprob, lp.token_id, c.token_texts) for lp in c.logprobs
                 ]
@@ -154,7 +155,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                         [entry(v, t, c.token_texts) for t, v in lp.top[:top]] for lp in c.logprobs
                     ]
                 if c.prompt_logprobs is not None:
-                    start = max(0, req.logprob_start_len)
+                    start = max(0, each.logprob_start_len[p])
                     scored = list(enumerate(c.prompt_logprobs))[start:]
                     meta["input_token_logprobs"] = [
                         entry(None if lp is None else lp.logprob, ids[pos], c.token_texts)
@@ -190,11 +191,76 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return Response(status_code=499)
 
         def build() -> bytes:
-            if single and n == 1:
+            if single and params[0].n == 1:
                 return dumps([native(0)])
             return dumps([native(i) for i in range(len(streams))], as_list=True)
 
         return json_response(await asyncio.to_thread(build))
+
+
+class _PerPrompt:
+    """The body's fields that SGLang takes per prompt, as one list each with an entry per
+    prompt: a list given in the body (one entry per prompt, else a 400 naming the field) or
+    the one value repeated."""
+
+    def __init__(self, req: GenerateRequest, prompts: int) -> None:
+        self.prompts = prompts
+        self.sampling_params = self._each(req.sampling_params, "sampling_params")
+        self.return_logprob = self._each(req.return_logprob, "return_logprob")
+        self.top_logprobs_num = self._each(req.top_logprobs_num, "top_logprobs_num")
+        self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
+        self._rid = req.rid
+        if isinstance(req.rid, list):
+            self._each(req.rid, "rid")
+            seen: set[str] = set()
+            for i, rid in enumerate(req.rid):
+                if rid in seen:
+                    raise APIError(400, f"rid[{i}]: {rid!r} is given twice", "rid")
+                seen.add(rid)
+
+    def _each(self, value: Any, name: str) -> list[Any]:
+        if not isinstance(value, list):
+            return [value] * self.prompts
+        if len(value) != self.prompts:
+            raise APIError(
+                400,
+                f"{name}: a list of {len(value)} for {self.prompts} prompt(s): give one entry "
+                "per prompt, or one value for all",
+                name,
+            )
+        return list(value)
+
+    def rids(self, single: bool) -> list[str]:
+        """Each prompt's request id: the body's own (one per prompt), else the one given
+        (suffixed by the prompt's index in a batch) or a new one."""
+        if isinstance(self._rid, list):
+            return list(self._rid)
+        base = self._rid or f"gen-{uuid.uuid4().hex[:12]}"
+        return [base if single else f"{base}-{i}" for i in range(self.prompts)]
+
+
+def _prompt_params(state: ServerState, req: GenerateRequest, each: _PerPrompt, i: int):
+    """Prompt i's sampling parameters: its `sampling_params` with its logprob fields."""
+    raw = each.sampling_params[i]
+    try:
+        params = native_sampling_params(raw, state.defaults)
+    except ParamError as e:
+        if not isinstance(req.sampling_params, list):
+            raise
+        field, msg = f"sampling_params[{i}]", str(e)
+        if msg.startswith("sampling_params"):  # the prompt's entry named in place of the field
+            msg = field + msg.removeprefix("sampling_params")
+        else:
+            msg = f"{field}: {msg}"
+        raise ParamError(field, msg) from None
+    if each.return_logprob[i]:
+        top = each.top_logprobs_num[i]
+        params = params.replace(logprobs=top)
+        if each.logprob_start_len[i] >= 0:
+            params = params.replace(
+                prompt_logprobs=top, logprob_start_len=each.logprob_start_len[i]
+            )
+    return params
 
 
 def _image_sources(req: GenerateRequest, prompts: int, single: bool) -> list[list[str]]:

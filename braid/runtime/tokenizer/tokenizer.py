@@ -202,6 +202,40 @@ def _for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# `apply_chat_template`'s own arguments: braid sets them (or they change what it returns), so
+# a request's template variables may not. The first three have request fields of their own.
+_OWN_FIELD = {"add_generation_prompt", "chat_template", "tools"}
+_RESERVED_TEMPLATE_KWARGS = _OWN_FIELD | {
+    "conversation",
+    "messages",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "continue_final_message",
+}
+
+
+def check_template_kwargs(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """`kwargs` as extra chat-template variables (vLLM's and SGLang's `chat_template_kwargs`,
+    such as Qwen3's `enable_thinking`), or a `ParamError` naming `where`: not a dict, or a
+    name that braid itself passes to the template. The template decides what a variable does
+    (one it never reads has no effect, as in vLLM and SGLang)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ParamError.at(where, "must be an object of template variables")
+    for name in kwargs:
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            own = f"; use the request's {name} field" if name in _OWN_FIELD else ""
+            raise ParamError.at(f"{where}.{name}", f"braid sets this argument itself{own}")
+    return kwargs
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -209,11 +243,14 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own.
     `tools` (OpenAI tool dicts) are passed to the template, which decides how to show them;
-    messages may include assistant `tool_calls` and `role: "tool"` results. A `ParamError`
-    naming `messages` if they are malformed or the template fails on them."""
+    messages may include assistant `tool_calls` and `role: "tool"` results; `template_kwargs`
+    are extra template variables (`check_template_kwargs`). A `ParamError` naming `messages`
+    if they are malformed or the template fails on them."""
+    extra = check_template_kwargs(template_kwargs)
     _check_messages(messages)
     messages = _for_template(messages)
     template = chat_template or tokenizer.chat_template
@@ -229,6 +266,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             chat_template=template,
             tools=tools,
+            **extra,
         )
     except Exception as e:  # jinja errors have many types; all mean "bad conversation"
         raise ParamError("messages", f"chat template failed on these messages: {e}") from e
