@@ -46,6 +46,7 @@ from braid.runtime.pooling import PoolingConfig, floats
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.chat import chat_prompt
 from braid.runtime.tokenizer.manager import TokenizerManager
+from braid.runtime.tokenizer.tokenizer import word_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class LLM:
             # The tokenizer loads here while the runtime processes start.
             self.assets.load_tokenizer()
             self.tokenizer = self.assets.tokenizer
+            self.tm.encode_words = word_encoder(self.tokenizer)
             self.media = MediaFrontend(
                 self.config, self.model_path, self.model_config, self.tokenizer
             )
@@ -253,6 +255,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -261,7 +264,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (OpenAI message format),
         rendered with the tokenizer's chat template (or `chat_template`), given
-        `chat_template_kwargs` as extra template variables (such as Qwen3's `enable_thinking`).
+        `chat_template_kwargs` as extra template variables (such as Qwen3's `enable_thinking`);
+        `continue_final_message` leaves the last message open for the model to go on with (with
+        `add_generation_prompt=False`).
 
         `tools` are OpenAI tool dicts. `tool_choice` is "auto" (the default with tools: calls
         are parsed from the text by `tool_call_parser`, which "auto" detects from the chat
@@ -293,6 +298,7 @@ class LLM:
                 chat_template=chat_template,
                 tools=plan.template_tools if plan is not None else None,
                 template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message,
                 where="messages" if c == 0 else f"messages[{c}]",
             )
             items.append((prompt.text, prompt.ids, prompt.sources))
@@ -507,6 +513,7 @@ class LLM:
                 f"model: {self.model_config.architecture} has no LM head; it serves embeddings "
                 "only (LLM.embed)"
             )
+        items = [_truncated(item, p, i) for i, (item, p) in enumerate(zip(items, params))]
         for i, ((_, ids, sources), p) in enumerate(zip(items, params)):
             if sources:
                 self.media.check_count(len(sources), f"prompt {i}")  # ids are checked once expanded
@@ -572,3 +579,17 @@ class LLM:
 
 
 Engine = LLM
+
+
+def _truncated(item: _Item, params: SamplingParams, index: int) -> _Item:
+    """`item` with its prompt cut to its last `params.truncate_prompt_tokens` tokens; a
+    `ParamError` for a prompt with images (a cut would split an image's tokens)."""
+    text, ids, sources = item
+    k = params.truncate_prompt_tokens
+    if k is None or len(ids) <= k:
+        return item
+    if sources:
+        raise ParamError(
+            "truncate_prompt_tokens", f"prompt {index}: truncate_prompt_tokens: not with images"
+        )
+    return text, ids[-k:], sources

@@ -53,7 +53,11 @@ class SamplingParams:
     for the prompt; with `logprob_start_len=p` only positions from `p` on are scored (earlier
     ones are None), and the prompt's first `p - 1` tokens may come from the prefix cache (with
     0, the default, every position is scored and nothing is cached). `logit_bias` maps token
-    ids to a bias added to their logits.
+    ids to a bias added to their logits. `allowed_token_ids` limits every sampled token to
+    those ids; `bad_words` are never generated (each word's tokens, with and without a leading
+    space: the last token is banned wherever the output ends with the ones before it; vLLM's
+    fields; the engine fills `bad_words_token_ids` from them). `truncate_prompt_tokens=k`
+    keeps only the prompt's last k tokens (vLLM's field; not with images).
     `json_schema` (a schema dict or JSON string), `regex`, `choice` (a list of strings),
     `ebnf` (a GBNF grammar, root rule `root`: SGLang's field), `lark` (a Lark grammar, start
     rule `start`) or `structural_tag` (SGLang's: free text in which each trigger starts a
@@ -84,6 +88,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprob_start_len: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # `bad_words` as token ids, one sequence per form of each word: filled by the engine
+    # (`tokenizer.bad_words_token_ids`), never by hand.
+    bad_words_token_ids: list[list[int]] | None = None
     json_schema: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -102,6 +112,10 @@ class SamplingParams:
             )
         if given and self.min_tokens:
             raise ParamError("min_tokens", f"min_tokens: cannot be combined with {given[0]}")
+        for name in ("allowed_token_ids", "bad_words"):
+            # A grammar that allows only tokens these ban would leave nothing to sample.
+            if given and getattr(self, name) is not None:
+                raise ParamError(name, f"{name}: cannot be combined with {given[0]}")
         if given:
             from braid.runtime.constrained.spec import check_spec
 
@@ -114,6 +128,12 @@ class SamplingParams:
                 self, name, (value,) if isinstance(value, str) else tuple(value or ())
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.bad_words_token_ids is not None:
+            ids = tuple(tuple(w) for w in self.bad_words_token_ids)
+            object.__setattr__(self, "bad_words_token_ids", ids)
         if self.logit_bias is not None:
             object.__setattr__(
                 self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -208,6 +228,9 @@ class SamplingParams:
                 "logprob_start_len",
                 f"logprob_start_len must be a non-negative integer, got {v!r}",
             )
+        err = self._list_error()
+        if err:
+            return err
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 return (
@@ -231,6 +254,41 @@ class SamplingParams:
                     )
         return None
 
+    def _list_error(self) -> tuple[str, str] | None:
+        """(field, message) of the first invalid value among the token and word lists."""
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple))
+            or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            return "allowed_token_ids", (
+                f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}"
+            )
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple))
+            or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            return "bad_words", f"bad_words must be a list of non-blank strings, got {words!r}"
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k < 1):
+            return "truncate_prompt_tokens", (
+                f"truncate_prompt_tokens must be an integer >= 1 or None, got {k!r}"
+            )
+        seqs = self.bad_words_token_ids
+        if seqs is not None and (
+            not isinstance(seqs, (list, tuple))
+            or not all(
+                isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w)
+                for w in seqs
+            )
+        ):
+            return "bad_words_token_ids", (
+                f"bad_words_token_ids must be lists of token ids, got {seqs!r}"
+            )
+        return None
+
     @property
     def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
         """(kind, spec) of the output constraint, if any."""
@@ -251,6 +309,17 @@ class SamplingParams:
             self.frequency_penalty or self.presence_penalty
         )
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the tokens generated so far (the penalties, and bad words of
+        more than one token), so a step may not run ahead of reading the last one back."""
+        return self.penalized or any(len(w) > 1 for w in self.bad_words_token_ids or ())
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether the sampler edits the logits for `allowed_token_ids` or bad words."""
+        return bool(self.allowed_token_ids or self.bad_words_token_ids)
+
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -269,6 +338,34 @@ class SamplingParams:
                 raise ParamError(
                     "logit_bias", f"logit_bias: token {t} is outside the vocabulary ({vocab_size})"
                 )
+        for word in self.bad_words_token_ids or ():
+            if max(word) >= vocab_size:
+                raise ParamError(
+                    "bad_words",
+                    f"bad_words: token {max(word)} is outside the vocabulary ({vocab_size})",
+                )
+        for t in self.allowed_token_ids or ():
+            if t >= vocab_size:
+                raise ParamError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids: {t} is outside the vocabulary ({vocab_size})",
+                )
+
+    def check_something_to_sample(self, stop_ids: frozenset[int]) -> None:
+        """Raise a `ParamError` if `allowed_token_ids` leaves no token to sample: every one
+        banned by a one-token bad word, or (while `min_tokens` holds the stop tokens back,
+        `stop_ids` with the model's EOS) every one a stop token."""
+        if not self.allowed_token_ids:
+            return
+        allowed = set(self.allowed_token_ids)
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
+        if allowed <= banned:
+            raise ParamError("bad_words", "bad_words: ban every token in allowed_token_ids")
+        if self.min_tokens and allowed <= banned | stop_ids | set(self.stop_token_ids):
+            raise ParamError(
+                "min_tokens",
+                "min_tokens: allowed_token_ids holds only stop tokens, which min_tokens bans",
+            )
 
 
 # Fields a model's generation_config.json may set as defaults (the ones vLLM takes from it).

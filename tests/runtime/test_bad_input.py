@@ -33,6 +33,14 @@ from tests.conftest import assert_kv_all_free_or_cached, local_scheduler
         (dict(logit_bias={"a": 1.0}), "logit_bias"),
         (dict(logit_bias={1: 1000.0}), "logit_bias"),
         (dict(temperature=True), "temperature"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[1], regex="a"), "allowed_token_ids"),
+        (dict(bad_words=["ok", "  "]), "bad_words"),
+        (dict(bad_words="word"), "bad_words"),
+        (dict(bad_words=["x"], choice=["a", "b"]), "bad_words"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
     ],
 )
 def test_sampling_params_reject_bad_values(kwargs, field):
@@ -54,6 +62,14 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         ([[1] * 9000], None, "context length"),
         (["hello"], SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
         (["hello"], SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+        (["hello"], SamplingParams(allowed_token_ids=[1, 10**7]), "allowed_token_ids"),
+        (["hello"], SamplingParams(bad_words_token_ids=[[1, 10**7]]), "bad_words"),
+        # allowed_token_ids that leave nothing to sample: all banned, or all stop tokens
+        # under min_tokens (SmolLM2's EOS <|im_end|> is 2).
+        (["hello"], SamplingParams(allowed_token_ids=[2], min_tokens=1), "min_tokens"),
+        (["hello"], SamplingParams(allowed_token_ids=[28120], bad_words=["hello"]), "ban every"),
+        # Past the context, cut to its last 100 tokens: accepted.
+        ([[1] * 9000], SamplingParams(truncate_prompt_tokens=100, max_tokens=2), None),
         (["a", "b"], [SamplingParams()], "sampling_params"),
         ([3.5], None, "prompt 0"),
         ([[1, 2.0, 3]], None, "token ids must be integers"),
@@ -62,8 +78,11 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
     ],
 )
 def test_bad_requests_fail_cleanly_and_engine_keeps_serving(smollm2, prompts, params, match):
-    with pytest.raises(ValueError, match=match):
+    if match is None:  # a control: the same shape of call, accepted
         smollm2.generate(prompts, params, use_tqdm=False)
+    else:
+        with pytest.raises(ValueError, match=match):
+            smollm2.generate(prompts, params, use_tqdm=False)
     _assert_all_kv_free(smollm2)
     ok = smollm2.generate(["2 + 2 ="], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 3

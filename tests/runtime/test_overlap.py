@@ -311,3 +311,31 @@ def test_constrained_rows_run_ahead_with_the_same_tokens(tiny_constrained, jump)
 def test_constrained_rows_run_ahead_on_cuda(tiny_constrained, jump):
     """On CUDA the forward queued ahead (a CUDA graph) runs while the host fills the masks."""
     _constrained_same_tokens(*tiny_constrained, jump, "cuda")
+
+
+def test_a_request_with_a_multi_token_bad_word_makes_its_batch_wait(tiny_model_dirs):
+    """A bad word of two tokens reads the output on the host (as penalties do): no step runs
+    ahead, and the tokens are those of reading every step back. A one-token word is a fixed
+    ban: its steps still run ahead."""
+    path = tiny_model_dirs["qwen3"]
+    free, _ = _scheduler(path, overlap=False)
+    free.handle(GenerateReq("free", [5, 5, 6], SamplingParams(max_tokens=10, **GREEDY), 0))
+    ids = _run(free)["free"]["ids"]
+    word = [ids[2], ids[3]]  # the plain run says these two in a row
+    for words, may_run_ahead in (([word], False), ([[ids[0]]], True)):
+        sp = SamplingParams(max_tokens=10, bad_words_token_ids=words, **GREEDY)
+        plain, _ = _scheduler(path, overlap=False)
+        over, ran_ahead = _scheduler(path, overlap=True)
+        for s in (plain, over):
+            s.handle(GenerateReq("bad", [5, 5, 6], sp, 0))
+            s.handle(GenerateReq("other", [7, 8], SamplingParams(max_tokens=10, **GREEDY), 0))
+        want = _run(plain)
+        assert _run(over) == want
+        got = want["bad"]["ids"]
+        if len(words[0]) == 2:
+            assert got[:3] == ids[:3] and got[3] != ids[3]
+            assert not any(ran_ahead), "the word reads the output: no step may run ahead"
+        else:
+            assert ids[0] not in got and got != ids
+            assert any(ran_ahead) is may_run_ahead
+        _all_kv_free_or_cached(over)

@@ -97,3 +97,27 @@ def test_noise_depends_only_on_seed_step_and_token():
         abs(hash_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096).mean() - 0.5)
         < 0.01
     )
+
+
+def test_allowed_token_ids_keep_only_those_tokens():
+    assert _draws(ROW, temperature=1.0, allowed_token_ids=[3, 9, 14]) == {3, 9, 14}
+    assert _draws(ROW, temperature=0.0, allowed_token_ids=[14, 9]) == {9}  # the likelier one
+
+
+def test_a_bad_word_bans_its_last_token_only_after_its_first_ones():
+    def bad(output, words):
+        params = SamplingParams(temperature=0.0, bad_words_token_ids=words)
+        req = SamplingInput(params, 1, [1], list(output), [])
+        logits = torch.tensor([ROW], dtype=torch.float32)
+        return Sampler(V, torch.device("cpu")).sample(logits, [req]).next_ids.item()
+
+    assert bad([], [[0]]) == 1  # a one-token word: banned everywhere
+    assert bad([], [[4, 0]]) == 0  # no 4 before: 0 stays allowed
+    assert bad([7, 4], [[4, 0]]) == 1  # the output ends with 4: 0 is banned
+    assert bad([4, 7], [[4, 0]]) == 0
+    assert bad([2, 3], [[2, 3, 0], [3, 1], [9, 0]]) == 2  # both matching words ban their last
+    # Speculative drafts count as output (`SamplingInput.after`).
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 0]])
+    draft = SamplingInput(params, 1, [1], [], []).after([5])
+    logits = torch.tensor([ROW], dtype=torch.float32)
+    assert Sampler(V, torch.device("cpu")).sample(logits, [draft]).next_ids.item() == 1

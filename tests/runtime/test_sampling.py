@@ -184,3 +184,44 @@ def test_text_of_a_request_ending_inside_a_character_is_the_decode_of_its_tokens
     out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=1, logit_bias={ids[0]: 100.0})
     assert out.token_ids == ids[:1]
     assert out.text == tok.decode(ids[:1]) and out.text.endswith("\ufffd")
+
+
+def test_allowed_token_ids_pick_the_likeliest_allowed_token(smollm2):
+    """Greedy within `allowed_token_ids` is the allowed token the model scores highest: the
+    2nd and 5th of its unconstrained top 5 give the 2nd, and every token stays allowed."""
+    first = _one(smollm2, PROMPT, temperature=0.0, max_tokens=1, logprobs=5).logprobs[0]
+    ranked = sorted(first, key=lambda t: first[t].rank)
+    allowed = [ranked[4], ranked[1]]
+    out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=6, allowed_token_ids=allowed)
+    assert out.token_ids[0] == ranked[1]
+    assert set(out.token_ids) <= set(allowed)
+    drawn = _one(smollm2, PROMPT, temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed)
+    assert set(drawn.token_ids) <= set(allowed)
+
+
+def test_bad_words_are_never_generated(smollm2):
+    """A one-word ban moves greedy to the next likeliest token; a two-token word is cut after
+    its first token; with and without a leading space alike."""
+    tok = smollm2.get_tokenizer()
+    free = _one(smollm2, PROMPT, temperature=0.0, max_tokens=12)
+    first = _one(smollm2, PROMPT, temperature=0.0, max_tokens=1, logprobs=2).logprobs[0]
+    second = next(t for t in first if first[t].rank == 2)
+    word = tok.decode(free.token_ids[:1]).strip()
+    banned = _one(smollm2, PROMPT, temperature=0.0, max_tokens=12, bad_words=[word])
+    assert banned.token_ids[0] == second and word not in banned.text.split()
+    # Two tokens said in a row: the second is banned right after the first.
+    i = next(i for i in range(1, 10) if tok.decode(free.token_ids[i : i + 1]).startswith(" "))
+    pair = free.token_ids[i : i + 2]
+    phrase = tok.decode(pair).strip()
+    assert tok.encode(" " + phrase, add_special_tokens=False) == pair
+    cut = _one(smollm2, PROMPT, temperature=0.0, max_tokens=12, bad_words=[phrase])
+    assert cut.token_ids[: i + 1] == free.token_ids[: i + 1] and cut.token_ids[i + 1] != pair[1]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm2):
+    ids = smollm2.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    cut = smollm2.generate([PROMPT], params.replace(truncate_prompt_tokens=4), use_tqdm=False)[0]
+    tail = smollm2.generate([{"prompt_token_ids": ids[-4:]}], params, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-4:] and len(ids) > 4
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids

@@ -416,6 +416,81 @@ def test_chat_template_kwargs_reach_the_servers_template(client):
     assert off.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
+def test_vllms_token_fields_over_http(server, client):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extras) on completions
+    (the openai client's extra_body) and in /generate's sampling_params, each doing what
+    it says on the real model."""
+    prompt = "The capital of France is"
+    free = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    allowed = [ids[1], ids[3]]
+    only = client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"allowed_token_ids": allowed},
+    )
+    native_only = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "text": prompt,
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "temperature": 1.0,
+                "seed": 5,
+                "allowed_token_ids": allowed,
+            },
+        },
+    ).json()
+    assert set(native_only["output_ids"]) <= set(allowed) and len(native_only["output_ids"]) == 6
+    assert only.choices[0].text == native_only["text"]
+    word = free.choices[0].text.split()[0].strip(".,")
+    banned = client.completions.create(
+        model="m", prompt=prompt, max_tokens=6, temperature=0, extra_body={"bad_words": [word]}
+    )
+    assert banned.choices[0].text != free.choices[0].text
+    assert word not in banned.choices[0].text.split()
+    native = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "bad_words": [word]},
+        },
+    ).json()
+    assert native["text"] == banned.choices[0].text
+    cut = client.completions.create(
+        model="m",
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 2},
+    )
+    tail = client.completions.create(model="m", prompt=ids[-2:], max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 2 and cut.choices[0].text == tail.choices[0].text
+
+
+def test_continue_final_message_goes_on_from_the_last_message(client):
+    """vLLM's continue_final_message: the last (assistant) message stays open, so the reply
+    continues it instead of starting a new turn."""
+    msgs = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My favourite colour is"},
+    ]
+    opened = client.chat.completions.create(
+        model="m",
+        messages=msgs,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    closed = client.chat.completions.create(model="m", messages=msgs, max_tokens=3, temperature=0)
+    # Open: the prompt ends inside the assistant's message (no end-of-turn, no new turn).
+    assert opened.usage.prompt_tokens < closed.usage.prompt_tokens
+    assert opened.choices[0].message.content != closed.choices[0].message.content
+
+
 def test_any_model_name_gets_the_served_model(client):
     # As SGLang: a server of one model answers whatever `model` a client names.
     for name in ("gpt-5", ""):

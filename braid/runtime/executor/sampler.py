@@ -177,6 +177,27 @@ class Sampler:
         if rows:
             logits[to_device(rows, self.device), to_device(cols, self.device)] = float("-inf")
 
+    def _apply_token_masks(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
+        """Only `allowed_token_ids` stay sampleable, and each bad word's last token is banned
+        where the output ends with the tokens before it (a one-token word: always)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+        if rows:
+            keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool)
+            for j, i in enumerate(rows):
+                keep[j, list(reqs[i].params.allowed_token_ids)] = True
+            at = to_device(rows, self.device)
+            logits[at] = logits[at].masked_fill(~keep.to(self.device), float("-inf"))
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            out = r.output_ids
+            for word in r.params.bad_words_token_ids or ():
+                n = len(word) - 1
+                if n == 0 or (len(out) >= n and tuple(out[len(out) - n :]) == word[:n]):
+                    rows.append(i)
+                    cols.append(word[n])
+        if rows:
+            logits[to_device(rows, self.device), to_device(cols, self.device)] = float("-inf")
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -191,12 +212,16 @@ class Sampler:
         tokens whose bit is clear in `bitmask[i]` (grammars); rows without one cost nothing.
         `ahead`: how many tokens each request has sampled beyond its `output_ids` (a step run
         ahead of reading back the previous one); they count toward `min_tokens` and the draw's
-        step. Penalties read `output_ids` itself, so a step run ahead must not use them."""
+        step. Penalties and bad words read `output_ids` itself, so a step run ahead must not
+        use them (`SamplingParams.reads_output`)."""
         ps = [r.params for r in reqs]
         want_logprobs = any(p.logprobs is not None for p in ps)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         edits = bitmask is not None or any(
-            p.logit_bias or p.penalized or len(r.output_ids) + ahead < p.min_tokens
+            p.logit_bias
+            or p.penalized
+            or p.masks_tokens
+            or len(r.output_ids) + ahead < p.min_tokens
             for p, r in zip(ps, reqs)
         )
         if edits:
@@ -205,6 +230,7 @@ class Sampler:
         if bitmask is not None:
             assert bitmask_rows is not None, "a bitmask needs its rows"
             apply_token_bitmask(logits, bitmask, bitmask_rows)
+        self._apply_token_masks(logits, reqs)
         self._apply_bias_and_min_tokens(logits, reqs, ahead)
         self._apply_penalties(logits, reqs)
 

@@ -57,7 +57,7 @@ class Launched:
 def can_run_ahead(req: Req) -> bool:
     """Whether `req` can sample its next token before its current one is read back."""
     p = req.params
-    return req.unverified == 0 and not p.penalized and len(req.output_ids) + 1 >= p.min_tokens
+    return req.unverified == 0 and not p.reads_output and len(req.output_ids) + 1 >= p.min_tokens
 
 
 def finishes_by_length(req: Req) -> bool:

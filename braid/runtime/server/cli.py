@@ -336,6 +336,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from braid.runtime.assets import ModelAssets
     from braid.runtime.launch import spawn_runtime
     from braid.runtime.tokenizer.manager import TokenizerManager
+    from braid.runtime.tokenizer.tokenizer import word_encoder
 
     # Start-up phases for the ready line: the interpreter and braid's imports, the runtime (its
     # processes' start to the model loaded, with the scheduler's own phases; the tokenizer
@@ -430,6 +431,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         asyncio.run(tm.shutdown())
         return 2
     model_path, tokenizer = assets.path, assets.tokenizer
+    tm.encode_words = word_encoder(tokenizer)
     if settings.chat_template and tokenizer is not None:
         tpl = settings.chat_template
         tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl

@@ -162,11 +162,23 @@ def validate_prompts(
     prompts: list,
     params: SamplingParams | list[SamplingParams],
     where: str,
-) -> None:
-    """Refuse what the scheduler would refuse: more samples than the server runs for one
-    request (`APIError`), a prompt too long for the context or a token id outside the
-    vocabulary (`ParamError`). `params` is one for every prompt or a list, one per prompt."""
+    *,
+    images: bool = False,
+) -> list:
+    """The prompts as they run (each cut to its last `truncate_prompt_tokens` tokens), having
+    refused what the scheduler would refuse: more samples than the server runs for one request
+    (`APIError`), a prompt too long for the context or a token id outside the vocabulary
+    (`ParamError`). `params` is one for every prompt or a list, one per prompt; `images`:
+    whether the prompts hold images (whose tokens a cut would split: refused)."""
     each = params if isinstance(params, list) else [params] * len(prompts)
     _check_fan_out(state, each)
-    for i, ((_, ids), p) in enumerate(zip(prompts, each)):
+    out = []
+    for i, ((text, ids), p) in enumerate(zip(prompts, each)):
+        k = p.truncate_prompt_tokens
+        if k is not None and images:
+            raise APIError(400, "truncate_prompt_tokens: not with images", "truncate_prompt_tokens")
+        if k is not None and len(ids) > k:
+            ids = ids[-k:]
         state.tm.validate(ids, p, where=where if len(prompts) == 1 else f"{where}[{i}]")
+        out.append((text, ids))
+    return out

@@ -149,6 +149,18 @@ REFUSED_CONSTRAINT_FIELDS = {
 }
 
 
+# Other servers' fields that change the output and that braid does not implement: refused by
+# name when given a value that does something (the lenient bodies would otherwise drop them).
+REFUSED_FIELDS = {
+    "use_beam_search": ("beam search is not implemented", (None, False)),
+    "length_penalty": ("it applies to beam search, which is not implemented", (None, 1, 1.0)),
+    "logits_processors": ("braid runs no request code", (None, [])),
+    "prompt_logprobs": ("use echo with logprobs (completions)", (None,)),
+    "return_tokens_as_token_ids": ("tokens are returned as text", (None, False)),
+    "spaces_between_special_tokens": ("braid decodes without them", (None, True)),
+}
+
+
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
@@ -173,6 +185,9 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     stop_regex: Text | list[Text] | None = None
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[Text] | None = None
+    truncate_prompt_tokens: Int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format, SGLang's and braid's extras, vLLM's
@@ -190,10 +205,17 @@ class _SamplingFields(_Body):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
-    # Declared so that they are refused by name (see REFUSED_CONSTRAINT_FIELDS).
+    # Declared so that they are refused by name (see REFUSED_CONSTRAINT_FIELDS and
+    # REFUSED_FIELDS).
     guided_whitespace_pattern: JsonValue = None
     guided_decoding_backend: JsonValue = None
     guided_json_object: JsonValue = None
+    use_beam_search: JsonValue = None
+    length_penalty: JsonValue = None
+    logits_processors: JsonValue = None
+    prompt_logprobs: JsonValue = None
+    return_tokens_as_token_ids: JsonValue = None
+    spaces_between_special_tokens: JsonValue = None
 
     def constraint_fields(self) -> dict[str, Any]:
         """The one output constraint of this body, as a `SamplingParams` field; a `ParamError`
@@ -231,6 +253,10 @@ class _SamplingFields(_Body):
         """`SamplingParams` for this body; a `ParamError` names a bad field."""
         if self.stream_options is not None and not self.stream:
             raise ParamError.at("stream_options", "only with stream: true")
+        for name, (why, inert) in REFUSED_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in inert):
+                raise ParamError.at(name, f"not supported ({why})")
         fields: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
@@ -248,6 +274,9 @@ class _SamplingFields(_Body):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             stop_regex=self.stop_regex,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -307,6 +336,11 @@ class ChatCompletionRequest(_SamplingFields):
     # Extra variables for the chat template (vLLM's and SGLang's field), such as Qwen3's
     # enable_thinking; `tokenizer.chat.check_template_kwargs` refuses the names braid sets.
     chat_template_kwargs: JsonObject | None = None
+    # vLLM's: leave the last message open for the model to go on with (a prefilled answer),
+    # with add_generation_prompt false; documents for a template that shows them (RAG).
+    continue_final_message: bool = False
+    documents: list[JsonObject] | None = None
+    echo: JsonValue = None  # vLLM's chat echo: refused when true (see ChatCompletionRequest)
     # Tool calling: shapes are checked by braid.runtime.function_call, whose errors name the
     # field precisely (tools[i].function.name, tool_choice.function.name, ...).
     tools: list[JsonValue] | None = None
@@ -408,7 +442,10 @@ class TokenizeRequest(_Body):
 
 # SGLang's native sampling_params names -> braid's
 NATIVE_SAMPLING_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-NATIVE_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(NATIVE_SAMPLING_ALIASES)
+# `bad_words_token_ids` is the engine's (made from `bad_words`), not a request's.
+NATIVE_SAMPLING_FIELDS = (set(SamplingParams.__dataclass_fields__) - {"bad_words_token_ids"}) | set(
+    NATIVE_SAMPLING_ALIASES
+)
 
 
 def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:

@@ -55,7 +55,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
         params = plan.sampling_params(params)  # a ParamError names the field
     if not sources:
         state.media.check_no_placeholders(ids, "messages")
-        validate_prompts(state, [(text, ids)], params, "messages")
+        ((text, ids),) = validate_prompts(state, [(text, ids)], params, "messages")
     return text, ids, sources, params, plan
 
 
@@ -73,10 +73,18 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "messages: must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        if req.echo not in (None, False):
+            raise APIError(400, "echo: not supported on chat (use completions' echo)", "echo")
         try:
             check_template_kwargs(req.chat_template_kwargs)
         except ParamError as e:
             raise APIError.refused(e) from None
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message: not with add_generation_prompt (set it to false)",
+                "continue_final_message",
+            )
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
@@ -103,6 +111,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 chat_template=req.chat_template,
                 tools=plan.template_tools if plan else None,
                 template_kwargs=req.chat_template_kwargs,
+                continue_final_message=req.continue_final_message,
+                documents=req.documents,
             ),
         )
 
@@ -209,7 +219,7 @@ async def build_chat(
     if sources:
         # Images load and process in the media workers; their placeholders then expand.
         ids, images = await state.media.prepare(ids, sources, "messages")
-        validate_prompts(state, [(text, ids)], params, "messages")
+        validate_prompts(state, [(text, ids)], params, "messages", images=True)
     reasoning = state.reasoning_parser if _separates_reasoning(req) else None
     return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
 
@@ -301,6 +311,8 @@ def _chat_prompt(
             add_generation_prompt=req.add_generation_prompt,
             tools=plan.template_tools if plan else None,
             template_kwargs=req.chat_template_kwargs,
+            continue_final_message=req.continue_final_message,
+            documents=req.documents,
             rendered=rendered,
             max_chars=state.max_prompt_chars,
         )

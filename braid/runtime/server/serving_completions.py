@@ -48,8 +48,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state.media.check_no_placeholders(
                 ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             )
-        validate_prompts(state, prompts, params, "prompt")
-        return prompts, params
+        if req.echo and params.truncate_prompt_tokens is not None:
+            raise APIError(400, "echo: not with truncate_prompt_tokens", "echo")
+        return validate_prompts(state, prompts, params, "prompt"), params
 
     @app.post(
         "/v1/completions",

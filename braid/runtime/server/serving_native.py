@@ -78,7 +78,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             if not sources:
                 state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
         if not any(images):
-            validate_prompts(state, prompts, params, "text")
+            prompts = validate_prompts(state, prompts, params, "text")
         return prompts, params, single, images, session, each
 
     @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
@@ -99,7 +99,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
             prompts = [(text, ids) for (text, _), (ids, _) in zip(prompts, prepared)]
             images = [wire for _, wire in prepared]
-            validate_prompts(state, prompts, params, "text")
+            validate_prompts(state, prompts, params, "text", images=True)
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
         rids = each.rids(single)

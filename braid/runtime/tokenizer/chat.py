@@ -53,16 +53,19 @@ def chat_prompt(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    documents: list[dict[str, Any]] | None = None,
     rendered: str | None = None,
     max_chars: int | None = None,
     where: str = "messages",
 ) -> ChatPrompt:
     """`messages` (OpenAI's format) as a prompt: flattened (`template_messages`), rendered with
-    `chat_template` or the tokenizer's own, given `template_kwargs` (`render_chat`; or given as
-    `rendered`, a rendering made elsewhere, such as the server's template sandbox), and
-    tokenized without added special tokens (the template writes them). A `ParamError` naming
-    `where` for malformed messages, a template that fails, a rendering longer than `max_chars`
-    (refused before tokenizing) or one with no tokens."""
+    `chat_template` or the tokenizer's own, given `template_kwargs`, `continue_final_message`
+    and `documents` (`render_chat`; or given as `rendered`, a rendering made elsewhere, such
+    as the server's template sandbox), and tokenized without added special tokens (the
+    template writes them). A `ParamError` naming `where` for malformed messages, a template
+    that fails, a rendering longer than `max_chars` (refused before tokenizing) or one with no
+    tokens."""
     flat, sources = template_messages(messages, placeholder, where)
     text = rendered
     if text is None:
@@ -73,6 +76,8 @@ def chat_prompt(
             chat_template=chat_template,
             tools=tools,
             template_kwargs=template_kwargs,
+            continue_final_message=continue_final_message,
+            documents=documents,
         )
     if max_chars is not None and len(text) > max_chars:
         raise ParamError.at(

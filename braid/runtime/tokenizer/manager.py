@@ -149,6 +149,9 @@ class TokenizerManager:
         self._control: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count()
         self._rng = random.Random(config.seed)
+        # The tokenizer's encode (text -> ids, no special tokens), set by the front end that
+        # loads it: `bad_words` become token ids with it (`resolve`).
+        self.encode_words: Callable[[str], list[int]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         # The scheduler's latest heartbeat and when it came (event-loop time).
@@ -382,6 +385,25 @@ class TokenizerManager:
                 where, f"token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
             )
         params.check_token_ids(r.vocab_size)
+        self.resolve(params).check_something_to_sample(self.eos_token_ids)
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """`params` with `bad_words_token_ids` filled from `bad_words` (each word with and
+        without a leading space, as vLLM bans them); a `ParamError` if there is no tokenizer to
+        make them, or a word makes no tokens."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.encode_words is None:
+            raise ParamError("bad_words", "bad_words: this model has no tokenizer to read them")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = self.encode_words(form)
+                if not ids:
+                    raise ParamError("bad_words", f"bad_words: {word!r} makes no tokens")
+                if ids not in seqs:
+                    seqs.append(ids)
+        return params.replace(bad_words_token_ids=seqs)
 
     def sample_seed(self, params: SamplingParams, index: int) -> int:
         if params.seed is None:
@@ -415,6 +437,7 @@ class TokenizerManager:
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
         instead (its one output carries `StrOut.embedding`)."""
         self._check_alive()
+        params = self.resolve(params)
         if session_ttl_s is not None:
             if session_id is None:
                 raise ParamError("session_ttl_s", "session_ttl_s needs a session_id")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +162,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
 
 
+def word_encoder(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[str], list[int]] | None:
+    """Text -> token ids without special tokens (`TokenizerManager.encode_words`), or None
+    without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return functools.partial(tokenizer.encode, add_special_tokens=False)
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ParamError(
@@ -244,13 +254,23 @@ def render_chat(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own.
     `tools` (OpenAI tool dicts) are passed to the template, which decides how to show them;
     messages may include assistant `tool_calls` and `role: "tool"` results; `template_kwargs`
-    are extra template variables (`check_template_kwargs`). A `ParamError` naming `messages`
-    if they are malformed or the template fails on them."""
+    are extra template variables (`check_template_kwargs`); `documents` (dicts of strings)
+    go to a template that shows retrieved documents; `continue_final_message` leaves the
+    last message open for the model to go on with (not with `add_generation_prompt`). A
+    `ParamError` naming `messages` if they are malformed or the template fails on them."""
     extra = check_template_kwargs(template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise ParamError.at(
+            "continue_final_message", "not with add_generation_prompt (set it to false)"
+        )
+    if documents is not None:
+        extra = {**extra, "documents": documents}
     _check_messages(messages)
     messages = _for_template(messages)
     template = chat_template or tokenizer.chat_template
@@ -266,6 +286,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             chat_template=template,
             tools=tools,
+            continue_final_message=continue_final_message,
             **extra,
         )
     except Exception as e:  # jinja errors have many types; all mean "bad conversation"
