@@ -14,6 +14,7 @@ from braid.runtime.ipc.to_scheduler import AbortReq, GenerateReq
 from tests.conftest import hf_greedy, local_scheduler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+ALLOWED = [3, 17, 40]
 
 
 def _scheduler(path, overlap: bool, device: str = "cpu"):
@@ -77,6 +78,19 @@ def _mixed_requests(stop_token: int | None) -> list[GenerateReq]:
         GenerateReq(
             "logprobs", [14, 15, 16], SamplingParams(max_tokens=8, logprobs=3, **GREEDY), 0
         ),
+        # Fixed token masks (no output read): these run ahead too.
+        GenerateReq(
+            "allowed",
+            [17, 18],
+            SamplingParams(max_tokens=7, allowed_token_ids=ALLOWED, temperature=0.7),
+            99,
+        ),
+        GenerateReq(
+            "bad-once",
+            [1, 2, 3],
+            SamplingParams(max_tokens=6, bad_words_token_ids=[[3]], **GREEDY),
+            0,
+        ),
     ]
     if stop_token is not None:
         reqs.append(
@@ -112,6 +126,7 @@ def _same_tokens_logprobs_and_finishes(path, device: str) -> None:
     assert len(expected["stops"]["ids"]) <= 4
     assert expected["min-tokens"]["finish"] == "length"
     assert len(expected["logprobs"]["lp"]) == 8
+    assert set(expected["allowed"]["ids"]) <= set(ALLOWED) and 3 not in expected["bad-once"]["ids"]
     assert sum(ran_ahead) >= 10, "decode steps should have run ahead"
     _all_kv_free_or_cached(over)
     # Same step count apart from the steps run ahead of a stop (length limits are foreseen).
