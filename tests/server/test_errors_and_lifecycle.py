@@ -111,6 +111,10 @@ BAD = [
     (C, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     (C, {"prompt": "x", "truncate_prompt_tokens": 1, "echo": True}, 400, "echo: not with"),
     (G, {"text": "x", "sampling_params": {"bad_words_token_ids": [[1]]}}, 400, "unknown field"),
+    ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "exactly one of prompt and messages"),
+    ("/tokenize", {}, 400, "exactly one of prompt and messages"),
+    ("/detokenize", {"tokens": [1, 10**8]}, 400, "tokens[1]: 100000000 is outside"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     # SGLang's per-prompt lists in a /generate batch: one entry per prompt.
     (G, {"text": ["a", "b"], "sampling_params": [{}]}, 400, "a list of 1 for 2 prompt(s)"),
     (G, {"text": ["a", "b"], "rid": ["r", "r"]}, 400, "rid[1]: 'r' is given twice"),

@@ -491,6 +491,23 @@ def test_continue_final_message_goes_on_from_the_last_message(client):
     assert opened.choices[0].message.content != closed.choices[0].message.content
 
 
+def test_tokenize_messages_and_detokenize_as_vllm(server, client):
+    """vLLM's /tokenize with chat messages counts what a chat request is fed; /detokenize
+    gives the text of token ids back; return_token_strs spells each token."""
+    url = server.url
+    msgs = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=1)
+    counted = httpx.post(f"{url}/tokenize", json={"messages": msgs}).json()
+    assert counted["count"] == chat.usage.prompt_tokens == len(counted["tokens"])
+    bare = httpx.post(f"{url}/tokenize", json={"messages": msgs, "add_generation_prompt": False})
+    assert bare.json()["count"] < counted["count"]
+    text = "Hello there, world"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert len(ids["token_strs"]) == ids["count"] and ids["token_strs"][0] == "Hello"
+    back = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert back == {"prompt": text}
+
+
 def test_any_model_name_gets_the_served_model(client):
     # As SGLang: a server of one model answers whatever `model` a client names.
     for name in ("gpt-5", ""):

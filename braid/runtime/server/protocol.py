@@ -437,7 +437,18 @@ class EmbeddingRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    prompt: Annotated[Text, _doc(minLength=1)]
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered as a chat request's."""
+
+    prompt: Annotated[Text, _doc(minLength=1)] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: JsonObject | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[Int]
 
 
 # SGLang's native sampling_params names -> braid's

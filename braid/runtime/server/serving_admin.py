@@ -13,16 +13,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.guard import error_response
+from braid.runtime.server.guard import APIError, error_response
 from braid.runtime.server.inputs import json_body, tokenize_prompts
 from braid.runtime.server.openapi import EMPTY, takes
 from braid.runtime.server.outputs import GONE, unless_gone
 from braid.runtime.server.protocol import (
     AbortRequest,
+    ChatCompletionRequest,
     CloseSessionRequest,
+    DetokenizeRequest,
     EndProgramRequest,
     TokenizeRequest,
 )
+from braid.runtime.server.serving_chat import chat_prompt_of
 from braid.runtime.server.state import ServerState
 
 
@@ -165,9 +168,26 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", openapi_extra=takes(TokenizeRequest))
     async def tokenize(body: Annotated[TokenizeRequest, json_body(TokenizeRequest)]):
-        """vLLM's /tokenize: the prompt's token ids as this server would feed them."""
-        ids = (await asyncio.to_thread(tokenize_prompts, state, body.prompt))[0][1]
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
+        """vLLM's /tokenize: the token ids of a prompt, or of chat messages, as this server
+        would feed them (`return_token_strs`: each token's string too)."""
+        ids = await asyncio.to_thread(_tokenize, state, body)
+        out = {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
+        if body.return_token_strs:
+            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize", openapi_extra=takes(DetokenizeRequest))
+    async def detokenize(body: Annotated[DetokenizeRequest, json_body(DetokenizeRequest)]):
+        """vLLM's /detokenize: the text of token ids."""
+        if state.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+        vocab = state.tm.ready.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(
+                    400, f"tokens[{i}]: {t} is outside the vocabulary ({vocab})", "tokens"
+                )
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     @app.post("/close_session", openapi_extra=takes(CloseSessionRequest))
     async def close_session(body: Annotated[CloseSessionRequest, json_body(CloseSessionRequest)]):
@@ -198,3 +218,24 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state.metrics.render(state.tm.stats_snapshot(), state.tm.programs_snapshot()),
             media_type="text/plain; version=0.0.4",
         )
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
+    """The ids of `body`'s prompt, or of its messages rendered as `/v1/chat/completions`
+    renders them (text only: an image's tokens are made with its pixels)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+        return tokenize_prompts(state, body.prompt)[0][1]
+    if state.tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer", "messages")
+    chat = ChatCompletionRequest(
+        messages=body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    prompt = chat_prompt_of(state, chat)
+    if prompt.sources:
+        raise APIError(400, "messages: /tokenize takes text only, not images", "messages")
+    return prompt.ids

@@ -322,6 +322,12 @@ def _chat_prompt(
         raise APIError(400, str(e), "messages") from None
 
 
+def chat_prompt_of(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+    """`req`'s conversation as the server's chat template renders it, without tools (what
+    `/tokenize` counts for messages); an `APIError` names what is wrong."""
+    return _chat_prompt(state, req, None, None)
+
+
 def _dumped(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in req.messages]
 
