@@ -508,6 +508,18 @@ def test_tokenize_messages_and_detokenize_as_vllm(server, client):
     assert back == {"prompt": text}
 
 
+def test_models_retrieve_and_version(server, client):
+    """The openai client's models.retrieve finds the served model (and a NotFoundError for
+    another name); /version says braid's version."""
+    import braid
+
+    card = client.models.retrieve("smollm2-135m")
+    assert (card.id, card.owned_by) == ("smollm2-135m", "braid")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-5")
+    assert httpx.get(f"{server.url}/version").json() == {"version": braid.__version__}
+
+
 def test_any_model_name_gets_the_served_model(client):
     # As SGLang: a server of one model answers whatever `model` a client names.
     for name in ("gpt-5", ""):

@@ -61,10 +61,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return Response(status_code=499)
         return error_response(503, error) if error else Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card() -> dict:
         r = state.tm.ready
-        card = {
+        return {
             "id": state.served_model_name,
             "object": "model",
             "created": 0,
@@ -72,7 +71,27 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "root": state.served_model_name,  # the model's path stays on the server
             "max_model_len": r.context_length if r else None,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """OpenAI's model retrieval: the served model's card, by its served name."""
+        if model != state.served_model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: braid's version."""
+        return {"version": braid_version()}
 
     @app.get("/get_model_info")
     @app.get("/model_info", operation_id="model_info_alias")
@@ -239,3 +258,10 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     if prompt.sources:
         raise APIError(400, "messages: /tokenize takes text only, not images", "messages")
     return prompt.ids
+
+
+def braid_version() -> str:
+    """The running braid's version (the caller's package, already imported)."""
+    import sys
+
+    return sys.modules["braid"].__version__
