@@ -62,6 +62,22 @@ def test_a_bad_prompt_is_a_value_error(ids, match):
         Req.from_message(GenerateReq("r", ids, SamplingParams(), 0), 64, 100, EOS)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(logit_bias={100: 1.0}),
+        SamplingParams(allowed_token_ids=[1, 100]),
+        SamplingParams(stop_token_ids=[100]),
+        SamplingParams(bad_words_token_ids=[[3, 100]]),
+    ],
+)
+def test_a_sampling_token_id_past_the_vocabulary_is_refused_by_the_scheduler(params):
+    """The front ends check these; the scheduler does too, since a sampler index past the
+    vocabulary would fail the whole step."""
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Req.from_message(GenerateReq("r", [1, 2], params, 0), 64, 100, EOS)
+
+
 def test_max_tokens_is_capped_by_the_context():
     sp = SamplingParams(max_tokens=1000)
     req = Req.from_message(GenerateReq("r", [1, 2, 3, 4], sp, 0), 64, 100, EOS)

@@ -170,6 +170,8 @@ class Req:
             )
         if max(msg.input_ids) >= vocab_size or min(msg.input_ids) < 0:
             raise ParamError.at("prompt", f"token ids must be in [0, {vocab_size})")
+        # The front ends check these too; a sampler index past the vocabulary would fail a step.
+        msg.params.check_token_ids(vocab_size)
         if msg.program_position is not None and msg.program_position < 0:
             raise ParamError.at("program_position", f"must be >= 0, got {msg.program_position}")
         images = [from_wire(m) for m in msg.images]
