@@ -78,6 +78,20 @@ def test_a_sampling_token_id_past_the_vocabulary_is_refused_by_the_scheduler(par
         Req.from_message(GenerateReq("r", [1, 2], params, 0), 64, 100, EOS)
 
 
+def test_a_cache_salt_keys_the_whole_prompt_apart():
+    """vLLM's cache_salt: the prefix cache's key of the first token is salted, so a prompt
+    shares cached KV only with prompts of the same salt (radix matches are prefixes)."""
+
+    def keys(salt):
+        msg = GenerateReq("r", [5, 6, 7], SamplingParams(), 0, cache_salt=salt)
+        return Req.from_message(msg, 64, 100, EOS).cache_tokens()
+
+    assert keys(None) == [5, 6, 7]
+    a, b = keys("tenant-a"), keys("tenant-b")
+    assert a == keys("tenant-a") and a != b and a[1:] == b[1:] == [6, 7]
+    assert a[0] < 0 and b[0] < 0  # never a vocabulary id
+
+
 def test_max_tokens_is_capped_by_the_context():
     sp = SamplingParams(max_tokens=1000)
     req = Req.from_message(GenerateReq("r", [1, 2, 3, 4], sp, 0), 64, 100, EOS)

@@ -106,6 +106,8 @@ BAD = [
         "continue_final_message: not with add_generation_prompt",
     ),
     (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (C, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    (G, {"text": "x", "cache_salt": 5}, 400, "cache_salt"),
     (C, {"prompt": "x", "allowed_token_ids": [10**8]}, 400, "outside the vocabulary"),
     (C, {"prompt": "x", "bad_words": [""]}, 400, "bad_words"),
     (C, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),

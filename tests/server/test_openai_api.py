@@ -520,6 +520,23 @@ def test_models_retrieve_and_version(server, client):
     assert httpx.get(f"{server.url}/version").json() == {"version": braid.__version__}
 
 
+def test_cache_salt_shares_cached_kv_only_within_a_salt(client):
+    """vLLM's cache_salt: a prompt cached under one salt is a miss under another salt or
+    none, and a hit under the same salt."""
+    prompt = "A ledger of the salted tenants: " + "entry, " * 30
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt else {}
+        out = client.completions.create(
+            model="m", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra
+        )
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") > 30 and cached("tenant-b") > 30 and cached(None) > 30
+
+
 def test_any_model_name_gets_the_served_model(client):
     # As SGLang: a server of one model answers whatever `model` a client names.
     for name in ("gpt-5", ""):

@@ -76,6 +76,8 @@ class GenerateReq:
     `grammar_open`: with `grammar_after`, the token that opens the thinking when the model may
     or may not think (Qwen3): the first token is then the grammar's or this one, and only this
     one defers the grammar to `grammar_after`.
+    `cache_salt`: the prefix cache keys this prompt with the salt (vLLM's field), so only
+    requests with the same salt share its KV (tenants cannot time each other's prompts).
     """
 
     rid: str
@@ -90,6 +92,7 @@ class GenerateReq:
     session_ttl_s: float | None = None
     embed: EmbedSpec | None = None
     program_position: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

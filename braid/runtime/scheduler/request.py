@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class Req:
     # by chunk) instead of sampling a token; it finishes when its prompt is computed.
     embed: EmbedSpec | None = None
     pooled: Pooled | None = None
+    cache_salt: str | None = None  # the prefix cache's key of its first token is salted
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
@@ -125,6 +127,10 @@ class Req:
                 self._cache_prompt[start : start + image.num_tokens] = [-1 - image.hash] * (
                     image.num_tokens
                 )
+        if self.cache_salt is not None:
+            # Radix matches are prefixes: a salted first key keeps the whole prompt apart.
+            self._cache_prompt = list(self._cache_prompt)
+            self._cache_prompt[0] = salted_key(self.cache_salt, self._cache_prompt[0])
         self._sampling = SamplingInput(
             params=self.params,
             seed=self.seed,
@@ -221,6 +227,7 @@ class Req:
             rope_positions=rope_positions,
             rope_delta=rope_delta,
             embed=msg.embed,
+            cache_salt=msg.cache_salt,
         )
 
     @property
@@ -377,3 +384,10 @@ class RequestTable:
 
     def __iter__(self) -> Iterator[Req]:
         return iter(list(self._by_rid.values()))
+
+
+def salted_key(salt: str, key: int) -> int:
+    """The prefix cache's key for a first token (or an image's value) `key` under `salt`:
+    negative, as image values are, so never a vocabulary id, and a 63-bit hash of both."""
+    digest = hashlib.blake2b(f"{salt}\0{key}".encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "little") >> 1)

@@ -39,6 +39,7 @@ def submit_all(
     session_ttl_s: float | None = None,
     program_position: int | None = None,
     program_id: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt) (`params[i]` for prompt i when a list),
     with `images[i]` the processed images of prompt i and `grammar_waits[i]` what its
@@ -57,6 +58,7 @@ def submit_all(
                 session_ttl_s=session_ttl_s,
                 program_position=program_position,
                 program_id=program_id,
+                cache_salt=cache_salt,
             )
     except BaseException:
         for r in rids:

@@ -175,6 +175,8 @@ class _SamplingFields(_Body):
     presence_penalty: Annotated[float, _doc(minimum=-2, maximum=2)] = 0.0
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
+    # vLLM's: only requests with the same salt share this prompt's cached KV.
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # braid / vLLM / SGLang extras (the openai client sends them via extra_body)
@@ -389,6 +391,8 @@ class GenerateRequest(_Body):
     # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
     logprob_start_len: Int | list[Int] = -1
     rid: RequestId | list[RequestId] | None = None
+    # vLLM's: only requests with the same salt share this prompt's cached KV.
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # How long the session keeps this request's KV after it (default: twice the longest pause

@@ -116,6 +116,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             session_ttl_s=session_ttl,
             program_position=position,
             program_id=req.program_id,
+            cache_salt=req.cache_salt,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(params[i].n)]
         sample_rids = [

@@ -122,6 +122,7 @@ class OpenAIResponse(abc.ABC):
             params,
             images=self.images,
             grammar_waits=self.grammar_waits(),
+            cache_salt=self.req.cache_salt,
         )
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]

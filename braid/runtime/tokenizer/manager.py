@@ -425,6 +425,7 @@ class TokenizerManager:
         embed: EmbedSpec | None = None,
         program_position: int | None = None,
         program_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
@@ -435,7 +436,8 @@ class TokenizerManager:
         `images`: the prompt's processed images (`MediaFrontend.prepare`), whose tokens
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
-        instead (its one output carries `StrOut.embedding`)."""
+        instead (its one output carries `StrOut.embedding`). `cache_salt`: only requests with
+        the same salt share this prompt's cached KV (`GenerateReq`)."""
         self._check_alive()
         params = self.resolve(params)
         if session_ttl_s is not None:
@@ -446,6 +448,10 @@ class TokenizerManager:
                     "session_ttl_s",
                     f"session_ttl_s must be a positive number, got {session_ttl_s!r}",
                 )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ParamError(
+                "cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}"
+            )
         if program_id is not None and (not isinstance(program_id, str) or not program_id):
             raise ParamError(
                 "program_id", f"program_id must be a non-empty string, got {program_id!r}"
@@ -487,6 +493,7 @@ class TokenizerManager:
                         embed=embed,
                         program_position=program_position,
                         program_id=program_id,
+                        cache_salt=cache_salt,
                     )
                 )
                 for k, wire in enumerate(wires)
