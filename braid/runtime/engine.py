@@ -513,7 +513,10 @@ class LLM:
                 f"model: {self.model_config.architecture} has no LM head; it serves embeddings "
                 "only (LLM.embed)"
             )
-        items = [_truncated(item, p, i) for i, (item, p) in enumerate(zip(items, params))]
+        items = [
+            _truncated(item, p, i, self.context_length)
+            for i, (item, p) in enumerate(zip(items, params))
+        ]
         for i, ((_, ids, sources), p) in enumerate(zip(items, params)):
             if sources:
                 self.media.check_count(len(sources), f"prompt {i}")  # ids are checked once expanded
@@ -581,15 +584,15 @@ class LLM:
 Engine = LLM
 
 
-def _truncated(item: _Item, params: SamplingParams, index: int) -> _Item:
+def _truncated(item: _Item, params: SamplingParams, index: int, context_length: int) -> _Item:
     """`item` with its prompt cut to its last `params.truncate_prompt_tokens` tokens; a
     `ParamError` for a prompt with images (a cut would split an image's tokens)."""
     text, ids, sources = item
-    k = params.truncate_prompt_tokens
-    if k is None or len(ids) <= k:
-        return item
-    if sources:
+    k = params.prompt_keep(context_length)
+    if k is not None and sources:  # its ids grow when the images' tokens go in
         raise ParamError(
             "truncate_prompt_tokens", f"prompt {index}: truncate_prompt_tokens: not with images"
         )
+    if k is None or len(ids) <= k:
+        return item
     return text, ids[-k:], sources

@@ -15,6 +15,8 @@ from braid.runtime.errors import ParamError
 
 # Largest number of top log-probabilities one token may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Most `bad_words` one request may give (each is checked on the host at every step).
+MAX_BAD_WORDS = 512
 
 
 # The fields that constrain the output (at most one is given); each is a constraint kind of
@@ -57,7 +59,8 @@ class SamplingParams:
     those ids; `bad_words` are never generated (each word's tokens, with and without a leading
     space: the last token is banned wherever the output ends with the ones before it; vLLM's
     fields; the engine fills `bad_words_token_ids` from them). `truncate_prompt_tokens=k`
-    keeps only the prompt's last k tokens (vLLM's field; not with images).
+    keeps only the prompt's last k tokens (-1: as many as the context takes with one token
+    to generate; vLLM's field; not with images).
     `json_schema` (a schema dict or JSON string), `regex`, `choice` (a list of strings),
     `ebnf` (a GBNF grammar, root rule `root`: SGLang's field), `lark` (a Lark grammar, start
     rule `start`) or `structural_tag` (SGLang's: free text in which each trigger starts a
@@ -254,6 +257,11 @@ class SamplingParams:
                     )
         return None
 
+    def prompt_keep(self, context_length: int) -> int | None:
+        """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (None: all)."""
+        k = self.truncate_prompt_tokens
+        return context_length - 1 if k == -1 else k
+
     def _list_error(self) -> tuple[str, str] | None:
         """(field, message) of the first invalid value among the token and word lists."""
         allowed = self.allowed_token_ids
@@ -271,10 +279,14 @@ class SamplingParams:
             or not all(isinstance(w, str) and w.strip() for w in words)
         ):
             return "bad_words", f"bad_words must be a list of non-blank strings, got {words!r}"
+        if words is not None and len(words) > MAX_BAD_WORDS:
+            # Each is matched against the output's tail on the host at every step.
+            return "bad_words", f"bad_words: {len(words)} words, at most {MAX_BAD_WORDS}"
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or k < 1):
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             return "truncate_prompt_tokens", (
-                f"truncate_prompt_tokens must be an integer >= 1 or None, got {k!r}"
+                "truncate_prompt_tokens must be an integer >= 1, -1 (the most the context "
+                f"takes) or None, got {k!r}"
             )
         seqs = self.bad_words_token_ids
         if seqs is not None and (

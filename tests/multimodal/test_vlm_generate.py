@@ -264,6 +264,13 @@ def test_bad_images_are_refused_and_the_engine_keeps_serving(qwen_llm):
         )
     with pytest.raises(ValueError, match="multi_modal_data"):
         qwen_llm.generate([{"prompt": ph, "multi_modal_data": {"video": []}}], use_tqdm=False)
+    # A cut could split an image's tokens: refused whatever the prompt's length before them.
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: not with images"):
+        qwen_llm.generate(
+            [{"prompt": f"{ph} short", "multi_modal_data": {"image": tiny_image(8, 8, 1)}}],
+            GREEDY.replace(truncate_prompt_tokens=1000),
+            use_tqdm=False,
+        )
     ok = _run(qwen_llm, [(f"{ph} still fine", [tiny_image(28, 28, 5)])])
     assert len(ok[0]) == NEW
     qwen_llm.check_invariants()

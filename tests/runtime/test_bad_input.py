@@ -40,6 +40,8 @@ from tests.conftest import assert_kv_all_free_or_cached, local_scheduler
         (dict(bad_words="word"), "bad_words"),
         (dict(bad_words=["x"], choice=["a", "b"]), "bad_words"),
         (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        (dict(bad_words=["w"] * 513), "at most 512"),
         (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
     ],
 )
@@ -70,6 +72,7 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         (["hello"], SamplingParams(allowed_token_ids=[28120], bad_words=["hello"]), "ban every"),
         # Past the context, cut to its last 100 tokens: accepted.
         ([[1] * 9000], SamplingParams(truncate_prompt_tokens=100, max_tokens=2), None),
+        ([[1] * 9000], SamplingParams(truncate_prompt_tokens=-1, max_tokens=2), None),
         (["a", "b"], [SamplingParams()], "sampling_params"),
         ([3.5], None, "prompt 0"),
         ([[1, 2.0, 3]], None, "token ids must be integers"),

@@ -24,6 +24,12 @@ QWEN3_NO_THINKING_PROMPT = (
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 )
 
+# DeepSeek-V3.1's template, thinking on (`<think>` opens the turn) and off (`</think>`; an
+# earlier turn's `</think>` is in both).
+V31_HISTORY = "<｜User｜>hi<｜Assistant｜></think>Hello.<｜end▁of▁sentence｜><｜User｜>and?"
+V31_THINKING_PROMPT = V31_HISTORY + "<｜Assistant｜><think>"
+V31_NO_THINKING_PROMPT = V31_HISTORY + "<｜Assistant｜></think>"
+
 # (parser, prompt, output, reasoning, content)
 CASES = [
     ("deepseek-r1", None, "Let me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
@@ -33,6 +39,8 @@ CASES = [
     ("deepseek-r1", None, "a <think> b </think> c </think> d", "a <think> b", "c </think> d"),
     ("deepseek-r1", None, "", "", ""),
     ("deepseek-r1", None, "  <thi", "<thi", ""),
+    ("deepseek-r1", V31_THINKING_PROMPT, "hmm</think>Paris.", "hmm", "Paris."),
+    ("deepseek-r1", V31_NO_THINKING_PROMPT, "Paris, at once.", "", "Paris, at once."),
     ("qwen3", None, "<think>\nhmm\n</think>\n\nParis. ", "hmm", "Paris. "),
     ("qwen3", None, "\n<think>cut", "cut", ""),
     ("qwen3", None, "  Paris, no thinking.\n", "", "  Paris, no thinking.\n"),

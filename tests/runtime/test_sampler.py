@@ -121,3 +121,35 @@ def test_a_bad_word_bans_its_last_token_only_after_its_first_ones():
     draft = SamplingInput(params, 1, [1], [], []).after([5])
     logits = torch.tensor([ROW], dtype=torch.float32)
     assert Sampler(V, torch.device("cpu")).sample(logits, [draft]).next_ids.item() == 1
+
+
+def test_ids_past_the_logits_width_are_left_out():
+    """A draft model's smaller vocabulary: allowed ids, biases, banned words and stop ids past
+    its logits are dropped there (the target's verify applies them), never an index error."""
+    sampler = Sampler(V, torch.device("cpu"))
+    logits = torch.tensor([ROW, ROW], dtype=torch.float32)
+    reqs = [
+        _inp(temperature=0.0, allowed_token_ids=[2, V + 3], logit_bias={V + 1: 5.0}),
+        SamplingInput(
+            SamplingParams(temperature=0.0, min_tokens=2, bad_words_token_ids=[[V + 2], [0]]),
+            1,
+            [1],
+            [],
+            [1, V + 5],
+        ),
+    ]
+    assert sampler.sample(logits, reqs).next_ids.tolist() == [2, 2]
+
+
+def test_bad_words_take_the_spaced_form_only_where_it_is_another_word():
+    from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
+
+    vocab = {"bad": [5], " bad": [7], "big deal": [3, 4], " big deal": [8, 4], " spaced": [1, 9]}
+    vocab["spaced"] = [9]
+    encode = vocab.__getitem__
+    assert bad_words_token_ids(["bad", " big deal"], encode) == [[5], [7], [3, 4], [8, 4]]
+    # A tokenizer that spells the space as a token: no second form (it would be a two-token
+    # word, read from the output at every step, for nothing).
+    assert bad_words_token_ids(["spaced"], encode) == [[9]]
+    with pytest.raises(ValueError, match="makes no tokens"):
+        bad_words_token_ids(["x"], {"x": [], " x": []}.__getitem__)

@@ -532,8 +532,10 @@ def test_cache_salt_shares_cached_kv_only_within_a_salt(client):
         )
         return out.usage.prompt_tokens_details.cached_tokens
 
+    # (Unsalted requests share among themselves: an earlier test's prompt may share a first
+    # token or two with this one, never the salted ledger.)
     assert cached("tenant-a") == 0
-    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-b") == 0 and cached(None) < 3
     assert cached("tenant-a") > 30 and cached("tenant-b") > 30 and cached(None) > 30
 
 

@@ -124,10 +124,16 @@ def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+_NEG_INF = float("-inf")
+# Distinct `allowed_token_ids` lists kept on the device (`Sampler._allowed`).
+_ALLOWED_CACHE = 256
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self._allowed_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
         if device.type == "cuda":
             from braid.kernels.argmax import argmax_rows
@@ -160,6 +166,8 @@ class Sampler:
         rows, cols, vals = [], [], []
         for i, r in enumerate(reqs):
             for tok, bias in (r.params.logit_bias or {}).items():
+                if tok >= logits.shape[1]:  # past a draft model's vocabulary
+                    continue
                 rows.append(i)
                 cols.append(tok)
                 vals.append(bias)
@@ -172,31 +180,55 @@ class Sampler:
         rows, cols = [], []
         for i, r in enumerate(reqs):
             if len(r.output_ids) + ahead < r.params.min_tokens:
-                rows.extend([i] * len(r.stop_ids))
-                cols.extend(r.stop_ids)
+                stops = [t for t in r.stop_ids if t < logits.shape[1]]
+                rows.extend([i] * len(stops))
+                cols.extend(stops)
         if rows:
-            logits[to_device(rows, self.device), to_device(cols, self.device)] = float("-inf")
+            self._ban(logits, rows, cols)
+
+    def _allowed(self, ids: tuple[int, ...], width: int) -> torch.Tensor:
+        """`ids` below `width` on the device, made once per distinct list (a request samples
+        its steps with the same one; the cache is dropped whole past a bound)."""
+        got = self._allowed_cache.get(ids)
+        if got is None:
+            if len(self._allowed_cache) >= _ALLOWED_CACHE:
+                self._allowed_cache.clear()
+            got = self._allowed_cache[ids] = to_device([t for t in ids if t < width], self.device)
+        return got
 
     def _apply_token_masks(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         """Only `allowed_token_ids` stay sampleable, and each bad word's last token is banned
-        where the output ends with the tokens before it (a one-token word: always)."""
+        where the output ends with the tokens before it (a one-token word: always). Ids past
+        the logits' width (a draft model's smaller vocabulary) are left out. Nothing here
+        waits for the device: a step run ahead queues these edits behind the forward."""
+        width = logits.shape[1]
         rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
         if rows:
-            keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool)
+            keep = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
             for j, i in enumerate(rows):
-                keep[j, list(reqs[i].params.allowed_token_ids)] = True
+                keep[j].index_fill_(0, self._allowed(reqs[i].params.allowed_token_ids, width), 1)
             at = to_device(rows, self.device)
-            logits[at] = logits[at].masked_fill(~keep.to(self.device), float("-inf"))
+            logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~keep, _NEG_INF))
         rows, cols = [], []
         for i, r in enumerate(reqs):
             out = r.output_ids
             for word in r.params.bad_words_token_ids or ():
                 n = len(word) - 1
-                if n == 0 or (len(out) >= n and tuple(out[len(out) - n :]) == word[:n]):
+                if word[n] < width and (
+                    n == 0 or (len(out) >= n and tuple(out[len(out) - n :]) == word[:n])
+                ):
                     rows.append(i)
                     cols.append(word[n])
         if rows:
-            logits[to_device(rows, self.device), to_device(cols, self.device)] = float("-inf")
+            self._ban(logits, rows, cols)
+
+    def _ban(self, logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
+        """-inf at (rows[k], cols[k]), without a host wait (a Python scalar assigned through
+        device indices makes one)."""
+        logits.index_put_(
+            (to_device(rows, self.device), to_device(cols, self.device)),
+            logits.new_full((), _NEG_INF),
+        )
 
     def sample(
         self,

@@ -163,19 +163,20 @@ def validate_prompts(
     params: SamplingParams | list[SamplingParams],
     where: str,
     *,
-    images: bool = False,
+    images: bool | list[bool] = False,
 ) -> list:
     """The prompts as they run (each cut to its last `truncate_prompt_tokens` tokens), having
     refused what the scheduler would refuse: more samples than the server runs for one request
     (`APIError`), a prompt too long for the context or a token id outside the vocabulary
     (`ParamError`). `params` is one for every prompt or a list, one per prompt; `images`:
-    whether the prompts hold images (whose tokens a cut would split: refused)."""
+    whether the prompts (all, or each) hold images (whose tokens a cut would split: refused)."""
     each = params if isinstance(params, list) else [params] * len(prompts)
+    with_images = images if isinstance(images, list) else [images] * len(prompts)
     _check_fan_out(state, each)
     out = []
     for i, ((text, ids), p) in enumerate(zip(prompts, each)):
-        k = p.truncate_prompt_tokens
-        if k is not None and images:
+        k = p.prompt_keep(state.tm.ready.context_length)
+        if k is not None and with_images[i]:
             raise APIError(400, "truncate_prompt_tokens: not with images", "truncate_prompt_tokens")
         if k is not None and len(ids) > k:
             ids = ids[-k:]

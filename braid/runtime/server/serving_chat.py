@@ -219,7 +219,7 @@ async def build_chat(
     if sources:
         # Images load and process in the media workers; their placeholders then expand.
         ids, images = await state.media.prepare(ids, sources, "messages")
-        validate_prompts(state, [(text, ids)], params, "messages", images=True)
+        ((text, ids),) = validate_prompts(state, [(text, ids)], params, "messages", images=True)
     reasoning = state.reasoning_parser if _separates_reasoning(req) else None
     return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
 

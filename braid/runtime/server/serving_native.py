@@ -99,7 +99,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
             prompts = [(text, ids) for (text, _), (ids, _) in zip(prompts, prepared)]
             images = [wire for _, wire in prepared]
-            validate_prompts(state, prompts, params, "text", images=True)
+            with_images = [bool(s) for s in sources]
+            prompts = validate_prompts(state, prompts, params, "text", images=with_images)
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
         rids = each.rids(single)

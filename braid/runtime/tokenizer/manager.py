@@ -57,6 +57,7 @@ from braid.runtime.ipc.to_tokenizer import (
     StrOut,
 )
 from braid.runtime.sampling_params import SamplingParams, fold_seed
+from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -384,25 +385,19 @@ class TokenizerManager:
             raise ParamError.at(
                 where, f"token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
             )
-        params.check_token_ids(r.vocab_size)
-        self.resolve(params).check_something_to_sample(self.eos_token_ids)
+        resolved = self.resolve(params)
+        resolved.check_token_ids(r.vocab_size)
+        resolved.check_something_to_sample(self.eos_token_ids)
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        """`params` with `bad_words_token_ids` filled from `bad_words` (each word with and
-        without a leading space, as vLLM bans them); a `ParamError` if there is no tokenizer to
-        make them, or a word makes no tokens."""
+        """`params` with `bad_words_token_ids` filled from `bad_words`
+        (`tokenizer.bad_words_token_ids`); a `ParamError` if there is no tokenizer to make
+        them, or a word makes no tokens."""
         if not params.bad_words or params.bad_words_token_ids is not None:
             return params
         if self.encode_words is None:
             raise ParamError("bad_words", "bad_words: this model has no tokenizer to read them")
-        seqs: list[list[int]] = []
-        for word in params.bad_words:
-            for form in (word.lstrip(), " " + word.lstrip()):
-                ids = self.encode_words(form)
-                if not ids:
-                    raise ParamError("bad_words", f"bad_words: {word!r} makes no tokens")
-                if ids not in seqs:
-                    seqs.append(ids)
+        seqs = bad_words_token_ids(params.bad_words, self.encode_words)
         return params.replace(bad_words_token_ids=seqs)
 
     def sample_seed(self, params: SamplingParams, index: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,6 +170,26 @@ def word_encoder(tokenizer: PreTrainedTokenizerBase | None) -> Callable[[str], l
     return functools.partial(tokenizer.encode, add_special_tokens=False)
 
 
+def bad_words_token_ids(
+    words: Sequence[str], encode: Callable[[str], list[int]]
+) -> list[list[int]]:
+    """The token sequences `bad_words` ban, as vLLM makes them: each word as it starts a text,
+    and with a leading space where that is another word of as many tokens (a tokenizer that
+    spells the space as a token of its own gives no second form). A `ParamError` for a word
+    that makes no tokens."""
+    seqs: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        if not plain:
+            raise ParamError("bad_words", f"bad_words: {word!r} makes no tokens")
+        spaced = encode(" " + word.lstrip())
+        if plain not in seqs:
+            seqs.append(plain)
+        if len(spaced) == len(plain) and spaced[0] != plain[0] and spaced not in seqs:
+            seqs.append(spaced)
+    return seqs
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ParamError(
@@ -227,6 +247,7 @@ _RESERVED_TEMPLATE_KWARGS = _OWN_FIELD | {
     "return_assistant_tokens_mask",
     "tokenizer_kwargs",
     "continue_final_message",
+    "sanitize_control_tokens",
 }
 
 
@@ -270,6 +291,8 @@ def render_chat(
             "continue_final_message", "not with add_generation_prompt (set it to false)"
         )
     if documents is not None:
+        if "documents" in extra:
+            raise ParamError.at("documents", "given twice (also in chat_template_kwargs)")
         extra = {**extra, "documents": documents}
     _check_messages(messages)
     messages = _for_template(messages)
