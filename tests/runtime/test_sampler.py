@@ -153,3 +153,33 @@ def test_bad_words_take_the_spaced_form_only_where_it_is_another_word():
     assert bad_words_token_ids(["spaced"], encode) == [[9]]
     with pytest.raises(ValueError, match="makes no tokens"):
         bad_words_token_ids(["x"], {"x": [], " x": []}.__getitem__)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_samplers_edits_never_wait_for_the_device():
+    """A step run ahead samples behind the forward just queued: every edit (allowed ids, bad
+    words, logit bias, min_tokens, a grammar-free draw) must queue without the host waiting
+    for the device. torch's sync debug mode raises on any op that would wait."""
+    dev = torch.device("cuda")
+    vocab = 4096
+    sampler = Sampler(vocab, dev)
+    logits = torch.randn(4, vocab, device=dev)
+    reqs = [
+        SamplingInput(
+            SamplingParams(temperature=0.0, allowed_token_ids=[7, 9, 4000]), 1, [1], [], []
+        ),
+        SamplingInput(
+            SamplingParams(temperature=0.0, bad_words_token_ids=[[3], [5, 6]]), 1, [1], [5], []
+        ),
+        SamplingInput(SamplingParams(temperature=0.8, logit_bias={11: 3.0}), 2, [1], [], []),
+        SamplingInput(SamplingParams(temperature=0.0, min_tokens=3), 1, [1], [], [2, 8]),
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = sampler.sample(logits, reqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids = result.next_ids.tolist()
+    assert ids[0] in (7, 9, 4000) and ids[1] not in (3, 6)
