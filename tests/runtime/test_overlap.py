@@ -61,7 +61,13 @@ def _all_kv_free_or_cached(sched) -> None:
 def _mixed_requests(stop_token: int | None) -> list[GenerateReq]:
     reqs = [
         GenerateReq("greedy-5", [1, 2, 3], SamplingParams(max_tokens=5, **GREEDY), 0),
-        GenerateReq("greedy-17", [4, 5, 6, 7, 8], SamplingParams(max_tokens=17, **GREEDY), 0),
+        # A one-token bad word: a fixed mask (no output read), so its steps run ahead too.
+        GenerateReq(
+            "greedy-17",
+            [4, 5, 6, 7, 8],
+            SamplingParams(max_tokens=17, bad_words_token_ids=[[3]], **GREEDY),
+            0,
+        ),
         # The draw's noise is indexed by output position: running ahead must keep the index.
         GenerateReq(
             "sampled",
@@ -76,19 +82,10 @@ def _mixed_requests(stop_token: int | None) -> list[GenerateReq]:
             0,
         ),
         GenerateReq(
-            "logprobs", [14, 15, 16], SamplingParams(max_tokens=8, logprobs=3, **GREEDY), 0
-        ),
-        # Fixed token masks (no output read): these run ahead too.
-        GenerateReq(
-            "allowed",
-            [17, 18],
-            SamplingParams(max_tokens=7, allowed_token_ids=ALLOWED, temperature=0.7),
-            99,
-        ),
-        GenerateReq(
-            "bad-once",
-            [1, 2, 3],
-            SamplingParams(max_tokens=6, bad_words_token_ids=[[3]], **GREEDY),
+            "logprobs",
+            [14, 15, 16],
+            # allowed_token_ids: a fixed mask too
+            SamplingParams(max_tokens=8, logprobs=3, allowed_token_ids=ALLOWED, **GREEDY),
             0,
         ),
     ]
@@ -126,7 +123,9 @@ def _same_tokens_logprobs_and_finishes(path, device: str) -> None:
     assert len(expected["stops"]["ids"]) <= 4
     assert expected["min-tokens"]["finish"] == "length"
     assert len(expected["logprobs"]["lp"]) == 8
-    assert set(expected["allowed"]["ids"]) <= set(ALLOWED) and 3 not in expected["bad-once"]["ids"]
+    assert (
+        set(expected["logprobs"]["ids"]) <= set(ALLOWED) and 3 not in expected["greedy-17"]["ids"]
+    )
     assert sum(ran_ahead) >= 10, "decode steps should have run ahead"
     _all_kv_free_or_cached(over)
     # Same step count apart from the steps run ahead of a stop (length limits are foreseen).
