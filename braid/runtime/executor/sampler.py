@@ -204,9 +204,17 @@ class Sampler:
         width = logits.shape[1]
         rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
         if rows:
+            # One scatter for every row: the rows' cached ids end to end, each one's row index
+            # repeated as often (output_size: no wait for the device to count them).
+            cols = [self._allowed(reqs[i].params.allowed_token_ids, width) for i in rows]
+            sizes = [len(c) for c in cols]
+            owner = torch.repeat_interleave(
+                torch.arange(len(rows), device=self.device),
+                to_device(sizes, self.device),
+                output_size=sum(sizes),
+            )
             keep = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
-            for j, i in enumerate(rows):
-                keep[j].index_fill_(0, self._allowed(reqs[i].params.allowed_token_ids, width), 1)
+            keep.index_put_((owner, torch.cat(cols)), keep.new_ones(()))
             at = to_device(rows, self.device)
             logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~keep, _NEG_INF))
         rows, cols = [], []
