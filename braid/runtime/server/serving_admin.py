@@ -76,7 +76,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get(
+        "/v1/models/{model:path}",
+        responses={
+            404: {
+                "description": "this server does not serve a model by that name",
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                },
+            }
+        },
+    )
     async def model(model: str):
         """OpenAI's model retrieval: the served model's card, by its served name."""
         if model != state.served_model_name:
