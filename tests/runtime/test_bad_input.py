@@ -72,7 +72,6 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         (["hello"], SamplingParams(allowed_token_ids=[28120], bad_words=["hello"]), "ban every"),
         # Past the context, cut to its last 100 tokens: accepted.
         ([[1] * 9000], SamplingParams(truncate_prompt_tokens=100, max_tokens=2), None),
-        ([[1] * 9000], SamplingParams(truncate_prompt_tokens=-1, max_tokens=2), None),
         (["a", "b"], [SamplingParams()], "sampling_params"),
         ([3.5], None, "prompt 0"),
         ([[1, 2.0, 3]], None, "token ids must be integers"),
@@ -221,3 +220,17 @@ def test_failure_in_the_first_prefill_fails_the_admitted_requests(tiny_model_dir
     loop.handle(GenerateReq("y", [1, 2, 3, 4], SamplingParams(max_tokens=2), 0))
     outs = [o for _ in range(4) for b in loop.step() for o in b.outputs]
     assert outs[-1].finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes():
+    """-1 (vLLM's "as many as the model takes") keeps context - 1 tokens, leaving one to
+    generate; a prompt with images is refused whatever its length."""
+    from braid.runtime.engine import _truncated
+
+    params = SamplingParams(truncate_prompt_tokens=-1)
+    assert params.prompt_keep(64) == 63 and SamplingParams().prompt_keep(64) is None
+    text, ids, sources = _truncated(("t", list(range(100)), []), params, 0, 64)
+    assert ids == list(range(37, 100)) and text == "t"
+    assert _truncated(("t", [1, 2], []), params, 0, 64)[1] == [1, 2]
+    with pytest.raises(ValueError, match="not with images"):
+        _truncated(("t", [1, 2], ["an image"]), params, 0, 64)
