@@ -99,6 +99,11 @@ BAD = [
     (C, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs: not supported"),
     (CH, {"messages": MSG, "logits_processors": ["x"]}, 400, "logits_processors"),
     (CH, {"messages": MSG, "echo": True}, 400, "echo: not supported on chat"),
+    (CH, {"messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities: braid answers"),
+    (CH, {"messages": MSG, "audio": {"voice": "alloy", "format": "mp3"}}, 400, "audio: braid"),
+    (CH, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions: the legacy fields"),
+    (CH, {"messages": MSG, "function_call": "auto"}, 400, "function_call: the legacy fields"),
+    (CH, {"messages": MSG, "web_search_options": {}}, 400, "web_search_options"),
     (
         CH,
         {"messages": MSG, "continue_final_message": True},
@@ -226,6 +231,19 @@ def test_a_refused_value_names_its_param_for_the_openai_client(server, api, kwar
     assert e.value.status_code == 400
     assert e.value.body["param"] == param, e.value.body
     assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_what_openai_clients_send_by_default_is_taken(server):
+    """The inert values of the refused fields pass: text-only modalities, stream_options with
+    stream, echo false, length_penalty 1, an empty suffix."""
+    ok = [
+        (CH, {"messages": MSG, "modalities": ["text"], "echo": False}),
+        (C, {"prompt": "x", "suffix": "", "length_penalty": 1.0, "use_beam_search": False}),
+        (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+    ]
+    for path, body in ok:
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_server_still_serves_after_bad_requests(server):

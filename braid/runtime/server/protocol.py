@@ -342,7 +342,30 @@ class ChatCompletionRequest(_SamplingFields):
     # with add_generation_prompt false; documents for a template that shows them (RAG).
     continue_final_message: bool = False
     documents: list[JsonObject] | None = None
-    echo: JsonValue = None  # vLLM's chat echo: refused when true (see ChatCompletionRequest)
+    echo: JsonValue = None  # vLLM's chat echo: refused when true (`refuse_unserved`)
+    # OpenAI's, refused when they ask for what braid does not do (`refuse_unserved`).
+    audio: JsonValue = None
+    modalities: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    web_search_options: JsonValue = None
+
+    def refuse_unserved(self) -> None:
+        """A `ParamError` for a field asking for what braid does not do: audio output, the
+        legacy function-calling fields, built-in web search, vLLM's chat echo."""
+        if self.echo not in (None, False):
+            raise ParamError.at("echo", "not supported on chat (use completions' echo)")
+        if self.audio is not None or self.modalities not in (None, ["text"]):
+            name = "audio" if self.audio is not None else "modalities"
+            raise ParamError.at(name, "braid answers in text only")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise ParamError.at(name, "the legacy fields are not taken; use tools")
+        if self.web_search_options is not None:
+            raise ParamError.at(
+                "web_search_options", "braid runs no built-in tools; declare a function tool"
+            )
+
     # Tool calling: shapes are checked by braid.runtime.function_call, whose errors name the
     # field precisely (tools[i].function.name, tool_choice.function.name, ...).
     tools: list[JsonValue] | None = None

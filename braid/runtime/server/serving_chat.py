@@ -73,9 +73,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "messages: must not be empty", "messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
-        if req.echo not in (None, False):
-            raise APIError(400, "echo: not supported on chat (use completions' echo)", "echo")
         try:
+            req.refuse_unserved()
             check_template_kwargs(req.chat_template_kwargs)
         except ParamError as e:
             raise APIError.refused(e) from None
