@@ -513,6 +513,7 @@ class LLM:
                 f"model: {self.model_config.architecture} has no LM head; it serves embeddings "
                 "only (LLM.embed)"
             )
+        params = [self.tm.resolve(p) for p in params]  # bad words tokenized once
         items = [
             _truncated(item, p, i, self.context_length)
             for i, (item, p) in enumerate(zip(items, params))

@@ -59,8 +59,8 @@ class SamplingParams:
     those ids; `bad_words` are never generated (each word's tokens, with and without a leading
     space: the last token is banned wherever the output ends with the ones before it; vLLM's
     fields; the engine fills `bad_words_token_ids` from them). `truncate_prompt_tokens=k`
-    keeps only the prompt's last k tokens (-1: as many as the context takes with one token
-    to generate; vLLM's field; not with images).
+    keeps only the prompt's last k tokens (-1: as many as the context takes with room for
+    `max_tokens`; vLLM's field; not with images).
     `json_schema` (a schema dict or JSON string), `regex`, `choice` (a list of strings),
     `ebnf` (a GBNF grammar, root rule `root`: SGLang's field), `lark` (a Lark grammar, start
     rule `start`) or `structural_tag` (SGLang's: free text in which each trigger starts a
@@ -131,9 +131,11 @@ class SamplingParams:
                 self, name, (value,) if isinstance(value, str) else tuple(value or ())
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        for name in ("allowed_token_ids", "bad_words"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.allowed_token_ids is not None:  # each id once, in order: at most the vocabulary
+            allowed = tuple(sorted(set(self.allowed_token_ids)))
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.bad_words is not None:
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.bad_words_token_ids is not None:
             ids = tuple(tuple(w) for w in self.bad_words_token_ids)
             object.__setattr__(self, "bad_words_token_ids", ids)
@@ -258,9 +260,12 @@ class SamplingParams:
         return None
 
     def prompt_keep(self, context_length: int) -> int | None:
-        """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (None: all)."""
+        """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (None: all);
+        -1 keeps what leaves room for `max_tokens` (at least one) in the context."""
         k = self.truncate_prompt_tokens
-        return context_length - 1 if k == -1 else k
+        if k != -1:
+            return k
+        return max(1, context_length - max(1, self.max_tokens or 1))
 
     def _list_error(self) -> tuple[str, str] | None:
         """(field, message) of the first invalid value among the token and word lists."""

@@ -77,3 +77,21 @@ def test_encoder_cache_entries_own_their_storage(tiny):
     for out in entries:
         assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
     assert cache.nbytes == sum(o.numel() * o.element_size() for o in entries)
+
+
+def test_a_cache_salt_keeps_images_apart_in_the_encoder_cache(tiny):
+    """vLLM's cache_salt: the same image under another salt is encoded again (the encoder
+    cache would otherwise answer a tenant faster for another's image), under the same salt
+    once, and gives the same tokens either way."""
+    sched = local_scheduler(tiny[0], kv_tokens=2048)
+    image = tiny_image(56, 56, 7)
+    cache = sched.runner.encoder_cache
+    outs = {}
+    for rid, salt in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("plain", None)):
+        req = _request(rid, tiny, [image])
+        req.cache_salt = salt
+        sched.handle(req)
+        outs.update(run_to_end(sched))
+    assert cache.images_encoded == 3  # a, b and unsalted: three keys; a's second is a hit
+    assert outs["a1"] == outs["b1"] == outs["a2"] == outs["plain"]
+    sched.check_invariants()

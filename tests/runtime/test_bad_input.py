@@ -223,12 +223,14 @@ def test_failure_in_the_first_prefill_fails_the_admitted_requests(tiny_model_dir
 
 
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes():
-    """-1 (vLLM's "as many as the model takes") keeps context - 1 tokens, leaving one to
-    generate; a prompt with images is refused whatever its length."""
+    """-1 (vLLM's "as many as the model takes") keeps what leaves room for max_tokens (one
+    token when it is None); a prompt with images is refused whatever its length."""
     from braid.runtime.engine import _truncated
 
-    params = SamplingParams(truncate_prompt_tokens=-1)
+    params = SamplingParams(truncate_prompt_tokens=-1, max_tokens=None)
     assert params.prompt_keep(64) == 63 and SamplingParams().prompt_keep(64) is None
+    assert params.replace(max_tokens=10).prompt_keep(64) == 54
+    assert params.replace(max_tokens=100).prompt_keep(64) == 1
     text, ids, sources = _truncated(("t", list(range(100)), []), params, 0, 64)
     assert ids == list(range(37, 100)) and text == "t"
     assert _truncated(("t", [1, 2], []), params, 0, 64)[1] == [1, 2]

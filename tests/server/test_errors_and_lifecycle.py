@@ -122,6 +122,13 @@ BAD = [
     ("/tokenize", {}, 400, "exactly one of prompt and messages"),
     ("/detokenize", {"tokens": [1, 10**8]}, 400, "tokens[1]: 100000000 is outside"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    (
+        "/tokenize",
+        {"messages": MSG, "chat_template_kwargs": {"tokenize": True}},
+        400,
+        "chat_template_kwargs.tokenize",
+    ),
+    ("/tokenize", {"messages": MSG, "continue_final_message": True}, 400, "not with add_gen"),
     # SGLang's per-prompt lists in a /generate batch: one entry per prompt.
     (G, {"text": ["a", "b"], "sampling_params": [{}]}, 400, "a list of 1 for 2 prompt(s)"),
     (G, {"text": ["a", "b"], "rid": ["r", "r"]}, 400, "rid[1]: 'r' is given twice"),

@@ -125,15 +125,16 @@ def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 _NEG_INF = float("-inf")
-# Distinct `allowed_token_ids` lists kept on the device (`Sampler._allowed`).
-_ALLOWED_CACHE = 256
+# Token ids of `allowed_token_ids` lists kept on the device (`Sampler._allowed`): 32 MB.
+_ALLOWED_CACHE_IDS = 1 << 22
 
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self._allowed_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # (id of the list, logits width) -> (the list, so the id stays its own; its ids)
+        self._allowed_cache: dict[tuple[int, int], tuple[tuple[int, ...], torch.Tensor]] = {}
         self._argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
         if device.type == "cuda":
             from braid.kernels.argmax import argmax_rows
@@ -187,14 +188,18 @@ class Sampler:
             self._ban(logits, rows, cols)
 
     def _allowed(self, ids: tuple[int, ...], width: int) -> torch.Tensor:
-        """`ids` below `width` on the device, made once per distinct list (a request samples
-        its steps with the same one; the cache is dropped whole past a bound)."""
-        got = self._allowed_cache.get(ids)
-        if got is None:
-            if len(self._allowed_cache) >= _ALLOWED_CACHE:
-                self._allowed_cache.clear()
-            got = self._allowed_cache[ids] = to_device([t for t in ids if t < width], self.device)
-        return got
+        """`ids` below `width` on the device, made once per list object (a request samples
+        every step with its own; looked up by identity, not by hashing the list each step).
+        The cache is dropped whole past a bound on the ids it holds."""
+        got = self._allowed_cache.get((id(ids), width))
+        if got is not None and got[0] is ids:
+            return got[1]
+        held = sum(len(t) for _, t in self._allowed_cache.values())
+        if held + len(ids) > _ALLOWED_CACHE_IDS:
+            self._allowed_cache.clear()
+        tensor = to_device([t for t in ids if t < width], self.device)
+        self._allowed_cache[(id(ids), width)] = (ids, tensor)
+        return tensor
 
     def _apply_token_masks(self, logits: torch.Tensor, reqs: list[SamplingInput]) -> None:
         """Only `allowed_token_ids` stay sampleable, and each bad word's last token is banned

@@ -181,6 +181,11 @@ class Req:
         if msg.program_position is not None and msg.program_position < 0:
             raise ParamError.at("program_position", f"must be >= 0, got {msg.program_position}")
         images = [from_wire(m) for m in msg.images]
+        if msg.cache_salt is not None:
+            # The encoder cache keys tower outputs by image hash: salted too, so a tenant's
+            # image never comes back faster for another (and its span's cache key follows).
+            for image in images:
+                image.hash = salted_key(msg.cache_salt, image.hash) & ((1 << 63) - 1)
         offsets = [m.offset for m in msg.images]
         if images and image_token_id is None:
             raise ParamError.at("images", "this model takes text only")

@@ -144,6 +144,11 @@ class DataParallelServer:
         url = f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
         self.router = self._spawn("router", argv, dict(os.environ), url)
         self._wait_ready(self.router, "/health")
+        logger.warning(
+            "braid serve: the router forwards chat and /generate bodies without the fields it "
+            "does not know (cache_salt, bad_words, allowed_token_ids, truncate_prompt_tokens, "
+            "documents); /v1/completions keeps them (docs/parallelism.md)"
+        )
 
     def _wait_ready(self, child: _Child, path: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

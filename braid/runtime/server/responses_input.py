@@ -68,6 +68,7 @@ class ResponsesRequest(_Body):
     conversation: JsonValue = None
     prompt: JsonValue = None
     # braid's extras, as on chat completions
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     seed: Int | None = None
     top_k: Int | None = None
     min_p: Annotated[float, _doc(minimum=0, maximum=1)] | None = None
@@ -271,7 +272,15 @@ def chat_request(
         "max_completion_tokens": body.max_output_tokens,
         "response_format": response_format(body.text),
     }
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "cache_salt",
+    ):
         fields[name] = getattr(body, name)
     fields["stop"], fields["regex"] = body.stop, body.regex
     try:

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from braid.runtime.errors import ParamError
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError, error_response
 from braid.runtime.server.inputs import json_body, tokenize_prompts
@@ -27,6 +28,7 @@ from braid.runtime.server.protocol import (
 )
 from braid.runtime.server.serving_chat import chat_prompt_of
 from braid.runtime.server.state import ServerState
+from braid.runtime.tokenizer.tokenizer import check_template_kwargs
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -89,7 +91,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     )
     async def model(model: str):
         """OpenAI's model retrieval: the served model's card, by its served name."""
-        if model != state.served_model_name:
+        if model not in (state.served_model_name, state.model_path):
             raise APIError(
                 404,
                 f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
@@ -208,15 +210,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", openapi_extra=takes(DetokenizeRequest))
     async def detokenize(body: Annotated[DetokenizeRequest, json_body(DetokenizeRequest)]):
         """vLLM's /detokenize: the text of token ids."""
-        if state.tokenizer is None:
-            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        vocab = state.tm.ready.vocab_size
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab:
-                raise APIError(
-                    400, f"tokens[{i}]: {t} is outside the vocabulary ({vocab})", "tokens"
-                )
-        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
+        return {"prompt": await asyncio.to_thread(_detokenize, state, body.tokens)}
 
     @app.post("/close_session", openapi_extra=takes(CloseSessionRequest))
     async def close_session(body: Annotated[CloseSessionRequest, json_body(CloseSessionRequest)]):
@@ -258,6 +252,16 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
         return tokenize_prompts(state, body.prompt)[0][1]
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer", "messages")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message: not with add_generation_prompt (set it to false)",
+            "continue_final_message",
+        )
+    try:
+        check_template_kwargs(body.chat_template_kwargs)
+    except ParamError as e:
+        raise APIError.refused(e) from None
     chat = ChatCompletionRequest(
         messages=body.messages,
         add_generation_prompt=body.add_generation_prompt,
@@ -275,3 +279,14 @@ def braid_version() -> str:
     import sys
 
     return sys.modules["braid"].__version__
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    """The text of `tokens` (off the event loop: a body may hold millions of ids)."""
+    if state.tokenizer is None:
+        raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+    vocab = state.tm.ready.vocab_size
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            raise APIError(400, f"tokens[{i}]: {t} is outside the vocabulary ({vocab})", "tokens")
+    return state.tokenizer.decode(tokens)

@@ -53,6 +53,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
     if plan is not None:
         params = plan.sampling_params(params)  # a ParamError names the field
+    params = state.tm.resolve(params)  # bad words tokenized once, here off the event loop
     if not sources:
         state.media.check_no_placeholders(ids, "messages")
         ((text, ids),) = validate_prompts(state, [(text, ids)], params, "messages")
@@ -218,7 +219,9 @@ async def build_chat(
     if sources:
         # Images load and process in the media workers; their placeholders then expand.
         ids, images = await state.media.prepare(ids, sources, "messages")
-        ((text, ids),) = validate_prompts(state, [(text, ids)], params, "messages", images=True)
+        ((text, ids),) = await asyncio.to_thread(
+            validate_prompts, state, [(text, ids)], params, "messages", images=True
+        )
     reasoning = state.reasoning_parser if _separates_reasoning(req) else None
     return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
 

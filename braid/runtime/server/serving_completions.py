@@ -41,6 +41,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if req.echo and max_tokens == 0:
             max_tokens = 1  # echo only: one token is generated and dropped
         params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=req.logprobs)
+        params = state.tm.resolve(params)  # bad words tokenized once, here off the event loop
         if req.echo and req.logprobs is not None:
             params = params.replace(prompt_logprobs=req.logprobs)
         for i, (_, ids) in enumerate(prompts):

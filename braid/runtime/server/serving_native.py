@@ -70,7 +70,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state, req.text if req.text is not None else req.input_ids, where
         )
         each = _PerPrompt(req, len(prompts))
-        params = [_prompt_params(state, req, each, i) for i in range(len(prompts))]
+        # Bad words tokenized once, here off the event loop.
+        params = [
+            state.tm.resolve(_prompt_params(state, req, each, i)) for i in range(len(prompts))
+        ]
         images = _image_sources(req, len(prompts), single)
         for i, sources in enumerate(images):
             state.media.check_count(len(sources), "image_data" if single else f"image_data[{i}]")
@@ -100,7 +103,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             prompts = [(text, ids) for (text, _), (ids, _) in zip(prompts, prepared)]
             images = [wire for _, wire in prepared]
             with_images = [bool(s) for s in sources]
-            prompts = validate_prompts(state, prompts, params, "text", images=with_images)
+            prompts = await asyncio.to_thread(
+                validate_prompts, state, prompts, params, "text", images=with_images
+            )
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
         rids = each.rids(single)
