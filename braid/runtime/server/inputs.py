@@ -82,11 +82,12 @@ def json_body(model: type[BaseModel]) -> Any:
 
 
 # ---- model names and prompts ----------------------------------------------------------------
-def check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None, strict: bool = False) -> None:
     """As SGLang does, a server serves its one model whatever name a request gives (empty,
     another alias, a path): clients written for another server work unchanged. With
-    `--strict-model-name`, any name but the served name (or the model path) is a 404."""
-    if not state.strict_model_name or model is None:
+    `--strict-model-name` (or `strict`), any name but the served name (or the model path) is
+    a 404."""
+    if not (strict or state.strict_model_name) or model is None:
         return
     if model not in (state.served_model_name, state.model_path):
         raise APIError(

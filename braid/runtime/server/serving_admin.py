@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, Response
 from braid.runtime.errors import ParamError
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError, error_response
-from braid.runtime.server.inputs import json_body, tokenize_prompts
+from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts
 from braid.runtime.server.openapi import EMPTY, takes
 from braid.runtime.server.outputs import GONE, unless_gone
 from braid.runtime.server.protocol import (
@@ -90,14 +90,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         },
     )
     async def model(model: str):
-        """OpenAI's model retrieval: the served model's card, by its served name."""
-        if model not in (state.served_model_name, state.model_path):
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves {state.served_model_name!r}",
-                "model",
-                "model_not_found",
-            )
+        """OpenAI's model retrieval: the served model's card, by its served name (or path)."""
+        check_model(state, model, strict=True)
         return model_card()
 
     @app.get("/version")
