@@ -157,7 +157,6 @@ REFUSED_FIELDS = {
     "logits_processors": ("braid runs no request code", (None, [])),
     "prompt_logprobs": ("use echo with logprobs (completions)", (None,)),
     "return_tokens_as_token_ids": ("tokens are returned as text", (None, False)),
-    "spaces_between_special_tokens": ("braid decodes without them", (None, True)),
 }
 
 
@@ -217,7 +216,6 @@ class _SamplingFields(_Body):
     logits_processors: JsonValue = None
     prompt_logprobs: JsonValue = None
     return_tokens_as_token_ids: JsonValue = None
-    spaces_between_special_tokens: JsonValue = None
 
     def constraint_fields(self) -> dict[str, Any]:
         """The one output constraint of this body, as a `SamplingParams` field; a `ParamError`
