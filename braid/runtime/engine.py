@@ -589,11 +589,7 @@ def _truncated(item: _Item, params: SamplingParams, index: int, context_length: 
     """`item` with its prompt cut to its last `params.truncate_prompt_tokens` tokens; a
     `ParamError` for a prompt with images (a cut would split an image's tokens)."""
     text, ids, sources = item
-    k = params.prompt_keep(context_length)
-    if k is not None and sources:  # its ids grow when the images' tokens go in
-        raise ParamError(
-            "truncate_prompt_tokens", f"prompt {index}: truncate_prompt_tokens: not with images"
-        )
-    if k is None or len(ids) <= k:
-        return item
-    return text, ids[-k:], sources
+    try:
+        return text, params.prompt_tail(ids, context_length, bool(sources)), sources
+    except ParamError as e:
+        raise ParamError(e.param, f"prompt {index}: {e}") from None

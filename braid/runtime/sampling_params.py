@@ -267,6 +267,15 @@ class SamplingParams:
             return k
         return max(1, context_length - max(1, self.max_tokens or 1))
 
+    def prompt_tail(self, ids: list[int], context_length: int, images: bool) -> list[int]:
+        """`ids` cut to what `truncate_prompt_tokens` keeps (`prompt_keep`); a `ParamError`
+        for a prompt with images (a cut would split an image's tokens; its ids also grow when
+        they go in)."""
+        k = self.prompt_keep(context_length)
+        if k is not None and images:
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens: not with images")
+        return ids if k is None or len(ids) <= k else ids[-k:]
+
     def _list_error(self) -> tuple[str, str] | None:
         """(field, message) of the first invalid value among the token and word lists."""
         allowed = self.allowed_token_ids

@@ -176,11 +176,7 @@ def validate_prompts(
     _check_fan_out(state, each)
     out = []
     for i, ((text, ids), p) in enumerate(zip(prompts, each)):
-        k = p.prompt_keep(state.tm.ready.context_length)
-        if k is not None and with_images[i]:
-            raise APIError(400, "truncate_prompt_tokens: not with images", "truncate_prompt_tokens")
-        if k is not None and len(ids) > k:
-            ids = ids[-k:]
+        ids = p.prompt_tail(ids, state.tm.ready.context_length, with_images[i])
         state.tm.validate(ids, p, where=where if len(prompts) == 1 else f"{where}[{i}]")
         out.append((text, ids))
     return out

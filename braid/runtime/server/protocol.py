@@ -67,6 +67,8 @@ def check_json_value(v: Any, where: str = "") -> Any:
 
 Text = Annotated[str, AfterValidator(_no_surrogates)]
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# A request id, a cache salt: a short non-empty string.
+Name = Annotated[Text, Field(min_length=1, max_length=256)]
 
 
 def _doc(**bounds: Any) -> Any:
@@ -175,7 +177,7 @@ class _SamplingFields(_Body):
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
     # vLLM's: only requests with the same salt share this prompt's cached KV.
-    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # braid / vLLM / SGLang extras (the openai client sends them via extra_body)
@@ -391,9 +393,6 @@ class SessionParams(_Body):
     position: ProgramPosition | None = None
 
 
-RequestId = Annotated[Text, Field(min_length=1, max_length=256)]
-
-
 class GenerateRequest(_Body):
     """SGLang's native /generate body."""
 
@@ -411,9 +410,9 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
     logprob_start_len: Int | list[Int] = -1
-    rid: RequestId | list[RequestId] | None = None
+    rid: Name | list[Name] | None = None
     # vLLM's: only requests with the same salt share this prompt's cached KV.
-    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Name | None = None
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # How long the session keeps this request's KV after it (default: twice the longest pause

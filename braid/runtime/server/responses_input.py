@@ -22,6 +22,7 @@ from braid.runtime.server.protocol import (
     Int,
     JsonObject,
     JsonValue,
+    Name,
     Text,
     _Body,
     _doc,
@@ -68,7 +69,7 @@ class ResponsesRequest(_Body):
     conversation: JsonValue = None
     prompt: JsonValue = None
     # braid's extras, as on chat completions
-    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Name | None = None
     seed: Int | None = None
     top_k: Int | None = None
     min_p: Annotated[float, _doc(minimum=0, maximum=1)] | None = None

@@ -12,7 +12,6 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from braid.runtime.errors import ParamError
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError, error_response
 from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts
@@ -26,9 +25,8 @@ from braid.runtime.server.protocol import (
     EndProgramRequest,
     TokenizeRequest,
 )
-from braid.runtime.server.serving_chat import chat_prompt_of
+from braid.runtime.server.serving_chat import chat_prompt_of, check_template_fields
 from braid.runtime.server.state import ServerState
-from braid.runtime.tokenizer.tokenizer import check_template_kwargs
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -246,16 +244,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
         return tokenize_prompts(state, body.prompt)[0][1]
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer", "messages")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise APIError(
-            400,
-            "continue_final_message: not with add_generation_prompt (set it to false)",
-            "continue_final_message",
-        )
-    try:
-        check_template_kwargs(body.chat_template_kwargs)
-    except ParamError as e:
-        raise APIError.refused(e) from None
+    check_template_fields(body)
     chat = ChatCompletionRequest(
         messages=body.messages,
         add_generation_prompt=body.add_generation_prompt,

@@ -76,15 +76,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
         try:
             req.refuse_unserved()
-            check_template_kwargs(req.chat_template_kwargs)
         except ParamError as e:
             raise APIError.refused(e) from None
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError(
-                400,
-                "continue_final_message: not with add_generation_prompt (set it to false)",
-                "continue_final_message",
-            )
+        check_template_fields(req)
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
@@ -322,6 +316,21 @@ def _chat_prompt(
         # Named as a whole: where a message sits on the chat path is not always where it sits
         # in the request (the Responses API puts its history and instructions first).
         raise APIError(400, str(e), "messages") from None
+
+
+def check_template_fields(req: Any) -> None:
+    """An `APIError` naming the field for `chat_template_kwargs` or `continue_final_message`
+    that the template cannot take (rendering would find them too, but name `messages`)."""
+    try:
+        check_template_kwargs(req.chat_template_kwargs)
+    except ParamError as e:
+        raise APIError.refused(e) from None
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message: not with add_generation_prompt (set it to false)",
+            "continue_final_message",
+        )
 
 
 def chat_prompt_of(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
