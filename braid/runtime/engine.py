@@ -14,8 +14,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import numbers
-import operator
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +31,7 @@ from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.models.config import BASE_MODEL_ARCHS
 from braid.runtime.multimodal.frontend import MediaFrontend
+from braid.runtime.offline_prompts import Prompt, PromptInput, prompt_list, read_prompt, truncated
 from braid.runtime.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -50,12 +49,9 @@ from braid.runtime.tokenizer.tokenizer import word_encoder
 
 logger = logging.getLogger(__name__)
 
-PromptInput = str | list[int] | dict[str, Any]
 # Prompts with images that an offline batch loads, sends and runs at once: each holds its
 # processed pixels (2.4 MB for a 448x448 image in bf16) until it finishes.
 IMAGE_PROMPTS_IN_FLIGHT = 256
-# A prompt ready to submit: its text (None for token ids), ids, and its images' sources.
-_Item = tuple[str | None, list[int], list[Any]]
 
 
 @dataclass
@@ -89,6 +85,7 @@ class _Request:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
     images: list[ImageInput] = field(default_factory=list)
     samples: list[_Sample] = field(default_factory=list)
 
@@ -244,7 +241,7 @@ class LLM:
         "prompt_token_ids", and for a vision-language model "multi_modal_data": {"image": one
         image or a list}, each a path, URL, bytes or PIL image, with one placeholder per image
         in the prompt: `llm.media.placeholder`); outputs come back in input order."""
-        items = [self._tokenize(p, i) for i, p in enumerate(self._as_prompt_list(prompts))]
+        items = self._read_prompts(prompts)
         return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm)
 
     def chat(
@@ -301,7 +298,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 where="messages" if c == 0 else f"messages[{c}]",
             )
-            items.append((prompt.text, prompt.ids, prompt.sources))
+            items.append(Prompt(prompt.text, prompt.ids, prompt.sources))
         params = self._params_for(sampling_params, len(items))
         if plan is None:
             return self._run(items, params, use_tqdm)
@@ -327,18 +324,18 @@ class LLM:
         run through the scheduler like prefills, batched with whatever else runs; nothing is
         sampled and no request holds KV after it. `ValueError` names a bad field."""
         spec = self.pooling.spec(normalize, dimensions)
-        items = [self._tokenize(p, i) for i, p in enumerate(self._as_prompt_list(prompts))]
+        items = self._read_prompts(prompts)
         params = SamplingParams(max_tokens=0)
-        for i, (_, ids, sources) in enumerate(items):
-            if sources:
+        for i, item in enumerate(items):
+            if item.sources:
                 raise ValueError(f"prompt {i}: embeddings take text only")
-            self.media.check_no_placeholders(ids, f"prompt {i}")
-            self.tm.validate(ids, params, where=f"prompt {i}", embed=True)
+            self.media.check_no_placeholders(item.ids, f"prompt {i}")
+            self.tm.validate(item.ids, params, where=f"prompt {i}", embed=True)
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        ids = [ids for _, ids, _ in items]
+        ids = [item.ids for item in items]
         rids = [f"emb-{next(self._ids)}" for _ in ids]
-        vectors = self._call(self._embed_async(rids, ids, params, spec, use_tqdm))
+        vectors = self._call(self._embed_async(rids, items, params, spec, use_tqdm))
         return [
             EmbeddingRequestOutput(rid, p, EmbeddingOutput(v))
             for rid, p, v in zip(rids, ids, vectors)
@@ -347,15 +344,16 @@ class LLM:
     async def _embed_async(
         self,
         rids: list[str],
-        prompts: list[list[int]],
+        prompts: list[Prompt],
         params: SamplingParams,
         spec: EmbedSpec,
         use_tqdm: bool,
     ) -> list[list[float]]:
         bar = tqdm(total=len(prompts), desc="Embedding", unit="req", disable=not use_tqdm)
 
-        async def one(rid: str, ids: list[int]) -> list[float]:
-            (sample,) = self.tm.submit(rid, ids, params, embed=spec)
+        async def one(rid: str, prompt: Prompt) -> list[float]:
+            salt = prompt.cache_salt
+            (sample,) = self.tm.submit(rid, prompt.ids, params, embed=spec, cache_salt=salt)
             last = None
             async for out in self.tm.stream(sample):
                 last = out
@@ -367,7 +365,7 @@ class LLM:
             bar.update(1)
             return floats(last.embedding)
 
-        tasks = [asyncio.create_task(one(r, ids)) for r, ids in zip(rids, prompts)]
+        tasks = [asyncio.create_task(one(r, p)) for r, p in zip(rids, prompts)]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -432,55 +430,11 @@ class LLM:
             raise ValueError(f"model {self.model_path} has no tokenizer: pass token ids")
         return self.tokenizer
 
-    @staticmethod
-    def _as_prompt_list(prompts: Any) -> list[PromptInput]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        if isinstance(prompts, (list, tuple)):
-            if not prompts:
-                raise ValueError("prompts: the list is empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-                return [list(prompts)]
-            return list(prompts)
-        raise ValueError(
-            f"prompts must be a string, token ids, or a list of them, got {type(prompts).__name__}"
-        )
+    def _read_prompts(self, prompts: Any) -> list[Prompt]:
+        def encode(text: str) -> list[int]:
+            return self._require_tokenizer().encode(text)
 
-    def _tokenize(self, prompt: PromptInput, i: int) -> _Item:
-        sources: list[Any] = []
-        if isinstance(prompt, dict):
-            mm = prompt.get("multi_modal_data")
-            if mm is not None:
-                if not isinstance(mm, dict) or set(mm) - {"image"}:
-                    raise ValueError(
-                        f"prompt {i}: multi_modal_data takes {{'image': image or list}} "
-                        f"(got {sorted(mm) if isinstance(mm, dict) else type(mm).__name__})"
-                    )
-                images = mm.get("image")
-                sources = list(images) if isinstance(images, (list, tuple)) else [images]
-                self.media.check_count(len(sources), f"prompt {i}")
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt {i}: the prompt is empty")
-            return prompt, self._require_tokenizer().encode(prompt), sources
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError(f"prompt {i}: the prompt is empty")
-            types = set(map(type, prompt))  # a quarter of an isinstance loop's time
-            if types <= {int}:
-                return None, list(prompt), sources
-            # Other integer types (numpy's, an IntEnum) become ints; bools and floats are not
-            # token ids.
-            if any(t is bool or not issubclass(t, numbers.Integral) for t in types):
-                raise ValueError(f"prompt {i}: token ids must be integers")
-            return None, [operator.index(t) for t in prompt], sources
-        raise ValueError(f"prompt {i}: expected a string or token ids, got {type(prompt).__name__}")
+        return [read_prompt(p, i, encode, self.media) for i, p in enumerate(prompt_list(prompts))]
 
     def _params_for(
         self, sampling_params: SamplingParams | list[SamplingParams] | None, n: int
@@ -504,7 +458,7 @@ class LLM:
         )
 
     def _run(
-        self, items: list[_Item], params: list[SamplingParams], use_tqdm: bool
+        self, items: list[Prompt], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
@@ -515,20 +469,20 @@ class LLM:
             )
         params = [self.tm.resolve(p) for p in params]  # bad words tokenized once
         items = [
-            _truncated(item, p, i, self.context_length)
+            truncated(item, p, i, self.context_length)
             for i, (item, p) in enumerate(zip(items, params))
         ]
-        for i, ((_, ids, sources), p) in enumerate(zip(items, params)):
-            if sources:
-                self.media.check_count(len(sources), f"prompt {i}")  # ids are checked once expanded
+        for i, (item, p) in enumerate(zip(items, params)):
+            if item.sources:  # ids are checked once expanded
+                self.media.check_count(len(item.sources), f"prompt {i}")
             else:
-                self.media.check_no_placeholders(ids, f"prompt {i}")
-                self.tm.validate(ids, p, where=f"prompt {i}")
+                self.media.check_no_placeholders(item.ids, f"prompt {i}")
+                self.tm.validate(item.ids, p, where=f"prompt {i}")
         requests = [
-            _Request(f"req-{next(self._ids)}", text, ids, p)
-            for (text, ids, _), p in zip(items, params)
+            _Request(f"req-{next(self._ids)}", item.text, item.ids, p, item.cache_salt)
+            for item, p in zip(items, params)
         ]
-        sources = [found for _, _, found in items]
+        sources = [item.sources for item in items]
         return self._call(self._run_async(requests, sources, use_tqdm))
 
     async def _run_async(
@@ -571,7 +525,9 @@ class LLM:
             req.images = []  # the pixels are the scheduler's now
 
     async def _submit_and_collect(self, req: _Request, bar) -> None:
-        rids = self.tm.submit(req.request_id, req.prompt_ids, req.params, images=req.images)
+        rids = self.tm.submit(
+            req.request_id, req.prompt_ids, req.params, images=req.images, cache_salt=req.cache_salt
+        )
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
         await asyncio.gather(*(self._collect(req, s, bar) for s in req.samples))
 
@@ -583,13 +539,3 @@ class LLM:
 
 
 Engine = LLM
-
-
-def _truncated(item: _Item, params: SamplingParams, index: int, context_length: int) -> _Item:
-    """`item` with its prompt cut to its last `params.truncate_prompt_tokens` tokens; a
-    `ParamError` for a prompt with images (a cut would split an image's tokens)."""
-    text, ids, sources = item
-    try:
-        return text, params.prompt_tail(ids, context_length, bool(sources)), sources
-    except ParamError as e:
-        raise ParamError(e.param, f"prompt {index}: {e}") from None

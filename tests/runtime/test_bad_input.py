@@ -225,14 +225,14 @@ def test_failure_in_the_first_prefill_fails_the_admitted_requests(tiny_model_dir
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes():
     """-1 (vLLM's "as many as the model takes") keeps what leaves room for max_tokens (one
     token when it is None); a prompt with images is refused whatever its length."""
-    from braid.runtime.engine import _truncated
+    from braid.runtime.offline_prompts import Prompt, truncated
 
     params = SamplingParams(truncate_prompt_tokens=-1, max_tokens=None)
     assert params.prompt_keep(64) == 63 and SamplingParams().prompt_keep(64) is None
     assert params.replace(max_tokens=10).prompt_keep(64) == 54
     assert params.replace(max_tokens=100).prompt_keep(64) == 1
-    text, ids, sources = _truncated(("t", list(range(100)), []), params, 0, 64)
-    assert ids == list(range(37, 100)) and text == "t"
-    assert _truncated(("t", [1, 2], []), params, 0, 64)[1] == [1, 2]
+    cut = truncated(Prompt("t", list(range(100)), [], "salt"), params, 0, 64)
+    assert cut == Prompt("t", list(range(37, 100)), [], "salt")
+    assert truncated(Prompt("t", [1, 2]), params, 0, 64).ids == [1, 2]
     with pytest.raises(ValueError, match="not with images"):
-        _truncated(("t", [1, 2], ["an image"]), params, 0, 64)
+        truncated(Prompt("t", [1, 2], ["an image"]), params, 0, 64)

@@ -5,6 +5,7 @@ and after hundreds of mixed requests nothing leaks."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -62,6 +63,42 @@ def test_prefix_hit_gives_same_tokens_as_cold_run_and_transformers(smollm2, hf_s
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert other.num_cached_tokens == common
     assert other.outputs[0].token_ids == hf_greedy(hf_smollm2, b, 12)
+    _free_plus_cached(smollm2)
+
+
+def test_offline_prompts_take_a_cache_salt_and_refuse_unknown_keys(smollm2):
+    """vLLM's prompt dict key "cache_salt": only prompts with the same salt share the cached
+    KV (a salted prompt misses an unsalted one's prefix and hits its own salt's); the tokens
+    are the same. A key braid does not know is refused by name, never dropped."""
+    tok = smollm2.tokenizer
+    smollm2.flush_cache()
+    ids = tok.encode(SYSTEM + " Question: what is the capital of Spain?")
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+
+    def run(**extra):
+        return smollm2.generate({"prompt_token_ids": ids, **extra}, sp, use_tqdm=False)[0]
+
+    plain = run()
+    salted = [run(cache_salt=s) for s in ("tenant-a", "tenant-b", "tenant-a")]
+    assert plain.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in salted] == [0, 0, len(ids) - 1]
+    assert all(o.outputs[0].token_ids == plain.outputs[0].token_ids for o in salted)
+    text = SYSTEM + " Question: what is the capital of Spain?"
+    assert (
+        smollm2.generate({"prompt": text, "cache_salt": "tenant-b"}, sp, use_tqdm=False)[
+            0
+        ].num_cached_tokens
+        == len(ids) - 1
+    )
+    for bad, needle in [
+        ({"prompt": "x", "mm_processor_kwargs": {}}, "unknown key(s) ['mm_processor_kwargs']"),
+        ({"prompt": "x", "prompt_token_ids": [1, 2]}, "one of 'prompt' and 'prompt_token_ids'"),
+        ({"prompt": "x", "cache_salt": ""}, "cache_salt must be a non-empty string"),
+        ({"prompt": "x", "cache_salt": 5}, "cache_salt must be a non-empty string"),
+        ({"prompt_token_ids": "x"}, "prompt_token_ids must be a list of token ids"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            smollm2.generate(bad, sp, use_tqdm=False)
     _free_plus_cached(smollm2)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,8 +24,21 @@ pytest.importorskip("sglang_router", reason="--dp-size needs sglang-router (brai
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("dp"), "--dp-size", "2", timeout=300)
+    # The router's default metrics port (29000) is held by another process, as by a second
+    # server on the machine: braid gives its router a free one.
+    held = socket.socket()
+    try:
+        held.bind(("0.0.0.0", 29000))
+        held.listen()
+    except OSError:
+        pass  # in use already, which is the case to test
+    try:
+        s = start_server(tmp_path_factory.mktemp("dp"), "--dp-size", "2", timeout=300)
+    finally:
+        held.close()
     workers = re.search(r"2 workers: (\S+) (\S+);", s.log()).groups()
+    metrics = re.search(r"the router's metrics at (\S+)", s.log()).group(1)
+    assert httpx.get(metrics, timeout=10).status_code == 200
     yield s, list(workers)
     s.stop()
 
@@ -64,6 +78,18 @@ def test_requests_sharing_a_long_prefix_go_where_it_is_cached(dp):
     cached = [_stats(w)["cached_prompt_tokens"] - b for w, b in zip(workers, before)]
     # Every follow-up found the shared prefix in the one worker that had computed it.
     assert max(cached) >= 6 * 250 and min(cached) == 0, cached
+
+
+def test_chat_through_the_router(dp):
+    """The router adds its own fields to each chat and /generate body it forwards (at their
+    defaults); the workers, whose bodies are closed, take them."""
+    server, _ = dp
+    msg = [{"role": "user", "content": "Say hi."}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msg, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
 
 
 def test_runtime_endpoint_programs_run_against_the_router(dp):

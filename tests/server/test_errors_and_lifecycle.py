@@ -177,6 +177,43 @@ BAD = [
     ("/no/such/route", {}, 404, "no route"),
     (C, {"prompt": "x", "regex": "(a)\\1"}, 400, "regex"),
     (C, {"prompt": "x", "stream": True, "regex": "(a)\\1"}, 400, "regex"),
+    # Closed bodies: an unknown field is refused by name on every route, as OpenAI's API does.
+    (C, {"prompt": "x", "lora_path": "a"}, 400, "Unrecognized request argument supplied: lora_"),
+    (CH, {"messages": MSG, "include_reasoning": False}, 400, "argument supplied: include_reas"),
+    (G, {"text": "x", "input_embeds": [[0.5]]}, 400, "argument supplied: input_embeds"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, 400, "supplied: add_special_tokens"),
+    ("/v1/responses", {"input": "x", "foo": 1}, 400, "Unrecognized request argument supplied: foo"),
+    ("/v1/embeddings", {"input": "x", "priority": 1}, 400, "argument supplied: priority"),
+    (
+        CH,
+        {"messages": MSG, "response_format": {"type": "json_object", "x": 1}},
+        400,
+        "argument supplied: response_format.x",
+    ),
+    # OpenAI's fields asking for what braid does not do, and the router's at other values.
+    (CH, {"messages": MSG, "store": True}, 400, "store: not supported (braid keeps no"),
+    (CH, {"messages": MSG, "service_tier": "flex"}, 400, "service_tier: not supported"),
+    (CH, {"messages": MSG, "prompt_cache_retention": "24h"}, 400, "prompt_cache_retention"),
+    (CH, {"messages": MSG, "verbosity": "low"}, 400, "verbosity: not supported"),
+    (CH, {"messages": MSG, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    (CH, {"messages": MSG, "moderation": {"model": "m"}}, 400, "moderation: not supported"),
+    (CH, {"messages": MSG, "reasoning_effort": "low"}, 400, "template does not read it"),
+    (CH, {"messages": MSG, "stream_reasoning": False}, 400, "stream_reasoning: not supported"),
+    (C, {"prompt": "x", "return_hidden_states": True}, 400, "return_hidden_states: not supp"),
+    (
+        CH,
+        {"messages": MSG, "stream": True, "stream_options": {"include_obfuscation": True}},
+        400,
+        "include_obfuscation: not supported",
+    ),
+    (G, {"text": "x", "return_entropy": True}, 400, "return_entropy: not supported"),
+    (G, {"text": "x", "background": True}, 400, "background: not supported"),
+    (G, {"text": "x", "sampling_params": {"seed": 1, "sampling_seed": 2}}, 400, "not both"),
+    (G, {"text": "x", "sampling_params": {"spaces_between_special_tokens": 1}}, 400, "a bool"),
+    ("/v1/responses", {"input": "x", "context_management": [{}]}, 400, "context_management"),
+    ("/v1/responses", {"input": "x", "prompt_cache_retention": "24h"}, 400, "prompt_cache_ret"),
+    ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, 400, "only with messages"),
+    ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (G, {"text": "x", "sampling_params": {"regex": "(a)\\1"}}, 400, "regex"),
 ]
 
@@ -240,17 +277,78 @@ def test_a_refused_value_names_its_param_for_the_openai_client(server, api, kwar
     assert e.value.body["type"] == "invalid_request_error"
 
 
-def test_what_openai_clients_send_by_default_is_taken(server):
+# What SGLang's router (sglang-router 0.3.2) adds to the bodies it forwards, as a worker
+# behind it received them (measured in front of a worker that logged its bodies).
+ROUTER_CHAT = {
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
+ROUTER_GENERATE = {
+    "model": None,
+    "return_text_in_logprobs": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+
+
+def test_what_openai_clients_and_routers_send_by_default_is_taken(server):
     """The inert values of the refused fields pass: text-only modalities, stream_options with
-    stream, echo false, length_penalty 1, an empty suffix."""
+    stream, echo false, length_penalty 1, an empty suffix, OpenAI's hints that change nothing,
+    and what SGLang's router adds to every body."""
     ok = [
         (CH, {"messages": MSG, "modalities": ["text"], "echo": False}),
         (C, {"prompt": "x", "suffix": "", "length_penalty": 1.0, "use_beam_search": False}),
         (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+        (
+            CH,
+            {
+                "messages": MSG,
+                "metadata": {"team": "a"},
+                "store": False,
+                "service_tier": "auto",
+                "prompt_cache_key": "k",
+                "prompt_cache_retention": "in_memory",
+                "safety_identifier": "u1",
+                "user": "u",
+                "spaces_between_special_tokens": False,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "description": "d", "schema": {}},
+                },
+            },
+        ),
+        (CH, {"messages": MSG, **ROUTER_CHAT}),
+        (C, {"prompt": "x", "no_stop_trim": False, "return_hidden_states": False}),
+        (G, {"text": "x", **ROUTER_GENERATE}),
     ]
     for path, body in ok:
-        r = httpx.post(server.url + path, json={**body, "max_tokens": 2})
-        assert r.status_code == 200, r.text
+        limit = {"sampling_params": {"max_new_tokens": 2}} if path == G else {"max_tokens": 2}
+        r = httpx.post(server.url + path, json={**body, **limit})
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_no_stop_trim_keeps_the_stop_string(server):
+    """SGLang's `no_stop_trim` (on the OpenAI routes and in /generate's sampling_params) is
+    `include_stop_str_in_output`: the stop string stays in the text."""
+    body = {"prompt": "Count: 1, 2, 3, 4, 5, 6,", "max_tokens": 12, "temperature": 0}
+    plain = httpx.post(server.url + C, json={**body, "stop": [","]}).json()
+    stop = plain["choices"][0]["text"]
+    assert plain["choices"][0]["finish_reason"] == "stop" and "," not in stop
+    kept = httpx.post(server.url + C, json={**body, "stop": [","], "no_stop_trim": True}).json()
+    assert kept["choices"][0]["text"] == stop + ","
+    native = {"text": body["prompt"], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    native["sampling_params"].update(stop=[","], no_stop_trim=True)
+    assert httpx.post(server.url + G, json=native).json()["text"] == stop + ","
 
 
 def test_server_still_serves_after_bad_requests(server):

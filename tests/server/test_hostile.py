@@ -112,6 +112,27 @@ def test_a_request_template_takes_chat_template_kwargs(server):
     assert counts == want and want[0] < want[1]
 
 
+def test_reasoning_effort_reaches_a_template_that_reads_it(server):
+    """OpenAI's `reasoning_effort` is a template variable (gpt-oss's template reads it): a
+    template that reads it renders it; one that does not refuses it by name (it would change
+    nothing), as does giving it twice."""
+    tpl = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort }}"
+    body = {"messages": MSG, "chat_template": tpl, "max_tokens": 1}
+    counts = []
+    for effort in ("low", "a much longer effort level"):
+        r = post(server.url + CH, {**body, "reasoning_effort": effort})
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["usage"]["prompt_tokens"])
+    url = server.url + "/tokenize"
+    texts = ("hi effort=low", "hi effort=a much longer effort level")
+    assert counts == [httpx.post(url, json={"prompt": t}).json()["count"] for t in texts]
+    plain = {**body, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    r = post(server.url + CH, {**plain, "reasoning_effort": "low"})
+    assert "reasoning_effort: this model's chat template does not read it" in error_of(r, 400)
+    twice = {**body, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "x"}}
+    assert "given twice" in error_of(post(server.url + CH, twice), 400)
+
+
 def test_heavy_inputs_do_not_block_the_event_loop(server):
     fields = [f"field_{i}" for i in range(200)]
     schema = {

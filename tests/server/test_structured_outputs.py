@@ -150,13 +150,20 @@ BAD = [
         C,
         {"prompt": "x", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
         "structured_outputs.whitespace_pattern",
-        "Extra inputs",
+        "Unrecognized request argument supplied",
     ),
     (
         CH,
-        {"messages": MSG, "response_format": {"type": "structural_tag", "format": {}}},
+        {"messages": MSG, "response_format": {"type": "structural_tag"}},
         "response_format",
         "structures",
+    ),
+    (
+        # vLLM's newer structural tag shape ("format": xgrammar's tag tree) is not taken.
+        CH,
+        {"messages": MSG, "response_format": {"type": "structural_tag", "format": {}}},
+        "response_format.format",
+        "Unrecognized request argument supplied",
     ),
     (CH, {"messages": MSG, "response_format": {"type": "grammar"}}, "response_format.type", ""),
     (

@@ -141,9 +141,16 @@ class DataParallelServer:
         argv += ["--host", self.host, "--port", str(self.port), "--policy", self.policy]
         argv += ["--worker-urls", *(w.url for w in self.workers)]
         argv += ["--health-check-interval-secs", "2", "--log-level", "warn"]
+        # The router's own Prometheus exporter: on a free port (its default, 29000, would
+        # make a second server on the machine fail at start), on the router's host.
+        metrics_port = free_port()
+        argv += ["--prometheus-host", self.host, "--prometheus-port", str(metrics_port)]
         url = f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
         self.router = self._spawn("router", argv, dict(os.environ), url)
         self._wait_ready(self.router, "/health")
+        logger.info(
+            "braid serve: the router's metrics at http://%s:%d/metrics", self.host, metrics_port
+        )
         logger.warning(
             "braid serve: the router forwards chat and /generate bodies without the fields it "
             "does not know (cache_salt, bad_words, allowed_token_ids, truncate_prompt_tokens, "

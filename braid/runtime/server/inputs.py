@@ -33,6 +33,10 @@ def _validation_error(e: ValidationError) -> APIError:
         elif isinstance(x, str) and x.isidentifier():
             names.append(x)
     param = ".".join(names) or None
+    if first.get("type") == "extra_forbidden":  # in OpenAI's words, and where to look
+        return APIError(
+            400, f"Unrecognized request argument supplied: {param} (see docs/server.md)", param
+        )
     what = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param or 'body'}: {what}", param)
 

@@ -11,7 +11,7 @@ first, so a long token-id prompt validates in one pass.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -82,16 +82,34 @@ JsonValue = Annotated[Any, AfterValidator(check_json_value)]
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored (as OpenAI and vLLM do); known fields are strictly typed.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """A request body. Closed: an unknown field is a 400 naming it, as OpenAI's API answers
+    ("Unrecognized request argument supplied"), never dropped; fields are strictly typed.
+    `INERT` lists fields braid takes only at values that change nothing (name -> why another
+    value is refused, the inert values): other servers' fields that clients or routers send
+    with their defaults; `refuse_inert` refuses the rest by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    INERT: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}
+
+    def refuse_inert(self) -> None:
+        """A `ParamError` naming the first `INERT` field given a value that does something."""
+        for name, (why, inert) in self.INERT.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in inert):
+                raise ParamError.at(name, f"not supported ({why})")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # OpenAI's padding of stream events against length side channels: braid adds none.
+    include_obfuscation: bool = False
 
 
 class JsonSchemaFormat(_Body):
     name: Text | None = None
+    # OpenAI's: what the format is for (the schema constrains the output; the model never
+    # sees the description).
+    description: Text | None = None
     schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
@@ -151,14 +169,15 @@ REFUSED_CONSTRAINT_FIELDS = {
 }
 
 
-# Other servers' fields that change the output and that braid does not implement: refused by
-# name when given a value that does something (the lenient bodies would otherwise drop them).
+# Other servers' fields that change the output and that braid does not implement, or that
+# SGLang's router sends with their defaults: taken only at values that change nothing.
 REFUSED_FIELDS = {
     "use_beam_search": ("beam search is not implemented", (None, False)),
     "length_penalty": ("it applies to beam search, which is not implemented", (None, 1, 1.0)),
     "logits_processors": ("braid runs no request code", (None, [])),
     "prompt_logprobs": ("use echo with logprobs (completions)", (None,)),
     "return_tokens_as_token_ids": ("tokens are returned as text", (None, False)),
+    "return_hidden_states": ("braid returns no hidden states", (None, False)),
 }
 
 
@@ -193,6 +212,11 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: Int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # SGLang's name for include_stop_str_in_output (its router sends it on every request).
+    no_stop_trim: bool = False
+    # vLLM's: braid's fast-tokenizer decoding writes no spaces between special tokens either
+    # way, as vLLM's fast path does.
+    spaces_between_special_tokens: bool = True
     # structured output: OpenAI's response_format, SGLang's and braid's extras, vLLM's
     # structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
@@ -218,6 +242,8 @@ class _SamplingFields(_Body):
     logits_processors: JsonValue = None
     prompt_logprobs: JsonValue = None
     return_tokens_as_token_ids: JsonValue = None
+    return_hidden_states: JsonValue = None
+    INERT = REFUSED_FIELDS
 
     def constraint_fields(self) -> dict[str, Any]:
         """The one output constraint of this body, as a `SamplingParams` field; a `ParamError`
@@ -255,10 +281,11 @@ class _SamplingFields(_Body):
         """`SamplingParams` for this body; a `ParamError` names a bad field."""
         if self.stream_options is not None and not self.stream:
             raise ParamError.at("stream_options", "only with stream: true")
-        for name, (why, inert) in REFUSED_FIELDS.items():
-            value = getattr(self, name)
-            if not any(value == v and type(value) is type(v) for v in inert):
-                raise ParamError.at(name, f"not supported ({why})")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ParamError.at(
+                "stream_options.include_obfuscation", "not supported (braid pads no events)"
+            )
+        self.refuse_inert()
         fields: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
@@ -280,7 +307,7 @@ class _SamplingFields(_Body):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             **self.constraint_fields(),
@@ -373,6 +400,35 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: JsonValue = True
     # SGLang's: false returns a reasoning model's raw text as content (--reasoning-parser).
     separate_reasoning: bool = True
+    # OpenAI's: a template variable, taken where the model's chat template reads it
+    # (`serving_chat`); refused elsewhere.
+    reasoning_effort: Text | None = None
+    # OpenAI's, with no effect on the answer: tags, routing and abuse-tracking hints.
+    metadata: dict[Text, Text] | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    # Taken at the values that ask for nothing braid does not do (`INERT`).
+    store: JsonValue = None
+    service_tier: JsonValue = None
+    prompt_cache_retention: JsonValue = None
+    prompt_cache_options: JsonValue = None
+    verbosity: JsonValue = None
+    prediction: JsonValue = None
+    moderation: JsonValue = None
+    stream_reasoning: JsonValue = True
+    INERT = REFUSED_FIELDS | {
+        "store": ("braid keeps no completions", (None, False)),
+        "service_tier": ("braid has one tier, 'default'", (None, "auto", "default")),
+        "prompt_cache_retention": (
+            "the prefix cache keeps what its memory holds, for no set time",
+            (None, "in_memory"),
+        ),
+        "prompt_cache_options": ("the prefix cache takes no breakpoints or lifetimes", (None,)),
+        "verbosity": ("nothing sets how long the model's answers are", (None,)),
+        "prediction": ("predicted outputs are not taken", (None,)),
+        "moderation": ("braid runs no moderation", (None,)),
+        "stream_reasoning": ("reasoning is streamed as it comes", (True,)),
+    }
 
 
 # A session pin's time-to-live in seconds (the server caps it at its --session-ttl-s).
@@ -394,7 +450,8 @@ class SessionParams(_Body):
 
 
 class GenerateRequest(_Body):
-    """SGLang's native /generate body."""
+    """SGLang's native /generate body (its router adds the fields at the end, at their
+    defaults)."""
 
     text: Text | list[Text] | None = Field(None, union_mode="left_to_right")
     input_ids: list[Int] | list[list[Int]] | None = Field(None, union_mode="left_to_right")
@@ -434,6 +491,21 @@ class GenerateRequest(_Body):
     image_data: Text | list[Text] | list[list[Text]] | None = Field(
         None, union_mode="left_to_right"
     )
+    # SGLang's, sent by its router: the served model's name; logging switches (braid logs
+    # the same either way).
+    model: Text | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: JsonValue = False
+    background: JsonValue = False
+    return_bytes: JsonValue = False
+    return_entropy: JsonValue = False
+    INERT = {
+        "return_hidden_states": ("braid returns no hidden states", (False,)),
+        "background": ("requests are answered while the client waits", (False,)),
+        "return_bytes": ("texts are returned as strings", (False,)),
+        "return_entropy": ("token entropies are not returned", (False,)),
+    }
 
 
 class AbortRequest(_Body):
@@ -465,6 +537,7 @@ class TokenizeRequest(_Body):
 
     prompt: Annotated[Text, _doc(minLength=1)] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[JsonValue] | None = None  # as chat's, for the template to show
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: JsonObject | None = None
@@ -476,7 +549,12 @@ class DetokenizeRequest(_Body):
 
 
 # SGLang's native sampling_params names -> braid's
-NATIVE_SAMPLING_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+NATIVE_SAMPLING_ALIASES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",
+}
 # `bad_words_token_ids` is the engine's (made from `bad_words`), not a request's.
 NATIVE_SAMPLING_FIELDS = (set(SamplingParams.__dataclass_fields__) - {"bad_words_token_ids"}) | set(
     NATIVE_SAMPLING_ALIASES
@@ -484,10 +562,20 @@ NATIVE_SAMPLING_FIELDS = (set(SamplingParams.__dataclass_fields__) - {"bad_words
 
 
 def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    unknown = set(raw) - NATIVE_SAMPLING_FIELDS
+    unknown = set(raw) - NATIVE_SAMPLING_FIELDS - {"spaces_between_special_tokens"}
     if unknown:
         raise ParamError.at("sampling_params", f"unknown field(s) {sorted(unknown)}")
-    fields = {NATIVE_SAMPLING_ALIASES.get(k, k): v for k, v in raw.items()}
+    spaces = raw.get("spaces_between_special_tokens", True)
+    if not isinstance(spaces, bool):  # as on the OpenAI routes: no effect either way
+        raise ParamError.at("sampling_params.spaces_between_special_tokens", "must be a bool")
+    fields = {
+        NATIVE_SAMPLING_ALIASES.get(k, k): v
+        for k, v in raw.items()
+        if k != "spaces_between_special_tokens"
+    }
+    for alias, name in NATIVE_SAMPLING_ALIASES.items():
+        if alias in raw and name in raw:
+            raise ParamError.at(f"sampling_params.{alias}", f"give it or {name}, not both")
     if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
         try:
             fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}

@@ -37,6 +37,11 @@ class TextConfig(_Body):
     verbosity: Text | None = None
 
 
+class ResponsesStreamOptions(_Body):
+    # OpenAI's padding of stream events against length side channels: braid adds none.
+    include_obfuscation: bool = False
+
+
 class ResponsesRequest(_Body):
     """OpenAI's `POST /v1/responses` body, and braid's sampling extras (`extra_body`)."""
 
@@ -51,7 +56,7 @@ class ResponsesRequest(_Body):
     tool_choice: JsonValue = None
     parallel_tool_calls: bool = True
     stream: bool = False
-    stream_options: JsonObject | None = None
+    stream_options: ResponsesStreamOptions | None = None
     store: bool = True
     previous_response_id: Text | None = None
     metadata: dict[Text, Text] | None = None
@@ -68,6 +73,25 @@ class ResponsesRequest(_Body):
     background: bool | None = None
     conversation: JsonValue = None
     prompt: JsonValue = None
+    access_programs: JsonValue = None
+    background_options: JsonValue = None
+    context_management: JsonValue = None
+    image: JsonValue = None
+    moderation: JsonValue = None
+    prompt_cache_options: JsonValue = None
+    prompt_cache_retention: JsonValue = None
+    INERT = {
+        "access_programs": ("braid runs no access programs", (None,)),
+        "background_options": ("background responses are not supported", (None,)),
+        "context_management": ("braid does not compact the context; send what fits", (None,)),
+        "image": ("braid makes no images", (None,)),
+        "moderation": ("braid runs no moderation", (None,)),
+        "prompt_cache_options": ("the prefix cache takes no breakpoints or lifetimes", (None,)),
+        "prompt_cache_retention": (
+            "the prefix cache keeps what its memory holds, for no set time",
+            (None, "in_memory"),
+        ),
+    }
     # braid's extras, as on chat completions
     cache_salt: Name | None = None
     seed: Int | None = None
@@ -108,6 +132,9 @@ class ResponsesRequest(_Body):
                 )
         if self.stream_options and not self.stream:
             _refuse("stream_options", "only with stream: true")
+        if self.stream_options and self.stream_options.include_obfuscation:
+            _refuse("stream_options.include_obfuscation", "not supported (braid pads no events)")
+        self.refuse_inert()
 
 
 def _refuse(param: str, why: str) -> None:

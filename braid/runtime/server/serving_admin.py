@@ -241,12 +241,16 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
+        for name in ("tools", "chat_template_kwargs", "continue_final_message"):
+            if getattr(body, name):
+                raise APIError(400, f"{name}: only with messages", name)
         return tokenize_prompts(state, body.prompt)[0][1]
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer", "messages")
     check_template_fields(body)
     chat = ChatCompletionRequest(
         messages=body.messages,
+        tools=body.tools,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,

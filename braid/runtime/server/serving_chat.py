@@ -33,7 +33,7 @@ from braid.runtime.server.protocol import ChatCompletionRequest
 from braid.runtime.server.serving_openai import OpenAIResponse
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.chat import ChatPrompt, chat_prompt, template_messages
-from braid.runtime.tokenizer.tokenizer import check_template_kwargs
+from braid.runtime.tokenizer.tokenizer import check_template_kwargs, template_reads
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | None):
@@ -96,6 +96,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
         plan = await asyncio.to_thread(_tool_plan, state, req)
         messages = await asyncio.to_thread(_template_messages, state, req)
+        kwargs = await asyncio.to_thread(template_kwargs, state, req)
         return await asyncio.get_running_loop().run_in_executor(
             sandbox.executor,
             functools.partial(
@@ -104,7 +105,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
                 tools=plan.template_tools if plan else None,
-                template_kwargs=req.chat_template_kwargs,
+                template_kwargs=kwargs,
                 continue_final_message=req.continue_final_message,
                 documents=req.documents,
             ),
@@ -306,7 +307,7 @@ def _chat_prompt(
             _placeholder(state),
             add_generation_prompt=req.add_generation_prompt,
             tools=plan.template_tools if plan else None,
-            template_kwargs=req.chat_template_kwargs,
+            template_kwargs=template_kwargs(state, req),
             continue_final_message=req.continue_final_message,
             documents=req.documents,
             rendered=rendered,
@@ -333,10 +334,30 @@ def check_template_fields(req: Any) -> None:
         )
 
 
+def template_kwargs(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template variables of `req`: `chat_template_kwargs`, and OpenAI's
+    `reasoning_effort` where the chat template reads that variable (gpt-oss's does); an
+    `APIError` refuses it where the template would ignore it."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    if "reasoning_effort" in (req.chat_template_kwargs or {}):
+        raise APIError(
+            400, "reasoning_effort: given twice (also in chat_template_kwargs)", "reasoning_effort"
+        )
+    if not template_reads(state.tokenizer, req.chat_template, "reasoning_effort"):
+        raise APIError(
+            400,
+            "reasoning_effort: this model's chat template does not read it (a template "
+            "variable such as enable_thinking goes in chat_template_kwargs)",
+            "reasoning_effort",
+        )
+    return {**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+
+
 def chat_prompt_of(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
-    """`req`'s conversation as the server's chat template renders it, without tools (what
+    """`req`'s conversation and tools as the server's chat template renders them (what
     `/tokenize` counts for messages); an `APIError` names what is wrong."""
-    return _chat_prompt(state, req, None, None)
+    return _chat_prompt(state, req, _tool_plan(state, req), None)
 
 
 def _dumped(req: ChatCompletionRequest) -> list[dict[str, Any]]:

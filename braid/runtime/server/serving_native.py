@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from braid.runtime.errors import ParamError
 from braid.runtime.outputs import finish_reason_info, spec_meta_info
 from braid.runtime.server.guard import APIError
-from braid.runtime.server.inputs import json_body, tokenize_prompts, validate_prompts
+from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts, validate_prompts
 from braid.runtime.server.openapi import STREAMED, takes
 from braid.runtime.server.outputs import (
     GONE,
@@ -59,6 +59,8 @@ def session_of(req: GenerateRequest) -> tuple[str | None, float | None, int | No
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     def prepare_generate(req: GenerateRequest):
+        check_model(state, req.model)
+        req.refuse_inert()  # a ParamError names the field
         if (req.text is None) == (req.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
         session = session_of(req)

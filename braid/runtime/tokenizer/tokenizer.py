@@ -314,3 +314,23 @@ def render_chat(
         )
     except Exception as e:  # jinja errors have many types; all mean "bad conversation"
         raise ParamError("messages", f"chat template failed on these messages: {e}") from e
+
+
+def template_reads(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, name: str
+) -> bool:
+    """Whether the chat template (`chat_template`, else the tokenizer's default one) reads the
+    variable `name`: parsed, not run."""
+    import jinja2
+    from jinja2 import meta
+
+    template = chat_template or tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders chats
+        template = template.get("default")
+    if not isinstance(template, str):
+        return False
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return name in meta.find_undeclared_variables(parsed)
