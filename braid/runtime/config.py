@@ -246,7 +246,7 @@ class EngineConfig:
     allowed_local_media_path: str | None = setting(
         None,
         "a directory whose files prompts may name as images (paths or file:// URLs); "
-        "unset: no local files",
+        "unset: none for the server, the caller's own for the offline LLM",
     )
     encoder_cache_mb: int = setting(
         256, "MB of vision-tower outputs kept by image content hash (scheduler process)"

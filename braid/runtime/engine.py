@@ -181,7 +181,7 @@ class LLM:
             self.tokenizer = self.assets.tokenizer
             self.tm.encode_words = word_encoder(self.tokenizer)
             self.media = MediaFrontend(
-                self.config, self.model_path, self.model_config, self.tokenizer
+                self.config, self.model_path, self.model_config, self.tokenizer, caller_files=True
             )
             self.ready = started.result()
         except BaseException:
@@ -506,6 +506,10 @@ class LLM:
         errors = [s.outputs.error for r in requests for s in r.samples if s.outputs.error]
         if errors and self.tm.failure:
             raise RuntimeError(self.tm.failure)
+        for i, r in enumerate(requests):  # what the scheduler refused (a grammar it cannot compile)
+            for s in r.samples:
+                if s.outputs.refused is not None:
+                    raise ParamError(s.outputs.refused.param, f"prompt {i}: {s.outputs.error}")
         return [r.output() for r in requests]
 
     async def _run_one(

@@ -234,6 +234,17 @@ def test_chat_with_image_parts_equals_the_rendered_prompt(qwen_llm):
     assert chat.outputs[0].token_ids == _run(qwen_llm, [(text, [image])])[0]
 
 
+def test_offline_images_by_path_are_the_callers_files(qwen_llm, tmp_path):
+    """`LLM.generate` reads the caller's image files by path (a string or a `Path`), as the
+    docs show, with the same tokens as the image itself."""
+    image = tiny_image(32, 32, 3)
+    image.save(tmp_path / "cat.png")
+    ph = qwen_llm.media.placeholder
+    want = _run(qwen_llm, [(f"{ph} what is it?", [image])])
+    for source in (str(tmp_path / "cat.png"), tmp_path / "cat.png"):
+        assert _run(qwen_llm, [(f"{ph} what is it?", [source])]) == want
+
+
 def test_bad_images_are_refused_and_the_engine_keeps_serving(qwen_llm):
     ph = qwen_llm.media.placeholder
     png = io.BytesIO()
@@ -242,7 +253,8 @@ def test_bad_images_are_refused_and_the_engine_keeps_serving(qwen_llm):
         (b"not an image at all", ph, "not an image"),
         (png.getvalue()[:60], ph, "truncated"),
         ("data:image/png;base64,@@@", ph, "base64"),
-        ("/etc/passwd", ph, "local file paths are refused"),
+        ("/etc/passwd", ph, "not an image"),  # the offline caller's files are read
+        ("/no/such/image.png", ph, "no such file"),
     ]
     for source, text, words in cases:
         with pytest.raises(ValueError, match=f"(?i){words}"):

@@ -77,14 +77,24 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         ([[1, 2.0, 3]], None, "token ids must be integers"),
         ([[1, True, 3]], None, "token ids must be integers"),
         ([{"prompt_token_ids": [1, "2"]}], None, "token ids must be integers"),
+        # What the scheduler refuses (a grammar it cannot compile) raises too, naming the
+        # prompt and the field, with the batch's other prompts fine.
+        (
+            ["a", "b"],
+            [SamplingParams(max_tokens=2), SamplingParams(regex=r"(a)\1")],
+            r"prompt 1: regex",
+        ),
+        (["hello"], SamplingParams(json_schema={"type": "nonsense"}), "prompt 0: json_schema"),
     ],
 )
 def test_bad_requests_fail_cleanly_and_engine_keeps_serving(smollm2, prompts, params, match):
     if match is None:  # a control: the same shape of call, accepted
         smollm2.generate(prompts, params, use_tqdm=False)
     else:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as e:
             smollm2.generate(prompts, params, use_tqdm=False)
+        if "regex" in match or "json_schema" in match:
+            assert e.value.param in ("regex", "json_schema"), e.value
     _assert_all_kv_free(smollm2)
     ok = smollm2.generate(["2 + 2 ="], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 3

@@ -337,6 +337,26 @@ def test_what_openai_clients_and_routers_send_by_default_is_taken(server):
         assert r.status_code == 200, (path, r.text)
 
 
+def test_null_means_not_given(server):
+    """A null for a field with a default is that default, as OpenAI reads it: the openai client
+    sends an explicit `None` as null."""
+    nulls = dict.fromkeys(
+        ["n", "presence_penalty", "frequency_penalty", "stream", "logprobs", "seed", "user"]
+    )
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c = client.chat.completions.create(
+        model="m", messages=MSG, max_tokens=2, parallel_tool_calls=None, **nulls
+    )
+    assert len(c.choices) == 1 and c.usage.completion_tokens >= 1
+    body = {"prompt": "x", "max_tokens": 2, "echo": None, "best_of": None, **nulls}
+    r = httpx.post(server.url + C, json=body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(server.url + G, json={"text": "x", "stream": None, "sampling_params": None})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + CH, json={"messages": None})  # required: null is not given
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_no_stop_trim_keeps_the_stop_string(server):
     """SGLang's `no_stop_trim` (on the OpenAI routes and in /generate's sampling_params) is
     `include_stop_str_in_output`: the stop string stays in the text."""

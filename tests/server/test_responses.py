@@ -393,6 +393,21 @@ def test_bad_input_is_a_400_naming_the_field(server, extra, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_cache_salt_keeps_tenants_apart(client):
+    """`cache_salt` (extra_body): a prompt under one salt finds none of another salt's cached
+    KV, and all of its own."""
+    long = "The history of the salted cache is long and winding. " * 20 + "Go on."
+
+    def cached(salt: str) -> int:
+        r = client.responses.create(
+            model="m", input=long, max_output_tokens=1, store=False, extra_body={"cache_salt": salt}
+        )
+        return r.usage.input_tokens_details.cached_tokens
+
+    first = cached("tenant-c")
+    assert first < 50 and cached("tenant-d") == first and cached("tenant-c") > 250
+
+
 def test_the_server_keeps_serving_after_refusals(client):
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="m", input="hi", tools=[{"type": "web_search_preview"}])

@@ -30,8 +30,15 @@ WORKERS = max(2, min(8, os.cpu_count() or 2))
 
 class MediaFrontend:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer: Any
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        caller_files: bool = False,
     ) -> None:
+        """`caller_files`: prompts may name any file the process can read (the offline `LLM`,
+        whose prompts are its caller's) unless `allowed_local_media_path` narrows them."""
         self.model_name = model_dir.name
         self.max_images = config.limit_mm_per_prompt
         self.limits = MediaLimits(
@@ -41,6 +48,7 @@ class MediaFrontend:
             allowed_local_media_path=(
                 Path(config.allowed_local_media_path) if config.allowed_local_media_path else None
             ),
+            caller_files=caller_files,
         )
         # Images travel as the processor's uint8 image and its recipe; a processor braid does
         # not split sends floats, in the dtype the model will run in (`torch_dtype`).

@@ -49,12 +49,15 @@ class MediaLimits:
     decoding (decompression bombs). Local files are refused unless
     `allowed_local_media_path` names a directory (as vLLM's `--allowed-local-media-path`);
     a local path must resolve, symlinks followed, to a regular file inside it, and a relative
-    path is taken relative to it."""
+    path is taken relative to it. `caller_files` (the offline `LLM`, whose prompts are its
+    caller's own, without such a directory): any file the process can read, a relative path
+    taken relative to the working directory."""
 
     max_image_bytes: int = 20 * 2**20
     max_pixels: int = 32 * 2**20
     fetch_timeout_s: float = 10.0
     allowed_local_media_path: Path | None = None
+    caller_files: bool = False
 
     def __post_init__(self) -> None:
         if self.max_image_bytes <= 0:
@@ -86,6 +89,8 @@ def load_image(source: str | bytes | Image.Image, limits: MediaLimits) -> Image.
             _check_size(len(data), limits)
         elif isinstance(source, str):
             data = _read_string(source, limits)
+        elif isinstance(source, os.PathLike) and limits.caller_files:
+            data = _read_local(os.fspath(source), limits)
         else:
             raise ValueError(
                 f"an image must be a string, bytes or a PIL image, not {type(source).__name__}"
@@ -115,6 +120,8 @@ def describe_source(source: object) -> str:
         return f"PIL image ({source.width}x{source.height} {source.mode})"
     if isinstance(source, (bytes, bytearray, memoryview)):
         return f"bytes ({_size_text(len(source))})"
+    if isinstance(source, os.PathLike):
+        return _clip(f"path {os.fspath(source)}")
     if not isinstance(source, str):
         return type(source).__name__
     head = source[:16].lower()
@@ -173,7 +180,9 @@ def _is_base64_text(s: str) -> bool:
 def _is_existing_local_path(s: str, limits: MediaLimits) -> bool:
     # A path made only of base64 characters (/srv/images/cat) when local files are allowed.
     root = limits.allowed_local_media_path
-    return root is not None and _looks_like_path(s) and os.path.lexists(root / s)
+    if root is None:
+        return limits.caller_files and _looks_like_path(s) and os.path.lexists(s)
+    return _looks_like_path(s) and os.path.lexists(root / s)
 
 
 def _decode_base64(text: str, limits: MediaLimits) -> bytes:
@@ -243,14 +252,14 @@ def _looks_like_path(s: str) -> bool:
 
 def _read_local(path: str, limits: MediaLimits) -> bytes:
     root = limits.allowed_local_media_path
-    if root is None:
+    if root is None and not limits.caller_files:
         raise ValueError("local file paths are refused: the server has no allowed_local_media_path")
     if len(path) > _MAX_PATH_CHARS or "\x00" in path:
         raise ValueError("local path refused: not a valid file path")
     # realpath follows every symlink, so a link inside the directory that points out of it
     # resolves outside and is refused.
-    real = Path(os.path.realpath(root / path))
-    if not real.is_relative_to(root):
+    real = Path(os.path.realpath(path if root is None else root / path))
+    if root is not None and not real.is_relative_to(root):
         # The directory is not named: clients need not learn the server's layout.
         raise ValueError("local path refused: it is outside the allowed directory")
     # O_NOFOLLOW: a symlink put in place after the check is not followed; O_NONBLOCK: opening

@@ -91,6 +91,23 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     INERT: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """A null for a field with a default is the default, as OpenAI and vLLM read it (the
+        openai client sends `n=None` as null)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None
+            or k not in fields
+            or fields[k].is_required()
+            or fields[k].default is None
+        }
+
     def refuse_inert(self) -> None:
         """A `ParamError` naming the first `INERT` field given a value that does something."""
         for name, (why, inert) in self.INERT.items():

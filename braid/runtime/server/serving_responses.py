@@ -277,6 +277,7 @@ class ResponseRun:
             chat.params,
             images=chat.images,
             grammar_waits=chat.grammar_waits(),
+            cache_salt=self.body.cache_salt,
         )
         if not self.body.stream:
             return await self._whole(request, streams)
