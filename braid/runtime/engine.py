@@ -283,6 +283,13 @@ class LLM:
         if tools is not None or tool_choice is not None:
             parser = resolve_parser_name(tool_call_parser, chat_template or tok.chat_template)
             plan = ToolPlan.resolve(tools, tool_choice, parallel_tool_calls, parser=parser)
+            if plan and plan.mode == "auto" and parser is None and tool_call_parser == "auto":
+                raise ParamError.at(
+                    "tool_choice",
+                    '"auto" needs a tool-call parser and none was found for this chat template: '
+                    "name tool_call_parser (or 'none' for the raw text), or use 'required' or "
+                    "a named function",
+                )
         conversations = messages if isinstance(messages[0], list) else [messages]
         placeholder = self.media.placeholder if self.media.supports_images else None
         items = []

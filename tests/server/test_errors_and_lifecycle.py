@@ -214,6 +214,13 @@ BAD = [
     ("/v1/responses", {"input": "x", "prompt_cache_retention": "24h"}, 400, "prompt_cache_ret"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, 400, "only with messages"),
     ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    # The default server's template shows no call format: "auto" tool calls are refused.
+    (
+        CH,
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        'tool_choice: "auto" (the default with tools) needs a tool-call parser',
+    ),
     (G, {"text": "x", "sampling_params": {"regex": "(a)\\1"}}, 400, "regex"),
 ]
 

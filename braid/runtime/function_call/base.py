@@ -200,6 +200,8 @@ class ToolCallStream(ABC):
         self._after_call = False
         self._any_content = False
         self._finished = False
+        # parallel_tool_calls false: calls the model writes past the first are dropped.
+        self.max_calls: int | None = None
 
     @property
     def num_calls(self) -> int:
@@ -262,6 +264,8 @@ class ToolCallStream(ABC):
             self._out.append(ToolCallDelta(index, arguments=text))
 
     def _call(self, name: str, arguments: str) -> None:
+        if self.max_calls is not None and self._calls >= self.max_calls:
+            return
         self._arguments(self._header(name), arguments)
 
     def _take(self) -> list[Delta]:

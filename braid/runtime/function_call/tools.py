@@ -233,7 +233,9 @@ class ToolPlan:
         if self.mode == "auto" and self.parser is not None:
             from braid.runtime.function_call import get_parser
 
-            return get_parser(self.parser)(list(self.tools))
+            parser = get_parser(self.parser)(list(self.tools))
+            parser.max_calls = None if self.parallel else 1
+            return parser
         return None
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:

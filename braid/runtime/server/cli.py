@@ -461,6 +461,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         max_body_bytes=settings.max_request_bytes,
         server_args={**asdict(config), **shown},
         tool_call_parser=tool_call_parser,
+        raw_tool_calls=settings.tool_call_parser == "none",
         reasoning_parser=reasoning_parser,
         strict_model_name=settings.strict_model_name,
         bind_host=settings.host,

@@ -41,6 +41,21 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     a chat request (blocking: run it on a worker thread); `text` is the prompt when a
     request's own template rendered it already."""
     plan = _tool_plan(state, req)
+    if (
+        plan is not None
+        and plan.mode == "auto"
+        and plan.parser is None
+        and not state.raw_tool_calls
+    ):
+        # No call could be read from the text: the tools would change nothing (vLLM refuses
+        # this too).
+        raise APIError(
+            400,
+            'tool_choice: "auto" (the default with tools) needs a tool-call parser and this '
+            "server has none (start it with --tool-call-parser); use tool_choice 'required' "
+            "or a named function",
+            "tool_choice",
+        )
     prompt = _chat_prompt(state, req, plan, text)
     text, ids, sources = prompt.text, prompt.ids, prompt.sources
     state.media.check_count(len(sources), "messages")

@@ -32,6 +32,9 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
+    # --tool-call-parser none: "auto" returns the model's text as it is, on purpose (with no
+    # parser otherwise, "auto" is refused).
+    raw_tool_calls: bool = False
     # --reasoning-parser: chat outputs split into reasoning_content and content.
     reasoning_parser: type[ReasoningParser] | None = None
     strict_model_name: bool = False  # 404 for a model name that is not the served one

@@ -50,3 +50,15 @@ def test_bad_tool_fields_raise_naming_the_field(smollm2):
         )
     with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.name:"):
         smollm2.chat(ASK, tools=[{"type": "function", "function": {}}])
+
+
+def test_auto_tool_calls_need_a_parser(smollm2):
+    """SmolLM2's template shows no call format braid knows: "auto" (the default with tools)
+    is refused unless a parser is named; "none" gives the raw text on purpose."""
+    with pytest.raises(ValueError, match=r'^tool_choice: "auto" needs a tool-call parser'):
+        smollm2.chat(ASK, tools=TOOLS, use_tqdm=False)
+    sp = braid.SamplingParams(temperature=0, max_tokens=4)
+    (raw,) = smollm2.chat(ASK, sp, tools=TOOLS, tool_call_parser="none", use_tqdm=False)
+    assert raw.outputs[0].text and raw.outputs[0].tool_calls == []
+    (parsed,) = smollm2.chat(ASK, sp, tools=TOOLS, tool_call_parser="hermes", use_tqdm=False)
+    assert parsed.outputs[0].token_ids == raw.outputs[0].token_ids

@@ -266,3 +266,23 @@ def test_detect_parser_from_chat_template():
     assert resolve_parser_name("mistral", None) == "mistral"
     with pytest.raises(ValueError, match="tool_call_parser"):
         resolve_parser_name("bogus", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", f"<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{A}\n</tool_call>"),
+        ("mistral", f"[TOOL_CALLS] [{W}, {A}]"),
+        ("pythonic", '[get_weather(city="Paris", unit="celsius"), add(a=1)]'),
+    ],
+)
+def test_parallel_tool_calls_false_keeps_the_first_call(name, text):
+    """`parallel_tool_calls: false` with "auto": the calls the model writes past the first are
+    dropped, whole and streamed."""
+    from braid.runtime.function_call.tools import ToolPlan
+
+    both = ToolPlan.resolve(TOOLS, "auto", True, parser=name).parse(text)[1]
+    content, one = ToolPlan.resolve(TOOLS, "auto", False, parser=name).parse(text)
+    assert [c.name for c in both] == ["get_weather", "add"]
+    assert [(c.name, c.arguments) for c in one] == [(both[0].name, both[0].arguments)]
+    assert content == ""
