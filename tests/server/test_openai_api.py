@@ -757,3 +757,43 @@ def test_every_body_and_chunk_parses_into_its_response_model(server, include_usa
         if include_usage:
             assert all(c.usage is None for c in chunks[:-1])
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_abort_request_takes_the_ids_clients_hold(server):
+    """/abort_request aborts what runs under the id a client holds: every sample of a
+    /generate rid with n > 1, and a chat completion by its response id."""
+    import threading
+
+    url = server.url
+    body = {
+        "text": "Count forever:",
+        "rid": "abort-me",
+        "sampling_params": {"n": 2, "max_new_tokens": 3000, "ignore_eos": True},
+    }
+    got = {}
+    t = threading.Thread(
+        target=lambda: got.update(r=httpx.post(f"{url}/generate", json=body, timeout=300))
+    )
+    t.start()
+    deadline = time.time() + 60
+    while httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"] < 2:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).status_code == 200
+    t.join(120)
+    outs = got["r"].json()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert all(o["meta_info"]["completion_tokens"] < 3000 for o in outs)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Count forever."}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(stream))
+    assert httpx.post(f"{url}/abort_request", json={"rid": first.id}).status_code == 200
+    finish = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert finish[-1] == "abort" and len(finish) < 3000
+    wait_idle(url)

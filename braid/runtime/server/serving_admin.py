@@ -4,6 +4,7 @@ tokenize, program sessions, aborts, metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from dataclasses import asdict
@@ -27,6 +28,8 @@ from braid.runtime.server.protocol import (
 )
 from braid.runtime.server.serving_chat import chat_prompt_of, check_template_fields
 from braid.runtime.server.state import ServerState
+
+logger = logging.getLogger(__name__)
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -224,7 +227,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         responses=EMPTY,
     )
     async def abort_request(body: Annotated[AbortRequest, json_body(AbortRequest)]):
-        state.tm.abort(body.rid)
+        aborted = state.tm.abort(body.rid)
+        logger.info("abort_request %s: %d running sample(s) aborted", body.rid[:256], aborted)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -530,11 +531,17 @@ class TokenizerManager:
         if wire is not None:
             self._release(rid, wire, aborted=True)
 
-    def abort(self, rid: str) -> None:
-        """Abort the sample `rid` if it runs (its stream ends with finish_reason "abort")."""
-        wire = self._wire.get(rid)
-        if wire is not None and not self.failure and not self._closing:
+    def abort(self, rid: str) -> int:
+        """Abort what runs under `rid` (each stream ends with finish_reason "abort"): the
+        sample `rid`, the samples of a request `rid` ("rid/k"), and those of each prompt of an
+        OpenAI response whose id is `rid` ("rid-i", "rid-i/k"). Returns how many were."""
+        if self.failure or self._closing:
+            return 0
+        ours = re.compile(re.escape(rid) + r"(-\d+)?(/\d+)?")
+        wires = [w for r, w in self._wire.items() if r == rid or ours.fullmatch(r)]
+        for wire in wires:
             self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
+        return len(wires)
 
     async def control(
         self, op: str, timeout: float = 60.0, arg: str | None = None
