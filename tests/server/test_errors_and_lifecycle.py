@@ -63,7 +63,7 @@ BAD = [
     (CH, {"messages": []}, 400, "messages"),
     (CH, {"messages": [{"content": "no role"}]}, 400, "role"),
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
-    (CH, {"messages": MSG, "max_completion_tokens": -1}, 400, "max_tokens"),
+    (CH, {"messages": MSG, "max_completion_tokens": -1}, 400, "max_completion_tokens must be"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
     # Images to this text-only model (issue 15).
     (
@@ -74,7 +74,7 @@ BAD = [
     ),
     (G, {"text": "x", "image_data": "aGVsbG8="}, 400, "takes text only"),
     (G, {"sampling_params": {"max_new_tokens": 2}}, 400, "text"),
-    (G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_tokens"),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens must be"),
     (G, {"text": "x", "sampling_params": {"stop_regex": "("}}, 400, "stop_regex"),
     (CH, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     (G, {"text": "x", "sampling_params": {"bogus": 1}}, 400, "bogus"),
@@ -139,7 +139,7 @@ BAD = [
         G,
         {"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": -1}]},
         400,
-        "sampling_params[1]: max_tokens",
+        "sampling_params[1]: max_new_tokens must be",
     ),
     (G, {"text": ["a", "b"], "sampling_params": [{}, {"bogus": 1}]}, 400, "sampling_params[1]: "),
     (
@@ -214,6 +214,10 @@ BAD = [
     ("/v1/responses", {"input": "x", "prompt_cache_retention": "24h"}, 400, "prompt_cache_ret"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, 400, "only with messages"),
     ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    # Errors name the field as the body spells it.
+    (G, {"text": "x", "sampling_params": {"sampling_seed": 1.5}}, 400, "sampling_seed must be"),
+    (G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400, "top_logprobs_num"),
+    (G, {"text": "x", "return_logprob": True, "logprob_start_len": -5}, 400, "logprob_start_len"),
     # The default server's template shows no call format: "auto" tool calls are refused.
     (
         CH,
@@ -263,6 +267,8 @@ PARAMS = [
     ("chat", {"extra_body": {"choice": []}}, "choice"),
     ("completions", {"suffix": "the end"}, "suffix"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"max_completion_tokens": -5}, "max_completion_tokens"),
     (
         "chat",
         {"extra_body": {"chat_template_kwargs": {"tokenize": True}}},

@@ -13,14 +13,16 @@ from pydantic import BaseModel
 
 from braid.runtime.server.openai_types import ErrorResponse
 from braid.runtime.server.protocol import (
-    AbortRequest,
     ChatCompletionRequest,
-    CloseSessionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    TokenizeRequest,
+)
+from braid.runtime.server.protocol_native import (
+    AbortRequest,
+    CloseSessionRequest,
     EndProgramRequest,
     GenerateRequest,
-    TokenizeRequest,
 )
 
 _BODY_MODELS = (

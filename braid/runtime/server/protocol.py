@@ -81,6 +81,17 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_value)]
 JsonValue = Annotated[Any, AfterValidator(check_json_value)]
 
 
+def _null_means_default(schema: dict[str, Any], model: Any) -> None:
+    """The OpenAPI schema says what `_Body` reads: a field with a default takes null too."""
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        prop = schema.get("properties", {}).get(key)
+        if prop is None or info.is_required() or info.default is None:
+            continue
+        kept = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][key] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
 class _Body(BaseModel):
     """A request body. Closed: an unknown field is a 400 naming it, as OpenAI's API answers
     ("Unrecognized request argument supplied"), never dropped; fields are strictly typed.
@@ -88,7 +99,7 @@ class _Body(BaseModel):
     value is refused, the inert values): other servers' fields that clients or routers send
     with their defaults; `refuse_inert` refuses the rest by name."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_null_means_default)
     INERT: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}
 
     @model_validator(mode="before")
@@ -293,9 +304,15 @@ class _SamplingFields(_Body):
         return {kind: spec for _, kind, spec in given}
 
     def sampling_params(
-        self, defaults: SamplingParams, *, max_tokens: int | None, logprobs: int | None
+        self,
+        defaults: SamplingParams,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        names: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """`SamplingParams` for this body; a `ParamError` names a bad field."""
+        """`SamplingParams` for this body; a `ParamError` names a bad field, as the body
+        spells it (`names`: the body's names of `SamplingParams` fields where they differ)."""
         if self.stream_options is not None and not self.stream:
             raise ParamError.at("stream_options", "only with stream: true")
         if self.stream_options is not None and self.stream_options.include_obfuscation:
@@ -334,7 +351,18 @@ class _SamplingFields(_Body):
                 fields["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ParamError("logit_bias", "logit_bias keys must be token ids") from None
-        return SamplingParams(**fields)
+        try:
+            return SamplingParams(**fields)
+        except ParamError as e:
+            raise renamed(e, names or {}) from None
+
+
+def renamed(e: ParamError, names: dict[str, str]) -> ParamError:
+    """`e` naming its field as the request spells it (`names`: braid's name -> the body's)."""
+    new = names.get(e.param or "")
+    if new is None:
+        return e
+    return ParamError(new, str(e).replace(str(e.param), new, 1))
 
 
 def _format_constraint(fmt: ResponseFormat) -> tuple[str, Any]:
@@ -448,95 +476,6 @@ class ChatCompletionRequest(_SamplingFields):
     }
 
 
-# A session pin's time-to-live in seconds (the server caps it at its --session-ttl-s).
-SessionTTL = Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
-# A call's position in its program: 0 for the program's first gen or select, then 1, ...
-ProgramPosition = Annotated[int, Field(ge=0, le=INT64_MAX)]
-
-
-class SessionParams(_Body):
-    """SGLang's `session_params`, as far as braid keeps sessions: the session's id, its pin's
-    TTL and the call's position in its program (braid's additions). SGLang's other keys (rid,
-    offset, replace, drop_previous_output) continue a session from one of its requests, which
-    braid does not do: they are refused, not ignored."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    id: Annotated[Text, Field(min_length=1, max_length=256)]
-    ttl: SessionTTL | None = None
-    position: ProgramPosition | None = None
-
-
-class GenerateRequest(_Body):
-    """SGLang's native /generate body (its router adds the fields at the end, at their
-    defaults)."""
-
-    text: Text | list[Text] | None = Field(None, union_mode="left_to_right")
-    input_ids: list[Int] | list[list[Int]] | None = Field(None, union_mode="left_to_right")
-    # For a batch, each of these may also be a list with one entry per prompt (SGLang's
-    # shapes); a single value applies to every prompt.
-    sampling_params: JsonObject | list[JsonObject] = Field(
-        default_factory=dict, union_mode="left_to_right"
-    )
-    stream: bool = False
-    return_logprob: bool | list[bool] = False
-    top_logprobs_num: Int | list[Int] = 0
-    # Token texts are always in the logprob entries; accepted for SGLang clients.
-    return_text_in_logprobs: bool = False
-    # With return_logprob: also score the prompt from this position (SGLang's name; -1: no).
-    logprob_start_len: Int | list[Int] = -1
-    rid: Name | list[Name] | None = None
-    # vLLM's: only requests with the same salt share this prompt's cached KV.
-    cache_salt: Name | None = None
-    # A program session: the finished sequence stays cached for it until /close_session.
-    session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
-    # How long the session keeps this request's KV after it (default: twice the longest pause
-    # between the program's calls so far, 30 s before any; at most --session-ttl-s).
-    session_ttl: SessionTTL | None = None
-    # The call's position in its program (0 for its first call, then 1, ...), for the
-    # scheduler's per-program accounting; needs session_id or program_id.
-    session_position: ProgramPosition | None = None
-    # The program run the request belongs to (default: its session's root, the part of
-    # session_id before the first "."): a run without sessions names itself here, so the
-    # program policies (--schedule-policy program, program-srpt) see one program, and ends
-    # with POST /end_program.
-    program_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
-    # The same as session_id, session_ttl and session_position, SGLang's way:
-    # {"id": ..., "ttl": ..., "position": ...}.
-    session_params: SessionParams | None = None
-    # Images (URL, data URL or base64; a list per prompt for a batch), one per image
-    # placeholder in the text (`image_placeholder` of /get_model_info), in order.
-    image_data: Text | list[Text] | list[list[Text]] | None = Field(
-        None, union_mode="left_to_right"
-    )
-    # SGLang's, sent by its router: the served model's name; logging switches (braid logs
-    # the same either way).
-    model: Text | None = None
-    log_metrics: bool = True
-    no_logs: bool = False
-    return_hidden_states: JsonValue = False
-    background: JsonValue = False
-    return_bytes: JsonValue = False
-    return_entropy: JsonValue = False
-    INERT = {
-        "return_hidden_states": ("braid returns no hidden states", (False,)),
-        "background": ("requests are answered while the client waits", (False,)),
-        "return_bytes": ("texts are returned as strings", (False,)),
-        "return_entropy": ("token entropies are not returned", (False,)),
-    }
-
-
-class AbortRequest(_Body):
-    rid: Annotated[Text, Field(min_length=1)]
-
-
-class CloseSessionRequest(_Body):
-    session_id: Annotated[Text, Field(min_length=1)]
-
-
-class EndProgramRequest(_Body):
-    program_id: Annotated[Text, Field(min_length=1, max_length=256)]
-
-
 class EmbeddingRequest(_Body):
     """OpenAI's embeddings body, with vLLM's `normalize`. `input`: a text, a list of texts,
     token ids, or a list of token-id lists (one embedding each)."""
@@ -563,41 +502,3 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[Int]
-
-
-# SGLang's native sampling_params names -> braid's
-NATIVE_SAMPLING_ALIASES = {
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
-    "no_stop_trim": "include_stop_str_in_output",
-    "sampling_seed": "seed",
-}
-# `bad_words_token_ids` is the engine's (made from `bad_words`), not a request's.
-NATIVE_SAMPLING_FIELDS = (set(SamplingParams.__dataclass_fields__) - {"bad_words_token_ids"}) | set(
-    NATIVE_SAMPLING_ALIASES
-)
-
-
-def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    unknown = set(raw) - NATIVE_SAMPLING_FIELDS - {"spaces_between_special_tokens"}
-    if unknown:
-        raise ParamError.at("sampling_params", f"unknown field(s) {sorted(unknown)}")
-    spaces = raw.get("spaces_between_special_tokens", True)
-    if not isinstance(spaces, bool):  # as on the OpenAI routes: no effect either way
-        raise ParamError.at("sampling_params.spaces_between_special_tokens", "must be a bool")
-    fields = {
-        NATIVE_SAMPLING_ALIASES.get(k, k): v
-        for k, v in raw.items()
-        if k != "spaces_between_special_tokens"
-    }
-    for alias, name in NATIVE_SAMPLING_ALIASES.items():
-        if alias in raw and name in raw:
-            raise ParamError.at(f"sampling_params.{alias}", f"give it or {name}, not both")
-    if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
-        try:
-            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
-        except ValueError:
-            raise ParamError(
-                "sampling_params.logit_bias", "sampling_params.logit_bias keys must be token ids"
-            ) from None
-    return defaults.replace(**fields)

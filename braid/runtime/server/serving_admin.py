@@ -19,12 +19,14 @@ from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts
 from braid.runtime.server.openapi import EMPTY, takes
 from braid.runtime.server.outputs import GONE, unless_gone
 from braid.runtime.server.protocol import (
-    AbortRequest,
     ChatCompletionRequest,
-    CloseSessionRequest,
     DetokenizeRequest,
-    EndProgramRequest,
     TokenizeRequest,
+)
+from braid.runtime.server.protocol_native import (
+    AbortRequest,
+    CloseSessionRequest,
+    EndProgramRequest,
 )
 from braid.runtime.server.serving_chat import chat_prompt_of, check_template_fields
 from braid.runtime.server.state import ServerState

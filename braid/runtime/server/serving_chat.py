@@ -65,7 +65,12 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     if max_tokens == 0:
         raise APIError(400, "max_tokens must be >= 1", "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = req.sampling_params(state.defaults, max_tokens=max_tokens, logprobs=logprobs)
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    params = req.sampling_params(
+        state.defaults, max_tokens=max_tokens, logprobs=logprobs, names=names
+    )
     if plan is not None:
         params = plan.sampling_params(params)  # a ParamError names the field
     params = state.tm.resolve(params)  # bad words tokenized once, here off the event loop

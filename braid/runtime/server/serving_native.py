@@ -31,7 +31,7 @@ from braid.runtime.server.outputs import (
     text_of,
     unless_gone,
 )
-from braid.runtime.server.protocol import GenerateRequest, native_sampling_params
+from braid.runtime.server.protocol_native import GenerateRequest, native_sampling_params
 from braid.runtime.server.state import ServerState
 
 
