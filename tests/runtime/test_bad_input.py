@@ -139,6 +139,26 @@ def test_bad_chat_messages(smollm2):
         ([], "non-empty"),
         ([{"content": "no role"}], "role"),
         ("just a string", "non-empty list"),
+        # What SmolLM2's template would render anyway, refused by name.
+        ([{"role": "bogus", "content": "x"}], r"messages\[0\]\.role: 'bogus' is not one of"),
+        ([{"role": "user"}], r"messages\[0\]\.content: required for a user message"),
+        ([{"role": "user", "content": 5}], r"messages\[0\]\.content: must be a string"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
+            r"messages\[1\]\.tool_call_id: required",
+        ),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "x"}],
+            r"messages\[1\]\.tool_calls: a list",
+        ),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{}]}],
+            r"messages\[1\]\.tool_calls\[0\]\.function\.name",
+        ),
+        (
+            [{"role": "user", "content": "x", "tool_calls": []}],
+            r"messages\[0\]\.tool_calls: a list, on assistant messages only",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             smollm2.chat(messages, use_tqdm=False)

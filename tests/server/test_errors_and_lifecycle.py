@@ -214,6 +214,8 @@ BAD = [
     ("/v1/responses", {"input": "x", "prompt_cache_retention": "24h"}, 400, "prompt_cache_ret"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, 400, "only with messages"),
     ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    (CH, {"messages": [{"role": "bogus", "content": "x"}]}, 400, "messages[0].role: 'bogus'"),
+    (CH, {"messages": MSG + [{"role": "tool", "content": "1"}]}, 400, "tool_call_id: required"),
     # Errors name the field as the body spells it.
     (G, {"text": "x", "sampling_params": {"sampling_seed": 1.5}}, 400, "sampling_seed must be"),
     (G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400, "top_logprobs_num"),

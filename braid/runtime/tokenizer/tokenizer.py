@@ -202,6 +202,36 @@ def _check_messages(messages: Any) -> None:
             )
         if not isinstance(m["role"], str):
             raise ParamError(f"messages[{i}].role", f"messages[{i}].role must be a string")
+        _check_message(m, f"messages[{i}]")
+
+
+# OpenAI's roles, SGLang's "function" and Llama 3's "ipython" (tool results).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def _check_message(m: dict[str, Any], at: str) -> None:
+    """A `ParamError` naming what a message gets wrong that a template would render anyway:
+    an unknown role, no content where one is needed, a tool result without its call's id,
+    malformed tool calls."""
+    role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
+    if role not in ROLES:
+        raise ParamError.at(f"{at}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ParamError.at(f"{at}.content", "must be a string or a list of content parts")
+    if content is None and not (role == "assistant" and calls):
+        raise ParamError.at(f"{at}.content", f"required for a {role} message")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise ParamError.at(f"{at}.tool_call_id", "required: the id of the call this answers")
+    if calls is None:
+        return
+    if role != "assistant" or not isinstance(calls, list):
+        raise ParamError.at(f"{at}.tool_calls", "a list, on assistant messages only")
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ParamError.at(f"{at}.tool_calls[{k}].function.name", "required, a string")
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ParamError.at(f"{at}.tool_calls[{k}].function.arguments", "a JSON string")
 
 
 def _for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
