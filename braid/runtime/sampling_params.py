@@ -243,10 +243,10 @@ class SamplingParams:
                     f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}",
                 )
             for k, v in self.logit_bias.items():
-                try:
-                    tok = int(k)
-                except (TypeError, ValueError):
+                # An int, or its digits as OpenAI's JSON keys are (1.7 or True is no token id).
+                if not (_is_int(k) or isinstance(k, str) and k.strip().lstrip("-").isdigit()):
                     return "logit_bias", f"logit_bias keys must be token ids, got {k!r}"
+                tok = int(k)
                 if tok < 0:
                     return (
                         "logit_bias",

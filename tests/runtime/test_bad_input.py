@@ -32,6 +32,8 @@ from tests.conftest import assert_kv_all_free_or_cached, local_scheduler
         (dict(seed="x"), "seed"),
         (dict(logit_bias={"a": 1.0}), "logit_bias"),
         (dict(logit_bias={1: 1000.0}), "logit_bias"),
+        (dict(logit_bias={1.7: 5.0}), "logit_bias"),  # not cut to 1
+        (dict(logit_bias={True: 5.0}), "logit_bias"),
         (dict(temperature=True), "temperature"),
         (dict(allowed_token_ids=[]), "allowed_token_ids"),
         (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
@@ -132,6 +134,18 @@ def test_small_kv_pool_caps_the_context(tiny_model_dirs):
         assert len(out[0].outputs[0].token_ids) == 24
         assert out[0].outputs[0].finish_reason == "length"
         _assert_all_kv_free(llm)
+
+
+def test_prompt_logprobs_are_one_per_prompt_position(smollm2):
+    """A `logprob_start_len` past the prompt scores nothing: one None per position, never
+    more entries than the prompt has."""
+    sp = SamplingParams(prompt_logprobs=1, max_tokens=1, temperature=0)
+    for start, scored in ((0, 1), (50, 0)):
+        (out,) = smollm2.generate(["Hi there"], sp.replace(logprob_start_len=start), use_tqdm=False)
+        n = len(out.prompt_token_ids)
+        assert len(out.prompt_logprobs) == n
+        assert sum(lp is not None for lp in out.prompt_logprobs) == (n - 1 if scored else 0)
+    _assert_all_kv_free(smollm2)
 
 
 def test_bad_chat_messages(smollm2):

@@ -37,7 +37,7 @@ def prompt_logprobs(req: Req, rows: torch.Tensor) -> list[TokenLogprob | None]:
     chosen = lp.gather(1, targets[:, None])
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
     top = lp.topk(k, dim=-1) if k else None
-    out: list[TokenLogprob | None] = [None] * begin
+    out: list[TokenLogprob | None] = [None] * min(begin, req.prompt_len)  # one per position
     for j, (t, c) in enumerate(zip(req.input_ids[begin:], chosen[:, 0].tolist())):
         alts = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top else []
         out.append(TokenLogprob(t, c, ranks[j], alts))
