@@ -216,6 +216,17 @@ BAD = [
     ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (CH, {"messages": [{"role": "bogus", "content": "x"}]}, 400, "messages[0].role: 'bogus'"),
     (CH, {"messages": MSG + [{"role": "tool", "content": "1"}]}, 400, "tool_call_id: required"),
+    (CH, {"messages": MSG, "chat_template": ""}, 400, "chat_template: Value should have at least"),
+    (
+        CH,
+        {
+            "messages": MSG,
+            "tool_choice": "none",
+            "tools": [{"function": {"name": "f", "strict": "yes"}}],
+        },
+        400,
+        "tools[0].function.strict: must be true or false",
+    ),
     # Errors name the field as the body spells it.
     (G, {"text": "x", "sampling_params": {"sampling_seed": 1.5}}, 400, "sampling_seed must be"),
     (G, {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400, "top_logprobs_num"),

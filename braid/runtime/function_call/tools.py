@@ -65,6 +65,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if name in seen:
             raise ParamError.at(f"{where}.function.name", f"{name!r} is given twice")
         seen.add(name)
+        if not isinstance(fn.get("strict", False), (bool, type(None))):
+            raise ParamError.at(f"{where}.function.strict", "must be true or false")
         params = fn.get("parameters")
         if params is not None and (
             not isinstance(params, Mapping) or params.get("type", "object") != "object"

@@ -406,7 +406,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[Int, _doc(minimum=0, maximum=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     # Refused unless the server runs with --allow-request-chat-template (see app.py).
-    chat_template: Text | None = None
+    chat_template: Annotated[Text, Field(min_length=1)] | None = None
     # Extra variables for the chat template (vLLM's and SGLang's field), such as Qwen3's
     # enable_thinking; `tokenizer.chat.check_template_kwargs` refuses the names braid sets.
     chat_template_kwargs: JsonObject | None = None
