@@ -229,3 +229,17 @@ def test_tool_call_bodies_and_chunks_parse_into_the_response_models(server):
     ]
     assert pieces[0]["function"]["name"] == "get_time"
     assert "".join(p["function"]["arguments"] for p in pieces) == call.function.arguments
+
+
+def test_strict_tools_with_auto_run_under_their_structural_tag(client):
+    """A strict tool with "auto" (the hermes format): the request runs with the calls' tag
+    compiled in the scheduler; strict with a constraint of its own is a 400 naming tools."""
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, *TOOLS[1:]]
+    kw = dict(model="smollm2-135m", messages=ASK, tools=strict, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**{**kw, "tools": TOOLS}).choices[0]
+    held = client.chat.completions.create(**kw).choices[0]
+    # Nothing here starts a call: the free text is the unconstrained model's.
+    assert held.message.content == plain.message.content and not held.message.tool_calls
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"regex": "a+"})
+    assert e.value.body["param"] == "tools"

@@ -301,6 +301,14 @@ class ToolParser(ToolCallStream):
 
     # Whether the format's markers are special tokens that must survive detokenization.
     needs_special_tokens: ClassVar[bool] = False
+    # Where a call starts in free text, for holding strict tools' calls to their schemas
+    # (`call_structure`); None: the format's calls cannot be constrained that way.
+    trigger: ClassVar[str | None] = None
+
+    @classmethod
+    def call_structure(cls, name: str) -> tuple[str, str]:
+        """The text before and after a call's JSON arguments, for a call of `name`."""
+        raise NotImplementedError(f"{cls.__name__} has no call structure")
 
     def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
         super().__init__()

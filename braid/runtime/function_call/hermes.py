@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from braid.runtime.function_call import PARSERS
 from braid.runtime.function_call.base import (
     ToolParser,
@@ -21,6 +23,12 @@ class HermesParser(ToolParser):
     body is not such an object, or names a function not in `tools`, is content as written.
     A block the output ends inside counts as a call if its body is already a complete call
     (models sometimes stop before the closing tag)."""
+
+    trigger = START
+
+    @classmethod
+    def call_structure(cls, name: str) -> tuple[str, str]:
+        return f'{START}\n{{"name": {json.dumps(name)}, "arguments": ', f"}}\n{END}"
 
     def __init__(self, tools) -> None:
         super().__init__(tools)

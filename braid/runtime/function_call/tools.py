@@ -200,9 +200,46 @@ class ToolPlan:
 
         return False if get_parser(self.parser).needs_special_tokens else None
 
+    @property
+    def strict(self) -> bool:
+        """Whether a tool asks for its calls to match its parameters (OpenAI's `strict`)."""
+        return any(t["function"].get("strict") is True for t in self.tools)
+
+    def strict_tag(self) -> dict[str, Any] | None:
+        """For "auto" with strict tools: a structural tag that holds every call the parser's
+        format starts to its tool's parameters (free text elsewhere); None where the format
+        has no such structure."""
+        from braid.runtime.function_call import get_parser
+
+        parser = get_parser(self.parser) if self.parser is not None else None
+        if parser is None or parser.trigger is None:
+            return None
+        structures = []
+        for t in self.tools:
+            begin, end = parser.call_structure(t["function"]["name"])
+            structures.append({"begin": begin, "schema": parameters_of(t), "end": end})
+        return {"structures": structures, "triggers": [parser.trigger]}
+
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` with this plan's output constraint (modes "required" and "named") and
-        special-token setting; a `ParamError` naming the field when they cannot combine."""
+        """`params` with this plan's output constraint (modes "required" and "named", and
+        "auto" with strict tools) and special-token setting; a `ParamError` naming the field
+        when they cannot combine."""
+        if self.mode == "auto" and self.strict:
+            tag = self.strict_tag()
+            if tag is None:
+                raise ParamError.at(
+                    "tools",
+                    f"strict tools with tool_choice 'auto' are held to their schemas in the "
+                    f"hermes call format only, not with the {self.parser or 'no'} parser: set "
+                    "strict false, or use tool_choice 'required' or a named function",
+                )
+            if params.constraint is not None:
+                raise ParamError.at(
+                    "tools",
+                    "strict tools constrain the calls in the output; do not combine them "
+                    "with response_format, json_schema, regex or choice",
+                )
+            params = params.replace(structural_tag=tag)
         if self.mode in ("required", "named"):
             if params.constraint is not None:
                 raise ParamError.at(

@@ -238,3 +238,33 @@ def test_finish_reason_is_tool_calls_only_for_a_natural_end_with_calls():
     assert finish_reason("stop", 0) == "stop"
     assert finish_reason("length", 1) == "length"
     assert finish_reason("abort", 1) == "abort"
+
+
+def test_strict_tools_with_auto_hold_hermes_calls_to_their_schemas():
+    """OpenAI's `strict` with "auto": every call the hermes format starts is held to its
+    tool's parameters by a structural tag (free text elsewhere); the text it allows parses
+    back into the call. Formats without such a structure, or another constraint, refuse."""
+    from braid.runtime.function_call.hermes import HermesParser
+    from braid.runtime.sampling_params import SamplingParams
+
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, ADD]
+    plan = ToolPlan.resolve(strict, "auto", True, parser="hermes")
+    tag = plan.sampling_params(SamplingParams()).structural_tag
+    tag = json.loads(tag) if isinstance(tag, str) else tag
+    assert tag["triggers"] == ["<tool_call>"]
+    assert [s["schema"] for s in tag["structures"]] == [
+        WEATHER["function"]["parameters"],
+        ADD["function"]["parameters"],
+    ]
+    args = {"city": "Oslo", "unit": "celsius"}
+    begin, end = tag["structures"][0]["begin"], tag["structures"][0]["end"]
+    content, calls = HermesParser.parse("Sure. " + begin + json.dumps(args) + end, strict)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", args)
+    ]
+    loose = ToolPlan.resolve(TOOLS, "auto", True, parser="hermes")
+    assert loose.sampling_params(SamplingParams()).structural_tag is None
+    with pytest.raises(ValueError, match=r"^tools: strict tools .* not with the llama3 parser"):
+        ToolPlan.resolve(strict, "auto", True, parser="llama3").sampling_params(SamplingParams())
+    with pytest.raises(ValueError, match=r"^tools: strict tools constrain the calls"):
+        plan.sampling_params(SamplingParams(regex="a+"))
