@@ -124,6 +124,7 @@ class EngineConfig:
     context_length: int | None = setting(
         None,
         "longest sequence (prompt + output); unset: the model's; always capped by the KV capacity",
+        aliases=("--max-model-len",),  # vLLM's
     )
     chunked_prefill_size: int | None = setting(
         None,
@@ -209,7 +210,9 @@ class EngineConfig:
         "with the triton decode backend, 256 with flashinfer (its wrappers keep 16 MB of "
         "buffers per captured size)",
     )
-    disable_cuda_graph: bool = setting(False, "run every decode step eagerly")
+    disable_cuda_graph: bool = setting(
+        False, "run every decode step eagerly", aliases=("--enforce-eager",)
+    )
     cuda_graph_capture_all_at_start: bool = setting(
         False,
         "capture every decode batch size's graph before the runtime reports ready; by default "
@@ -306,9 +309,7 @@ class EngineConfig:
         0, "this machine's index among --nnodes (0 serves; the others run their ranks only)"
     )
     dist_init_addr: str | None = setting(
-        None,
-        "host:port where the tensor-parallel ranks meet (rank 0's machine); unset: a free "
-        "port on 127.0.0.1 (one machine)",
+        None, "host:port where the tensor-parallel ranks meet (rank 0's); unset: 127.0.0.1:free"
     )
 
     def __post_init__(self) -> None:

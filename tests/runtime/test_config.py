@@ -85,6 +85,9 @@ def test_every_field_is_an_llm_keyword_by_its_own_name():
 def test_an_sglang_alias_is_an_llm_keyword_for_its_field():
     assert resolve_overrides({"max_total_tokens": 4096}) == {"kv_tokens": 4096}
     assert resolve_overrides({"model_path": "d"}) == {"model": "d"}
+    # vLLM's names where the meaning is the same.
+    assert resolve_overrides({"max_model_len": 256}) == {"context_length": 256}
+    assert resolve_overrides({"enforce_eager": True}) == {"disable_cuda_graph": True}
     names = keyword_names()
     for f in ENGINE_FIELDS:
         for alias in f.metadata["aliases"]:
@@ -240,10 +243,11 @@ def test_each_sglang_flag_parses_to_the_same_config_as_the_primary_flag():
     aliased = [f for f in ENGINE_FIELDS if f.metadata["aliases"]]
     assert {f.name for f in aliased} >= {"model", "kv_tokens", "grammar_compile_timeout_s"}
     for f in aliased:
-        value = sample_value(EngineConfig, f)
-        primary = settings_from_args(EngineConfig, parse(flag(f.name), value))
+        # A switch takes no value (its alias sets it as its own flag does).
+        value = () if f.type in (bool, "bool") else (sample_value(EngineConfig, f),)
+        primary = settings_from_args(EngineConfig, parse(flag(f.name), *value))
         for alias in f.metadata["aliases"]:
-            assert settings_from_args(EngineConfig, parse(alias, value)) == primary
+            assert settings_from_args(EngineConfig, parse(alias, *value)) == primary
     assert parse("--max-total-tokens", "64").kv_tokens == 64
 
 
