@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,7 +236,7 @@ class LLM:
         prompts: PromptInput | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids", and for a vision-language model "multi_modal_data": {"image": one
@@ -257,7 +258,7 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         tool_call_parser: str | None = "auto",
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (OpenAI message format),
         rendered with the tokenizer's chat template (or `chat_template`), given
@@ -321,7 +322,7 @@ class LLM:
         *,
         normalize: bool | None = None,
         dimensions: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string, token ids, or a dict with "prompt" or
         "prompt_token_ids"), in input order: the prompt's final hidden states pooled as the
@@ -356,7 +357,7 @@ class LLM:
         spec: EmbedSpec,
         use_tqdm: bool,
     ) -> list[list[float]]:
-        bar = tqdm(total=len(prompts), desc="Embedding", unit="req", disable=not use_tqdm)
+        bar = progress(use_tqdm, total=len(prompts), desc="Embedding")
 
         async def one(rid: str, prompt: Prompt) -> list[float]:
             salt = prompt.cache_salt
@@ -495,7 +496,7 @@ class LLM:
     async def _run_async(
         self, requests: list[_Request], sources: list[list[Any]], use_tqdm: bool
     ) -> list[RequestOutput]:
-        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
+        bar = progress(use_tqdm, total=len(requests), desc="Generating")
         # Requests with images hold their pixels until they finish: a bounded number at once.
         with_images = asyncio.Semaphore(IMAGE_PROMPTS_IN_FLIGHT)
         tasks = [
@@ -550,3 +551,10 @@ class LLM:
 
 
 Engine = LLM
+
+
+def progress(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """The call's progress bar: tqdm's (off with `use_tqdm=False`), or, as vLLM takes it, one
+    made by `use_tqdm` itself when it is a callable (a tqdm class or factory)."""
+    make = use_tqdm if callable(use_tqdm) else tqdm
+    return make(total=total, desc=desc, unit="req", disable=not use_tqdm)

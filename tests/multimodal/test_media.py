@@ -158,6 +158,12 @@ def test_the_offline_callers_files_load_from_anywhere(
         load_image(str(secret), narrowed)
 
 
+def test_an_unsupported_url_scheme_is_named(media_dir: Path) -> None:
+    for source in ("ftp://x/y.png", "s3://bucket/cat.png"):
+        with pytest.raises(ValueError, match="URL scheme '(ftp|s3)' is not supported"):
+            load_image(source, MediaLimits(caller_files=True))
+
+
 def test_local_file_outside_the_allowed_dir_is_refused(media_dir: Path) -> None:
     limits = MediaLimits(allowed_local_media_path=media_dir)
     for source in (str(media_dir.parent / "secret.png"), "../secret.png"):

@@ -280,3 +280,21 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_takes():
     assert truncated(Prompt("t", [1, 2]), params, 0, 64).ids == [1, 2]
     with pytest.raises(ValueError, match="not with images"):
         truncated(Prompt("t", [1, 2], ["an image"]), params, 0, 64)
+
+
+def test_use_tqdm_takes_a_bar_factory(smollm2):
+    """vLLM's `use_tqdm` may be a callable that makes the progress bar."""
+    from tqdm import tqdm
+
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**kwargs)
+
+    smollm2.generate(["Hi", "Ho"], SamplingParams(max_tokens=1), use_tqdm=bar)
+    smollm2.embed(["Hi"], use_tqdm=bar)
+    assert [(m["total"], m["desc"], m["disable"]) for m in made] == [
+        (2, "Generating", False),
+        (1, "Embedding", False),
+    ]

@@ -40,6 +40,7 @@ _BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _BASE64_URLSAFE = re.compile(r"[A-Za-z0-9_\-]+={0,2}")
 _WHITESPACE = re.compile(r"\s+")
 _MAX_PATH_CHARS = 4096
+_SCHEME = re.compile(r"([a-z][a-z0-9+.-]*)://")
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,11 @@ def _read_string(s: str, limits: MediaLimits) -> bytes:
         return _fetch(s, limits)
     if head.startswith("file:"):
         return _read_local(_file_url_path(s), limits)
+    scheme = _SCHEME.match(head)
+    if scheme:
+        raise ValueError(
+            f"URL scheme {scheme.group(1)!r} is not supported (http, https, data and file are)"
+        )
     if _is_base64_text(s) and not _is_existing_local_path(s, limits):
         return _decode_base64(s, limits)
     if limits.allowed_local_media_path is not None or _looks_like_path(s):
