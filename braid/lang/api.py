@@ -23,6 +23,7 @@ from braid.lang.ir import (
     SeparateReasoning,
     Seq,
     as_expr,
+    check_sampling_values,
     flatten,
 )
 from braid.lang.program import Program
@@ -73,7 +74,9 @@ def gen(
     float, str, bool, or their names) constrains the text to a literal of that type, whose
     converted value `state.get_value(name)` returns; `regex` / `json_schema` / `ebnf` (a GBNF
     grammar, root rule `root`) constrain it (at most one constraint); `choices` makes it a
-    `select`. `max_tokens=0` generates nothing.
+    `select`, which takes only `temperature`, `choices_method` and `return_logprob=True` (any
+    other argument is a `ValueError`). `max_tokens=0` generates nothing. A bad `n`,
+    `temperature` or `seed` is a `ValueError` here, not when the gen runs.
     `max_new_tokens` / `min_new_tokens` are accepted as SGLang's names; any other keyword is a
     `ValueError`."""
     where = f"gen({name!r})"
@@ -107,6 +110,7 @@ def gen(
             raise ValueError(
                 f"{where}: choices cannot be combined with regex/json_schema/ebnf/dtype"
             )
+        _refuse_unused_by_select({**given, **extra}, where)
         t = 0.0 if args.temperature is None else args.temperature
         return select(name, choices=choices, temperature=t, choices_method=choices_method)
     if choices_method is not None:
@@ -129,13 +133,27 @@ def gen(
     return Gen(name, args, regex, json_schema, dtype, ebnf)
 
 
+def _refuse_unused_by_select(given: dict[str, Any], where: str) -> None:
+    """A gen with `choices` is a `select`, which takes `temperature` (and `choices_method`) and
+    nothing else: it scores the choices in one request, so no sampling argument applies, and
+    its meta info holds the choices' logprobs whether asked or not (`return_logprob=True`
+    changes nothing; False cannot be honoured). `ValueError` naming what it cannot honour."""
+    unused = sorted(
+        k
+        for k, v in given.items()
+        if k != "temperature" and not (k == "return_logprob" and v is True)
+    )
+    if unused:
+        raise ValueError(
+            f"{where}: with choices, gen is a select, which takes only temperature and "
+            f"choices_method (its meta info always holds the choices' logprobs); it cannot "
+            f"honour {unused}: drop them, or gen without choices"
+        )
+
+
 def _check_args(args: SamplingArgs, where: str) -> None:
-    """The checks a gen's own arguments can fail before anything runs (the rest are checked by
-    the runtime's `SamplingParams` when the gen runs)."""
-    if args.n is not None and (not isinstance(args.n, int) or isinstance(args.n, bool)):
-        raise ValueError(f"{where}: n must be an integer >= 1, got {args.n!r}")
-    if args.n is not None and args.n < 1:
-        raise ValueError(f"{where}: n must be an integer >= 1, got {args.n!r}")
+    """The checks of a gen's own arguments that `SamplingArgs.from_kwargs` leaves (the rest are
+    checked by the runtime's `SamplingParams` when the gen runs)."""
     top = args.top_logprobs_num
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
         raise ValueError(f"{where}: top_logprobs_num must be an integer >= 0, got {top!r}")
@@ -159,7 +177,8 @@ def select(
 ) -> Expr:
     """Choose one of `choices` (scored by log-probability in one batched request) into
     variable `name`. `choices_method` is any `ChoicesSamplingMethod` (SGLang's protocol);
-    `temperature > 0` samples among the choices by the method's scores (braid's methods)."""
+    `temperature > 0` samples among the choices by the method's scores (braid's methods); a
+    temperature that is not a finite number >= 0 is a `ValueError` (the runtime's rule)."""
     if (
         not isinstance(choices, (list, tuple))
         or not choices
@@ -172,8 +191,7 @@ def select(
             f"select({name!r}): choices_method must be a braid.lang.choices."
             f"ChoicesSamplingMethod, got {type(method).__name__}"
         )
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"select({name!r}): temperature must be >= 0, got {temperature!r}")
+    check_sampling_values({"temperature": temperature}, f"select({name!r})")
     if temperature > 0 and not hasattr(method, "sample"):
         raise ValueError(
             f"select({name!r}): temperature > 0 needs a method with scores to sample from; "

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
+from braid.runtime.errors import ParamError
+from braid.runtime.sampling_params import SamplingParams
+
 # SGLang's patterns, for programs that pass them as `regex=` (with stop=[" ", "\n"], as its
 # examples do): a number may end with spaces or newlines.
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
@@ -93,7 +96,8 @@ class SamplingArgs:
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> SamplingArgs:
-        """Sampling arguments from keywords; `ValueError` naming an unknown keyword."""
+        """Sampling arguments from keywords; `ValueError` naming an unknown keyword, or a
+        value of `CHECKED_WHEN_GIVEN` that the runtime refuses (`check_sampling_values`)."""
         kw = dict(kwargs)
         for alias, name in SAMPLING_ALIASES.items():
             if alias in kw:
@@ -105,6 +109,9 @@ class SamplingArgs:
             raise ValueError(
                 f"{where}: unknown sampling argument(s) {unknown}; known: {sorted(SAMPLING_FIELDS)}"
             )
+        check_sampling_values(
+            {k: kw[k] for k in CHECKED_WHEN_GIVEN if kw.get(k) is not None}, where
+        )
         return cls(**kw)
 
     def over(self, base: SamplingArgs) -> SamplingArgs:
@@ -132,6 +139,28 @@ class SamplingArgs:
 # SGLang's keyword names -> braid's.
 SAMPLING_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingArgs))
+# The sampling arguments the runtime's `SamplingParams` judges each on its own (not against
+# another field, nor one the run may still give): refused where they are given, so a bad value
+# fails at `gen(...)`, `run(...)` or `sampling_defaults(...)`, not when a gen runs. (A run's
+# seed is not sent, only seeds derived from it, but it is held to the same rule.)
+CHECKED_WHEN_GIVEN = ("n", "temperature", "seed")
+
+
+def check_sampling_values(values: dict[str, Any], where: str) -> None:
+    """A `ParamError` (a `ValueError`) naming the first of `values` (`SamplingParams` fields,
+    each judged alone) that the runtime's `SamplingParams` refuses, its message after `where`:
+    the same rule as when a gen runs, applied when the value is given. While tracing, a
+    program argument that is still unknown passes (it is checked when the program runs)."""
+    from braid.lang.tracer import TRACING  # here: the tracer imports this module
+
+    tracing = TRACING.get() is not None
+    for name, value in values.items():
+        if tracing and isinstance(value, Expr):
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except ParamError as e:
+            raise ParamError(name, f"{where}: {e}") from None
 
 
 class Expr:

@@ -178,11 +178,11 @@ class Program:
         program. With `stream=True` it returns at once; read the state with `text_iter()`.
         Raises `ProgramError` (with the failing program line) if a step fails."""
         _refuse_inside_a_trace(f"{self.__name__}.run")
-        b = resolve_backend(backend)
         prog_kwargs, sampling = self._split(kwargs)
         defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run").over(
             current_sampling_defaults()
         )
+        b = resolve_backend(backend)
         precache = global_config.enable_precache_with_tracing
         state, body = self._start(b, defaults, args, prog_kwargs, precache)
         if stream:
@@ -242,12 +242,12 @@ class Program:
         A failed program's state raises its error when read (`state.error()` returns it)."""
         _refuse_inside_a_trace(f"{self.__name__}.run_batch")
         items = self._as_kwargs(batch_kwargs)
-        if not items:
-            return iter(()) if generator_style else []
-        b = resolve_backend(backend)
         defaults = SamplingArgs.from_kwargs(sampling, f"{self.__name__}.run_batch").over(
             current_sampling_defaults()
         )
+        if not items:
+            return iter(()) if generator_style else []
+        b = resolve_backend(backend)
         if num_threads == "auto":
             num_threads = min(len(items), 128)
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
