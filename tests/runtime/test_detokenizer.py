@@ -142,3 +142,88 @@ def test_finish_adds_nothing_after_a_stop_string(tok):
     for t in ids[:-1]:
         d.add_tokens([t])
     assert d.stopped and d.finish() == "" and d.text == "Stop "
+
+
+# "1, 2, 3, 4, 5," continues as " 6, 7, 8, 9"; SmolLM2 gives each character its own token.
+COUNT_PROMPT = "1, 2, 3, 4, 5,"
+COUNT_ON = " 6, 7, 8, 9"
+
+
+def _stream(d: IncrementalDetokenizer, ids: list[int], chunk: int) -> str:
+    """Feed `ids` `chunk` at a time and return what is streamed, as the detokenizer process
+    sends it: up to `stream_safe_len` while running, the whole text once stopped or finished."""
+    sent, pieces = 0, []
+    for i in range(0, len(ids), chunk):
+        d.add_tokens(ids[i : i + chunk])
+        if d.stopped:
+            break
+        end = d.stream_safe_len()
+        pieces.append(d.text[sent:end])
+        sent = max(sent, end)
+    else:
+        d.finish()
+    pieces.append(d.text[sent:])
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+@pytest.mark.parametrize(
+    "min_tokens, stop, want, stop_reason, tokens",
+    [
+        # "," is token 3; min_tokens 4 exempts tokens 1-4 (" 6, "), so the "," of token 6 stops.
+        (4, (",",), " 6, 7", ",", 6),
+        # A shorter stop string wholly in the exempt text is not found through a longer one's
+        # look-back.
+        (4, (",", " 6, 7, 8, 9, 10"), " 6, 7", ",", 6),
+        # " 6" lies in the exempt text and never comes again: the request runs to its end.
+        (5, (" 6",), " 6, 7, 8, 9", None, 11),
+    ],
+)
+def test_stop_strings_in_min_tokens_text_are_not_matched(
+    tok, min_tokens, stop, want, stop_reason, tokens, chunk
+):
+    ids = tok.encode(COUNT_ON, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode(COUNT_PROMPT), stop=stop, min_tokens=min_tokens)
+    streamed = _stream(d, ids, chunk)
+    assert d.text == want and d.stop_reason == stop_reason
+    assert streamed == d.text  # nothing streamed is taken back
+    if chunk == 1:
+        assert d.num_output_tokens == tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 100])
+@pytest.mark.parametrize(
+    "stop, want",
+    [
+        # Ends at token 3, the last exempt one: not matched; the next "," (token 6) is.
+        ((",",), " 6, 7"),
+        # Begins in the exempt text (token 3) and is completed by token 5: matched and cut where
+        # it begins, though the held-back "," and " " came from exempt tokens.
+        ((", 7",), " 6"),
+    ],
+)
+def test_stop_string_at_the_min_tokens_boundary(tok, stop, want, chunk):
+    ids = tok.encode(COUNT_ON, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode(COUNT_PROMPT), stop=stop, min_tokens=3)
+    streamed = _stream(d, ids, chunk)
+    assert d.text == want and d.stop_reason == stop[0]
+    assert streamed == d.text
+
+
+@pytest.mark.parametrize(
+    "pattern, want",
+    [
+        # "6," ends in the exempt text (" 6,"); "7," is the first match ending after it.
+        (r"\d,", " 6, 7,"),
+        # ",\s7" begins in the exempt text and ends after it.
+        (r",\s7", " 6, 7"),
+        # ", 7" overlaps "6,", a match that ends in the exempt text and does not hide it.
+        (r"6,|, 7", " 6, 7"),
+    ],
+)
+def test_stop_regex_matches_only_past_min_tokens_text(tok, pattern, want):
+    ids = tok.encode(COUNT_ON, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode(COUNT_PROMPT), stop_regex=(pattern,), min_tokens=3)
+    streamed = _stream(d, ids, 1)
+    assert d.text == want and d.stop_reason == pattern
+    assert streamed == d.text

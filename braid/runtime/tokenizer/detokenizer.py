@@ -6,6 +6,11 @@ token whose bytes do not yet complete a character is held until they do, or unti
 ends (`finish`), when what is held is decoded as it stands (a broken character becomes U+FFFD,
 as in SGLang's final output and `tokenizer.decode`). A few prompt tokens
 are kept as context so that the first generated token gets its leading space right.
+
+With `min_tokens`, stop strings and stop regexes are looked for from the next token on, as in
+vLLM: a match must end in text added after that of the first `min_tokens` tokens. One lying
+wholly in that text never ends the request and stays in the output; one that begins there and is
+completed by a later token ends it, and is cut where it begins.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0
         self.text = ""
         self.stop_reason: str | None = None
+        # Text searched for stops (or exempt from them by min_tokens); it may have been streamed.
         self._checked_len = 0
-        self._regex_checked = 0
+        # The text of the first `min_tokens` tokens, where no stop regex match may end.
+        self._min_text_len = 0
 
     @property
     def stopped(self) -> bool:
@@ -67,12 +74,13 @@ class IncrementalDetokenizer:
             self._ids.append(tid)
             self.num_output_tokens += 1
             self._read(final=False)
-            if self.num_output_tokens < self.min_tokens:
-                continue
-            if self.stop and self._check_stop():
+            if self.num_output_tokens <= self.min_tokens:
+                self._min_text_len = len(self.text)
+            elif (self.stop and self._check_stop()) or (
+                self.stop_regex and self._check_stop_regex()
+            ):
                 break
-            if self.stop_regex and self._check_stop_regex():
-                break
+            self._checked_len = len(self.text)
         return self.text[before:]
 
     def finish(self) -> str:
@@ -96,12 +104,11 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
 
     def _check_stop(self) -> bool:
-        # A new match must end in text added since the last check.
-        start = max(0, self._checked_len - self._max_stop + 1)
-        self._checked_len = len(self.text)
+        """Cut the text where the earliest stop string starts, among those that end in text
+        added since the last check (each may begin up to its length before it)."""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(0, self._checked_len - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
@@ -115,23 +122,32 @@ class IncrementalDetokenizer:
         """A stop regex ends the text where its first match ends (the matched text is kept,
         as SGLang does). Text already checked may have been streamed, so the cut never falls
         before it."""
-        checked, self._regex_checked = self._regex_checked, len(self.text)
         start = max(0, len(self.text) - STOP_REGEX_WINDOW)
         best: tuple[int, re.Pattern] | None = None
         for pattern in self.stop_regex:
-            m = pattern.search(self.text, start)
-            if m is not None and (best is None or m.end() < best[0]):
-                best = (m.end(), pattern)
+            end = self._regex_match_end(pattern, start)
+            if end is not None and (best is None or end < best[0]):
+                best = (end, pattern)
         if best is None:
             return False
         end, pattern = best
-        self.text = self.text[: max(end, checked)]
+        self.text = self.text[: max(end, self._checked_len)]
         self.stop_reason = pattern.pattern
         return True
 
+    def _regex_match_end(self, pattern: re.Pattern, pos: int) -> int | None:
+        """Where the first match from `pos` ends, skipping matches that end inside the text of
+        the first `min_tokens` tokens (a later one may overlap them)."""
+        while (m := pattern.search(self.text, pos)) is not None:
+            if not self.min_tokens or m.end() > self._min_text_len:
+                return m.end()
+            pos = m.start() + 1
+        return None
+
     def stream_safe_len(self) -> int:
         """How much of `text` may be streamed now: while running, a tail that could be the
-        start of a stop string is held back."""
+        start of a stop string is held back, also within the first `min_tokens` tokens, since a
+        stop string completed after them is cut where it begins."""
         if self.stopped or not self.stop:
             return len(self.text)
         for k in range(min(self._max_stop - 1, len(self.text)), 0, -1):
