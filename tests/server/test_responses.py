@@ -384,6 +384,8 @@ def test_stored_responses_get_and_delete(client, server, store_path):
         ({"temperature": -1}, "temperature"),
         ({"temperature": 2.5}, "temperature"),
         ({"conversation": "conv_1"}, "conversation"),
+        # A strict tool's calls are held to its schema: not beside a constraint of its own.
+        ({"tools": [{**TOOLS[0], "strict": True}], "regex": "a+"}, "tools"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, extra, param):

@@ -247,7 +247,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         kind = t.get("type")
         if kind != "function":
             _refuse(f"tools[{i}].type", f"{kind!r}: {_HOSTED}")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        keys = ("name", "description", "parameters", "strict")
+        fn = {k: t[k] for k in keys if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
 
