@@ -1,8 +1,10 @@
 """Every grammar backend over SmolLM2's vocabulary, without a model: each accepts what its
 constraint allows and refuses what it does not (JSON schemas of the corpus, regexes, choices,
 EBNF, Lark, structural tags); a constraint a backend cannot enforce goes to one that can, or is
-a `ValueError` naming the keyword; bad grammars are `ValueError`s naming the field; SGLang's
-character regex compiles in well under a second."""
+a `ValueError` naming the keyword; bad grammars are `ValueError`s naming the field; a
+constraint that admits no output is found when compiling or at its grammar's first step, by
+every backend, and never compiled into one that admits some; a grammar's error mid-generation is
+one short line; SGLang's character regex compiles in well under a second."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ import pytest
 from braid import SamplingParams
 from braid.runtime.config import DEFAULT_GRAMMAR_BACKENDS
 from braid.runtime.constrained import grammar_backend_names
-from braid.runtime.constrained.grammar import GrammarCompiler
+from braid.runtime.constrained.grammar import (
+    MAX_ERROR_CHARS,
+    NO_OUTPUT,
+    GrammarCompiler,
+    short_error,
+    start_refusal,
+)
 from braid.runtime.constrained.schema_support import closed_objects, unenforced
+from braid.runtime.constrained.spec import check_spec
 from braid.runtime.constrained.xgrammar_backend import SUPPORT as XGRAMMAR
 from braid.runtime.constrained.xgrammar_backend import compile_spec
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
@@ -274,3 +283,89 @@ def test_schemas_whose_parts_a_backend_would_write_alone_go_to_one_that_merges_t
         assert walk(c, "json_schema", either, "{}")[1] is False
         assert walk(c, "json_schema", unlisted, '{"x": 1}') == (True, True)
         assert walk(c, "json_schema", unlisted, "{}")[1] is False
+
+
+# Constraints that compile but that no output satisfies (each backend refuses some of them when
+# compiling; what it compiles, its first step must refuse).
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+UNSATISFIABLE = [
+    ("json_schema", {"$ref": "#"}),
+    ("json_schema", CYCLE),
+    ("json_schema", {"anyOf": []}),  # xgrammar and outlines-core: only the empty output
+    ("json_schema", {"enum": []}),
+    ("json_schema", {"type": []}),
+    ("regex", "[^\\x00-\\U0010FFFF]"),
+    ("ebnf", 'root ::= root "a"'),
+]
+SATISFIABLE = [
+    ("json_schema", {"type": "object"}),
+    ("regex", "a|"),  # the empty output is allowed: not JSON, so no refusal
+    ("ebnf", 'root ::= ""'),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grammar_that_admits_no_output_is_refused_at_its_first_step(compilers, backend):
+    c, built = compilers[backend], 0
+    lib = c.get_backend(backend)
+    for kind, spec in UNSATISFIABLE:
+        checked = check_spec(kind, spec)
+        if lib.refusal(kind, checked) is not None:
+            continue
+        try:
+            grammar = lib.build(kind, checked)
+        except ValueError:
+            continue  # refused when compiling: a 400 as well
+        built += 1
+        why = start_refusal(grammar, c.vocab)
+        assert why is not None and why.startswith(f"{kind}: {NO_OUTPUT}"), (kind, spec, why)
+    assert built, "the backend compiled none of them: the test checks nothing"
+    for kind, spec in SATISFIABLE:
+        if lib.refusal(kind, check_spec(kind, spec)) is None:
+            assert start_refusal(lib.build(kind, check_spec(kind, spec)), c.vocab) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_backend_compiles_an_unsatisfiable_constraint_into_one_that_runs(compilers, backend):
+    # Routed as a request's constraint is: either refused while compiling, saying so (no later
+    # backend is asked: one would allow the empty output, or any value), or compiled with the
+    # reason on the grammar, which the scheduler refuses before the request runs.
+    c = compilers[backend]
+    for kind, spec in UNSATISFIABLE:
+        try:
+            why = c.compile(kind, spec).unsatisfiable
+        except ValueError as e:
+            why = str(e)
+        assert why is not None and why.startswith(f"{kind}: "), (kind, spec)
+        assert NO_OUTPUT in why or "cannot be compiled" in why, (kind, spec, why)
+    for kind, spec in SATISFIABLE:
+        assert c.compile(kind, spec).unsatisfiable is None, (kind, spec)
+
+
+def test_xgrammar_would_allow_any_value_for_an_empty_type_list(compilers):
+    nested = {"type": "object", "properties": {"a": {"type": []}, "b": {"type": "integer"}}}
+    why = compilers["xgrammar"].get_backend("xgrammar").refusal("json_schema", json.dumps(nested))
+    assert "empty 'type' list (at /properties/a) is not enforced" in why
+    for c in compilers.values():
+        assert walk(c, "json_schema", nested, '{"a": 1}')[0] is False
+        assert walk(c, "json_schema", nested, '{"b": 1}') == (True, True)
+
+
+def test_a_grammar_failing_mid_generation_says_why_in_one_short_line(compilers):
+    # llguidance bounds its parser's work a step; past it, its error carries a dump of the
+    # parser's state and the grammar (tens of kB), which the request's error must not.
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+    m = compilers["llguidance"].compile("json_schema", wide).matcher()
+    with pytest.raises(ValueError) as failed:
+        for t in compilers["llguidance"].vocab.encode('{"p1": "x"}'):
+            m.advance(t)
+    why = str(failed.value)
+    assert "not allowed by the grammar here (" in why and "max is" in why, why
+    assert len(why) < MAX_ERROR_CHARS + 80 and "\n" not in why and "<state>" not in why, why
+
+
+def test_short_error_is_one_line_of_at_most_the_cap():
+    assert short_error("token 3 is not allowed\n  here") == "token 3 is not allowed here"
+    long = short_error("x" * 10 + "\n" + "y " * 50_000)
+    assert long.startswith("xxxxxxxxxx y y") and long.endswith(" (truncated)"), long[-40:]
+    assert len(long) <= MAX_ERROR_CHARS + len(" (truncated)") and "\n" not in long

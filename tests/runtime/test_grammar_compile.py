@@ -159,6 +159,80 @@ def test_abort_while_waiting_for_a_grammar(make_scheduler):
     sched.check_invariants()
 
 
+def _outs(sched) -> dict[str, dict]:
+    """Step until idle: each request's tokens, finish reason, error and refusal."""
+    got: dict[str, dict] = {}
+    while sched.has_work:
+        for out in sched.step():
+            r = got.setdefault(out.rid, {"ids": [], "error": None, "refused": None})
+            r["ids"] += out.new_token_ids
+            r["finish"] = out.finish_reason or r.get("finish")
+            r["error"] = out.error or r["error"]
+            r["refused"] = out.refused or r["refused"]
+        sched.check_invariants()
+    return got
+
+
+NOTHING = {  # compile, but admit no output
+    "ref": ("json_schema", {"$ref": "#"}),
+    "enum": ("json_schema", {"enum": []}),
+    "regex": ("regex", "[^\\x00-\\U0010FFFF]"),
+    "ebnf": ("ebnf", 'root ::= root "a"'),
+}
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_constraint_that_admits_no_output_is_refused_before_it_runs(
+    tiny, pools, free_alone, backend
+):
+    sched = local_scheduler(tiny[0], frozenset({tiny[1]}), kv_tokens=2048, grammar_backend=backend)
+    pools.append(sched.grammars.waiting.compiler)
+    for again in (False, True):  # the second time from the grammar cache, refused the same
+        hits = sched.grammar_compiler.hits if again else 0
+        for i, (rid, (kind, spec)) in enumerate(NOTHING.items()):
+            params = SamplingParams(max_tokens=4, **{kind: spec})
+            sched.handle(GenerateReq(rid, PROMPT, params, i))
+        sched.handle(GenerateReq("free", PROMPT, FREE, 0))
+        got = _outs(sched)
+        for rid, (kind, _) in NOTHING.items():
+            r = got[rid]
+            assert r["finish"] == "abort" and r["ids"] == [], (rid, r)
+            assert r["refused"] is not None and r["refused"].param == kind, (rid, r)
+            assert r["error"].startswith(f"{kind}: the constraint matches no output"), r
+        assert got["free"]["ids"] == free_alone and got["free"]["error"] is None
+        if again:  # the enum is refused while compiling (not cached): the others are hits
+            assert sched.grammar_compiler.hits >= hits + 3
+    usage = sched.usage()
+    assert usage["kv_free_tokens"] + usage["kv_cached_tokens"] == usage["kv_capacity_tokens"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_failing_mid_generation_fails_its_request_with_one_short_line(
+    tiny, pools, free_alone, caplog, temperature
+):
+    # 1000 properties: llguidance's parser passes its per-step limit after the `{`, and its
+    # error then dumps its state and the grammar (tens of kB).
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+    sched = local_scheduler(
+        tiny[0], frozenset({tiny[1]}), kv_tokens=2048, grammar_backend="llguidance"
+    )
+    pools.append(sched.grammars.waiting.compiler)
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=8, json_schema=wide)
+    sched.handle(GenerateReq("wide", PROMPT, params, 5))
+    sched.handle(GenerateReq("free", PROMPT, FREE, 0))
+    with caplog.at_level("WARNING", logger="braid"):
+        got = _outs(sched)
+    r = got["wide"]
+    assert r["finish"] == "abort" and r["refused"] is None, r
+    assert r["error"].startswith("grammar: token ") and "max is" in r["error"], r["error"]
+    assert len(r["error"]) < 400 and "\n" not in r["error"], r["error"]
+    lines = [rec.getMessage() for rec in caplog.records if "wide" in rec.getMessage()]
+    assert len(lines) == 1 and "json_schema grammar failed mid-generation" in lines[0], lines
+    assert got["free"]["ids"] == free_alone
+    usage = sched.usage()
+    assert usage["kv_free_tokens"] + usage["kv_cached_tokens"] == usage["kv_capacity_tokens"]
+
+
 # ---- the pool itself -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tiny):

@@ -1,8 +1,9 @@
 """Structured outputs on a real `braid serve` (the default grammar backend), driven by the
 `openai` client and by plain HTTP: EBNF and Lark grammars under SGLang's and vLLM's names,
 SGLang's structural tag, bounded integers enforced; bad grammars, unenforceable schemas, two
-constraints at once and constraint fields braid does not implement are 400s naming the field,
-and the server keeps serving."""
+constraints at once, constraint fields braid does not implement and constraints that admit no
+output are 400s naming the field; a grammar failing mid-generation ends its request with a
+short message and one log line; and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from tests.server.conftest import wait_idle
 
 C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "hi"}]
+NO_OUTPUT = "the constraint matches no output"
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 SQL_PROMPT = "Question: list the names of all users.\nSQL: "
 
 
@@ -172,6 +175,33 @@ BAD = [
         "structural_tag.structures",
         "non-empty list",
     ),
+    # Constraints that compile but admit no output: refused before they run, not aborted
+    # with the grammar library's state dumped into the message.
+    (
+        CH,
+        {
+            "messages": MSG,
+            "max_tokens": 10,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": {"$ref": "#"}},
+            },
+        },
+        "json_schema",
+        NO_OUTPUT,
+    ),
+    (C, {"prompt": "x", "stream": True, "json_schema": CYCLE}, "json_schema", NO_OUTPUT),
+    (C, {"prompt": "x", "regex": "[^\\x00-\\U0010FFFF]"}, "regex", NO_OUTPUT),
+    (G, {"text": "x", "sampling_params": {"ebnf": 'root ::= root "a"'}}, "ebnf", NO_OUTPUT),
+    # Schemas that allow nothing, not even the empty output they used to end with.
+    (C, {"prompt": "x", "json_schema": {"enum": []}}, "json_schema", NO_OUTPUT),
+    (C, {"prompt": "x", "json_schema": {"anyOf": []}}, "json_schema", NO_OUTPUT),
+    (
+        G,
+        {"text": "x", "sampling_params": {"json_schema": '{"type": []}'}},
+        "json_schema",
+        NO_OUTPUT,
+    ),
 ]
 
 
@@ -182,6 +212,22 @@ def test_bad_constraints_are_400s_naming_the_field(server, path, body, param, ne
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_a_grammar_failing_mid_generation_aborts_with_a_short_message_and_one_log_line(server):
+    # 1000 properties: llguidance's parser passes its per-step limit after the `{`; its error
+    # dumps its state and the grammar (tens of kB), which neither the client nor the log gets.
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+    body = {"prompt": "JSON:", "max_tokens": 10, "temperature": 0, "json_schema": wide}
+    r = httpx.post(server.url + C, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["error"]["message"]
+    assert choice["finish_reason"] == "abort" and message.startswith("grammar: token "), choice
+    assert len(message) < 400 and "\n" not in message and "max is" in message, message
+    wait_idle(server.url)
+    lines = [line for line in server.log().splitlines() if "grammar failed mid-generation" in line]
+    assert len(lines) == 1 and "json_schema" in lines[0] and len(lines[0]) < 500, lines
 
 
 def test_the_server_serves_after_refused_constraints(server, client):

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from braid.runtime.constrained.compile_worker import read_frame, write_frame
-from braid.runtime.constrained.grammar import CompiledGrammar, GrammarCompiler
+from braid.runtime.constrained.grammar import CompiledGrammar, GrammarCompiler, matches_nothing
 from braid.runtime.constrained.spec import check_spec, grammar_key
 
 logger = logging.getLogger(__name__)
@@ -315,8 +315,9 @@ class AsyncGrammarCompiler:
     def _run(self, task: _Task, workers: dict[str, _Worker]) -> None:
         """Compile `task` on the first of its candidate backends that compiles it (a backend
         may refuse a spec only when compiling it). It fails with the first refusal if all
-        refuse, and at once if it runs out of time or its worker dies (a spec that crashes one
-        library is not handed to the next)."""
+        refuse, and at once if it runs out of time, if its worker dies (a spec that crashes one
+        library is not handed to the next) or if a backend says no output satisfies the spec
+        (`grammar.matches_nothing`: nor would one from any other backend)."""
         if task.future.done():
             return  # it ran out of time while queued
         try:
@@ -330,7 +331,8 @@ class AsyncGrammarCompiler:
         errors: list[Exception] = []
         for name in names:
             grammar, error, died = self._compile_on(name, task, spec, workers)
-            if grammar is not None or died or task.future.done():
+            final = error is not None and matches_nothing(str(error))
+            if grammar is not None or died or final or task.future.done():
                 with self._lock:
                     self._settle(task, grammar, error)
                 return

@@ -12,7 +12,9 @@ enforce it (a kind it lacks, a schema keyword it would ignore: see `schema_suppo
 refusal it gives when compiling); then it goes to the next backend in `FALLBACK_ORDER` that
 can, and if none can, the request is refused with the first reason. Nothing is ever compiled
 into a grammar that accepts more than the spec does, so the output never silently fails to
-match.
+match. A spec that no output satisfies is refused too, before its request runs: when a backend
+says so while compiling (then no other backend is tried), or when the compiled grammar's first
+step allows nothing (`start_refusal`, found once per compiled grammar and cached with it).
 
 Imports no torch (the compile workers import the backends through this module).
 """
@@ -43,6 +45,27 @@ FALLBACK_ORDER = ("llguidance", "xgrammar", "outlines")
 # regex mask takes 2.9 us a row alone, 6.7 us through llguidance's executor).
 PARALLEL_MIN_ROWS = 16
 PARALLEL_MIN_CPUS = 4
+# What a request is told when its constraint admits no output at all; a compile error holding it
+# is about the spec, not the backend, so no other backend is tried (`matches_nothing`).
+NO_OUTPUT = "the constraint matches no output"
+# The most of a grammar library's error a client is shown, and an operator's log line holds:
+# llguidance's errors carry a dump of its parser state and grammar (tens of kB).
+MAX_ERROR_CHARS = 300
+
+
+def short_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` on one line (each run of whitespace one space), cut after `limit` characters
+    with " (truncated)" added where it was cut."""
+    line = " ".join(text.split())
+    if len(line) <= limit:
+        return line
+    return line[:limit].rstrip() + " (truncated)"
+
+
+def matches_nothing(error: str) -> bool:
+    """Whether a compile error (`kind: why`) says the spec itself admits no output (see
+    NO_OUTPUT)."""
+    return error.partition(": ")[2].startswith(NO_OUTPUT)
 
 
 def thread_cap() -> int | None:
@@ -74,11 +97,15 @@ def parallel_cpus() -> int:
 
 class CompiledGrammar(ABC):
     """A compiled constraint, shared by every request with the same spec (thread-safe to
-    share). `forced` is the outlines backend's forced-string finder, None elsewhere."""
+    share). `forced` is the outlines backend's forced-string finder, None elsewhere.
+    `unsatisfiable`: why no output satisfies it (`start_refusal`), set by
+    `GrammarCompiler.add` before the grammar is cached; a request with such a grammar is
+    refused before it runs."""
 
     kind: str
     backend: str
     forced: Any = None
+    unsatisfiable: str | None = None
 
     @abstractmethod
     def matcher(self) -> GrammarMatcher:
@@ -308,17 +335,41 @@ class GrammarCompiler:
             try:
                 return self.add(kind, spec, self.get_backend(name).build(kind, checked))
             except ValueError as e:
+                if matches_nothing(str(e)):
+                    raise  # the spec's fault: no other backend would do better
                 errors.append(e)
         raise errors[0]
 
     def add(self, kind: str, spec: Any, grammar: CompiledGrammar) -> CompiledGrammar:
-        """Cache `grammar`, compiled for (kind, spec) (counts as a miss), and return it."""
+        """Cache `grammar`, compiled for (kind, spec) (counts as a miss), and return it, with
+        its `unsatisfiable` found first (one mask: a cached grammar is never checked again)."""
+        grammar.unsatisfiable = start_refusal(grammar, self.vocab)
         with self._lock:
             self.misses += 1
             self._cache[grammar_key(kind, spec)] = grammar
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def start_refusal(grammar: CompiledGrammar, vocab: TokenVocab) -> str | None:
+    """Why no output can satisfy `grammar`, judged from the mask of its first step, or None:
+    no token is allowed there (so it cannot end either), or, for a JSON schema, nothing but to
+    end (an empty output is never JSON). Either way every request with it would fail at its
+    first token. (A grammar that starts well and turns out to allow nothing later, such as a
+    recursion without a base case below an object, is not found here.)"""
+    import torch  # not at import: the compile workers import this module
+
+    words = (vocab.size + 31) // 32
+    row = torch.zeros(words, dtype=torch.int32)
+    grammar.matcher().fill_bitmask(row)
+    ids = torch.arange(words * 32)
+    allowed = ids[((row[ids >> 5] >> (ids & 31)) & 1).bool()].tolist()
+    if not allowed:
+        return f"{grammar.kind}: {NO_OUTPUT}"
+    if grammar.kind == "json_schema" and not any(vocab.token_bytes.get(t) for t in allowed):
+        return f"{grammar.kind}: {NO_OUTPUT} (only the empty one, which is not JSON)"
+    return None
 
 
 def to_regex(kind: str, spec: Any) -> str:

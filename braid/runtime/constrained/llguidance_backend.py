@@ -33,11 +33,13 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from braid.runtime.constrained import GRAMMAR_BACKENDS
 from braid.runtime.constrained.grammar import (
+    NO_OUTPUT,
     PARALLEL_MIN_ROWS,
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
     parallel_cpus,
+    short_error,
     thread_cap,
 )
 from braid.runtime.constrained.jump_forward import tokens_spelling
@@ -110,7 +112,7 @@ def check_grammar(kind: str, grammar: str, tokenizer: llg.LLTokenizer | None = N
     would not be enforced exactly) if `grammar` is not valid."""
     failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if failed:
-        raise ValueError(f"{kind}: cannot be compiled by llguidance: {messages[0]}")
+        raise _compile_error(kind, messages[0])
     if messages:
         raise ValueError(f"{kind}: llguidance would not enforce all of it: {messages[0]}")
 
@@ -180,7 +182,7 @@ class LLGuidanceBackend(GrammarBackend):
 
         prototype = llg.LLMatcher(self.tokenizer, artifact, log_level=0)
         if prototype.is_error():
-            raise ValueError(f"{kind}: cannot be compiled by llguidance: {prototype.get_error()}")
+            raise _compile_error(kind, prototype.get_error())
         compiled = LLGuidanceGrammar(kind, prototype, self.vocab)
         # The first mask builds the lexer states the start needs: here, not at the first step.
         LLGuidanceMatcher(compiled, prototype).fill_bitmask(
@@ -244,7 +246,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
-            raise ValueError(f"cannot roll back {n} tokens: {self._m.get_error()}")
+            raise ValueError(f"cannot roll back {n} tokens: {short_error(self._m.get_error())}")
 
     @property
     def is_final(self) -> bool:
@@ -268,6 +270,21 @@ class LLGuidanceMatcher(GrammarMatcher):
         return ids[bits.bool()].tolist()
 
 
+def _compile_error(kind: str, message: str) -> ValueError:
+    """The `ValueError` of llguidance's compile error `message`. A schema llguidance proves
+    unsatisfiable (`Unsatisfiable schema: ...`, for `{"enum": []}` or a required property that
+    allows nothing) is `NO_OUTPUT`: no other backend is tried (one would compile some of these
+    into a grammar allowing only the empty output, or any value)."""
+    if message.startswith("Unsatisfiable schema"):
+        return ValueError(f"{kind}: {NO_OUTPUT} (llguidance: {message})")
+    return ValueError(f"{kind}: cannot be compiled by llguidance: {message}")
+
+
 def _refusal(token_id: int, error: str | None) -> str:
-    why = f" ({error})" if error else ""
-    return f"token {token_id} is not allowed by the grammar here{why}"
+    """Why the matcher took no `token_id`: its error's first line (what went wrong; the lines
+    after it dump the parser's state and the grammar, tens of kB, for llguidance's own
+    debugging), at most `MAX_ERROR_CHARS`."""
+    if not error:
+        return f"token {token_id} is not allowed by the grammar here"
+    first = error.split("\n", 1)[0]
+    return f"token {token_id} is not allowed by the grammar here ({short_error(first)})"

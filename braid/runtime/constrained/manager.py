@@ -9,6 +9,7 @@ rejected) and acts on it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,8 +20,10 @@ import torch
 
 from braid.runtime.constrained.bitmask import BitmaskBuffer, apply_token_bitmask, bitmask_words
 from braid.runtime.constrained.compile_pool import AsyncGrammarCompiler, PendingGrammars
-from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher
+from braid.runtime.constrained.grammar import GrammarCompiler, GrammarMatcher, short_error
 from braid.runtime.constrained.jump_forward import jump_tokens
+
+logger = logging.getLogger(__name__)
 
 # Picks the next token at each row of the logits given, under the bitmask row of the same index
 # (greedy sampling with the request's bias and penalties); gets the request too.
@@ -107,13 +110,20 @@ class GrammarManager:
 
     def poll(self) -> tuple[list[Constrained], list[tuple[Constrained, str]]]:
         """The requests whose grammar is ready, each given its matcher, and those whose
-        grammar failed to compile or ran out of time (with the error)."""
+        grammar failed to compile, ran out of time, or admits no output (its
+        `CompiledGrammar.unsatisfiable`: refused before it runs, as a compile error is), each
+        with the error."""
         if not len(self.waiting):
             return [], []
         ready, failed = self.waiting.poll()
+        admitted = []
         for req, grammar in ready:
+            if grammar.unsatisfiable is not None:
+                failed.append((req, grammar.unsatisfiable))
+                continue
             req.grammar = grammar.matcher()
-        return [req for req, _ in ready], failed
+            admitted.append(req)
+        return admitted, failed
 
     def remove(self, req: Constrained) -> None:
         self.waiting.remove(req)
@@ -290,9 +300,18 @@ class GrammarManager:
         for cls, idx in by_class.items():
             got = cls.advance_many([reqs[i].grammar for i in idx], [tokens[i] for i in idx])
             for i, e in zip(idx, got):
-                errors[i] = e
+                errors[i] = None if e is None else self.refused(reqs[i], e)
         self.advance_seconds += time.perf_counter() - t0
         return errors
+
+    def refused(self, req: Constrained, error: str) -> str:
+        """What `req`, whose grammar refused its sampled token mid-generation with `error` (the
+        matcher's, which may be long), is failed with: `error` on one line, at most
+        `MAX_ERROR_CHARS`. Logs it, one line, for the operator."""
+        short = short_error(error)
+        kind = req.grammar.grammar.kind if req.grammar is not None else "constraint"
+        logger.warning("request %s: its %s grammar failed mid-generation: %s", req.rid, kind, short)
+        return short
 
     def counters(self) -> dict[str, float]:
         return {

@@ -57,7 +57,8 @@ class SchemaSupport:
     `multipleOf` is enforced on integers only, whether keywords beside anyOf/oneOf/allOf/$ref
     in one schema apply together with it (as JSON Schema says), and whether a required key
     missing from `properties` is written. outlines-core and xgrammar do neither of the last
-    two: each writes one side of such a schema alone, or an object without the key."""
+    two: each writes one side of such a schema alone, or an object without the key. Last,
+    whether an empty `type` list allows no value, as JSON Schema says (xgrammar allows any)."""
 
     backend: str
     keywords: frozenset[str]
@@ -67,6 +68,7 @@ class SchemaSupport:
     multiple_of_integers_only: bool = False
     merges_siblings: bool = False
     writes_unlisted_required: bool = False
+    empty_type_matches_nothing: bool = True
 
 
 def unenforced(schema: Any, support: SchemaSupport) -> str | None:
@@ -90,6 +92,8 @@ def unenforced(schema: Any, support: SchemaSupport) -> str | None:
                 return f"$ref {value!r} {where}: only references inside the schema are supported"
             if key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
                 return f"keyword {key!r} {where}: the draft-4 boolean form is not supported"
+            if key == "type" and value == [] and not support.empty_type_matches_nothing:
+                return f"an empty 'type' list {where} is not enforced by the {by}"
             if key == "multipleOf" and support.multiple_of_integers_only:
                 if node.get("type") != "integer":
                     return f"multipleOf on a non-integer {where} is not enforced by the {by}"

@@ -55,6 +55,7 @@ SUPPORT = SchemaSupport(
         "uri-template json-pointer relative-json-pointer".split()
     ),
     multiple_of_integers_only=True,
+    empty_type_matches_nothing=False,
 )
 # xgrammar's log prefix: "[23:14:39] /project/cpp/json_schema_converter.cc:870: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

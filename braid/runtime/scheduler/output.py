@@ -225,7 +225,7 @@ class OutputProcessor:
                 req.grammar.advance(tok)
             except ValueError as e:
                 req.finish_reason = "abort"
-                return f"grammar: {e}"
+                return f"grammar: {self.grammars.refused(req, str(e))}"
         req.check_finished(tok)
         return None
 
@@ -283,7 +283,7 @@ class OutputProcessor:
             try:
                 req.grammar.advance(tok)
             except ValueError as e:
-                req.finish_reason, error = "abort", f"grammar: {e}"
+                req.finish_reason, error = "abort", f"grammar: {self.grammars.refused(req, str(e))}"
         if not req.finished:
             req.check_finished(tok)
         req.release_grammar()  # the thinking just ended: the constraint applies from here
