@@ -209,6 +209,17 @@ REFUSED_FIELDS = {
 }
 
 
+# OpenAI's fields, on chat and on Responses, that ask for what braid does not do.
+OPENAI_INERT = {
+    "prompt_cache_retention": (
+        "the prefix cache keeps what its memory holds, for no set time",
+        (None, "in_memory"),
+    ),
+    "prompt_cache_options": ("the prefix cache takes no breakpoints or lifetimes", (None,)),
+    "moderation": ("braid runs no moderation", (None,)),
+}
+
+
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
@@ -461,19 +472,17 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: JsonValue = None
     moderation: JsonValue = None
     stream_reasoning: JsonValue = True
-    INERT = REFUSED_FIELDS | {
-        "store": ("braid keeps no completions", (None, False)),
-        "service_tier": ("braid has one tier, 'default'", (None, "auto", "default")),
-        "prompt_cache_retention": (
-            "the prefix cache keeps what its memory holds, for no set time",
-            (None, "in_memory"),
-        ),
-        "prompt_cache_options": ("the prefix cache takes no breakpoints or lifetimes", (None,)),
-        "verbosity": ("nothing sets how long the model's answers are", (None,)),
-        "prediction": ("predicted outputs are not taken", (None,)),
-        "moderation": ("braid runs no moderation", (None,)),
-        "stream_reasoning": ("reasoning is streamed as it comes", (True,)),
-    }
+    INERT = (
+        REFUSED_FIELDS
+        | OPENAI_INERT
+        | {
+            "store": ("braid keeps no completions", (None, False)),
+            "service_tier": ("braid has one tier, 'default'", (None, "auto", "default")),
+            "verbosity": ("nothing sets how long the model's answers are", (None,)),
+            "prediction": ("predicted outputs are not taken", (None,)),
+            "stream_reasoning": ("reasoning is streamed as it comes", (True,)),
+        }
+    )
 
 
 class EmbeddingRequest(_Body):

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import _validation_error
 from braid.runtime.server.protocol import (
+    OPENAI_INERT,
     ChatCompletionRequest,
     Int,
     JsonObject,
@@ -80,17 +81,11 @@ class ResponsesRequest(_Body):
     moderation: JsonValue = None
     prompt_cache_options: JsonValue = None
     prompt_cache_retention: JsonValue = None
-    INERT = {
+    INERT = OPENAI_INERT | {
         "access_programs": ("braid runs no access programs", (None,)),
         "background_options": ("background responses are not supported", (None,)),
         "context_management": ("braid does not compact the context; send what fits", (None,)),
         "image": ("braid makes no images", (None,)),
-        "moderation": ("braid runs no moderation", (None,)),
-        "prompt_cache_options": ("the prefix cache takes no breakpoints or lifetimes", (None,)),
-        "prompt_cache_retention": (
-            "the prefix cache keeps what its memory holds, for no set time",
-            (None, "in_memory"),
-        ),
     }
     # braid's extras, as on chat completions
     cache_salt: Name | None = None
