@@ -1,14 +1,17 @@
 """The prompts `LLM.generate` and `LLM.embed` take, vLLM's way: a string, token ids, or a dict
 with "prompt" or "prompt_token_ids", and optionally "multi_modal_data" ({"image": one image or
-a list}) and "cache_salt" (only prompts with the same salt share this one's cached KV). A dict
-key braid does not know is refused by name, never dropped."""
+a list; a string naming an existing file is read as that file}) and "cache_salt" (only prompts
+with the same salt share this one's cached KV). A dict key braid does not know is refused by
+name, never dropped."""
 
 from __future__ import annotations
 
 import numbers
 import operator
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from braid.runtime.errors import ParamError
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
 
 PromptInput = str | list[int] | dict[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 # As the server's cache_salt: a short non-empty string.
 MAX_SALT_CHARS = 256
 
@@ -72,6 +76,10 @@ def read_prompt(
                 )
             images = mm.get("image")
             sources = list(images) if isinstance(images, (list, tuple)) else [images]
+            try:
+                sources = [_caller_file(s) for s in sources]
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
             media.check_count(len(sources), f"prompt {i}")
         salt = prompt.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
@@ -102,6 +110,21 @@ def read_prompt(
             raise ValueError(f"prompt {i}: token ids must be integers")
         return Prompt(None, [operator.index(t) for t in prompt], sources, salt)
     raise ValueError(f"prompt {i}: expected a string or token ids, got {type(prompt).__name__}")
+
+
+def _caller_file(source: Any) -> Any:
+    """An image source the caller wrote in `multi_modal_data`: a string naming a file that
+    exists becomes its `Path`, which the offline `LLM` reads wherever it is (a string in a chat
+    message, which may come from anyone, never does)."""
+    if isinstance(source, str) and "://" not in source[:16] and not source.startswith("data:"):
+        try:
+            if os.path.isfile(source):
+                return Path(source)
+        except (OSError, ValueError):  # too long, or a NUL: not a file name
+            return source
+        if Path(source).suffix.lower() in IMAGE_SUFFIXES:  # base64 has no dot
+            raise ValueError(f"image file {source!r} does not exist")
+    return source
 
 
 def truncated(item: Prompt, params: SamplingParams, index: int, context_length: int) -> Prompt:

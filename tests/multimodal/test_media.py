@@ -142,20 +142,24 @@ def test_local_file_is_refused_without_an_allowed_dir(media_dir: Path) -> None:
 def test_the_offline_callers_files_load_from_anywhere(
     media_dir: Path, picture: Image.Image, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The offline `LLM` (`caller_files`): any readable file, by path, `Path` or file:// URL,
-    relative to the working directory; an allowed directory still narrows it."""
+    """The offline `LLM` (`caller_files`): a `Path` names any readable file, relative to the
+    working directory; a string (which may come from a message) keeps the server's rule; an
+    allowed directory still narrows it."""
     limits = MediaLimits(caller_files=True)
     monkeypatch.chdir(media_dir.parent)
     secret = media_dir.parent / "secret.png"
-    for source in (str(secret), secret, secret.as_uri(), "secret.png", "media/cat.png"):
+    for source in (secret, Path("secret.png"), Path("media/cat.png")):
         np.testing.assert_array_equal(_pixels(load_image(source, limits)), _pixels(picture))
+    for source in (str(secret), secret.as_uri()):
+        with pytest.raises(ValueError, match="local file paths are refused"):
+            load_image(source, limits)
     with pytest.raises(ValueError, match="no such file"):
-        load_image("missing.png", limits)
+        load_image(Path("missing.png"), limits)
     with pytest.raises(ValueError, match="must be a string"):
         load_image(secret, LIMITS)  # a Path only where files are the caller's
     narrowed = MediaLimits(allowed_local_media_path=media_dir, caller_files=True)
     with pytest.raises(ValueError, match="outside the allowed directory"):
-        load_image(str(secret), narrowed)
+        load_image(secret, narrowed)
 
 
 def test_an_unsupported_url_scheme_is_named(media_dir: Path) -> None:

@@ -254,7 +254,7 @@ def test_bad_images_are_refused_and_the_engine_keeps_serving(qwen_llm):
         (png.getvalue()[:60], ph, "truncated"),
         ("data:image/png;base64,@@@", ph, "base64"),
         ("/etc/passwd", ph, "not an image"),  # the offline caller's files are read
-        ("/no/such/image.png", ph, "no such file"),
+        ("/no/such/image.png", ph, "does not exist"),
     ]
     for source, text, words in cases:
         with pytest.raises(ValueError, match=f"(?i){words}"):

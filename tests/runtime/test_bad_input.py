@@ -154,12 +154,12 @@ def test_bad_chat_messages(smollm2):
         ([{"content": "no role"}], "role"),
         ("just a string", "non-empty list"),
         # What SmolLM2's template would render anyway, refused by name.
-        ([{"role": "bogus", "content": "x"}], r"messages\[0\]\.role: 'bogus' is not one of"),
+        ([{"role": "", "content": "x"}], r"messages\[0\]\.role: must not be empty"),
         ([{"role": "user"}], r"messages\[0\]\.content: required for a user message"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content: must be a string"),
         (
-            [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}],
-            r"messages\[1\]\.tool_call_id: required",
+            [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": 5}],
+            r"messages\[1\]\.tool_call_id: must be a string",
         ),
         (
             [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "x"}],
@@ -176,6 +176,9 @@ def test_bad_chat_messages(smollm2):
     ]:
         with pytest.raises(ValueError, match=match):
             smollm2.chat(messages, use_tqdm=False)
+    # A template's own roles, and Hugging Face's tool results by name, are taken.
+    ok = [{"role": "observation", "content": "x"}, {"role": "tool", "name": "f", "content": "4"}]
+    assert smollm2.chat(ok, SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
     _assert_all_kv_free(smollm2)
 
 

@@ -3,6 +3,7 @@ process takes the server down with a message; SIGTERM leaves no process behind."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -30,7 +31,7 @@ from braid.runtime.ipc.to_tokenizer import (
     StrOut,
 )
 from braid.runtime.sampling_params import SamplingParams
-from tests.server.conftest import start_server, wait_idle
+from tests.server.conftest import sse_data, start_server, wait_idle
 
 C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
 IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
@@ -181,7 +182,8 @@ BAD = [
     (C, {"prompt": "x", "lora_path": "a"}, 400, "Unrecognized request argument supplied: lora_"),
     (CH, {"messages": MSG, "include_reasoning": False}, 400, "argument supplied: include_reas"),
     (G, {"text": "x", "input_embeds": [[0.5]]}, 400, "argument supplied: input_embeds"),
-    ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, 400, "supplied: add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, 400, "add_special_tokens: Input"),
+    ("/tokenize", {"prompt": "x", "return_token_ids": True}, 400, "supplied: return_token_ids"),
     ("/v1/responses", {"input": "x", "foo": 1}, 400, "Unrecognized request argument supplied: foo"),
     ("/v1/embeddings", {"input": "x", "priority": 1}, 400, "argument supplied: priority"),
     (
@@ -214,8 +216,8 @@ BAD = [
     ("/v1/responses", {"input": "x", "prompt_cache_retention": "24h"}, 400, "prompt_cache_ret"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, 400, "only with messages"),
     ("/tokenize", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
-    (CH, {"messages": [{"role": "bogus", "content": "x"}]}, 400, "messages[0].role: 'bogus'"),
-    (CH, {"messages": MSG + [{"role": "tool", "content": "1"}]}, 400, "tool_call_id: required"),
+    (CH, {"messages": [{"role": "user"}]}, 400, "messages[0].content: required for a user"),
+    (CH, {"messages": MSG + [{"role": "assistant", "tool_calls": [{}]}]}, 400, "function.name"),
     (CH, {"messages": MSG, "chat_template": ""}, 400, "chat_template: Value should have at least"),
     (
         CH,
@@ -379,8 +381,33 @@ def test_null_means_not_given(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
     r = httpx.post(server.url + G, json={"text": "x", "stream": None, "sampling_params": None})
     assert r.status_code == 200, r.text
+    # A null for a field braid does not know asks for nothing (SGLang's bench_serving sends
+    # lora_path: null); a null in /generate's sampling_params is the default.
+    sp = {"max_new_tokens": 2, "temperature": None, "n": None, "top_p": None}
+    body = {"text": "x", "lora_path": None, "return_routed_experts": False, "sampling_params": sp}
+    r = httpx.post(server.url + G, json=body)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
     r = httpx.post(server.url + CH, json={"messages": None})  # required: null is not given
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_vllms_add_special_tokens_and_continuous_usage(server):
+    """vLLM's `add_special_tokens` (completions, /tokenize): false tokenizes a prompt without
+    the tokenizer's special tokens; `stream_options.continuous_usage_stats`: every chunk
+    carries the usage so far."""
+    tok = "/tokenize"
+    with_bos = httpx.post(server.url + tok, json={"prompt": "Hello"}).json()["tokens"]
+    bare = httpx.post(server.url + tok, json={"prompt": "Hello", "add_special_tokens": False})
+    bare = bare.json()["tokens"]
+    body = {"prompt": "Hello", "max_tokens": 1, "add_special_tokens": False}
+    used = httpx.post(server.url + C, json=body).json()["usage"]["prompt_tokens"]
+    assert used == len(bare) and with_bos[-len(bare) :] == bare
+    stream = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True, "stream_options": stream}
+    chunks = [json.loads(d) for d in sse_data(server.url + C, body)]
+    chunks = [c for c in chunks if c["choices"]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and all(c["usage"] for c in chunks)
 
 
 def test_no_stop_trim_keeps_the_stop_string(server):

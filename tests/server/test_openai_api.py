@@ -765,25 +765,33 @@ def test_abort_request_takes_the_ids_clients_hold(server):
     import threading
 
     url = server.url
-    body = {
-        "text": "Count forever:",
-        "rid": "abort-me",
-        "sampling_params": {"n": 2, "max_new_tokens": 3000, "ignore_eos": True},
+    sp = {"max_new_tokens": 3000, "ignore_eos": True}
+    bodies = {
+        "mine": {"text": "Count forever:", "rid": "abort-me", "sampling_params": {**sp, "n": 2}},
+        # Another client's request whose rid looks like one of mine: it runs on.
+        "theirs": {"text": "Count:", "rid": "abort-me-1", "sampling_params": {**sp, "n": 1}},
     }
+    bodies["theirs"]["sampling_params"]["max_new_tokens"] = 40
     got = {}
-    t = threading.Thread(
-        target=lambda: got.update(r=httpx.post(f"{url}/generate", json=body, timeout=300))
-    )
-    t.start()
+
+    def post(name):
+        got[name] = httpx.post(f"{url}/generate", json=bodies[name], timeout=300)
+
+    threads = [threading.Thread(target=post, args=(name,)) for name in bodies]
+    for t in threads:
+        t.start()
     deadline = time.time() + 60
-    while httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"] < 2:
+    while httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"] < 3:
         assert time.time() < deadline
         time.sleep(0.05)
     assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).status_code == 200
-    t.join(120)
-    outs = got["r"].json()
+    for t in threads:
+        t.join(120)
+    outs = got["mine"].json()
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
     assert all(o["meta_info"]["completion_tokens"] < 3000 for o in outs)
+    theirs = got["theirs"].json()["meta_info"]
+    assert theirs["finish_reason"]["type"] == "length" and theirs["completion_tokens"] == 40
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     stream = client.chat.completions.create(
         model="m",

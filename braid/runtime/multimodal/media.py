@@ -50,9 +50,9 @@ class MediaLimits:
     decoding (decompression bombs). Local files are refused unless
     `allowed_local_media_path` names a directory (as vLLM's `--allowed-local-media-path`);
     a local path must resolve, symlinks followed, to a regular file inside it, and a relative
-    path is taken relative to it. `caller_files` (the offline `LLM`, whose prompts are its
-    caller's own, without such a directory): any file the process can read, a relative path
-    taken relative to the working directory."""
+    path is taken relative to it. `caller_files` (the offline `LLM`): an image given as a
+    `Path` object (never a string, which may come from a message) names any file the process
+    can read, within `allowed_local_media_path` if that is set."""
 
     max_image_bytes: int = 20 * 2**20
     max_pixels: int = 32 * 2**20
@@ -91,7 +91,7 @@ def load_image(source: str | bytes | Image.Image, limits: MediaLimits) -> Image.
         elif isinstance(source, str):
             data = _read_string(source, limits)
         elif isinstance(source, os.PathLike) and limits.caller_files:
-            data = _read_local(os.fspath(source), limits)
+            data = _read_local(os.fspath(source), limits, anywhere=True)
         else:
             raise ValueError(
                 f"an image must be a string, bytes or a PIL image, not {type(source).__name__}"
@@ -104,6 +104,7 @@ def load_image(source: str | bytes | Image.Image, limits: MediaLimits) -> Image.
             and limits.allowed_local_media_path is None
             and source.startswith(("/", "./", "../", "~"))
             and _looks_like_path(source)
+            and "local file paths are refused" not in str(e)
         ):
             # Read as base64 (the alphabets overlap); if a file was meant, say why it was not
             # read, without telling whether it exists.
@@ -186,9 +187,7 @@ def _is_base64_text(s: str) -> bool:
 def _is_existing_local_path(s: str, limits: MediaLimits) -> bool:
     # A path made only of base64 characters (/srv/images/cat) when local files are allowed.
     root = limits.allowed_local_media_path
-    if root is None:
-        return limits.caller_files and _looks_like_path(s) and os.path.lexists(s)
-    return _looks_like_path(s) and os.path.lexists(root / s)
+    return root is not None and _looks_like_path(s) and os.path.lexists(root / s)
 
 
 def _decode_base64(text: str, limits: MediaLimits) -> bytes:
@@ -256,9 +255,11 @@ def _looks_like_path(s: str) -> bool:
     return "/" in s or "\\" in s or bool(Path(s).suffix)
 
 
-def _read_local(path: str, limits: MediaLimits) -> bytes:
+def _read_local(path: str, limits: MediaLimits, anywhere: bool = False) -> bytes:
+    """The file `path` names: within `allowed_local_media_path`, or (`anywhere`: the offline
+    caller's own `Path`) any file when no directory is set."""
     root = limits.allowed_local_media_path
-    if root is None and not limits.caller_files:
+    if root is None and not anywhere:
         raise ValueError("local file paths are refused: the server has no allowed_local_media_path")
     if len(path) > _MAX_PATH_CHARS or "\x00" in path:
         raise ValueError("local path refused: not a valid file path")

@@ -117,10 +117,11 @@ def encode_prompt(
 
 
 def tokenize_prompts(
-    state: ServerState, prompt: Any, where: str = "prompt"
+    state: ServerState, prompt: Any, where: str = "prompt", add_special_tokens: bool = True
 ) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) of each prompt in `prompt`: a text, a list of token ids, or a
-    list of either."""
+    list of either; texts tokenized with the tokenizer's special tokens (BOS) unless
+    `add_special_tokens` is false (vLLM's field)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -141,7 +142,7 @@ def tokenize_prompts(
                 raise APIError(400, f"{where}: must not be empty", where)
             if state.tokenizer is None:
                 raise APIError(400, f"{where}: this model has no tokenizer; send token ids", where)
-            out.append((p, encode_prompt(state, p, where)))
+            out.append((p, encode_prompt(state, p, where, add_special_tokens)))
         else:
             out.append((None, list(p)))
     return out

@@ -40,11 +40,12 @@ def submit_all(
     program_position: int | None = None,
     program_id: str | None = None,
     cache_salt: str | None = None,
+    group: str | None = None,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt) (`params[i]` for prompt i when a list),
     with `images[i]` the processed images of prompt i and `grammar_waits[i]` what its
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
-    an error) none."""
+    an error) none. `group`: the id the client holds for them all (`/abort_request` takes it)."""
     rids: list[str] = []
     try:
         for i, (rid, ids) in enumerate(jobs):
@@ -59,6 +60,7 @@ def submit_all(
                 program_position=program_position,
                 program_id=program_id,
                 cache_salt=cache_salt,
+                group=group,
             )
     except BaseException:
         for r in rids:

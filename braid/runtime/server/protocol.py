@@ -106,7 +106,8 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_not_given(cls, data: Any) -> Any:
         """A null for a field with a default is the default, as OpenAI and vLLM read it (the
-        openai client sends `n=None` as null)."""
+        openai client sends `n=None` as null); a null for a field braid does not know asks for
+        nothing (SGLang's benchmark sends `lora_path: null`) and is dropped too."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
@@ -114,9 +115,7 @@ class _Body(BaseModel):
             k: v
             for k, v in data.items()
             if v is not None
-            or k not in fields
-            or fields[k].is_required()
-            or fields[k].default is None
+            or (k in fields and (fields[k].is_required() or fields[k].default is None))
         }
 
     def refuse_inert(self) -> None:
@@ -129,6 +128,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
     # OpenAI's padding of stream events against length side channels: braid adds none.
     include_obfuscation: bool = False
 
@@ -397,6 +398,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Int | None = None  # only equal to n (braid returns every sample)
     suffix: Text | None = None  # refused unless empty: braid does not fill in the middle
+    # vLLM's: false tokenizes a text prompt without the tokenizer's special tokens (BOS).
+    add_special_tokens: bool = True
 
 
 class ChatMessage(_Body):
@@ -507,6 +510,8 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     chat_template_kwargs: JsonObject | None = None
     return_token_strs: bool = False
+    # vLLM's, for a prompt (a chat's template writes its own special tokens).
+    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Body):

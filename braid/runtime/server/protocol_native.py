@@ -93,7 +93,9 @@ class GenerateRequest(_Body):
     background: JsonValue = False
     return_bytes: JsonValue = False
     return_entropy: JsonValue = False
+    return_routed_experts: JsonValue = False
     INERT = {
+        "return_routed_experts": ("braid serves no mixture-of-experts routing", (False,)),
         "return_hidden_states": ("braid returns no hidden states", (False,)),
         "background": ("requests are answered while the client waits", (False,)),
         "return_bytes": ("texts are returned as strings", (False,)),
@@ -127,6 +129,9 @@ NATIVE_SAMPLING_FIELDS = (set(SamplingParams.__dataclass_fields__) - {"bad_words
 
 
 def native_sampling_params(raw: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+    # A null is the default, as in the body; but a null max_new_tokens is SGLang's "up to the
+    # context", which braid's None means too.
+    raw = {k: v for k, v in raw.items() if v is not None or k in ("max_new_tokens", "max_tokens")}
     unknown = set(raw) - NATIVE_SAMPLING_FIELDS - {"spaces_between_special_tokens"}
     if unknown:
         raise ParamError.at("sampling_params", f"unknown field(s) {sorted(unknown)}")

@@ -230,7 +230,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     )
     async def abort_request(body: Annotated[AbortRequest, json_body(AbortRequest)]):
         aborted = state.tm.abort(body.rid)
-        logger.info("abort_request %s: %d running sample(s) aborted", body.rid[:256], aborted)
+        logger.info("abort_request %r: %d running sample(s) aborted", body.rid[:256], aborted)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -250,7 +250,9 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
         for name in ("tools", "chat_template_kwargs", "continue_final_message"):
             if getattr(body, name):
                 raise APIError(400, f"{name}: only with messages", name)
-        return tokenize_prompts(state, body.prompt)[0][1]
+        return tokenize_prompts(state, body.prompt, add_special_tokens=body.add_special_tokens)[0][
+            1
+        ]
     if state.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer", "messages")
     check_template_fields(body)

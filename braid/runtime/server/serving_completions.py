@@ -34,7 +34,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(
                 400, "suffix: not supported (braid does not fill in the middle)", "suffix"
             )
-        prompts = tokenize_prompts(state, req.prompt)
+        prompts = tokenize_prompts(state, req.prompt, add_special_tokens=req.add_special_tokens)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         if max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")

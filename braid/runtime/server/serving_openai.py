@@ -123,6 +123,7 @@ class OpenAIResponse(abc.ABC):
             images=self.images,
             grammar_waits=self.grammar_waits(),
             cache_salt=self.req.cache_salt,
+            group=self.rid,
         )
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]
@@ -175,6 +176,11 @@ class OpenAIResponse(abc.ABC):
     async def _stream(self, request: Request, streams: list[AsyncIterator[StrOut]]) -> Response:
         state, choices, req = self.state, self.choices, self.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+
+        def usage_now() -> Usage | None:
+            return _usage(choices, self.prompt_choice) if continuous else None
 
         head = self.chunk_model(
             id=self.rid, created=self.created, model=state.served_model_name, choices=[]
@@ -222,11 +228,12 @@ class OpenAIResponse(abc.ABC):
                                     "finish_reason": finish if last else None,
                                     "delta": d,
                                 }
-                            ]
+                            ],
+                            usage_now(),
                         )
                     continue
                 self.delta(item, out)
-                yield chunk([item])
+                yield chunk([item], usage_now())
             if include_usage:
                 yield chunk([], _usage(choices, self.prompt_choice))
             yield SSE_DONE

@@ -278,6 +278,7 @@ class ResponseRun:
             images=chat.images,
             grammar_waits=chat.grammar_waits(),
             cache_salt=self.body.cache_salt,
+            group=self.id,
         )
         if not self.body.stream:
             return await self._whole(request, streams)

@@ -23,7 +23,6 @@ import itertools
 import logging
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -147,6 +146,10 @@ class TokenizerManager:
         # late outputs carry the old wire id and are dropped). `_wire`: caller's rid -> wire id.
         self._pending: dict[str, _Pending] = {}
         self._wire: dict[str, str] = {}
+        # The samples each id a client holds stands for (a request's rid, an OpenAI response
+        # id), for `abort`; and each sample's group.
+        self._groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, str] = {}
         self._submissions = itertools.count()
         self._control: dict[int, asyncio.Future] = {}
         self._control_ids = itertools.count()
@@ -422,6 +425,7 @@ class TokenizerManager:
         program_position: int | None = None,
         program_id: str | None = None,
         cache_salt: str | None = None,
+        group: str | None = None,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
@@ -433,7 +437,8 @@ class TokenizerManager:
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
         instead (its one output carries `StrOut.embedding`). `cache_salt`: only requests with
-        the same salt share this prompt's cached KV (`GenerateReq`)."""
+        the same salt share this prompt's cached KV (`GenerateReq`). `group`: the id the
+        client holds for these samples, if not `rid` (`abort` takes it)."""
         self._check_alive()
         params = self.resolve(params)
         if session_ttl_s is not None:
@@ -496,9 +501,12 @@ class TokenizerManager:
             ]
         except (TypeError, ValueError, OverflowError, UnicodeError) as e:
             raise ValueError(f"the request cannot be sent to the scheduler: {e}") from None
+        members = self._groups.setdefault(group or rid, set())
         for srid, wire, f in zip(rids, wires, frames):
             self._wire[srid] = wire
             self._pending[wire] = _Pending()
+            members.add(srid)
+            self._group_of[srid] = group or rid
             self._to_sched.send_multipart(f)
         return rids
 
@@ -521,6 +529,12 @@ class TokenizerManager:
     def _release(self, rid: str, wire: str, aborted: bool) -> None:
         if self._wire.get(rid) == wire:
             del self._wire[rid]
+            group = self._group_of.pop(rid, None)
+            members = self._groups.get(group) if group is not None else None
+            if members is not None:
+                members.discard(rid)
+                if not members:
+                    del self._groups[group]
         self._pending.pop(wire, None)
         if aborted and not self.failure and not self._closing:
             self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
@@ -533,12 +547,12 @@ class TokenizerManager:
 
     def abort(self, rid: str) -> int:
         """Abort what runs under `rid` (each stream ends with finish_reason "abort"): the
-        sample `rid`, the samples of a request `rid` ("rid/k"), and those of each prompt of an
-        OpenAI response whose id is `rid` ("rid-i", "rid-i/k"). Returns how many were."""
+        sample `rid`, or every sample submitted under the id a client holds (`submit`'s
+        `group`: a request's rid, an OpenAI response id). Returns how many were running."""
         if self.failure or self._closing:
             return 0
-        ours = re.compile(re.escape(rid) + r"(-\d+)?(/\d+)?")
-        wires = [w for r, w in self._wire.items() if r == rid or ours.fullmatch(r)]
+        rids = self._groups.get(rid, set()) | ({rid} if rid in self._wire else set())
+        wires = [self._wire[r] for r in rids if r in self._wire]
         for wire in wires:
             self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
         return len(wires)

@@ -205,23 +205,20 @@ def _check_messages(messages: Any) -> None:
         _check_message(m, f"messages[{i}]")
 
 
-# OpenAI's roles, SGLang's "function" and Llama 3's "ipython" (tool results).
-ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
-
-
 def _check_message(m: dict[str, Any], at: str) -> None:
     """A `ParamError` naming what a message gets wrong that a template would render anyway:
-    an unknown role, no content where one is needed, a tool result without its call's id,
-    malformed tool calls."""
+    no content where one is needed, a tool result's id that is not a string, malformed tool
+    calls. Any role is taken: templates have their own (GLM's "observation", Llama's
+    "ipython")."""
     role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
-    if role not in ROLES:
-        raise ParamError.at(f"{at}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    if not role:
+        raise ParamError.at(f"{at}.role", "must not be empty")
     if content is not None and not isinstance(content, (str, list)):
         raise ParamError.at(f"{at}.content", "must be a string or a list of content parts")
     if content is None and not (role == "assistant" and calls):
         raise ParamError.at(f"{at}.content", f"required for a {role} message")
-    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-        raise ParamError.at(f"{at}.tool_call_id", "required: the id of the call this answers")
+    if not isinstance(m.get("tool_call_id", ""), str):
+        raise ParamError.at(f"{at}.tool_call_id", "must be a string")
     if calls is None:
         return
     if role != "assistant" or not isinstance(calls, list):
