@@ -365,7 +365,9 @@ def test_stored_responses_get_and_delete(client, server, store_path):
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         ({"input": ""}, "input"),
         ({"input": 5}, "input"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        # The template reads no reasoning_effort (it would change nothing).
+        ({"reasoning": {"effort": "high"}}, "reasoning_effort"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

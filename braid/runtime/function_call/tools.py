@@ -231,7 +231,8 @@ class ToolPlan:
                     "tools",
                     f"strict tools with tool_choice 'auto' are held to their schemas in the "
                     f"hermes call format only, not with the {self.parser or 'no'} parser: set "
-                    "strict false, or use tool_choice 'required' or a named function",
+                    "strict false (the OpenAI Agents SDK: strict_mode=False), or use "
+                    "tool_choice 'required' or a named function",
                 )
             if params.constraint is not None:
                 raise ParamError.at(

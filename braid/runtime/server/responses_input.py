@@ -119,7 +119,7 @@ class ResponsesRequest(_Body):
         if self.text is not None and self.text.verbosity is not None:
             _refuse("text.verbosity", "not supported")
         for key, value in (self.reasoning or {}).items():
-            if value is not None:
+            if value is not None and key != "effort":  # effort: chat's reasoning_effort
                 _refuse(
                     f"reasoning.{key}",
                     "not supported: a reasoning model's thinking is returned whole as a "
@@ -307,6 +307,7 @@ def chat_request(
     ):
         fields[name] = getattr(body, name)
     fields["stop"], fields["regex"] = body.stop, body.regex
+    fields["reasoning_effort"] = (body.reasoning or {}).get("effort")
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in fields.items() if v is not None}, strict=False
