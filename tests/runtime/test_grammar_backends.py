@@ -369,3 +369,29 @@ def test_short_error_is_one_line_of_at_most_the_cap():
     long = short_error("x" * 10 + "\n" + "y " * 50_000)
     assert long.startswith("xxxxxxxxxx y y") and long.endswith(" (truncated)"), long[-40:]
     assert len(long) <= MAX_ERROR_CHARS + len(" (truncated)") and "\n" not in long
+
+
+def test_strict_hermes_tools_hold_each_call_to_its_schema(compilers):
+    """The structural tag strict tools get with tool_choice "auto" (hermes format): free text
+    passes, a call of a tool with its parameters passes, a call with other arguments or of no
+    tool is refused."""
+    from braid.runtime.function_call.tools import ToolPlan
+    from braid.runtime.sampling_params import SamplingParams
+
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    tools[0]["function"]["strict"] = True
+    plan = ToolPlan.resolve(tools, "auto", True, parser="hermes")
+    tag = plan.sampling_params(SamplingParams()).structural_tag
+    begin = '<tool_call>\n{"name": "get_weather", "arguments": '
+    for c in compilers.values():
+        assert walk(c, "structural_tag", tag, "Let me see.") == (True, True)
+        call = begin + '{"city": "Oslo"}}\n</tool_call>'
+        assert walk(c, "structural_tag", tag, "Sure. " + call) == (True, True)
+        assert walk(c, "structural_tag", tag, begin + '{"town": "Oslo"}')[0] is False
+        assert walk(c, "structural_tag", tag, '<tool_call>\n{"name": "other"')[0] is False
