@@ -8,9 +8,8 @@ from __future__ import annotations
 import copy
 
 from braid.runtime.ipc.to_detokenizer import Refusal, SpecUsage, TokenLogprob
-from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.ipc.to_tokenizer import StrOut, merge_str_outs
 from braid.runtime.outputs import SampleOutputs
-from braid.runtime.tokenizer.manager import merge_str_outs
 
 LP = [TokenLogprob(5, -0.5, 1, [(5, -0.5), (9, -1.2)]), TokenLogprob(7, -0.1, 1, [(7, -0.1)])]
 PROMPT_LP = [None, TokenLogprob(3, -2.0, 4, [(8, -0.3)])]

@@ -105,3 +105,24 @@ class SchedulerHeartbeat:
     stats: dict[str, float]
     loop_age_s: float
     programs: list[ProgramInfo] = field(default_factory=list)
+
+
+def merge_str_outs(a: StrOut, b: StrOut) -> StrOut:
+    """One output saying what `a` then `b` (two consecutive outputs of one sample) say: texts,
+    token ids and logprobs concatenated, counts and finish from `b`. `a` is changed in place
+    and returned."""
+    a.text += b.text
+    a.token_ids += b.token_ids
+    a.prompt_tokens, a.completion_tokens = b.prompt_tokens, b.completion_tokens
+    a.cached_tokens = b.cached_tokens
+    a.finish_reason, a.stop_reason, a.error = b.finish_reason, b.stop_reason, b.error
+    a.refused = b.refused
+    a.spec = b.spec if b.spec is not None else a.spec
+    a.embedding = b.embedding if b.embedding is not None else a.embedding
+    if b.logprobs:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    if b.prompt_logprobs is not None:
+        a.prompt_logprobs = b.prompt_logprobs
+    if b.token_texts:
+        a.token_texts = {**(a.token_texts or {}), **b.token_texts}
+    return a

@@ -55,6 +55,7 @@ from braid.runtime.ipc.to_tokenizer import (
     SchedulerHeartbeat,
     SchedulerReady,
     StrOut,
+    merge_str_outs,
 )
 from braid.runtime.sampling_params import SamplingParams, fold_seed
 from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
@@ -68,27 +69,6 @@ Spawn = Callable[[EngineConfig, Path, frozenset[int], Addresses, str], dict[str,
 
 class RuntimeDied(RuntimeError):
     """A runtime process died; the runtime cannot serve any more."""
-
-
-def merge_str_outs(a: StrOut, b: StrOut) -> StrOut:
-    """One output saying what `a` then `b` (two consecutive outputs of one sample) say: texts,
-    token ids and logprobs concatenated, counts and finish from `b`. `a` is changed in place
-    and returned."""
-    a.text += b.text
-    a.token_ids += b.token_ids
-    a.prompt_tokens, a.completion_tokens = b.prompt_tokens, b.completion_tokens
-    a.cached_tokens = b.cached_tokens
-    a.finish_reason, a.stop_reason, a.error = b.finish_reason, b.stop_reason, b.error
-    a.refused = b.refused
-    a.spec = b.spec if b.spec is not None else a.spec
-    a.embedding = b.embedding if b.embedding is not None else a.embedding
-    if b.logprobs:
-        a.logprobs = (a.logprobs or []) + b.logprobs
-    if b.prompt_logprobs is not None:
-        a.prompt_logprobs = b.prompt_logprobs
-    if b.token_texts:
-        a.token_texts = {**(a.token_texts or {}), **b.token_texts}
-    return a
 
 
 @dataclass
@@ -146,8 +126,7 @@ class TokenizerManager:
         # late outputs carry the old wire id and are dropped). `_wire`: caller's rid -> wire id.
         self._pending: dict[str, _Pending] = {}
         self._wire: dict[str, str] = {}
-        # The samples each id a client holds stands for (a request's rid, an OpenAI response
-        # id), for `abort`; and each sample's group.
+        # For `abort`: the samples under each id a client holds, and each sample's id.
         self._groups: dict[str, set[str]] = {}
         self._group_of: dict[str, str] = {}
         self._submissions = itertools.count()
@@ -530,10 +509,9 @@ class TokenizerManager:
         if self._wire.get(rid) == wire:
             del self._wire[rid]
             group = self._group_of.pop(rid, None)
-            members = self._groups.get(group) if group is not None else None
-            if members is not None:
-                members.discard(rid)
-                if not members:
+            if group is not None:
+                self._groups[group].discard(rid)
+                if not self._groups[group]:
                     del self._groups[group]
         self._pending.pop(wire, None)
         if aborted and not self.failure and not self._closing:
