@@ -348,16 +348,21 @@ def template_reads(
 ) -> bool:
     """Whether the chat template (`chat_template`, else the tokenizer's default one) reads the
     variable `name`: parsed, not run."""
-    import jinja2
-    from jinja2 import meta
-
     template = chat_template or tokenizer.chat_template
     if isinstance(template, dict):  # named templates: the default one renders chats
         template = template.get("default")
-    if not isinstance(template, str):
-        return False
+    return isinstance(template, str) and name in _template_variables(template)
+
+
+@functools.lru_cache(maxsize=8)  # the server's template, and a few of requests' own
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from outside (parsed once per template text, not on
+    every request that gives reasoning_effort)."""
+    import jinja2
+    from jinja2 import meta
+
     try:
         parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except jinja2.TemplateSyntaxError:
-        return False
-    return name in meta.find_undeclared_variables(parsed)
+        return frozenset()
+    return frozenset(meta.find_undeclared_variables(parsed))
