@@ -164,7 +164,7 @@ def _multiply_as_in_file(model, blocks_dir) -> None:
 
             def logits(h: torch.Tensor) -> torch.Tensor:
                 if h.shape[0] <= head.QUANTIZED_MAX_ROWS:
-                    return bf16_kernel_linear(h, weight, None)
+                    return head.refine(h, bf16_kernel_linear(h, weight, None))
                 return head._linear(h, head.weight, None)
 
             head.forward = logits
@@ -248,11 +248,16 @@ def test_kept_layers_hold_the_files_weights(blocks_dir):
     step = (want.abs().amax(dim=1, keepdim=True) / 7).expand_as(want)
     assert ((got - want).abs() <= step / 32 + want.abs() * 2**-7).all()
     assert not torch.equal(got, want)  # bfloat16 scales: the blocks, not the float copy
-    # Up to QUANTIZED_MAX_ROWS rows from the blocks, more from the float weight.
+    # Up to QUANTIZED_MAX_ROWS rows from the blocks, more from the float weight; each row's
+    # REFINED largest quantized logits are the float weight's.
     n = model.lm_head.QUANTIZED_MAX_ROWS
     h = torch.randn(n + 1, want.shape[1])
-    assert torch.equal(model.lm_head(h[:n]), head.apply(h[:n], None))
+    quantized, got = head.apply(h[:n], None).float(), model.lm_head(h[:n])
     float_logits = h @ floats["lm_head.weight"].T
+    top = quantized.topk(model.lm_head.REFINED, dim=-1).indices
+    refined = torch.zeros_like(got, dtype=torch.bool).scatter_(1, top, True)
+    torch.testing.assert_close(got[refined], float_logits[:n][refined], rtol=0, atol=1e-5)
+    assert torch.equal(got[~refined], quantized[~refined])
     assert torch.allclose(model.lm_head(h), float_logits, atol=1e-5)
     assert not torch.allclose(model.lm_head(h[:n]), float_logits[:n], atol=1e-5)
     # Dequantized, or quantized by another method, the head multiplies by its float weight.
@@ -401,6 +406,20 @@ def test_embedded_smollm2_kept_quantized_gives_the_greedy_tokens_of_its_files_bl
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     got = _greedy(local_scheduler(path, kv_tokens=512), n=8, prompts=prompts)
     assert got == _greedy_as_in_file(path, monkeypatch, kv_tokens=512, n=8, prompts=prompts)
+
+
+def test_the_embedded_models_greedy_chat_answer_is_the_float_models(smollm2_dir):
+    """The demo's question: kept quantized, its first two tokens' quantized logits were one
+    bfloat16 step apart and swapped ("L'Étoile, ..."): the head's refined top logits give
+    the float32 model's answer (which equals transformers', test_fidelity)."""
+    from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
+
+    path = resolve_model(None)
+    tok = load_tokenizer(path)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [tok.encode(render_chat(tok, messages), add_special_tokens=False)]
+    want = _greedy(local_scheduler(smollm2_dir, kv_tokens=256), n=8, prompts=prompts)
+    assert _greedy(local_scheduler(path, kv_tokens=256), n=8, prompts=prompts) == want
 
 
 @pytest.mark.gpu
