@@ -113,6 +113,20 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert first.choices[0].message.content == second.choices[0].message.content
 
 
+def test_chat_without_max_tokens_runs_past_completions_default_of_16(client):
+    """Chat's max_tokens defaults to the context (vLLM's and SGLang's), not completions' 16:
+    min_tokens 17 with no max_tokens used to be refused as more than max_tokens (16)."""
+    msgs = [{"role": "user", "content": "Tell me about the ocean."}]
+    out = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=msgs,
+        temperature=0,
+        stop=["."],
+        extra_body={"min_tokens": 17},
+    )
+    assert out.usage.completion_tokens >= 17 and out.choices[0].finish_reason == "stop"
+
+
 def test_extras_via_extra_body(client):
     out = client.completions.create(
         model="smollm2-135m",

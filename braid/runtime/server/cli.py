@@ -29,6 +29,7 @@ from braid.runtime.config_keywords import speculative_settings
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
 from braid.runtime.reasoning import get_parser as get_reasoning_parser
+from braid.runtime.sampling_params import defaults_from_generation_config
 from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
 
@@ -450,12 +451,17 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     name = settings.served_model_name or (config.model or "smollm2-135m")
     shown = {k: v for k, v in asdict(settings).items() if not k.startswith("api_key")}
+    defaults = assets.default_sampling_params(config.generation_config)
+    gen_max_tokens = config.generation_config != "braid" and "max_tokens" in (
+        defaults_from_generation_config(assets.generation_config)
+    )
     state = ServerState(
         tm=tm,
         tokenizer=tokenizer,
         served_model_name=name,
         model_path=str(model_path),
-        defaults=assets.default_sampling_params(config.generation_config),
+        defaults=defaults,
+        chat_max_tokens=defaults.max_tokens if gen_max_tokens else None,
         media=media,
         api_key=api_key,
         max_body_bytes=settings.max_request_bytes,

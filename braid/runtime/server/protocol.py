@@ -322,9 +322,11 @@ class _SamplingFields(_Body):
         max_tokens: int | None,
         logprobs: int | None,
         names: dict[str, str] | None = None,
+        open_ended: bool = False,
     ) -> SamplingParams:
         """`SamplingParams` for this body; a `ParamError` names a bad field, as the body
-        spells it (`names`: the body's names of `SamplingParams` fields where they differ)."""
+        spells it (`names`: the body's names of `SamplingParams` fields where they differ).
+        `max_tokens` None takes `defaults`' unless `open_ended` (up to the context)."""
         if self.stream_options is not None and not self.stream:
             raise ParamError.at("stream_options", "only with stream: true")
         if self.stream_options is not None and self.stream_options.include_obfuscation:
@@ -334,7 +336,7 @@ class _SamplingFields(_Body):
         self.refuse_inert()
         fields: dict[str, Any] = dict(
             n=self.n,
-            max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
+            max_tokens=max_tokens if max_tokens is not None or open_ended else defaults.max_tokens,
             min_tokens=self.min_tokens,
             temperature=self.temperature if self.temperature is not None else defaults.temperature,
             top_p=self.top_p if self.top_p is not None else defaults.top_p,

@@ -62,6 +62,8 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
+    if max_tokens is None:
+        max_tokens = state.chat_max_tokens  # None: up to the context
     if max_tokens == 0:
         raise APIError(400, "max_tokens must be >= 1", "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -69,7 +71,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     params = req.sampling_params(
-        state.defaults, max_tokens=max_tokens, logprobs=logprobs, names=names
+        state.defaults, max_tokens=max_tokens, logprobs=logprobs, names=names, open_ended=True
     )
     if plan is not None:
         params = plan.sampling_params(params)  # a ParamError names the field

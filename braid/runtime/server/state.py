@@ -49,6 +49,10 @@ class ServerState:
     # for longer than health_stuck_s.
     health_silent_s: float = 10.0
     health_stuck_s: float = 120.0
+    # Chat's and the Responses API's max_tokens when a body gives none: the model's
+    # generation_config max_new_tokens, else None (up to the context, as vLLM and SGLang).
+    # /v1/completions keeps OpenAI's 16 (`defaults`).
+    chat_max_tokens: int | None = None
 
     @functools.cached_property
     def role_template(self) -> RoleTemplate:
