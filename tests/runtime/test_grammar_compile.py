@@ -523,6 +523,20 @@ def test_a_pool_shut_down_while_a_worker_waits_for_its_payload_ends_that_worker(
         pool.submit("regex", "ab+c")
 
 
+def test_workers_import_nothing_from_the_servers_working_directory(
+    make_pool, tmp_path, monkeypatch
+):
+    """A `json.py` where the server was started is not imported by the compile workers (it
+    would run in each, and break every constrained request), and braid is still found."""
+    marker = tmp_path / "imported"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    pool = make_pool(workers=1)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert pool.submit("json_schema", schema).result(timeout=30) is not None
+    assert not marker.exists()
+
+
 def test_a_worker_that_dies_before_its_payload_says_how_it_ended():
     """A worker whose process ended before its payload was sent (here: a backend name its
     registry does not know) is reaped, so the error says how it ended, not "is running"."""

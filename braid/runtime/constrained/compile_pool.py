@@ -72,6 +72,8 @@ TIMEOUT_HINT = "(the limit is grammar_compile_timeout_s, --grammar-compile-timeo
 _WORKER_MODULE = "braid.runtime.constrained.compile_worker"
 # The directory holding the `braid` package this module was imported from.
 _BRAID_ROOT = Path(__file__).resolve().parents[3]
+# Keeps the worker's working directory (or script directory) off its sys.path.
+_SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 class _Worker:
@@ -85,16 +87,21 @@ class _Worker:
         self._results, results_out = os.pipe()
         self._wake_in, self._wake_out = os.pipe()
         self.stopping = False
-        # The worker imports braid from wherever this process did, installed or not.
-        path = [str(_BRAID_ROOT), os.environ.get("PYTHONPATH")]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-        argv = [sys.executable, "-m", _WORKER_MODULE, str(tasks_in), str(results_out)]
+        # The worker imports braid from wherever this process did, installed or not, and
+        # nothing from the directory the server was started in (a `json.py` there would run
+        # in every worker): it starts in the root directory, with `-P` (Python 3.11+) keeping
+        # even that off sys.path, and relative PYTHONPATH entries made absolute first.
+        inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        path = [str(_BRAID_ROOT), *(os.path.abspath(p) for p in inherited if p)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        argv = [sys.executable, *_SAFE_PATH, "-m", _WORKER_MODULE, str(tasks_in), str(results_out)]
         try:
             self.proc = subprocess.Popen(
                 [*argv, str(os.getpid()), backend],
                 stdin=subprocess.DEVNULL,
                 pass_fds=(tasks_in, results_out),
                 env=env,
+                cwd=os.sep,
             )
         except BaseException:
             self._close_pipes()
