@@ -209,7 +209,36 @@ class LLM:
         )
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run `coro` on the loop and wait for it. Interrupted here (Ctrl-C in the caller's
+        thread), it is cancelled there, and its cleanup (which aborts the requests it
+        started) has run when the interrupt goes on."""
+        box: dict[str, Any] = {}
+
+        async def call():
+            if box.get("cancelled"):
+                coro.close()
+                raise asyncio.CancelledError
+            box["task"] = asyncio.current_task()
+            return await coro
+
+        def cancel(done: threading.Event) -> None:
+            box["cancelled"] = True
+            task = box.get("task")
+            if task is None or task.done():
+                done.set()
+            else:
+                task.add_done_callback(lambda _: done.set())
+                task.cancel()
+
+        fut = asyncio.run_coroutine_threadsafe(call(), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done():
+                done = threading.Event()
+                self._loop.call_soon_threadsafe(cancel, done)
+                done.wait(30)
+            raise
 
     def run_coroutine(self, coro) -> concurrent.futures.Future:
         """Schedule `coro` on the engine's front-end loop (where `self.tm` lives), from any

@@ -301,3 +301,25 @@ def test_use_tqdm_takes_a_bar_factory(smollm2):
         (2, "Generating", False),
         (1, "Embedding", False),
     ]
+
+
+def test_ctrl_c_during_generate_aborts_its_requests(smollm2):
+    """A KeyboardInterrupt in the caller's thread (Ctrl-C) cancels the call on the engine's
+    loop, which aborts what it started: nothing runs on after it, and the next generate does
+    not wait behind 16 requests of 400 tokens (which kept running before)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        smollm2.generate([f"Story {i}:" for i in range(16)], long, use_tqdm=False)
+        time.sleep(5)  # the interrupt lands here if generate returned first (it should not)
+    stats = smollm2.stats()
+    assert stats["running_requests"] == 0 and stats["queued_requests"] == 0, stats
+    out = smollm2.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert_kv_all_free_or_cached(smollm2)
