@@ -337,7 +337,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from braid.runtime.assets import ModelAssets
     from braid.runtime.launch import spawn_runtime
     from braid.runtime.tokenizer.manager import TokenizerManager
-    from braid.runtime.tokenizer.tokenizer import word_encoder
+    from braid.runtime.tokenizer.tokenizer import read_chat_template, word_encoder
 
     # Start-up phases for the ready line: the interpreter and braid's imports, the runtime (its
     # processes' start to the model loaded, with the scheduler's own phases; the tokenizer
@@ -386,6 +386,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             gguf_file=config.gguf_file,
         )
         api_key = _api_key(settings)
+        chat_template = settings.chat_template and read_chat_template(settings.chat_template)
     except ValueError as e:
         logger.error("braid serve: %s", e)
         return 2
@@ -433,9 +434,8 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     model_path, tokenizer = assets.path, assets.tokenizer
     tm.encode_words = word_encoder(tokenizer)
-    if settings.chat_template and tokenizer is not None:
-        tpl = settings.chat_template
-        tokenizer.chat_template = open(tpl).read() if os.path.isfile(tpl) else tpl
+    if chat_template and tokenizer is not None:
+        tokenizer.chat_template = chat_template
 
     from braid.runtime.function_call import resolve_parser_name
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,6 +342,29 @@ def render_chat(
         )
     except Exception as e:  # jinja errors have many types; all mean "bad conversation"
         raise ParamError("messages", f"chat template failed on these messages: {e}") from e
+
+
+def read_chat_template(value: str, where: str = "--chat-template") -> str:
+    """An operator's chat template: the text of the file `value` names, or `value` itself if
+    it holds Jinja's characters ("{", "}" or a newline, vLLM's rule); checked to parse. A
+    `ValueError` naming `where` for a path that is not a file (a mistyped path used to become
+    the template's text) or a template with a syntax error (found here, not on every chat)."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(
+            f"{where}: {value!r} is not a file (and holds no Jinja tags to be a template itself)"
+        )
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{where}: the template does not parse: {e} (line {e.lineno})") from None
+    return text
 
 
 def template_reads(

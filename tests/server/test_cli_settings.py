@@ -1,0 +1,37 @@
+"""`braid serve`'s settings checked before the model loads: what an operator mistypes ends the
+start with one line naming it (exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from braid.runtime.tokenizer.tokenizer import read_chat_template
+
+
+def test_a_chat_template_is_a_file_or_jinja_text_that_parses(tmp_path):
+    path = tmp_path / "tpl.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    # A mistyped path used to become the template's text: every prompt was "tpl.jinj".
+    with pytest.raises(ValueError, match=r"--chat-template: '.*tpl\.jinj' is not a file"):
+        read_chat_template(str(tmp_path / "tpl.jinj"))
+    with pytest.raises(ValueError, match="chatml"):
+        read_chat_template("chatml")
+    with pytest.raises(ValueError, match="does not parse: .*line 1"):
+        read_chat_template("{% for m in messages %}{{ m.content }")
+
+
+def test_serve_ends_at_a_bad_chat_template_before_loading_the_model(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "braid", "serve", "--chat-template", str(tmp_path / "x.jinj")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "x.jinj' is not a file" in run.stderr
+    assert "KV cache" not in run.stderr and "Traceback" not in run.stderr
