@@ -3,13 +3,12 @@ defaults and EOS ids. Shared by `LLM` and `braid serve`."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from braid.runtime.models.config import ModelConfig
+from braid.runtime.models.config import ModelConfig, read_json
 from braid.runtime.models.source import resolve_model
 from braid.runtime.sampling_params import SamplingParams, defaults_from_generation_config
 from braid.runtime.tokenizer.tokenizer import has_tokenizer, load_tokenizer
@@ -39,7 +38,7 @@ class ModelAssets:
         path = resolve_model(model, revision=revision, gguf_file=gguf_file)
         config = ModelConfig.from_dir(path)
         gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen = read_json(gen_path) if gen_path.is_file() else {}
         eos: set[int] = set()
         for src in (gen.get("eos_token_id"), config.raw.get("eos_token_id")):
             if isinstance(src, int):
@@ -71,12 +70,12 @@ def _tokenizer_eos_id(path: Path) -> int | None:
     cfg_path, tok_path = path / "tokenizer_config.json", path / "tokenizer.json"
     if not cfg_path.is_file() or not tok_path.is_file():
         return None
-    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    eos = read_json(cfg_path).get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     if not isinstance(eos, str):
         return None
-    tok = json.loads(tok_path.read_text())
+    tok = read_json(tok_path)
     for added in tok.get("added_tokens", []):
         if added.get("content") == eos:
             return added["id"]

@@ -306,3 +306,16 @@ def test_vllms_speculative_config_stands_for_the_speculative_flags():
         "speculative_draft_model_path": "d",
         "speculative_algorithm": "DRAFT",
     }
+
+
+def test_a_model_directorys_bad_json_is_named(tmp_path):
+    from braid.runtime.assets import ModelAssets
+    from braid.runtime.models.config import ModelConfig
+
+    (tmp_path / "config.json").write_text("{'model_type': 'llama'}")
+    for load in (ModelConfig.from_dir, ModelAssets.load):
+        with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(Expecting property"):
+            load(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON object"):
+        ModelConfig.from_dir(tmp_path)

@@ -186,4 +186,15 @@ class ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise ValueError(f"model directory {path} has no config.json")
-        return cls.from_dict(json.loads(p.read_text()))
+        top = read_json(p)
+        if not isinstance(top, dict):
+            raise ValueError(f"{p}: not a JSON object")
+        return cls.from_dict(top)
+
+
+def read_json(path: Path) -> Any:
+    """A model directory's JSON file; a `ValueError` naming the file if it does not parse."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
