@@ -8,7 +8,9 @@ them (`braid.runtime.server.cli`), and the scheduler reads the config object its
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,12 +20,11 @@ if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the se
     import torch  # end starts the runtime's processes without paying for its import first
 
 # `dtype` values -> torch dtype names
+# `dtype` values -> torch dtype names
 _DTYPES = {
-    "float32": "float32",
     "float": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
     "half": "float16",
+    **{d: d for d in ("float32", "bfloat16", "float16")},
 }
 # `kv_cache_dtype` values (vLLM's names; "fp8" is e4m3, as vLLM's default on CUDA).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -33,39 +34,27 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # step is long enough to hide either fill, and llguidance compiles faster (SmolLM2's vocabulary:
 # 11 ms against 281 ms for SGLang's character regex) and enforces more of JSON Schema.
 DEFAULT_GRAMMAR_BACKENDS = {"cuda": "xgrammar", "cpu": "llguidance"}
-# New tokens one prefill batch may hold when `max_prefill_tokens` is unset.
 _DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 16384, "cpu": 8192}
 
 
-def _grammar_backends() -> list[str]:
-    from braid.runtime.constrained import grammar_backend_names
+def _registry(module: str, names: str) -> Callable[[], list[str]]:
+    """A registry's names for a setting's choices, imported when asked: the registries are
+    cheap, but config must not import them at load."""
+    return lambda: getattr(importlib.import_module(module), names)()
 
-    return grammar_backend_names()
 
-
-def _quantization_methods() -> list[str]:
-    from braid.runtime.quantization import quantization_method_names
-
-    return quantization_method_names()
+_grammar_backends = _registry("braid.runtime.constrained", "grammar_backend_names")
+_quantization_methods = _registry("braid.runtime.quantization", "quantization_method_names")
+_attention_backends = _registry("braid.runtime.attention", "backend_names")
 
 
 # Speculative decoding: SGLang's algorithm names (`--speculative-algorithm`); vLLM's
 # `speculative_config["method"]` names map onto them (`SPECULATIVE_METHODS`).
 SPECULATIVE_ALGORITHMS = ("NGRAM", "DRAFT", "MEDUSA", "EAGLE", "EAGLE3")
 SPECULATIVE_METHODS = {
-    "ngram": "NGRAM",
     "draft_model": "DRAFT",
-    "medusa": "MEDUSA",
-    "eagle": "EAGLE",
-    "eagle3": "EAGLE3",
+    **{a.lower(): a for a in SPECULATIVE_ALGORITHMS if a != "DRAFT"},
 }
-
-
-def _attention_backends() -> list[str]:
-    # Imported when asked: the registry is cheap, but config must not import it at load.
-    from braid.runtime.attention import backend_names
-
-    return backend_names()
 
 
 @dataclass(frozen=True)
@@ -112,11 +101,15 @@ class EngineConfig:
     mem_fraction_static: float | None = setting(
         None,
         "fraction of memory, in (0, 1), for the KV pool: on CUDA of total GPU memory, weights "
-        "included (as SGLang); on CPU of available RAM; unset: 0.85 on CUDA, 0.15 on CPU",
+        "included (as SGLang and vLLM's gpu_memory_utilization); on CPU of available RAM; "
+        "unset: 0.85 on CUDA, 0.15 on CPU",
+        aliases=("--gpu-memory-utilization",),
     )
     page_size: int = setting(1, "tokens per KV page")
     max_running_requests: int | None = setting(
-        None, "requests decoded together; unset: sized from the KV capacity"
+        None,
+        "requests decoded together; unset: sized from the KV capacity",
+        aliases=("--max-num-seqs",),
     )
     max_prefill_tokens: int | None = setting(
         None, "new tokens one prefill batch may hold; unset: 16384 on CUDA, 8192 on CPU"
@@ -146,7 +139,9 @@ class EngineConfig:
         choices=("lpm", "fcfs", "program", "program-srpt"),
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
-    seed: int = setting(0, "seeds the sampling of requests that give no seed")
+    seed: int = setting(
+        0, "seeds the sampling of requests that give no seed", aliases=("--random-seed",)
+    )
     generation_config: str = setting(
         "auto",
         "default sampling values; auto: from the model's generation_config.json (as vLLM); "

@@ -52,6 +52,30 @@ def speculative_settings(spec: Any) -> dict[str, Any]:
     return out
 
 
+# Other engines' settings that braid has under no name, because its nearest setting means
+# something else or none is needed: what to do instead (said where the keyword or the flag is
+# refused; a close spelling match could point at a setting of another meaning).
+OTHER_ENGINES = {
+    "max_num_batched_tokens": "vLLM's token budget of a step; braid's nearest are "
+    "chunked_prefill_size (a long prompt's chunk) and max_prefill_tokens (the new tokens of "
+    "one prefill batch)",
+    "enable_prefix_caching": "braid's prefix cache is always on; disable_radix_cache turns it off",
+    "data_parallel_size": "one LLM is one engine; data parallelism is `braid serve --dp-size N`",
+    "trust_remote_code": "braid runs its own model implementations, never a checkpoint's code: "
+    "leave it out",
+    "tokenizer": "the tokenizer is the model directory's own (a separate one is not supported)",
+    "tokenizer_path": "the tokenizer is the model directory's own (a separate one is not "
+    "supported)",
+    "disable_log_stats": "braid logs no periodic statistics: leave it out",
+    "compilation_config": "braid does not use torch.compile; enforce_eager turns CUDA graphs off",
+}
+
+
+def other_engines_hint(key: str) -> str | None:
+    """What to do instead of another engine's setting `key` (a keyword or a flag's name)."""
+    return OTHER_ENGINES.get(key.removeprefix("--").replace("-", "_"))
+
+
 def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """`LLM`'s keywords to `EngineConfig` field names (values untouched). `ValueError` names
     a keyword that is no setting, with the close matches, or a field given under two names.
@@ -68,6 +92,8 @@ def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
         ]
     for key, shown, value in items:
         name = names.get(key)
+        if name is None and other_engines_hint(key):
+            raise ValueError(f"unknown engine setting {key!r}: {other_engines_hint(key)}")
         if name is None:
             close = difflib.get_close_matches(key, names, n=3)
             hint = (

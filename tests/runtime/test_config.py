@@ -88,6 +88,9 @@ def test_an_sglang_alias_is_an_llm_keyword_for_its_field():
     # vLLM's names where the meaning is the same.
     assert resolve_overrides({"max_model_len": 256}) == {"context_length": 256}
     assert resolve_overrides({"enforce_eager": True}) == {"disable_cuda_graph": True}
+    assert resolve_overrides({"gpu_memory_utilization": 0.5}) == {"mem_fraction_static": 0.5}
+    assert resolve_overrides({"max_num_seqs": 8}) == {"max_running_requests": 8}
+    assert resolve_overrides({"random_seed": 3}) == {"seed": 3}  # SGLang's
     names = keyword_names()
     for f in ENGINE_FIELDS:
         for alias in f.metadata["aliases"]:
@@ -106,6 +109,22 @@ def test_an_unknown_keyword_is_a_value_error_naming_it_and_the_close_matches():
         ValueError, match="zzz.*the settings are model, revision, gguf_file, dtype, device"
     ):
         resolve_overrides({"zzz": 1})
+
+
+def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
+    """Close spellings pointed at settings of another meaning (max_num_batched_tokens ->
+    max_total_tokens, the KV pool's size; enable_prefix_caching -> enable_mixed_chunk)."""
+    with pytest.raises(ValueError, match="'max_num_batched_tokens': vLLM's token budget.*chunk"):
+        resolve_overrides({"max_num_batched_tokens": 64})
+    with pytest.raises(ValueError, match="prefix cache is always on; disable_radix_cache"):
+        resolve_overrides({"enable_prefix_caching": True})
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--data-parallel-size", "2"])
+    assert e.value.code == 2
+    assert "--data-parallel-size 2 (one LLM is one engine; data parall" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--random-seed", "5"])
+    config = settings_from_args(EngineConfig, args)
+    assert (config.max_running_requests, config.seed) == (3, 5)
 
 
 def test_a_field_given_under_two_names_is_refused():

@@ -25,7 +25,7 @@ from typing import Any
 from braid._logging import configure_logging
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_fields import check_choices, choices_of, setting
-from braid.runtime.config_keywords import speculative_settings
+from braid.runtime.config_keywords import other_engines_hint, speculative_settings
 from braid.runtime.function_call import PARSER_NAMES
 from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
 from braid.runtime.reasoning import get_parser as get_reasoning_parser
@@ -533,7 +533,13 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    hints = [other_engines_hint(a.split("=")[0]) for a in unknown if a.startswith("--")]
+    if any(hints):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} ({next(filter(None, hints))})")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         sys.exit(serve(args, argv))
 
