@@ -24,6 +24,7 @@ from braid.runtime.constrained.grammar import (
     short_error,
     start_refusal,
 )
+from braid.runtime.constrained.outlines_backend import SUPPORT as OUTLINES
 from braid.runtime.constrained.schema_support import closed_objects, unenforced
 from braid.runtime.constrained.spec import check_spec
 from braid.runtime.constrained.xgrammar_backend import SUPPORT as XGRAMMAR
@@ -349,6 +350,68 @@ def test_xgrammar_would_allow_any_value_for_an_empty_type_list(compilers):
     for c in compilers.values():
         assert walk(c, "json_schema", nested, '{"a": 1}')[0] is False
         assert walk(c, "json_schema", nested, '{"b": 1}') == (True, True)
+
+
+# What outlines-core writes wrongly (each seen in outputs that finished "stop"): a uri that ends
+# the string early, a recursion cut off with a trailing comma, `{"x": }`, a pattern dropped
+# beside a length bound, minItems dropped beside prefixItems.
+NODE = {
+    "type": "object",
+    "properties": {
+        "v": {"type": "integer"},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+    },
+    "required": ["v", "kids"],
+}
+OUTLINES_WRONG = {
+    "uri": ({"type": "string", "format": "uri"}, "format 'uri'"),
+    "email": ({"type": "string", "format": "email"}, "format 'email'"),
+    "recursive": (
+        {"properties": {"root": {"$ref": "#/$defs/node"}}, "$defs": {"node": NODE}},
+        "'#/$defs/node' reaches itself",
+    ),
+    "empty_type": (
+        {"type": "object", "properties": {"x": {"type": []}, "y": {"type": "integer"}}},
+        "empty 'type' list (at /properties/x)",
+    ),
+    "pattern_length": (
+        {"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4},
+        "'pattern' beside 'maxLength' (at /)",
+    ),
+    "prefix_min_items": (
+        {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"},
+         "minItems": 3},
+        "'prefixItems' beside 'minItems' (at /)",
+    ),
+}  # fmt: skip
+
+
+def test_what_outlines_would_write_wrongly_goes_to_another_backend(compilers):
+    c = compilers["outlines"]
+    for name, (schema, why) in OUTLINES_WRONG.items():
+        assert why in (unenforced(schema, OUTLINES) or ""), name
+        assert c.compile("json_schema", schema).backend == "llguidance", name
+    assert c.compile("json_schema", OUTLINES_WRONG["recursive"][0]).unsatisfiable is None
+    ok = '{"root": {"v": 1, "kids": [{"v": 2, "kids": []}]}}'
+    assert walk(c, "json_schema", OUTLINES_WRONG["recursive"][0], ok) == (True, True)
+    assert walk(c, "json_schema", OUTLINES_WRONG["pattern_length"][0], '"ab1"')[0] is False
+    assert walk(c, "json_schema", OUTLINES_WRONG["prefix_min_items"][0], "[1]")[1] is False
+    # What stays with outlines-core: each keyword alone, and a $ref that does not recurse.
+    kept = {
+        "pattern": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+        "prefix": {"type": "array", "prefixItems": [{"type": "integer"}], "items": False},
+        "ref": {
+            "$defs": {"n": {"type": "integer"}},
+            "type": "array",
+            "items": {"$ref": "#/$defs/n"},
+        },
+        "date": {"type": "string", "format": "date"},
+    }
+    for name, schema in kept.items():
+        assert unenforced(schema, OUTLINES) is None, name
+        assert c.compile("json_schema", schema).backend == "outlines", name
+    assert walk(c, "json_schema", kept["pattern"], '"ab1"')[0] is False
+    assert walk(c, "json_schema", kept["ref"], '[1, "x"]')[0] is False
 
 
 def test_a_grammar_failing_mid_generation_says_why_in_one_short_line(compilers):

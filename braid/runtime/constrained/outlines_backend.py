@@ -8,8 +8,9 @@ and forced strings (jump-forward) are found on the automaton itself (`ForcedStri
 
 outlines-core writes JSON Schema keywords it does not implement as if absent (`minimum`,
 `maximum`, `multipleOf`, `uniqueItems`, ...), an `anyOf` beside other keywords as one side
-alone, and a date-time without its UTC offset; those schemas are refused here (`SUPPORT`) and go
-to another backend. Imports no torch: the compile worker imports this module.
+alone, a date-time without its UTC offset, a uri or email that may end the string early, a
+recursive `$ref` cut off a few levels deep, and `pattern` beside a length bound as the bound
+alone; those schemas are refused here (`SUPPORT`) and go to another backend. Imports no torch: the compile worker imports this module.
 """
 
 from __future__ import annotations
@@ -30,8 +31,19 @@ from braid.runtime.constrained.vocab import TokenVocab
 SUPPORT = SchemaSupport(
     "outlines",
     keywords=CORE,
-    # Its date-time and time patterns make the UTC offset optional (RFC 3339 requires one).
-    formats=frozenset({"date", "uuid", "uri", "email"}),
+    # Its date-time and time patterns make the UTC offset optional (RFC 3339 requires one);
+    # its uri and email patterns allow a '"', which ends the JSON string early.
+    formats=frozenset({"date", "uuid"}),
+    empty_type_matches_nothing=False,
+    writes_recursion=False,
+    apart=frozenset(
+        {
+            ("pattern", "minLength"),
+            ("pattern", "maxLength"),
+            ("prefixItems", "minItems"),
+            ("prefixItems", "maxItems"),
+        }
+    ),
 )
 
 

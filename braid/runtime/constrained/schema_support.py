@@ -57,8 +57,13 @@ class SchemaSupport:
     `multipleOf` is enforced on integers only, whether keywords beside anyOf/oneOf/allOf/$ref
     in one schema apply together with it (as JSON Schema says), and whether a required key
     missing from `properties` is written. outlines-core and xgrammar do neither of the last
-    two: each writes one side of such a schema alone, or an object without the key. Last,
-    whether an empty `type` list allows no value, as JSON Schema says (xgrammar allows any)."""
+    two: each writes one side of such a schema alone, or an object without the key. Then
+    whether an empty `type` list allows no value, as JSON Schema says (xgrammar allows any;
+    outlines-core writes an empty value, `{"x": }`), whether a `$ref` that reaches itself is
+    written in full (outlines-core unrolls it a few levels and writes the innermost without
+    its recursive part, leaving a trailing comma or a required key out), and `apart`: pairs of
+    keywords enforced alone but not in one schema (outlines-core drops `pattern` beside a
+    length bound, and array bounds beside `prefixItems`)."""
 
     backend: str
     keywords: frozenset[str]
@@ -69,11 +74,18 @@ class SchemaSupport:
     merges_siblings: bool = False
     writes_unlisted_required: bool = False
     empty_type_matches_nothing: bool = True
+    writes_recursion: bool = True
+    apart: frozenset[tuple[str, str]] = frozenset()
 
 
 def unenforced(schema: Any, support: SchemaSupport) -> str | None:
     """Why `support.backend` cannot enforce `schema` (the keyword and where it stands), or
     None if it enforces every assertion in it."""
+    if not support.writes_recursion:
+        ref = _recursive_ref(schema)
+        if ref is not None:
+            by = f"{support.backend} backend"
+            return f"$ref {ref!r} reaches itself: recursion is not enforced by the {by}"
     for path, node in _subschemas(schema):
         if not isinstance(node, dict):
             continue
@@ -116,6 +128,9 @@ def _structure(node: dict, support: SchemaSupport, where: str, by: str) -> str |
                 others = sorted(k for k in node if k in ASSERTIONS and k != key)
                 if others:
                     return f"{key} beside {others[0]!r} {where} is not enforced by the {by}"
+    for first, second in sorted(support.apart):
+        if first in node and second in node:
+            return f"{first!r} beside {second!r} {where} is not enforced by the {by}"
     required = node.get("required")
     if not support.writes_unlisted_required and isinstance(required, list):
         listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
@@ -175,19 +190,60 @@ def _subschemas(root: Any) -> Iterator[tuple[str, Any]]:
             target = _resolve(root, ref)
             if target is not None:
                 stack.append((ref[1:] or "/", target))
-        for key in _ONE:
-            if isinstance(node.get(key), (dict, bool)):
-                stack.append((f"{path}/{key}", node[key]))
-        for key in _LIST:
-            if isinstance(node.get(key), list):
-                stack.extend((f"{path}/{key}/{i}", s) for i, s in enumerate(node[key]))
-        for key in _MAP:
-            if isinstance(node.get(key), dict):
-                stack.extend(
-                    (f"{path}/{key}/{name}", s)
-                    for name, s in node[key].items()
-                    if isinstance(s, (dict, bool))
-                )
+        stack.extend(_children(path, node))
+
+
+def _children(path: str, node: dict) -> Iterator[tuple[str, Any]]:
+    """The subschemas directly in `node`'s applicator keywords, with their JSON pointers."""
+    for key in _ONE:
+        if isinstance(node.get(key), (dict, bool)):
+            yield f"{path}/{key}", node[key]
+    for key in _LIST:
+        if isinstance(node.get(key), list):
+            yield from ((f"{path}/{key}/{i}", s) for i, s in enumerate(node[key]))
+    for key in _MAP:
+        if isinstance(node.get(key), dict):
+            yield from (
+                (f"{path}/{key}/{name}", s)
+                for name, s in node[key].items()
+                if isinstance(s, (dict, bool))
+            )
+
+
+def _recursive_ref(root: Any) -> str | None:
+    """A local `$ref` whose target, followed through its subschemas and their `$ref`s,
+    reaches the same `$ref` again, or None."""
+    refs: dict[str, set[str]] = {}  # each local $ref, and those directly inside its target
+    for _, node in _subschemas(root):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
+            refs[ref] = _refs_inside(_resolve(root, ref))
+    for start in refs:
+        seen: set[str] = set()
+        stack = list(refs[start])
+        while stack:
+            ref = stack.pop()
+            if ref == start:
+                return start
+            if ref not in seen:
+                seen.add(ref)
+                stack.extend(refs.get(ref, ()))
+    return None
+
+
+def _refs_inside(node: Any) -> set[str]:
+    """The local `$ref`s in `node` and its subschemas, not following any."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            found.add(ref)
+        stack.extend(s for _, s in _children("", node))
+    return found
 
 
 def _resolve(root: Any, ref: str) -> Any:
