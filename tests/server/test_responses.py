@@ -430,6 +430,21 @@ def test_the_store_keeps_only_the_newest(tmp_path):
     assert ResponseStore(tmp_path / "sub" / "r.sqlite3", capacity=3).get("resp_4")  # persists
 
 
+def test_a_store_that_cannot_be_opened_names_its_path(tmp_path, monkeypatch):
+    """An unusable store or cache directory is named (a FileNotFoundError traceback before:
+    at start-up for the embedded model's conversion, or a 500 on every stored response)."""
+    from braid.runtime.assets import ModelAssets
+    from braid.runtime.server.response_store import StoreUnavailable
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(StoreUnavailable, match=r"response store .*a-file/r\.sqlite3 cannot be"):
+        ResponseStore(blocked / "r.sqlite3")
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(blocked))
+    with pytest.raises(ValueError, match="braid's cache .*set BRAID_CACHE_DIR to a writable"):
+        ModelAssets.load(None, with_tokenizer=False)
+
+
 # ---- reasoning items ------------------------------------------------------------------------
 THINK = r"<think>\n(ab|cd)\n</think>\n\n(yes|no)"
 

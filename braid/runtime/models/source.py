@@ -149,8 +149,14 @@ def _cached(path: Path, name: str, convert: Callable[[Path, Path], None]) -> Pat
         return target
     t0 = time.perf_counter()
     logger.info("converting %s into %s (once; later starts reuse it)", path.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    except OSError as e:
+        raise ValueError(
+            f"cannot write {path.name}'s conversion into braid's cache ({e}): set "
+            "BRAID_CACHE_DIR to a writable directory"
+        ) from None
     try:
         convert(path, tmp)
         try:

@@ -29,6 +29,11 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 
 
+class StoreUnavailable(Exception):
+    """The store's file cannot be created or opened (a server setting, not a request's
+    fault)."""
+
+
 class ResponseStore:
     """Responses by id in the SQLite file at `path` (created, with its folder, if missing);
     storing one past `capacity` deletes the oldest."""
@@ -38,10 +43,13 @@ class ResponseStore:
             raise ValueError(f"response store capacity must be at least 1, got {capacity}")
         self.path = Path(path)
         self.capacity = capacity
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(_SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with closing(self._connect()) as db, db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(_SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreUnavailable(f"the response store {self.path} cannot be opened: {e}") from e
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=30.0, isolation_level=None)

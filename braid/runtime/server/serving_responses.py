@@ -43,7 +43,7 @@ from braid.runtime.server.outputs import (
     submit_all,
     unless_gone,
 )
-from braid.runtime.server.response_store import ResponseStore
+from braid.runtime.server.response_store import ResponseStore, StoreUnavailable
 from braid.runtime.server.responses_input import (
     ResponsesRequest,
     chat_request,
@@ -80,9 +80,22 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         path = state.server_args.get("response_store") or cache_root() / "responses.sqlite3"
         return ResponseStore(path, state.server_args.get("response_store_size") or 10_000)
 
+    async def opened() -> ResponseStore:
+        """`store()`, on a worker thread; a 503 naming the setting if it cannot be opened."""
+        try:
+            return await asyncio.to_thread(store)
+        except StoreUnavailable as e:
+            raise APIError(
+                503,
+                f"{e}: start the server with a writable --response-store (or BRAID_CACHE_DIR), "
+                "or send store: false",
+                "store",
+            ) from None
+
     async def stored(method: str, response_id: str) -> Any:
         """`store().<method>(response_id)`, on a worker thread (SQLite blocks)."""
-        return await asyncio.to_thread(lambda: getattr(store(), method)(response_id))
+        found = await opened()
+        return await asyncio.to_thread(lambda: getattr(found, method)(response_id))
 
     @app.post("/v1/responses", openapi_extra=takes(ResponsesRequest), responses=STREAMED)
     async def create(
@@ -103,7 +116,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                     "previous_response_id",
                 )
             history = found
-        kept = await asyncio.to_thread(store) if body.store else None
+        kept = await opened() if body.store else None
         try:
             chat = await build_chat(state, chat_request(body, history, messages))
             run = ResponseRun(state, body, chat, history + messages, kept)
