@@ -32,6 +32,7 @@ from braid.runtime.server import (
     serving_responses,
 )
 from braid.runtime.server.guard import APIError, Guard, GuardConfig, error_response
+from braid.runtime.server.http import SHUTTING_DOWN
 from braid.runtime.server.openapi import ERRORS, openapi_schema
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.manager import RuntimeDied
@@ -74,6 +75,10 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
 
     app = FastAPI(title="braid", lifespan=lifespan, responses=ERRORS)
     app.state.braid = state
+    # run_server's shutdown hooks: a child that exits once a stop signal came is no failure
+    # (a terminal's Ctrl-C reaches the whole group); the requests in flight end cleanly.
+    app.state.on_stopping = state.tm.stopping
+    app.state.on_drain = lambda: state.tm.end_in_flight(SHUTTING_DOWN)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     guard = GuardConfig(
         api_key=state.api_key,

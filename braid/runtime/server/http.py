@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +27,15 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import HANDLED_SIGNALS
 
+from braid.runtime.server.guard import send_error
+
 logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 KEEP_ALIVE_S = 5.0  # uvicorn's own default
 GRACEFUL_S = 5.0
+SHUTTING_DOWN = "the server is shutting down"
 MAX_HEADER_BYTES = 16 * 1024  # Node's limit; nginx's default buffers hold 4 x 8 KiB
 
 
@@ -190,7 +193,22 @@ class LimitedH11Protocol(H11Protocol):
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that it does not raise the signal it shut down for again
-    afterwards (uvicorn does, so that the process dies of it), so the caller returns normally."""
+    afterwards (uvicorn does, so that the process dies of it), so the caller returns normally;
+    and it tells `watch` when a stop signal first comes and when shutdown has stopped accepting
+    (before the wait for requests in flight)."""
+
+    def __init__(self, config: uvicorn.Config, watch: _AppWatch) -> None:
+        super().__init__(config)
+        self.watch = watch
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self.watch.stopping()
+        super().handle_exit(sig, frame)
+
+    async def _wait_tasks_to_complete(self) -> None:
+        self.watch.drain()
+        await super()._wait_tasks_to_complete()
 
     @contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -206,18 +224,43 @@ class _Server(uvicorn.Server):
 
 
 class _AppWatch:
-    """Wraps the ASGI app for two things uvicorn does not do.
+    """Wraps the ASGI app for what uvicorn does not do.
 
     It keeps the exception the app's lifespan raised: uvicorn logs a start-up failure and calls
-    `sys.exit(3)`, and `run_server` raises ServerStartError with this instead. And an exception
+    `sys.exit(3)`, and `run_server` raises ServerStartError with this instead. An exception
     a request raises after the app was told the client is gone (a body cut off at its deadline,
     a client that hung up) is one debug line, not an error traceback: a client that sends bodies
     slowly on purpose must not be able to fill the log.
+
+    And it ends the requests in flight at shutdown (`drain`): the app's `state.on_drain` ends
+    their work (braid's app: every sample ends with finish_reason "abort", so a stream sends its
+    last chunk and `[DONE]`), and from then on a response not yet started is replaced by a 503
+    JSON error. `state.on_stopping` is called when the first stop signal comes.
     """
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.lifespan_error: BaseException | None = None
+        self.draining = False
+        self.in_flight = 0
+
+    def _hook(self, name: str) -> Callable[[], object] | None:
+        return getattr(getattr(self.app, "state", None), name, None)
+
+    def stopping(self) -> None:
+        hook = self._hook("on_stopping")
+        if hook is not None:
+            hook()
+
+    def drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        hook = self._hook("on_drain")
+        if hook is not None:
+            hook()
+        if self.in_flight:
+            logger.info("braid serve: shutting down: ended %d requests in flight", self.in_flight)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -231,6 +274,7 @@ class _AppWatch:
             await self.app(scope, receive, send)
             return
         told = False
+        started = replaced = False
 
         async def watched_receive() -> Any:
             nonlocal told
@@ -238,8 +282,28 @@ class _AppWatch:
             told = told or message["type"] == "http.disconnect"
             return message
 
+        async def watched_send(message: Any) -> None:
+            nonlocal started, replaced
+            if replaced:
+                return
+            if message["type"] == "http.response.start" and not started:
+                if self.draining:
+                    replaced = True
+                    await send_error(send, 503, SHUTTING_DOWN)
+                    return
+                started = True
+            await send(message)
+
+        self.in_flight += 1
         try:
-            await self.app(scope, watched_receive, send)
+            await self.app(scope, watched_receive, watched_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is left when its wait at shutdown runs out
+            if not self.draining:
+                raise
+            logger.debug("braid serve: %s %s cancelled at shutdown", scope["method"], scope["path"])
+            if not started and not replaced:
+                await send_error(send, 503, SHUTTING_DOWN)
         except Exception as e:
             if not told:
                 raise
@@ -249,6 +313,8 @@ class _AppWatch:
                 scope["path"],
                 e,
             )
+        finally:
+            self.in_flight -= 1
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -282,10 +348,12 @@ def run_server(
 ) -> None:
     """Serve the ASGI `app` on host:port until SIGTERM or SIGINT, then shut down and return.
 
-    Shutting down stops accepting, lets running requests finish for up to `graceful_s` (then
-    cancels them) and runs the app's lifespan shutdown. The signal is not raised again, so the
-    caller decides the exit status. A second SIGINT during the wait skips the rest of it and the
-    lifespan shutdown (uvicorn's force exit).
+    Shutting down stops accepting, calls the app's `state.on_drain` if it has one (braid's app
+    ends its requests in flight there: see `_AppWatch`), lets running requests finish for up to
+    `graceful_s` (then cancels them) and runs the app's lifespan shutdown. An app's
+    `state.on_stopping` is called as the first stop signal comes. The signal is not raised
+    again, so the caller decides the exit status. A second SIGINT during the wait skips the rest
+    of it and the lifespan shutdown (uvicorn's force exit).
 
     Raises ValueError for a bad limit and ServerStartError when the address cannot be bound
     (port in use, unknown host) or the app's lifespan start-up fails; nothing is served then.
@@ -311,7 +379,7 @@ def run_server(
     )
     sock = _bind(host, port)
     try:
-        _Server(config).run(sockets=[sock])
+        _Server(config, watch).run(sockets=[sock])
     except SystemExit as e:
         if e.code != STARTUP_FAILURE:
             raise

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -55,9 +54,9 @@ from braid.runtime.ipc.to_tokenizer import (
     SchedulerHeartbeat,
     SchedulerReady,
     StrOut,
-    merge_str_outs,
 )
 from braid.runtime.sampling_params import SamplingParams, fold_seed
+from braid.runtime.tokenizer.pending import Pending
 from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
@@ -69,35 +68,6 @@ Spawn = Callable[[EngineConfig, Path, frozenset[int], Addresses, str], dict[str,
 
 class RuntimeDied(RuntimeError):
     """A runtime process died; the runtime cannot serve any more."""
-
-
-@dataclass
-class _Pending:
-    """One sample's outputs not yet read: at most one (later ones merge into it; it is the
-    manager's own until `take` hands it over), and the reader's future while it waits."""
-
-    out: StrOut | None = None
-    waiter: asyncio.Future | None = None
-    finished: bool = False
-
-    def put(self, out: StrOut) -> None:
-        if self.finished:  # nothing follows a sample's last output (a late failure notice)
-            return
-        self.out = out if self.out is None else merge_str_outs(self.out, out)
-        if out.finish_reason:
-            self.finished = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def take(self) -> StrOut:
-        while self.out is None:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        out, self.out = self.out, None
-        return out
 
 
 class TokenizerManager:
@@ -124,7 +94,7 @@ class TokenizerManager:
         # Samples in flight by wire id: the rid the scheduler knows, the caller's rid plus a
         # submission number, so a rid can be reused the moment its sample is left (an abort's
         # late outputs carry the old wire id and are dropped). `_wire`: caller's rid -> wire id.
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._wire: dict[str, str] = {}
         # For `abort`: the samples under each id a client holds, and each sample's id.
         self._groups: dict[str, set[str]] = {}
@@ -138,6 +108,10 @@ class TokenizerManager:
         self.encode_words: Callable[[str], list[int]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        # `stopping`: the caller is shutting down (a child that exits now is no failure);
+        # `ended`: why every request was ended (`end_in_flight`), after which none is taken.
+        self._stopping = False
+        self.ended: str | None = None
         # The scheduler's latest heartbeat and when it came (event-loop time).
         self.heartbeat: SchedulerHeartbeat | None = None
         self._beat_at = 0.0
@@ -225,7 +199,7 @@ class TokenizerManager:
         while not self._closing:
             await asyncio.sleep(0.5)
             dead = self._dead_process()
-            if dead and not self._closing:
+            if dead and not self._closing and not self._stopping:
                 self._fail(f"the {dead} process died")
                 return
 
@@ -241,6 +215,28 @@ class TokenizerManager:
                 fut.set_exception(RuntimeDied(message))
         if self.on_failure is not None:
             self.on_failure(message)
+
+    def stopping(self) -> None:
+        """The caller is shutting down: from now on a runtime process that exits is expected (a
+        stop signal sent to the whole process group reaches them too), not a failure."""
+        self._stopping = True
+
+    def end_in_flight(self, reason: str) -> int:
+        """End every sample in flight now: each stream ends with finish_reason "abort" and
+        `reason` as its error, and the scheduler aborts it (its KV goes back as on any abort).
+        Later submissions raise `RuntimeDied(reason)`. Returns how many samples were ended."""
+        self._stopping = True
+        self.ended = self.ended or reason
+        if self.failure or self._closing:
+            return 0
+        ended = 0
+        for wire, p in list(self._pending.items()):
+            if p.finished:
+                continue
+            p.put(StrOut(wire, "", [], 0, 0, 0, finish_reason="abort", error=reason))
+            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
+            ended += 1
+        return ended
 
     async def shutdown(self) -> None:
         """Stop the processes (scheduler first, politely; then anything left, firmly)."""
@@ -333,8 +329,8 @@ class TokenizerManager:
 
     # ---- requests -------------------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self.failure:
-            raise RuntimeDied(self.failure)
+        if self.failure or self.ended:
+            raise RuntimeDied(self.failure or self.ended)
         if self.ready is None:
             raise RuntimeError("the runtime is not started")
 
@@ -483,7 +479,7 @@ class TokenizerManager:
         members = self._groups.setdefault(group or rid, set())
         for srid, wire, f in zip(rids, wires, frames):
             self._wire[srid] = wire
-            self._pending[wire] = _Pending()
+            self._pending[wire] = Pending()
             members.add(srid)
             self._group_of[srid] = group or rid
             self._to_sched.send_multipart(f)

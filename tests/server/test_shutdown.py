@@ -1,0 +1,74 @@
+"""`braid serve` stopping with requests in flight: each client gets a clean ending, the log a
+line, not a traceback per request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import start_server
+
+C = "/v1/completions"
+LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+
+
+def _in_flight(url: str, streamed: int, whole_: int) -> tuple[list, list[threading.Thread]]:
+    """Start `streamed` + `whole_` long completions in threads; returns their results (filled
+    when each ends: ("stream", data payloads) or ("whole", status, body)) and the threads,
+    once the scheduler runs them all."""
+    results: list = []
+
+    def stream() -> None:
+        with httpx.stream("POST", url + C, json={**LONG, "stream": True}, timeout=60) as r:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        results.append(("stream", r.status_code, data))
+
+    def whole() -> None:
+        r = httpx.post(url + C, json=LONG, timeout=60)
+        results.append(("whole", r.status_code, r.text))
+
+    threads = [threading.Thread(target=stream) for _ in range(streamed)]
+    threads += [threading.Thread(target=whole) for _ in range(whole_)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while httpx.get(url + "/get_server_info").json()["stats"]["running_requests"] < len(threads):
+        assert time.time() < deadline, "the requests did not all start"
+        time.sleep(0.2)
+    return results, threads
+
+
+def _assert_ended_cleanly(results: list, n: int) -> None:
+    assert len(results) == n, results
+    for kind, status, body in results:
+        if kind == "whole":
+            assert status == 503, body
+            error = json.loads(body)["error"]
+            assert error["message"] == "the server is shutting down"
+            assert error["type"] == "server_error" and error["code"] == 503
+        else:
+            assert status == 200 and body[-1] == "[DONE]", body[-3:]
+            last = json.loads(body[-2])["choices"][0]
+            assert last["finish_reason"] == "abort", last
+            assert last["error"]["message"] == "the server is shutting down"
+
+
+def test_sigterm_ends_requests_in_flight_with_a_503_or_an_abort_chunk(tmp_path):
+    s = start_server(tmp_path)
+    try:
+        results, threads = _in_flight(s.url, streamed=3, whole_=3)
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(20)
+        for t in threads:
+            t.join(10)
+        log = s.log()
+        assert s.proc.returncode == 0, log
+        _assert_ended_cleanly(results, 6)
+        assert "shutting down: ended 6 requests in flight" in log
+        assert "Traceback" not in log and "shut down cleanly" in log
+    finally:
+        s.stop()
