@@ -10,7 +10,8 @@ outlines-core writes JSON Schema keywords it does not implement as if absent (`m
 `maximum`, `multipleOf`, `uniqueItems`, ...), an `anyOf` beside other keywords as one side
 alone, a date-time without its UTC offset, a uri or email that may end the string early, a
 recursive `$ref` cut off a few levels deep, and `pattern` beside a length bound as the bound
-alone; those schemas are refused here (`SUPPORT`) and go to another backend. Imports no torch: the compile worker imports this module.
+alone; those schemas are refused here (`SUPPORT`) and go to another backend. Imports no torch:
+the compile worker imports this module.
 """
 
 from __future__ import annotations
