@@ -3,8 +3,11 @@ line, not a traceback per request."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -70,5 +73,26 @@ def test_sigterm_ends_requests_in_flight_with_a_503_or_an_abort_chunk(tmp_path):
         _assert_ended_cleanly(results, 6)
         assert "shutting down: ended 6 requests in flight" in log
         assert "Traceback" not in log and "shut down cleanly" in log
+    finally:
+        s.stop()
+
+
+def test_ctrl_c_to_the_process_group_exits_0_without_tracebacks(tmp_path, monkeypatch):
+    # A terminal's Ctrl-C sends SIGINT to every process of the group: server and children.
+    monkeypatch.setattr(
+        subprocess, "Popen", functools.partial(subprocess.Popen, start_new_session=True)
+    )
+    s = start_server(tmp_path)
+    try:
+        results, threads = _in_flight(s.url, streamed=2, whole_=1)
+        os.killpg(s.proc.pid, signal.SIGINT)
+        s.proc.wait(20)
+        for t in threads:
+            t.join(10)
+        log = s.log()
+        assert s.proc.returncode == 0, log
+        _assert_ended_cleanly(results, 3)
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+        assert "runtime failure" not in log and "shut down cleanly" in log
     finally:
         s.stop()

@@ -233,6 +233,9 @@ def run_scheduler_process(
     # graphs) and the rest of building the scheduler.
     started = since_process_start()
     phases = {"process start": started} if started is not None else {}
+    # A terminal's Ctrl-C reaches the whole process group: the server stops this process
+    # (ShutdownReq, then SIGTERM), so a KeyboardInterrupt here would only print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     configure_logging(log_level)
     # Short GIL slices: this thread launches kernels, each launch releasing the GIL, while

@@ -9,6 +9,8 @@ scheduler to the tokenizer manager unchanged.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,11 @@ class DetokenizerManager:
 def run_detokenizer_process(
     model_path: str, addrs: Addresses, parent_pid: int, log_level: str
 ) -> None:
+    # The server stops this process; a signal to the whole group (a terminal's Ctrl-C, a
+    # SIGTERM to the group) must not print a traceback or look like a crash. It holds nothing
+    # that needs flushing, so SIGTERM ends it at once, with status 0.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     die_with_parent(parent_pid)
     configure_logging(log_level)
     from braid.runtime.ipc import codec
