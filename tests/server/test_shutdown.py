@@ -96,3 +96,30 @@ def test_ctrl_c_to_the_process_group_exits_0_without_tracebacks(tmp_path, monkey
         assert "runtime failure" not in log and "shut down cleanly" in log
     finally:
         s.stop()
+
+
+def test_health_turning_bad_and_back_logs_once_each(caplog):
+    import asyncio
+    from pathlib import Path
+
+    from braid.runtime.config import EngineConfig
+    from braid.runtime.ipc.to_tokenizer import SchedulerHeartbeat
+    from braid.runtime.tokenizer.manager import TokenizerManager
+
+    async def run() -> None:
+        tm = TokenizerManager(EngineConfig(), Path("."), frozenset(), spawn=None)  # type: ignore[arg-type]
+        tm.ready = object()  # type: ignore[assignment]
+        tm.heartbeat = SchedulerHeartbeat({}, 0.1)
+        now = asyncio.get_running_loop().time()
+        tm._beat_at = now
+        assert tm.problem(10.0) is None
+        tm._beat_at = now - 20
+        assert tm.problem(10.0) and tm.problem(10.0)
+        tm._beat_at = now
+        assert tm.problem(10.0) is None and tm.problem(10.0) is None
+
+    with caplog.at_level("INFO", logger="braid"):
+        asyncio.run(run())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [lvl for lvl, _ in lines] == ["WARNING", "INFO"], lines
+    assert "has not reported" in lines[0][1] and "healthy again" in lines[1][1]

@@ -115,6 +115,7 @@ class TokenizerManager:
         # The scheduler's latest heartbeat and when it came (event-loop time).
         self.heartbeat: SchedulerHeartbeat | None = None
         self._beat_at = 0.0
+        self._unhealthy: str | None = None  # `problem`'s last answer (its changes are logged)
         # From the processes' start to the model loaded (`start`, or `spawn_early` to `start`'s
         # end).
         self.start_time_s = 0.0
@@ -299,6 +300,15 @@ class TokenizerManager:
 
     # ---- health ---------------------------------------------------------------------------
     def problem(self, silent_s: float = 10.0, stuck_s: float = 120.0) -> str | None:
+        found = self._problem(silent_s, stuck_s)
+        if found and not self._unhealthy and self.ready is not None and not self.failure:
+            logger.warning("runtime unhealthy: %s", found)
+        elif not found and self._unhealthy:
+            logger.info("runtime healthy again (was: %s)", self._unhealthy)
+        self._unhealthy = found
+        return found
+
+    def _problem(self, silent_s: float, stuck_s: float) -> str | None:
         """Why the runtime cannot serve now, or None: a process died, the scheduler has sent
         no heartbeat for `silent_s` (stopped, or too busy to run its threads), or its loop has
         not come round for `stuck_s` (one step that does not end)."""
