@@ -14,8 +14,8 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ from braid.runtime.assets import ModelAssets
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_keywords import resolve_overrides
 from braid.runtime.errors import ParamError
+from braid.runtime.front_loop import FrontLoop, release
 from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
 from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.launch import spawn_runtime
@@ -167,15 +168,11 @@ class LLM:
         self._ids = itertools.count()
         self._closed = False
         # The front end's asyncio loop runs in a daemon thread; calls hop onto it.
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="braid-tokenizer-manager", daemon=True
-        )
-        self._thread.start()
+        self._front = FrontLoop()
         self.tm = TokenizerManager(
             self.config, self.model_path, self.eos_token_ids, spawn=spawn_runtime
         )
-        started = asyncio.run_coroutine_threadsafe(self.tm.start(), self._loop)
+        started = self._front.submit(self.tm.start())
         try:
             # The tokenizer loads here while the runtime processes start.
             self.assets.load_tokenizer()
@@ -189,8 +186,10 @@ class LLM:
             if not started.done():
                 started.cancel()
                 self._call(self.tm.shutdown())
-            self._stop_loop()
+            self._front.stop()
             raise
+        # Collected unheld (`del llm`), its processes stop too; shutdown() runs the same.
+        self._release = weakref.finalize(self, release, self._front, self.tm, self.media)
         self.context_length = self.ready.context_length
         self.pooling = PoolingConfig.from_model(
             self.model_path,
@@ -209,47 +208,14 @@ class LLM:
         )
 
     def _call(self, coro):
-        """Run `coro` on the loop and wait for it. Interrupted here (Ctrl-C in the caller's
-        thread), it is cancelled there, and its cleanup (which aborts the requests it
-        started) has run when the interrupt goes on."""
-        box: dict[str, Any] = {}
-
-        async def call():
-            if box.get("cancelled"):
-                coro.close()
-                raise asyncio.CancelledError
-            box["task"] = asyncio.current_task()
-            return await coro
-
-        def cancel(done: threading.Event) -> None:
-            box["cancelled"] = True
-            task = box.get("task")
-            if task is None or task.done():
-                done.set()
-            else:
-                task.add_done_callback(lambda _: done.set())
-                task.cancel()
-
-        fut = asyncio.run_coroutine_threadsafe(call(), self._loop)
-        try:
-            return fut.result()
-        except BaseException:
-            if not fut.done():
-                done = threading.Event()
-                self._loop.call_soon_threadsafe(cancel, done)
-                done.wait(30)
-            raise
+        return self._front.call(coro)
 
     def run_coroutine(self, coro) -> concurrent.futures.Future:
         """Schedule `coro` on the engine's front-end loop (where `self.tm` lives), from any
         thread; the language's Engine backend drives requests this way."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        return self._front.submit(coro)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -448,12 +414,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "media", None) is not None:
-            self.media.shutdown()
-        try:
-            self._call(self.tm.shutdown())
-        finally:
-            self._stop_loop()
+        self._release()
 
     def __enter__(self) -> LLM:
         return self

@@ -323,3 +323,25 @@ def test_ctrl_c_during_generate_aborts_its_requests(smollm2):
     out = smollm2.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert_kv_all_free_or_cached(smollm2)
+
+
+def test_an_llm_nobody_holds_stops_its_processes(tiny_model_dirs):
+    """`del llm` (or its last reference dropped) stops the runtime's processes, as vLLM's
+    engine does when collected; they ran on until shutdown() or the interpreter's exit."""
+    import gc
+    import time
+    import weakref
+
+    import braid
+
+    llm = braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, show_progress=False)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    procs, held = list(llm.tm.procs.values()), weakref.ref(llm)
+    assert procs and all(p.is_alive() for p in procs)
+    del llm
+    gc.collect()
+    assert held() is None
+    deadline = time.monotonic() + 20
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.is_alive() for p in procs)

@@ -1,0 +1,70 @@
+"""The offline `LLM`'s front-end event loop: an asyncio loop in a daemon thread, where its
+tokenizer manager lives, and the calls that hop onto it from the caller's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+
+class FrontLoop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="braid-tokenizer-manager", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Schedule `coro` on the loop, from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine) -> Any:
+        """Run `coro` on the loop and wait for it. Interrupted here (Ctrl-C in the caller's
+        thread), it is cancelled there, and its cleanup (which aborts the requests it
+        started) has run when the interrupt goes on."""
+        box: dict[str, Any] = {}
+
+        async def call():
+            if box.get("cancelled"):
+                coro.close()
+                raise asyncio.CancelledError
+            box["task"] = asyncio.current_task()
+            return await coro
+
+        def cancel(done: threading.Event) -> None:
+            box["cancelled"] = True
+            task = box.get("task")
+            if task is None or task.done():
+                done.set()
+            else:
+                task.add_done_callback(lambda _: done.set())
+                task.cancel()
+
+        fut = self.submit(call())
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done():
+                done = threading.Event()
+                self.loop.call_soon_threadsafe(cancel, done)
+                done.wait(30)
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def release(front: FrontLoop, tm: Any, media: Any) -> None:
+    """Stop an engine's runtime processes, media workers and loop (`LLM.shutdown`, and when
+    an `LLM` nobody holds is collected: the object's finalizer, which holds no `LLM`)."""
+    try:
+        if media is not None:
+            media.shutdown()
+        front.call(tm.shutdown())
+    finally:
+        front.stop()
