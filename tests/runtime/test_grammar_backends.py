@@ -28,7 +28,7 @@ from braid.runtime.constrained.outlines_backend import SUPPORT as OUTLINES
 from braid.runtime.constrained.schema_support import closed_objects, unenforced
 from braid.runtime.constrained.spec import check_spec
 from braid.runtime.constrained.xgrammar_backend import SUPPORT as XGRAMMAR
-from braid.runtime.constrained.xgrammar_backend import compile_spec
+from braid.runtime.constrained.xgrammar_backend import compile_spec, dot_excludes_newline
 from braid.runtime.tokenizer.tokenizer import load_tokenizer
 from tests.runtime.grammars import (
     ARITHMETIC,
@@ -198,6 +198,24 @@ def test_what_xgrammar_would_skip_is_refused_before_and_while_compiling():
     info = xgr.TokenizerInfo([b"a", b"1", b""], xgr.VocabType.RAW, stop_token_ids=[2])
     with pytest.raises(ValueError, match="^json_schema: xgrammar would not enforce all of it"):
         compile_spec(xgr.GrammarCompiler(info, max_threads=1), "json_schema", json.dumps(both))
+
+
+def test_xgrammar_dot_excludes_a_newline_as_the_other_backends_do(compilers):
+    for c in compilers.values():
+        assert walk(c, "regex", "a.{2}b", "axyb") == (True, True)
+        assert walk(c, "regex", "a.{2}b", "a\nxb")[0] is False
+        assert walk(c, "regex", r"a\.b|a[.]c", "a.c") == (True, True)
+        assert walk(c, "regex", r"a\.b|a[.]c", "axb")[0] is False
+    assert dot_excludes_newline(r"a.\.[.].[^].]\\.") == r"a[^\n]\.[.][^\n][^].]\\[^\n]"
+
+
+def test_ip_addresses_with_leading_zeros_are_refused_on_every_backend(compilers):
+    ipv4 = {"type": "string", "format": "ipv4"}
+    assert "format 'ipv4'" in unenforced(ipv4, XGRAMMAR)
+    assert "format 'ipv6'" in unenforced({"type": "string", "format": "ipv6"}, XGRAMMAR)
+    for c in compilers.values():
+        assert walk(c, "json_schema", ipv4, '"176.83.39.49"') == (True, True)
+        assert walk(c, "json_schema", ipv4, '"176.83.039.49"')[1] is False
 
 
 def test_closed_objects_narrow_and_keep_allof_schemas():

@@ -50,8 +50,9 @@ SUPPORT = SchemaSupport(
         "minimum maximum exclusiveMinimum exclusiveMaximum multipleOf patternProperties "
         "propertyNames minProperties maxProperties".split()
     ),
+    # Its ipv4 (and ipv6's embedded ipv4) admits leading zeros: "176.83.039.49".
     formats=frozenset(
-        "date-time date time duration email hostname ipv4 ipv6 uri uri-reference uuid "
+        "date-time date time duration email hostname uri uri-reference uuid "
         "uri-template json-pointer relative-json-pointer".split()
     ),
     multiple_of_integers_only=True,
@@ -106,6 +107,36 @@ def _structural_tag(spec: Any) -> dict[str, Any]:
     }
 
 
+def dot_excludes_newline(regex: str) -> str:
+    """`regex` with each `.` outside a character class written `[^\\n]`: xgrammar's `.` matches
+    a newline, Python's (and llguidance's, outlines-core's) does not. Escaped characters and
+    classes (`\\.`, `[.]`) are copied as they are."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            out.append(regex[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            # A "]" first in the class (after any "^") is a literal one.
+            j = i + 1 + (regex[i + 1 : i + 2] == "^")
+            if regex[j : j + 1] == "]":
+                out.append(regex[i : j + 1])
+                i = j + 1
+                continue
+        elif ch == ".":
+            ch = "[^\\n]"
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
 def compile_spec(compiler: xgr.GrammarCompiler, kind: str, spec: Any) -> xgr.CompiledGrammar:
     """Compile a checked (kind, spec); `ValueError` naming the field if xgrammar cannot, or if
     it warns that it would not enforce all of it."""
@@ -114,7 +145,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, kind: str, spec: Any) -> xgr.Com
             if kind == "json_schema":
                 compiled = compiler.compile_json_schema(spec, any_whitespace=False)
             elif kind == "regex":
-                compiled = compiler.compile_regex(spec)
+                compiled = compiler.compile_regex(dot_excludes_newline(spec))
             elif kind == "choice":
                 compiled = compiler.compile_regex(regex_of_choices(spec))
             elif kind == "ebnf":
