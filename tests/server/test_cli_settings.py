@@ -35,3 +35,18 @@ def test_serve_ends_at_a_bad_chat_template_before_loading_the_model(tmp_path):
     assert run.returncode == 2, run.stderr
     assert "x.jinj' is not a file" in run.stderr
     assert "KV cache" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_braid_log_level_sets_serves_level_unless_the_flag_is_given(tmp_path):
+    """$BRAID_LOG_LEVEL was overridden by --log-level's default (info)."""
+    import os
+
+    def run(*flags: str) -> str:
+        env = {**os.environ, "BRAID_LOG_LEVEL": "critical"}
+        argv = [sys.executable, "-m", "braid", "serve", "--chat-template", "nope", *flags]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 2
+        return done.stderr
+
+    assert "is not a file" not in run()  # an error line, below critical
+    assert "is not a file" in run("--log-level", "error")

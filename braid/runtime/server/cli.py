@@ -130,8 +130,10 @@ class ServerSettings:
     response_store_size: int = setting(
         10_000, "most responses the response store keeps; storing more deletes the oldest"
     )
-    log_level: str = setting(
-        "info", "log level", choices=("debug", "info", "warning", "error", "critical")
+    log_level: str | None = setting(
+        None,
+        "log level; unset: $BRAID_LOG_LEVEL, else info",
+        choices=("debug", "info", "warning", "error", "critical"),
     )
     dp_size: int = setting(
         1,
@@ -345,7 +347,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     phases: dict[str, float] = {}
     if before_serve is not None:
         phases["imports"] = before_serve + time.perf_counter() - entered
-    level = args.log_level.upper()
+    level = (args.log_level or os.environ.get("BRAID_LOG_LEVEL") or "info").upper()
     configure_logging(level)
     try:
         config = settings_from_args(EngineConfig, args)
