@@ -218,6 +218,30 @@ def test_ip_addresses_with_leading_zeros_are_refused_on_every_backend(compilers)
         assert walk(c, "json_schema", ipv4, '"176.83.039.49"')[1] is False
 
 
+def test_property_counts_on_an_object_open_to_other_keys_are_refused_by_every_backend(compilers):
+    # llguidance and xgrammar wrote {"c": 2, "b": 10, "c": 2} for these: three members counted,
+    # two properties parsed.
+    counted = {"type": "object", "minProperties": 3, "maxProperties": 4}
+    a = {"a": {"type": "integer"}}
+    for opener in [
+        {"properties": a, "additionalProperties": {"type": "integer"}},
+        {"properties": a, "patternProperties": {"^[a-z]$": {"type": "integer"}}},
+        {"propertyNames": {"pattern": "^[a-z]$"}},
+        {"properties": a, "additionalProperties": True},
+    ]:
+        for c in compilers.values():
+            with pytest.raises(ValueError, match="'maxProperties' .* a key may be written twice"):
+                c.compile("json_schema", {**counted, **opener})
+    nested = {"type": "array", "items": {"type": "object", "minProperties": 1}}
+    with pytest.raises(ValueError, match="'minProperties' \\(at /items\\) is not enforced"):
+        compilers["llguidance"].compile("json_schema", nested)
+    # Where the keys are the listed ones, each is written once, and the count holds.
+    fixed = {**counted, "properties": {**a, "b": {}}, "minProperties": 2}
+    for c in compilers.values():
+        assert walk(c, "json_schema", fixed, '{"a": 1, "b": 2}') == (True, True)
+        assert walk(c, "json_schema", fixed, '{"a": 1}')[1] is False
+
+
 def test_closed_objects_narrow_and_keep_allof_schemas():
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
     closed = closed_objects(schema)

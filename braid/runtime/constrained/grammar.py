@@ -31,7 +31,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from braid.runtime.constrained import GRAMMAR_BACKENDS, get_grammar_backend
-from braid.runtime.constrained.spec import check_spec, grammar_key
+from braid.runtime.constrained.schema_support import counted_open_object
+from braid.runtime.constrained.spec import check_spec, grammar_key, json_spec, structural_tag
 from braid.runtime.constrained.vocab import TokenVocab, token_vocab
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,15 @@ class GrammarBackend(ABC):
         may still fail to compile). Cheap: needs no vocabulary."""
         if kind not in cls.kinds:
             return f"{kind}: the {cls.name} grammar backend does not take {kind} constraints"
+        schemas = []
+        if kind == "json_schema":
+            schemas = [json_spec(kind, spec)]
+        elif kind == "structural_tag":
+            schemas = [s["schema"] for s in structural_tag(spec)["structures"]]
+        for schema in schemas:
+            why = counted_open_object(schema)
+            if why is not None:
+                return f"{kind}: {why}"
         return None
 
     @abstractmethod

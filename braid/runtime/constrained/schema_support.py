@@ -143,6 +143,28 @@ def _structure(node: dict, support: SchemaSupport, where: str, by: str) -> str |
     return None
 
 
+def counted_open_object(schema: Any) -> str | None:
+    """Why no backend enforces `schema`: `minProperties` or `maxProperties` on an object that
+    admits keys beyond its `properties` (after `closed_objects`), with where it stands; or
+    None. llguidance and xgrammar count such an object's members without knowing their keys,
+    so they may write a key twice (`{"c": 2, "b": 10, "c": 2}`), which parses to fewer
+    properties than they counted."""
+    for path, node in _subschemas(closed_objects(schema)):
+        if not isinstance(node, dict):
+            continue
+        counts = sorted(k for k in ("minProperties", "maxProperties") if k in node)
+        types = node.get("type", "object")
+        if not counts or "object" not in (types if isinstance(types, list) else [types]):
+            continue
+        if node.get("additionalProperties") is not False or node.get("patternProperties"):
+            return (
+                f"{counts[0]!r} (at {path or '/'}) is not enforced on an object that admits "
+                "keys beyond its properties (additionalProperties, patternProperties or "
+                "propertyNames): a key may be written twice"
+            )
+    return None
+
+
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists
     `properties` and says nothing about other properties, as outlines-core and xgrammar's
