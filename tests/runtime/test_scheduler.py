@@ -108,3 +108,21 @@ def test_max_tokens_zero_prefills_and_caches_without_generating(sched):
     while sched.has_work:
         again += sched.step()
     assert again[-1].cached_tokens == len(prompt)
+
+
+def test_retractions_are_logged_once_per_interval(tiny_model_dirs, caplog):
+    """KV running short for decoding retracts requests with one WARNING (SGLang logs them);
+    they were counted in the stats only. More within 10 s wait for the next line."""
+    import logging
+
+    from tests.conftest import run_to_end
+
+    sched = local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=64)
+    for i in range(4):
+        sched.handle(GenerateReq(str(i), [i + 1] * 8, SamplingParams(max_tokens=30, **GREEDY), i))
+    with caplog.at_level(logging.WARNING, logger="braid"):
+        tokens = run_to_end(sched)
+    assert sorted(len(t) for t in tokens.values()) == [30] * 4
+    lines = [r.getMessage() for r in caplog.records if "retracted to the queue" in r.getMessage()]
+    assert sched.stats.retractions > 1 and len(lines) == 1, (sched.stats.retractions, lines)
+    assert lines[0].startswith("KV cache ran short for decoding: 1 request(s) of ")

@@ -12,6 +12,7 @@ prefix cache; they wait again at the head of the queue with their output kept).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from braid.runtime.scheduler.stats import SchedulerStats
 from braid.runtime.scheduler.verify import Drafter, build_verify
 
 logger = logging.getLogger(__name__)
+RETRACTION_LOG_S = 10.0
 
 NEW_TOKEN_RATIO_INIT = 0.7
 NEW_TOKEN_RATIO_MIN = 0.1
@@ -44,6 +46,7 @@ class DecodePlanner:
         self.device = device
         self.drafter = drafter  # speculative decoding: drafts to verify with each step
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self._held, self._logged_at = (0, 0), -RETRACTION_LOG_S  # retractions not logged yet
 
     def plan(self) -> tuple[StepPlan | None, Req | None]:
         """The decode step of every running request, after retracting what must go to make room
@@ -52,6 +55,7 @@ class DecodePlanner:
         when a lone request cannot grow, no plan and that request (it cannot ever fit: the
         caller fails it)."""
         running = self.reqs.view(ReqStatus.RUNNING)
+        retracted: list[Req] = []
         while running:
             need = sum(1 for r in running if r.kv_len % self.kv.page_size == 0)
             # Pinned program KV goes before any running request is retracted.
@@ -60,10 +64,14 @@ class DecodePlanner:
             prefilling = self.reqs.first(ReqStatus.PREFILLING)
             if prefilling is not None:
                 self.retract(prefilling)  # its chunks must not starve running decodes
+                retracted.append(prefilling)
                 continue
             if len(running) == 1:
                 return None, running[0]
-            self.retract(running.pop())
+            retracted.append(running.pop())
+            self.retract(retracted[-1])
+        if retracted:
+            self._log_retractions(retracted)
         if not running:
             return None, None
         self.count_step(running)
@@ -95,6 +103,22 @@ class DecodePlanner:
         """Pages to keep for the future decodes of `reqs`."""
         tokens = sum(min(r.remaining_new_tokens, RESERVE_CLIP) for r in reqs)
         return self.kv.allocator.pages_for(int(tokens * self.new_token_ratio))
+
+    def _log_retractions(self, reqs: list[Req]) -> None:
+        """One WARNING for a step's retractions (as SGLang logs them), at most one every
+        `RETRACTION_LOG_S` seconds: the ones in between are counted into the next."""
+        self._held = (self._held[0] + len(reqs), self._held[1] + sum(r.seq_len for r in reqs))
+        now = time.monotonic()
+        if now - self._logged_at < RETRACTION_LOG_S:
+            return
+        (n, tokens), self._held, self._logged_at = self._held, (0, 0), now
+        logger.warning(
+            "KV cache ran short for decoding: %d request(s) of %d tokens retracted to the "
+            "queue (their KV cached; %d running)",
+            n,
+            tokens,
+            len(self.reqs.view(ReqStatus.RUNNING)),
+        )
 
     def retract(self, req: Req) -> None:
         """Free an admitted request's KV (into the cache) and queue it again at the head,
