@@ -196,9 +196,9 @@ def test_a_users_triton_cache_dir_is_kept_and_phases_run_in_turn(tiny_dir, tmp_p
 
 
 def test_a_port_in_use_ends_serve_with_a_message_and_no_runtime_left(tiny_dir, tmp_path):
-    """The runtime starts before the server binds its port (the model loads while the
-    tokenizer does): when the port turns out to be taken, serve says so, exits 1 and leaves
-    none of the runtime's processes behind."""
+    """serve binds its port before the runtime starts (it used to find a taken port only
+    after the model loaded): it says so, exits 2 without loading the model, and leaves none
+    of the runtime's processes behind."""
     import os
     import socket
     import subprocess
@@ -220,8 +220,9 @@ def test_a_port_in_use_ends_serve_with_a_message_and_no_runtime_left(tiny_dir, t
             env=env,
             cwd=tmp_path,
         )
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert "braid serve:" in run.stderr and str(port) in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert "KV cache" not in run.stderr, run.stderr[-3000:]  # the model was not loaded
     left = []
     for p in psutil.process_iter():
         try:

@@ -31,7 +31,13 @@ from braid.runtime.reasoning import PARSER_NAMES as REASONING_PARSER_NAMES
 from braid.runtime.reasoning import get_parser as get_reasoning_parser
 from braid.runtime.sampling_params import defaults_from_generation_config
 from braid.runtime.server.guard import MAX_BODY_BYTES
-from braid.runtime.server.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S
+from braid.runtime.server.http import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    ServerStartError,
+    bind_listener,
+)
 
 logger = logging.getLogger("braid.serve")
 
@@ -389,7 +395,8 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         )
         api_key = _api_key(settings)
         chat_template = settings.chat_template and read_chat_template(settings.chat_template)
-    except ValueError as e:
+        listener = bind_listener(settings.host, settings.port)  # before the model loads
+    except (ValueError, ServerStartError) as e:
         logger.error("braid serve: %s", e)
         return 2
 
@@ -521,6 +528,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             header_timeout_s=settings.header_timeout,
             body_timeout_s=settings.body_timeout,
             keep_alive_s=settings.keep_alive_timeout,
+            sock=listener,
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
         logger.error("braid serve: %s", e)

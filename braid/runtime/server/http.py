@@ -317,17 +317,20 @@ class _AppWatch:
             self.in_flight -= 1
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    # Bound here so that a taken port raises in the caller; not listening yet, so that clients
-    # are refused, not queued, until the app's start-up is done and uvicorn starts serving.
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound so that a taken port or a bad address fails the caller
+    (`braid serve` binds before loading the model, as vLLM does: a mistake costs no load);
+    not listening yet, so that clients are refused, not queued, until the app's start-up is
+    done and uvicorn starts serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise ServerStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        why = getattr(e, "strerror", None) or e
+        raise ServerStartError(f"cannot listen on {host}:{port}: {why}") from e
     return sock
 
 
@@ -345,8 +348,10 @@ def run_server(
     keep_alive_s: float = KEEP_ALIVE_S,
     max_header_bytes: int = MAX_HEADER_BYTES,
     graceful_s: float = GRACEFUL_S,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve the ASGI `app` on host:port until SIGTERM or SIGINT, then shut down and return.
+    """Serve the ASGI `app` on host:port (through `sock` if given, a `bind_listener` socket)
+    until SIGTERM or SIGINT, then shut down and return.
 
     Shutting down stops accepting, calls the app's `state.on_drain` if it has one (braid's app
     ends its requests in flight there: see `_AppWatch`), lets running requests finish for up to
@@ -377,7 +382,7 @@ def run_server(
         timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
     )
-    sock = _bind(host, port)
+    sock = sock if sock is not None else bind_listener(host, port)
     try:
         _Server(config, watch).run(sockets=[sock])
     except SystemExit as e:
