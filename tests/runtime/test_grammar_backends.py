@@ -254,6 +254,15 @@ def test_closed_objects_narrow_and_keep_allof_schemas():
     assert closed_objects(merged) == merged
 
 
+def test_an_object_requiring_a_key_outside_its_properties_is_left_open(compilers):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    assert closed_objects(schema) == schema
+    for c in compilers.values():  # llguidance compiles it, for every configured backend
+        assert c.compile("json_schema", schema).unsatisfiable is None
+        assert walk(c, "json_schema", schema, '{"a": 1, "b": "x"}') == (True, True)
+        assert walk(c, "json_schema", schema, '{"a": 1}')[1] is False
+
+
 # ---- how each backend compiles on the pool ---------------------------------------------------
 def _gone(pid: int) -> bool:
     try:

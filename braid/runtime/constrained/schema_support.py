@@ -169,8 +169,10 @@ def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists
     `properties` and says nothing about other properties, as outlines-core and xgrammar's
     strict mode compile every schema: keys outside the schema's are not generated. Every
-    instance of the result is an instance of `schema`. A schema with an `allOf` anywhere is
-    left as it is (closing its branches one by one could exclude what their merge allows)."""
+    instance of the result is an instance of `schema`. An object that requires a key outside
+    its `properties` is left open (closed, it would admit no instance), and a schema with an
+    `allOf` anywhere is left as it is (closing its branches one by one could exclude what their
+    merge allows)."""
     if _mentions(schema, "allOf"):
         return schema
 
@@ -181,7 +183,13 @@ def closed_objects(schema: Any) -> Any:
             return node
         out = {k: close(v) for k, v in node.items()}
         opened = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-        if isinstance(node.get("properties"), dict) and not any(k in node for k in opened):
+        listed = node.get("properties")
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if (
+            isinstance(listed, dict)
+            and not any(k in node for k in opened)
+            and all(k in listed for k in required)
+        ):
             out["additionalProperties"] = False
         return out
 
