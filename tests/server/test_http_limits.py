@@ -255,6 +255,8 @@ def test_lifespan_failure_raises_server_start_error():
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.splitlines()[-1]
     assert last == "start-up failed: application start-up failed: weights not found"
+    # The reason once, as the caller says it: not uvicorn's traceback and exit line too.
+    assert "Traceback" not in proc.stderr and "Exiting" not in proc.stderr, proc.stderr
 
 
 def test_port_in_use_raises_server_start_error():

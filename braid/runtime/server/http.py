@@ -264,8 +264,16 @@ class _AppWatch:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
+
+            async def quiet_send(message: Any) -> None:
+                # The start-up failure's traceback (uvicorn would log it): run_server's
+                # caller logs one line with the error instead.
+                if message["type"] == "lifespan.startup.failed":
+                    message = {**message, "message": ""}
+                await send(message)
+
             try:
-                await self.app(scope, receive, send)
+                await self.app(scope, receive, quiet_send)
             except BaseException as e:
                 self.lifespan_error = e
                 raise
@@ -315,6 +323,12 @@ class _AppWatch:
             )
         finally:
             self.in_flight -= 1
+
+
+def _no_startup_failure_line(record: logging.LogRecord) -> bool:
+    """uvicorn's "Application startup failed. Exiting.": run_server raises ServerStartError
+    with the reason, and its caller logs that."""
+    return record.getMessage() != "Application startup failed. Exiting."
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -383,6 +397,8 @@ def run_server(
         timeout_graceful_shutdown=graceful_s,  # type: ignore[arg-type]
     )
     sock = sock if sock is not None else bind_listener(host, port)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_no_startup_failure_line)
     try:
         _Server(config, watch).run(sockets=[sock])
     except SystemExit as e:
@@ -392,4 +408,5 @@ def run_server(
         reason = f": {error}" if error is not None else ""
         raise ServerStartError(f"application start-up failed{reason}") from error
     finally:
+        uvicorn_log.removeFilter(_no_startup_failure_line)
         sock.close()
