@@ -22,7 +22,7 @@ def server(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("serve")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BRAID_TORCH_PROFILER_DIR", str(log_dir / "profiles"))
-        s = start_server(log_dir)
+        s = start_server(log_dir, "--log-requests")
     s.profile_dir = log_dir / "profiles"
     yield s
     s.stop()

@@ -127,6 +127,19 @@ def test_chat_without_max_tokens_runs_past_completions_default_of_16(client):
     assert out.usage.completion_tokens >= 17 and out.choices[0].finish_reason == "stop"
 
 
+def test_log_requests_logs_one_line_per_request(client, server):
+    """--log-requests (SGLang's flag; the module's server has it): one line per request as
+    it ends. Nothing logged requests before, at any level."""
+    client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="Hi", max_tokens=1, temperature=-1)
+    lines = server.log().splitlines()
+    assert any(re.search(r"127\.0\.0\.1:\d+ POST /v1/chat/completions 200 in \d", x) for x in lines)
+    assert any(re.search(r"POST /v1/completions 400 in \d+\.\d{3} s$", x) for x in lines)
+
+
 def test_extras_via_extra_body(client):
     out = client.completions.create(
         model="smollm2-135m",

@@ -136,6 +136,11 @@ class ServerSettings:
     response_store_size: int = setting(
         10_000, "most responses the response store keeps; storing more deletes the oldest"
     )
+    log_requests: bool = setting(
+        False,
+        "log one line per request as it ends: client, method, path, status, seconds",
+        aliases=("--enable-log-requests",),  # vLLM's
+    )
     log_level: str | None = setting(
         None,
         "log level; unset: $BRAID_LOG_LEVEL, else info",
@@ -529,6 +534,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             body_timeout_s=settings.body_timeout,
             keep_alive_s=settings.keep_alive_timeout,
             sock=listener,
+            log_requests=settings.log_requests,
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
         logger.error("braid serve: %s", e)

@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -238,8 +239,9 @@ class _AppWatch:
     JSON error. `state.on_stopping` is called when the first stop signal comes.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, log_requests: bool = False) -> None:
         self.app = app
+        self.log_requests = log_requests  # one INFO line per request as it ends
         self.lifespan_error: BaseException | None = None
         self.draining = False
         self.in_flight = 0
@@ -283,6 +285,7 @@ class _AppWatch:
             return
         told = False
         started = replaced = False
+        status, t0 = 0, time.perf_counter()
 
         async def watched_receive() -> Any:
             nonlocal told
@@ -291,15 +294,15 @@ class _AppWatch:
             return message
 
         async def watched_send(message: Any) -> None:
-            nonlocal started, replaced
+            nonlocal started, replaced, status
             if replaced:
                 return
             if message["type"] == "http.response.start" and not started:
                 if self.draining:
-                    replaced = True
+                    replaced, status = True, 503
                     await send_error(send, 503, SHUTTING_DOWN)
                     return
-                started = True
+                started, status = True, message["status"]
             await send(message)
 
         self.in_flight += 1
@@ -323,6 +326,16 @@ class _AppWatch:
             )
         finally:
             self.in_flight -= 1
+            if self.log_requests:
+                logger.info(
+                    "%s %s %s %s in %.3f s%s",
+                    _address(scope.get("client")),
+                    scope["method"],
+                    scope["path"],
+                    status or "-",
+                    time.perf_counter() - t0,
+                    " (client left)" if told else "",
+                )
 
 
 def _no_startup_failure_line(record: logging.LogRecord) -> bool:
@@ -363,9 +376,11 @@ def run_server(
     max_header_bytes: int = MAX_HEADER_BYTES,
     graceful_s: float = GRACEFUL_S,
     sock: socket.socket | None = None,
+    log_requests: bool = False,
 ) -> None:
     """Serve the ASGI `app` on host:port (through `sock` if given, a `bind_listener` socket)
-    until SIGTERM or SIGINT, then shut down and return.
+    until SIGTERM or SIGINT, then shut down and return; `log_requests` logs one line per
+    request as it ends (client, method, path, status, seconds).
 
     Shutting down stops accepting, calls the app's `state.on_drain` if it has one (braid's app
     ends its requests in flight there: see `_AppWatch`), lets running requests finish for up to
@@ -384,7 +399,7 @@ def run_server(
         keep_alive_s=keep_alive_s,
         max_header_bytes=max_header_bytes,
     )
-    watch = _AppWatch(app)
+    watch = _AppWatch(app, log_requests)
     config = uvicorn.Config(
         watch,
         host=host,
