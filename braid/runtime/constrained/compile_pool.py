@@ -179,6 +179,7 @@ class _Task:
     spec: Any
     future: Future[CompiledGrammar]
     worker: _Worker | None = None  # the worker compiling it, once one is
+    started: float | None = None  # when a worker began compiling it (time.monotonic)
 
     @property
     def kind(self) -> str:
@@ -213,6 +214,7 @@ class AsyncGrammarCompiler:
         self._lock = threading.Lock()  # guards what follows, and settles the futures
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._in_flight: dict[tuple[str, str], _Task] = {}
+        self._task_of: dict[Future[CompiledGrammar], _Task] = {}  # the in-flight ones
         self._live: set[_Worker] = set()
         self._drivers: list[threading.Thread] = []
         self._closed = False
@@ -246,8 +248,16 @@ class AsyncGrammarCompiler:
             task = self._in_flight.get(key)
             if task is None:
                 task = self._in_flight[key] = _Task(key, spec, Future())
+                self._task_of[task.future] = task
                 self._tasks.put(task)
         return task.future
+
+    def started(self, fut: Future[CompiledGrammar]) -> float | None:
+        """When a worker began compiling `fut`'s spec (`time.monotonic()`), or None while it
+        waits in the queue (or if it is done, or not ours)."""
+        with self._lock:
+            task = self._task_of.get(fut)
+            return None if task is None else task.started
 
     def start(self) -> None:
         """Start the driver threads now rather than at the first `submit`: they build the
@@ -271,7 +281,7 @@ class AsyncGrammarCompiler:
         running one's worker is killed and replaced, off this thread) and `fut` fails with a
         timeout `ValueError`, as do the requests sharing it."""
         with self._lock:
-            task = next((t for t in self._in_flight.values() if t.future is fut), None)
+            task = self._task_of.get(fut)
             if task is None:
                 return  # done already, or not ours
             timed_out = ValueError(f"{task.kind}: grammar compilation timed out {TIMEOUT_HINT}")
@@ -326,7 +336,7 @@ class AsyncGrammarCompiler:
         library is not handed to the next) or if a backend says no output satisfies the spec
         (`grammar.matches_nothing`: nor would one from any other backend)."""
         if task.future.done():
-            return  # it ran out of time while queued
+            return  # cancelled while queued
         try:
             compiler = self._get_compiler()
             names = compiler.candidates(task.kind, task.spec)
@@ -363,6 +373,8 @@ class AsyncGrammarCompiler:
             if task.future.done():
                 return None, None, True
             task.worker = worker
+            if task.started is None:  # its time limit counts from here
+                task.started = time.monotonic()
         error: Exception | None = None
         try:
             answer = worker.compile(task.kind, spec)
@@ -450,6 +462,7 @@ class AsyncGrammarCompiler:
         """Complete `task`'s future, unless something else has (the caller holds the lock)."""
         if self._in_flight.get(task.key) is task:
             del self._in_flight[task.key]
+        self._task_of.pop(task.future, None)
         if task.future.done():
             return
         if error is None:
@@ -469,11 +482,13 @@ class _Pending(Generic[T]):
     item: T
     kind: str
     future: Future[CompiledGrammar]
-    deadline: float
 
 
 class PendingGrammars(Generic[T]):
-    """Items (requests) waiting for their grammars, in arrival order, each with a deadline."""
+    """Items (requests) waiting for their grammars, in arrival order. Each compile has
+    `timeout_s` from when a worker starts it: time spent queued behind other compiles (each
+    bounded the same way) does not count, so a trivial schema queued behind slow ones does not
+    fail for their sake."""
 
     def __init__(self, compiler: AsyncGrammarCompiler, timeout_s: float) -> None:
         if not timeout_s > 0:
@@ -489,8 +504,7 @@ class PendingGrammars(Generic[T]):
         return (p.item for p in self._items)
 
     def add(self, item: T, kind: str, spec: Any) -> None:
-        fut = self.compiler.submit(kind, spec)
-        self._items.append(_Pending(item, kind, fut, time.monotonic() + self.timeout_s))
+        self._items.append(_Pending(item, kind, self.compiler.submit(kind, spec)))
 
     def remove(self, item: T) -> bool:
         """Stop waiting for `item`'s grammar (the compile, if running, still completes and is
@@ -521,7 +535,7 @@ class PendingGrammars(Generic[T]):
                     ready.append((p.item, p.future.result()))
                 else:
                     failed.append((p.item, str(error)))
-            elif now >= p.deadline:
+            elif self._out_of_time(p.future, now):
                 self.compiler.overran(p.future)
                 failed.append(
                     (
@@ -534,6 +548,10 @@ class PendingGrammars(Generic[T]):
                 keep.append(p)
         self._items = keep
         return ready, failed
+
+    def _out_of_time(self, fut: Future[CompiledGrammar], now: float) -> bool:
+        started = self.compiler.started(fut)
+        return started is not None and now >= started + self.timeout_s
 
     def wait(self, timeout_s: float) -> None:
         """Block until some grammar is ready or `timeout_s` passes (for a scheduler with
