@@ -176,6 +176,23 @@ def test_auto_parses_calls_from_the_text_streamed_or_not(client):
             {"tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
         ),
+        # A schema braid cannot enforce, found compiling the tools' constraint: it named
+        # json_schema, a field the request did not send.
+        (
+            {
+                "tool_choice": "required",
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "array", "uniqueItems": True},
+                        },
+                    }
+                ],
+            },
+            "tools",
+        ),
     ],
 )
 def test_bad_tool_fields_are_400_naming_the_field(client, extra, param):

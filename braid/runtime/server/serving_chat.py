@@ -104,8 +104,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
-        response = await build_chat(state, req, text)
-        return await response.respond(request)
+        try:
+            response = await build_chat(state, req, text)
+            return await response.respond(request)
+        except APIError as e:
+            raise in_tools_terms(e, req) from None
 
     async def render_request_template(req: ChatCompletionRequest) -> str:
         sandbox = state.template_sandbox
@@ -339,6 +342,16 @@ def _chat_prompt(
         # Named as a whole: where a message sits on the chat path is not always where it sits
         # in the request (the Responses API puts its history and instructions first).
         raise APIError(400, str(e), "messages") from None
+
+
+def in_tools_terms(e: APIError, req: ChatCompletionRequest) -> APIError:
+    """A refusal of the constraint braid made from the request's tools (tool_choice
+    "required" or a named function: a JSON schema; strict tools: a structural tag) names
+    `tools`, the field the client sent, not the constraint's kind."""
+    kinds = ("json_schema", "structural_tag")
+    if not req.tools or e.param not in kinds or req.constraint_fields():
+        return e
+    return APIError(e.status, "tools: " + e.message.removeprefix(f"{e.param}: "), "tools", e.kind)
 
 
 def check_template_fields(req: Any) -> None:
