@@ -115,8 +115,11 @@ def test_a_killed_worker_leaves_rotation_and_sigterm_leaves_no_process(dp):
     for i in range(8):
         assert _complete(server.url, f"After the kill, request {i}.")["choices"]
     assert "worker-1 exited" in server.log()
+    logs = re.search(r"logs in (\S+)\)", server.log()).group(1)
     server.stop()
     assert server.proc.returncode == 0
+    # A clean exit leaves no log directory behind (one per start piled up in /tmp).
+    assert not os.path.exists(logs), logs
     everyone = [p for ps in pids for p in ps.values()]
     deadline = time.time() + 10
     while any(_alive(p) for p in everyone) and time.time() < deadline:

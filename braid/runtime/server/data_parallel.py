@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,6 +255,7 @@ def serve_data_parallel(
         return 1
     if server._stop.is_set():
         server.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
         return 0
     logger.info(
         "braid serve: ready at %s (router, policy %s, %d workers: %s; logs in %s)",
@@ -263,4 +265,9 @@ def serve_data_parallel(
         " ".join(w.url for w in server.workers),
         log_dir,
     )
-    return server.wait()
+    code = server.wait()
+    if code == 0:  # the children's logs are kept where something went wrong
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        logger.info("braid serve: the workers' and router's logs are in %s", log_dir)
+    return code
