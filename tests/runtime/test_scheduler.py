@@ -3,6 +3,8 @@ depend on who else is running, and the scheduler's message interface keeps KV ac
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import braid
@@ -126,3 +128,26 @@ def test_retractions_are_logged_once_per_interval(tiny_model_dirs, caplog):
     lines = [r.getMessage() for r in caplog.records if "retracted to the queue" in r.getMessage()]
     assert sched.stats.retractions > 1 and len(lines) == 1, (sched.stats.retractions, lines)
     assert lines[0].startswith("KV cache ran short for decoding: 1 request(s) of ")
+
+
+def test_a_working_scheduler_logs_its_throughput(tiny_model_dirs, caplog):
+    """One INFO line every interval while requests run (10 s; 0 here): running and queued
+    requests, KV use, prefill and generation rates. Nothing said how busy a server was."""
+    import logging
+
+    from braid.runtime.scheduler.process import SchedulerLoop
+
+    loop = SchedulerLoop(local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=256))
+    loop.throughput.every_s = 0.0
+    for i in range(2):
+        loop.handle(GenerateReq(str(i), [i + 1] * 8, SamplingParams(max_tokens=3, **GREEDY), i))
+    with caplog.at_level(logging.INFO, logger="braid"):
+        while loop.scheduler.has_work:
+            loop.step()
+    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert re.fullmatch(
+        r"2 running, 0 queued; KV \d+\.\d% used; last 0 s: prefill \d+\.\d tok/s, "
+        r"generation \d+\.\d tok/s",
+        lines[0],
+    ), lines
+    assert len(lines) >= 3 and lines[-1].startswith("0 running")

@@ -139,11 +139,51 @@ def prepare_grammar_compiler(model_path: Path, backend: str) -> GrammarCompiler:
     return compiler
 
 
+class ThroughputLog:
+    """One INFO line every `every_s` seconds while the scheduler works (SGLang's decode-batch
+    line, vLLM's throughput line): the requests running and queued, the KV pool's use, and the
+    prefill and generation rates since the line before."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.idle()
+
+    def idle(self) -> None:
+        """Nothing runs: the next line counts from when work comes again."""
+        self.generated, self.prefilled_at, self.since = 0, None, None
+
+    def begin(self, s: Scheduler) -> None:
+        """A step starts: after idling, the next line counts from here."""
+        if self.since is None:
+            self.prefilled_at, self.since = s.stats.prefill_tokens_computed, time.monotonic()
+
+    def note(self, s: Scheduler, outs: list[TokenOut]) -> None:
+        """A step's outputs: the line, if `every_s` has passed since the last."""
+        self.generated += sum(len(o.new_token_ids) for o in outs)
+        seconds = time.monotonic() - self.since
+        if seconds < self.every_s:
+            return
+        stats = s.control("stats", None)
+        prefilled = s.stats.prefill_tokens_computed
+        logger.info(
+            "%d running, %d queued; KV %.1f%% used; last %.0f s: prefill %.1f tok/s, "
+            "generation %.1f tok/s",
+            stats["running_requests"],
+            stats["queued_requests"],
+            100 * stats["kv_usage"],
+            seconds,
+            (prefilled - self.prefilled_at) / seconds,
+            self.generated / seconds,
+        )
+        self.generated, self.prefilled_at, self.since = 0, prefilled, time.monotonic()
+
+
 class SchedulerLoop:
     """One iteration's logic, free of sockets: messages in, messages out."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.throughput = ThroughputLog()
         self.stopping = False
         # Under tensor parallelism a failed step is the group's end: the other ranks may be
         # waiting in a collective rank 0 never reached, so it is raised, not survived.
@@ -208,7 +248,9 @@ class SchedulerLoop:
         s = self.scheduler
         if not s.has_work:
             s.expire()  # session pins reach their TTL while nothing runs too
+            self.throughput.idle()
             return []
+        self.throughput.begin(s)
         try:
             outs = s.step()
         except Exception as e:  # any failure of a forward must not kill the server
@@ -217,6 +259,7 @@ class SchedulerLoop:
             logger.error("step failed, failing the requests in flight: %s", e)
             logger.debug("%s", traceback.format_exc())
             outs = s.fail_all(f"internal error: {e}")
+        self.throughput.note(s, outs)
         return [BatchTokenOut(outs)] if outs else []
 
 
