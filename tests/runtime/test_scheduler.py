@@ -131,14 +131,17 @@ def test_retractions_are_logged_once_per_interval(tiny_model_dirs, caplog):
 
 
 def test_a_working_scheduler_logs_its_throughput(tiny_model_dirs, caplog):
-    """One INFO line every interval while requests run (10 s; 0 here): running and queued
-    requests, KV use, prefill and generation rates. Nothing said how busy a server was."""
+    """One INFO line every interval while requests run (braid serve asks for 10 s; 0 here):
+    running and queued requests, KV use, prefill and generation rates. Nothing said how busy
+    a server was. Off unless asked (the offline LLM, as vLLM's)."""
     import logging
 
+    from braid.runtime.ipc.to_scheduler import ControlReq
     from braid.runtime.scheduler.process import SchedulerLoop
 
     loop = SchedulerLoop(local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=256))
-    loop.throughput.every_s = 0.0
+    assert loop.throughput.every_s is None
+    assert loop.handle(ControlReq(1, "log_throughput", "0"))[0].ok
     for i in range(2):
         loop.handle(GenerateReq(str(i), [i + 1] * 8, SamplingParams(max_tokens=3, **GREEDY), i))
     with caplog.at_level(logging.INFO, logger="braid"):

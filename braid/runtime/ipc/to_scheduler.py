@@ -106,7 +106,8 @@ class ControlReq:
 
     `op`: "stats" (counters and KV usage), "flush_cache", "check_invariants" (the KV
     accounting check tests and operators use), "close_session" (`arg`: the session id), or
-    "end_program" (`arg`: a program id sent without a session: its run has ended)."""
+    "end_program" (`arg`: a program id sent without a session: its run has ended), or
+    "log_throughput" (`arg`: seconds between the scheduler's throughput lines; empty: off)."""
 
     req_id: int
     op: str

@@ -142,9 +142,10 @@ def prepare_grammar_compiler(model_path: Path, backend: str) -> GrammarCompiler:
 class ThroughputLog:
     """One INFO line every `every_s` seconds while the scheduler works (SGLang's decode-batch
     line, vLLM's throughput line): the requests running and queued, the KV pool's use, and the
-    prefill and generation rates since the line before."""
+    prefill and generation rates since the line before. None: off (the offline `LLM`, as
+    vLLM's; `braid serve` turns it on with the control op "log_throughput")."""
 
-    def __init__(self, every_s: float = 10.0) -> None:
+    def __init__(self, every_s: float | None = None) -> None:
         self.every_s = every_s
         self.idle()
 
@@ -159,6 +160,8 @@ class ThroughputLog:
 
     def note(self, s: Scheduler, outs: list[TokenOut]) -> None:
         """A step's outputs: the line, if `every_s` has passed since the last."""
+        if self.every_s is None:
+            return
         self.generated += sum(len(o.new_token_ids) for o in outs)
         seconds = time.monotonic() - self.since
         if seconds < self.every_s:
@@ -213,6 +216,9 @@ class SchedulerLoop:
         if isinstance(msg, ControlReq):
             if msg.op in ("start_profile", "stop_profile"):
                 return [self.profile(msg)]
+            if msg.op == "log_throughput":
+                self.throughput.every_s = float(msg.arg) if msg.arg else None
+                return [ControlOut(msg.req_id, True)]
             try:
                 result = s.control(msg.op, msg.arg)
                 programs = s.program_infos() if msg.op == "stats" else None

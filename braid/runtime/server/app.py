@@ -53,6 +53,10 @@ _APIS = (
 )
 
 
+# The scheduler's throughput line: one every this many seconds of work (docs/server.md).
+THROUGHPUT_LOG_S = 10.0
+
+
 def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The app serving `state`; its lifespan starts the runtime (then calls `on_ready`) and
     shuts it down."""
@@ -60,6 +64,7 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.tm.start()
+        await state.tm.control("log_throughput", arg=str(THROUGHPUT_LOG_S))
         if state.template_sandbox is not None:
             await asyncio.to_thread(state.template_sandbox.start)
         if on_ready is not None:
