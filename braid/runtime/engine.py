@@ -190,6 +190,9 @@ class LLM:
             raise
         # Collected unheld (`del llm`), its processes stop too; shutdown() runs the same.
         self._release = weakref.finalize(self, release, self._front, self.tm, self.media)
+        # Not at the interpreter's exit: its thread pools are gone by then (the runtime's
+        # processes end with their parent anyway).
+        self._release.atexit = False
         self.context_length = self.ready.context_length
         self.pooling = PoolingConfig.from_model(
             self.model_path,

@@ -61,10 +61,17 @@ class FrontLoop:
 
 def release(front: FrontLoop, tm: Any, media: Any) -> None:
     """Stop an engine's runtime processes, media workers and loop (`LLM.shutdown`, and when
-    an `LLM` nobody holds is collected: the object's finalizer, which holds no `LLM`)."""
+    an `LLM` nobody holds is collected: the object's finalizer, which holds no `LLM`).
+    Collected on the loop's own thread (its last reference dropped by a coroutine there, or
+    the garbage collector running there), the shutdown is scheduled rather than waited for:
+    waiting would block the loop that must run it."""
+    if media is not None:
+        media.shutdown()
+    if threading.current_thread() is front._thread:
+        task = front.loop.create_task(tm.shutdown())
+        task.add_done_callback(lambda _: front.loop.stop())
+        return
     try:
-        if media is not None:
-            media.shutdown()
         front.call(tm.shutdown())
     finally:
         front.stop()

@@ -345,3 +345,49 @@ def test_an_llm_nobody_holds_stops_its_processes(tiny_model_dirs):
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(p.is_alive() for p in procs)
+
+
+def test_an_llm_released_on_its_loops_thread_does_not_block_it():
+    """The finalizer may run on the loop's own thread (a coroutine there dropped the last
+    reference, or the garbage collector ran there): waiting there for the shutdown, which the
+    same loop must run, blocked the loop for good."""
+    import asyncio
+    import time
+
+    from braid.runtime.front_loop import FrontLoop, release
+
+    ran = []
+
+    class Manager:
+        async def shutdown(self):
+            await asyncio.sleep(0.01)
+            ran.append(True)
+
+    front = FrontLoop()
+
+    async def release_here():
+        release(front, Manager(), None)
+
+    front.submit(release_here()).result(timeout=5)
+    deadline = time.monotonic() + 5
+    while front._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ran and not front._thread.is_alive()
+
+
+def test_a_script_that_never_shuts_down_exits_quietly(tiny_model_dirs):
+    """At the interpreter's exit the finalizer does not run (its thread pools are gone: a
+    RuntimeError traceback); the runtime's processes end with their parent."""
+    import subprocess
+    import sys
+
+    script = (
+        "import braid\n"
+        f"llm = braid.LLM({str(tiny_model_dirs['llama'])!r}, kv_tokens=256, show_progress=False)\n"
+        "print(llm.generate([[1, 2, 3]], braid.SamplingParams(max_tokens=2), use_tqdm=False)"
+        "[0].outputs[0].token_ids)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
