@@ -230,11 +230,17 @@ def test_property_counts_on_an_object_open_to_other_keys_are_refused_by_every_ba
         {"properties": a, "additionalProperties": True},
     ]:
         for c in compilers.values():
-            with pytest.raises(ValueError, match="'maxProperties' .* a key may be written twice"):
+            with pytest.raises(ValueError, match="'minProperties' 3 .* a key may be written twice"):
                 c.compile("json_schema", {**counted, **opener})
-    nested = {"type": "array", "items": {"type": "object", "minProperties": 1}}
-    with pytest.raises(ValueError, match="'minProperties' \\(at /items\\) is not enforced"):
+    nested = {"type": "array", "items": {"type": "object", "minProperties": 2}}
+    with pytest.raises(ValueError, match="'minProperties' 2 \\(at /items\\) is not enforced"):
         compilers["llguidance"].compile("json_schema", nested)
+    # What a key written twice cannot break is taken: an upper bound (fewer parse than were
+    # counted) and a lower bound of 1, Pydantic's dict[str, str] = Field(max_length=5) and
+    # Field(min_length=1).
+    for taken in ({"maxProperties": 5}, {"minProperties": 1}):
+        schema = {"type": "object", "additionalProperties": {"type": "string"}, **taken}
+        compilers["llguidance"].compile("json_schema", schema)
     # Where the keys are the listed ones, each is written once, and the count holds.
     fixed = {**counted, "properties": {**a, "b": {}}, "minProperties": 2}
     for c in compilers.values():

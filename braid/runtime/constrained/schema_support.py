@@ -144,23 +144,27 @@ def _structure(node: dict, support: SchemaSupport, where: str, by: str) -> str |
 
 
 def counted_open_object(schema: Any) -> str | None:
-    """Why no backend enforces `schema`: `minProperties` or `maxProperties` on an object that
+    """Why no backend enforces `schema`: `minProperties` of 2 or more on an object that
     admits keys beyond its `properties` (after `closed_objects`), with where it stands; or
     None. llguidance and xgrammar count such an object's members without knowing their keys,
     so they may write a key twice (`{"c": 2, "b": 10, "c": 2}`), which parses to fewer
-    properties than they counted."""
+    properties than they counted. That breaks only a lower bound past 1: `maxProperties`
+    holds (fewer parse than were counted), and so does `minProperties` 1 (Pydantic's
+    non-empty dict)."""
     for path, node in _subschemas(closed_objects(schema)):
         if not isinstance(node, dict):
             continue
-        counts = sorted(k for k in ("minProperties", "maxProperties") if k in node)
+        least = node.get("minProperties")
         types = node.get("type", "object")
-        if not counts or "object" not in (types if isinstance(types, list) else [types]):
+        if not isinstance(least, int) or least < 2:
+            continue
+        if "object" not in (types if isinstance(types, list) else [types]):
             continue
         if node.get("additionalProperties") is not False or node.get("patternProperties"):
             return (
-                f"{counts[0]!r} (at {path or '/'}) is not enforced on an object that admits "
-                "keys beyond its properties (additionalProperties, patternProperties or "
-                "propertyNames): a key may be written twice"
+                f"'minProperties' {least} (at {path or '/'}) is not enforced on an object "
+                "that admits keys beyond its properties (additionalProperties, "
+                "patternProperties or propertyNames): a key may be written twice"
             )
     return None
 
