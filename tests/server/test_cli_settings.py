@@ -23,6 +23,11 @@ def test_a_chat_template_is_a_file_or_jinja_text_that_parses(tmp_path):
         read_chat_template("chatml")
     with pytest.raises(ValueError, match="does not parse: .*line 1"):
         read_chat_template("{% for m in messages %}{{ m.content }")
+    # transformers' own tags parse (its environment adds {% generation %}).
+    marked = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    assert read_chat_template(marked) == marked
+    with pytest.raises(ValueError, match="unknown tag 'nope'"):
+        read_chat_template("{% nope %}")
 
 
 def test_serve_ends_at_a_bad_chat_template_before_loading_the_model(tmp_path):

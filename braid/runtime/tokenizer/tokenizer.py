@@ -361,10 +361,26 @@ def read_chat_template(value: str, where: str = "--chat-template") -> str:
             f"{where}: {value!r} is not a file (and holds no Jinja tags to be a template itself)"
         )
     try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        parse_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{where}: the template does not parse: {e} (line {e.lineno})") from None
     return text
+
+
+def parse_template(text: str) -> Any:
+    """A chat template's syntax tree, as transformers will read it: with jinja's loop controls,
+    and where a tag is unknown to those, in transformers' own environment (which adds tags such
+    as `{% generation %}`; imported only then). Raises jinja2's `TemplateSyntaxError`."""
+    import jinja2
+
+    try:
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        if "unknown tag" not in str(e):
+            raise
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template("").environment.parse(text)
 
 
 def template_reads(
@@ -386,7 +402,7 @@ def _template_variables(template: str) -> frozenset[str]:
     from jinja2 import meta
 
     try:
-        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        parsed = parse_template(template)
     except jinja2.TemplateSyntaxError:
         return frozenset()
     return frozenset(meta.find_undeclared_variables(parsed))
