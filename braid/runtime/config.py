@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the se
     import torch  # end starts the runtime's processes without paying for its import first
 
 # `dtype` values -> torch dtype names
-# `dtype` values -> torch dtype names
 _DTYPES = {
     "float": "float32",
     "half": "float16",
@@ -101,9 +100,7 @@ class EngineConfig:
     mem_fraction_static: float | None = setting(
         None,
         "fraction of memory, in (0, 1), for the KV pool: on CUDA of total GPU memory, weights "
-        "included (as SGLang and vLLM's gpu_memory_utilization); on CPU of available RAM; "
-        "unset: 0.85 on CUDA, 0.15 on CPU",
-        aliases=("--gpu-memory-utilization",),
+        "included (as SGLang); on CPU of available RAM; unset: 0.85 on CUDA, 0.15 on CPU",
     )
     page_size: int = setting(1, "tokens per KV page")
     max_running_requests: int | None = setting(

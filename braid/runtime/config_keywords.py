@@ -66,7 +66,11 @@ OTHER_ENGINES = {
     "tokenizer": "the tokenizer is the model directory's own (a separate one is not supported)",
     "tokenizer_path": "the tokenizer is the model directory's own (a separate one is not "
     "supported)",
-    "disable_log_stats": "braid logs no periodic statistics: leave it out",
+    "gpu_memory_utilization": "braid's mem_fraction_static is the same share on CUDA (weights "
+    "included), but on the CPU the share of available RAM for the KV cache alone: set it, or "
+    "kv_tokens",
+    "disable_log_stats": "the offline LLM logs no periodic statistics, and braid serve's "
+    "throughput line goes with --log-level warning",
     "compilation_config": "braid does not use torch.compile; enforce_eager turns CUDA graphs off",
 }
 

@@ -88,7 +88,6 @@ def test_an_sglang_alias_is_an_llm_keyword_for_its_field():
     # vLLM's names where the meaning is the same.
     assert resolve_overrides({"max_model_len": 256}) == {"context_length": 256}
     assert resolve_overrides({"enforce_eager": True}) == {"disable_cuda_graph": True}
-    assert resolve_overrides({"gpu_memory_utilization": 0.5}) == {"mem_fraction_static": 0.5}
     assert resolve_overrides({"max_num_seqs": 8}) == {"max_running_requests": 8}
     assert resolve_overrides({"random_seed": 3}) == {"seed": 3}  # SGLang's
     names = keyword_names()
@@ -118,6 +117,9 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
         resolve_overrides({"max_num_batched_tokens": 64})
     with pytest.raises(ValueError, match="prefix cache is always on; disable_radix_cache"):
         resolve_overrides({"enable_prefix_caching": True})
+    # The same share on CUDA, not on the CPU (0.9 of free RAM for the KV cache alone).
+    with pytest.raises(ValueError, match="gpu_memory_utilization': braid's mem_fraction_static"):
+        resolve_overrides({"gpu_memory_utilization": 0.9})
     with pytest.raises(SystemExit) as e:
         main(["serve", "--data-parallel-size", "2"])
     assert e.value.code == 2
