@@ -82,7 +82,8 @@ def test_ctrl_c_to_the_process_group_exits_0_without_tracebacks(tmp_path, monkey
     monkeypatch.setattr(
         subprocess, "Popen", functools.partial(subprocess.Popen, start_new_session=True)
     )
-    s = start_server(tmp_path)
+    # The template sandbox's process is in the group too.
+    s = start_server(tmp_path, "--allow-request-chat-template")
     try:
         results, threads = _in_flight(s.url, streamed=2, whole_=1)
         os.killpg(s.proc.pid, signal.SIGINT)

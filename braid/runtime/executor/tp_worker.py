@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from multiprocessing.process import BaseProcess
@@ -63,6 +64,8 @@ def run_follower_process(
     from braid.runtime.executor.model_runner import ModelRunner
     from braid.runtime.models.config import ModelConfig
 
+    # A terminal's Ctrl-C reaches the whole group: rank 0's process stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
     configure_logging(log_level)
     path = Path(model_path)

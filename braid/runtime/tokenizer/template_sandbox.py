@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +92,7 @@ def _worker(model_path: str, max_chars: int, conn: Connection) -> None:
     from braid.runtime.ipc.children import die_with_parent
     from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops it (a group's Ctrl-C)
     die_with_parent()
     _limit_sandbox(max_chars)
     tokenizer = load_tokenizer(model_path)
