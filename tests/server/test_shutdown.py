@@ -71,7 +71,7 @@ def test_sigterm_ends_requests_in_flight_with_a_503_or_an_abort_chunk(tmp_path):
         log = s.log()
         assert s.proc.returncode == 0, log
         _assert_ended_cleanly(results, 6)
-        assert "shutting down: ended 6 requests in flight" in log
+        assert "shutting down: ended 6 samples in flight" in log
         assert "Traceback" not in log and "shut down cleanly" in log
     finally:
         s.stop()

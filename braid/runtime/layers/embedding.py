@@ -47,6 +47,9 @@ class LMHead(nn.Module):
     # The rounding is about 0.05 on logits of 18 (see above): every token within this of a
     # row's largest quantized logit is computed again, which holds the float head's top one.
     REFINE_MARGIN = 0.5
+    # At most this many a row on average (a flat row would gather the whole weight); past it,
+    # each row's largest this many.
+    REFINE_MAX = 64
 
     def __init__(
         self,
@@ -93,6 +96,9 @@ class LMHead(nn.Module):
         mask and a gather: a top-k over the vocabulary cost 0.2 ms a row on two cores)."""
         logits = logits.float()
         near = logits >= logits.amax(dim=-1, keepdim=True) - self.REFINE_MARGIN
+        if int(near.sum()) > self.REFINE_MAX * logits.shape[0]:
+            top = logits.topk(self.REFINE_MAX, dim=-1).indices
+            near = torch.zeros_like(near).scatter_(1, top, True)
         rows, cols = near.nonzero(as_tuple=True)
         weights = self.weight.index_select(0, cols).float()
         logits[rows, cols] = (weights * h.float().index_select(0, rows)).sum(-1)

@@ -164,7 +164,7 @@ class ThroughputLog:
             return
         self.generated += sum(len(o.new_token_ids) for o in outs)
         seconds = time.monotonic() - self.since
-        if seconds < self.every_s:
+        if seconds < self.every_s or seconds <= 0:
             return
         stats = s.control("stats", None)
         prefilled = s.stats.prefill_tokens_computed

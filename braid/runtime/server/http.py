@@ -259,10 +259,9 @@ class _AppWatch:
             return
         self.draining = True
         hook = self._hook("on_drain")
-        if hook is not None:
-            hook()
-        if self.in_flight:
-            logger.info("braid serve: shutting down: ended %d requests in flight", self.in_flight)
+        ended = hook() if hook is not None else None
+        if isinstance(ended, int) and ended:  # the samples the app ended
+            logger.info("braid serve: shutting down: ended %d samples in flight", ended)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
