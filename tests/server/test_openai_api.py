@@ -113,18 +113,20 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert first.choices[0].message.content == second.choices[0].message.content
 
 
-def test_chat_without_max_tokens_runs_past_completions_default_of_16(client):
+def test_chat_without_max_tokens_runs_past_completions_default_of_16(client, server):
     """Chat's max_tokens defaults to the context (vLLM's and SGLang's), not completions' 16:
-    min_tokens 17 with no max_tokens used to be refused as more than max_tokens (16)."""
-    msgs = [{"role": "user", "content": "Tell me about the ocean."}]
+    min_tokens 17 with no max_tokens used to be refused as more than max_tokens (16). Every
+    token is a "." (logit_bias), so the stop string ends it right after min_tokens."""
+    (dot,) = httpx.post(server.url + "/tokenize", json={"prompt": "."}).json()["tokens"]
     out = client.chat.completions.create(
         model="smollm2-135m",
-        messages=msgs,
+        messages=[{"role": "user", "content": "Tell me about the ocean."}],
         temperature=0,
         stop=["."],
+        logit_bias={str(dot): 100},
         extra_body={"min_tokens": 17},
     )
-    assert out.usage.completion_tokens >= 17 and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 18 and out.choices[0].finish_reason == "stop"
 
 
 def test_log_requests_logs_one_line_per_request(client, server):
