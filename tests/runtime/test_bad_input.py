@@ -312,12 +312,17 @@ def test_ctrl_c_during_generate_aborts_its_requests(smollm2):
     import threading
     import time
 
+    # Python's own Ctrl-C handler, whatever an earlier test of this process left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     long = SamplingParams(max_tokens=400, ignore_eos=True)
     with pytest.raises(KeyboardInterrupt):
-        smollm2.generate([f"Story {i}:" for i in range(16)], long, use_tqdm=False)
-        time.sleep(5)  # the interrupt lands here if generate returned first (it should not)
+        try:
+            smollm2.generate([f"Story {i}:" for i in range(16)], long, use_tqdm=False)
+            time.sleep(5)  # the interrupt lands here if generate returned first (it should not)
+        finally:
+            signal.signal(signal.SIGINT, previous)
     stats = smollm2.stats()
     assert stats["running_requests"] == 0 and stats["queued_requests"] == 0, stats
     out = smollm2.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -259,7 +259,9 @@ def test_kept_layers_hold_the_files_weights(blocks_dir):
     assert 1 <= refined.sum() < refined.numel()
     torch.testing.assert_close(got[refined], float_logits[:n][refined], rtol=0, atol=1e-5)
     assert torch.equal(got.argmax(-1), float_logits[:n].argmax(-1))
-    # A flat row (every logit near the largest) refines only REFINE_MAX of them.
+    # No rows (a step of embeddings only: nothing sampled), and a flat row (every logit near
+    # the largest), which refines only REFINE_MAX of them.
+    assert model.lm_head(h[:0]).shape == (0, want.shape[0])
     flat = model.lm_head.refine(h[:1], torch.zeros(1, want.shape[0]))
     assert (flat != 0).sum() == min(model.lm_head.REFINE_MAX, want.shape[0])
     assert torch.equal(got[~refined], quantized[~refined])
