@@ -60,17 +60,24 @@ def _assert_ended_cleanly(results: list, n: int) -> None:
             assert last["error"]["message"] == "the server is shutting down"
 
 
+def _stop_with_requests_in_flight(s, streamed: int, whole: int, stop) -> str:
+    """`stop()` the server while `streamed` + `whole` requests run; checks it exited 0 and
+    each request ended cleanly; its log."""
+    results, threads = _in_flight(s.url, streamed=streamed, whole_=whole)
+    stop()
+    s.proc.wait(20)
+    for t in threads:
+        t.join(10)
+    log = s.log()
+    assert s.proc.returncode == 0, log
+    _assert_ended_cleanly(results, streamed + whole)
+    return log
+
+
 def test_sigterm_ends_requests_in_flight_with_a_503_or_an_abort_chunk(tmp_path):
     s = start_server(tmp_path)
     try:
-        results, threads = _in_flight(s.url, streamed=3, whole_=3)
-        s.proc.send_signal(signal.SIGTERM)
-        s.proc.wait(20)
-        for t in threads:
-            t.join(10)
-        log = s.log()
-        assert s.proc.returncode == 0, log
-        _assert_ended_cleanly(results, 6)
+        log = _stop_with_requests_in_flight(s, 3, 3, lambda: s.proc.send_signal(signal.SIGTERM))
         assert "shutting down: ended 6 samples in flight" in log
         assert "Traceback" not in log and "shut down cleanly" in log
     finally:
@@ -85,14 +92,7 @@ def test_ctrl_c_to_the_process_group_exits_0_without_tracebacks(tmp_path, monkey
     # The template sandbox's process is in the group too.
     s = start_server(tmp_path, "--allow-request-chat-template")
     try:
-        results, threads = _in_flight(s.url, streamed=2, whole_=1)
-        os.killpg(s.proc.pid, signal.SIGINT)
-        s.proc.wait(20)
-        for t in threads:
-            t.join(10)
-        log = s.log()
-        assert s.proc.returncode == 0, log
-        _assert_ended_cleanly(results, 3)
+        log = _stop_with_requests_in_flight(s, 2, 1, lambda: os.killpg(s.proc.pid, signal.SIGINT))
         assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
         assert "runtime failure" not in log and "shut down cleanly" in log
     finally:

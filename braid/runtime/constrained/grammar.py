@@ -185,6 +185,16 @@ class GrammarMatcher(ABC):
         return errors
 
 
+def schemas_of(kind: str, spec: Any) -> list[Any]:
+    """The JSON schemas a constraint holds: a json_schema's own, a structural tag's
+    structures'; none for other kinds."""
+    if kind == "json_schema":
+        return [json_spec(kind, spec)]
+    if kind == "structural_tag":
+        return [s["schema"] for s in structural_tag(spec)["structures"]]
+    return []
+
+
 class GrammarBackend(ABC):
     """One grammar library over one tokenizer's vocabulary.
 
@@ -204,12 +214,7 @@ class GrammarBackend(ABC):
         may still fail to compile). Cheap: needs no vocabulary."""
         if kind not in cls.kinds:
             return f"{kind}: the {cls.name} grammar backend does not take {kind} constraints"
-        schemas = []
-        if kind == "json_schema":
-            schemas = [json_spec(kind, spec)]
-        elif kind == "structural_tag":
-            schemas = [s["schema"] for s in structural_tag(spec)["structures"]]
-        for schema in schemas:
+        for schema in schemas_of(kind, spec):
             why = counted_open_object(schema)
             if why is not None:
                 return f"{kind}: {why}"

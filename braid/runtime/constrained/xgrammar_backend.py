@@ -36,11 +36,12 @@ from braid.runtime.constrained.grammar import (
     GrammarBackend,
     GrammarMatcher,
     parallel_cpus,
+    schemas_of,
     thread_cap,
 )
 from braid.runtime.constrained.jump_forward import tokens_spelling
 from braid.runtime.constrained.schema_support import CORE, SchemaSupport, unenforced
-from braid.runtime.constrained.spec import json_spec, regex_of_choices, structural_tag
+from braid.runtime.constrained.spec import regex_of_choices, structural_tag
 from braid.runtime.constrained.vocab import TokenVocab
 
 SUPPORT = SchemaSupport(
@@ -183,12 +184,7 @@ class XGrammarBackend(GrammarBackend):
         reason = super().refusal(kind, spec)
         if reason is not None:
             return reason
-        schemas = []
-        if kind == "json_schema":
-            schemas = [json_spec(kind, spec)]
-        elif kind == "structural_tag":
-            schemas = [s["schema"] for s in structural_tag(spec)["structures"]]
-        for schema in schemas:
+        for schema in schemas_of(kind, spec):
             why = unenforced(schema, SUPPORT)
             if why is not None:
                 return f"{kind}: {why}"
