@@ -244,7 +244,6 @@ class _AppWatch:
         self.log_requests = log_requests  # one INFO line per request as it ends
         self.lifespan_error: BaseException | None = None
         self.draining = False
-        self.in_flight = 0
 
     def _hook(self, name: str) -> Callable[[], object] | None:
         return getattr(getattr(self.app, "state", None), name, None)
@@ -304,7 +303,6 @@ class _AppWatch:
                 started, status = True, message["status"]
             await send(message)
 
-        self.in_flight += 1
         try:
             await self.app(scope, watched_receive, watched_send)
         except asyncio.CancelledError:
@@ -324,7 +322,6 @@ class _AppWatch:
                 e,
             )
         finally:
-            self.in_flight -= 1
             if self.log_requests:
                 logger.info(
                     "%s %s %s %s in %.3f s%s",
