@@ -45,6 +45,7 @@ def _registry(module: str, names: str) -> Callable[[], list[str]]:
 _grammar_backends = _registry("braid.runtime.constrained", "grammar_backend_names")
 _quantization_methods = _registry("braid.runtime.quantization", "quantization_method_names")
 _attention_backends = _registry("braid.runtime.attention", "backend_names")
+_schedule_policies = _registry("braid.runtime.scheduler.policies", "policy_names")
 
 
 # Speculative decoding: SGLang's algorithm names (`--speculative-algorithm`); vLLM's
@@ -133,7 +134,7 @@ class EngineConfig:
         "order; program: the program that has received the least service first, with aging "
         "(braid programs and sessions; see docs/architecture.md); program-srpt: the program "
         "predicted to ask for the least work yet first, with aging",
-        choices=("lpm", "fcfs", "program", "program-srpt"),
+        choices=_schedule_policies,
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
     seed: int = setting(

@@ -181,7 +181,7 @@ def test_every_setting_declares_a_doc(f):
 def test_a_value_outside_a_fields_choices_names_the_field_and_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"schedule_policy must be one of \['lpm', 'fcfs', 'program', 'program-srpt'\]",
+        match=r"schedule_policy must be one of \['fcfs', 'lpm', 'program', 'program-srpt'\]",
     ):
         EngineConfig(schedule_policy="random")
     with pytest.raises(ValueError, match="attention_backend must be None or one of"):
@@ -224,7 +224,7 @@ def test_fixed_choices_are_the_flags_choices():
         if isinstance(f.metadata["choices"], tuple):
             assert list(actions[flag(f.name)].choices) == choices_of(f)
     with pytest.raises(SystemExit):
-        parse("--schedule-policy", "random")
+        parse("--generation-config", "random")
 
 
 def test_an_empty_command_line_gives_the_declared_defaults():

@@ -15,6 +15,8 @@ from braid.runtime.cache.radix_cache import RadixCache
 from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_scheduler import GenerateReq
 from braid.runtime.scheduler import policy
+from braid.runtime.scheduler.policies import create_policy, lpm, program_srpt
+from braid.runtime.scheduler.policies import program as program_policy
 from braid.runtime.scheduler.programs import (
     PIN_TTL_FIRST_S,
     PREFILL_WEIGHT,
@@ -487,14 +489,14 @@ def test_program_policy_breaks_a_levels_tie_by_the_cached_prefix():
     for r, service in ((fresh, 300), (warm, 300), (light, 0)):  # a and b: level 1
         table.arrive(r)
         table.serve(r, 0, service)
-    order = policy.candidates([fresh, warm, light], cache, "program", table, now=0.0)
+    order = policy.candidates([fresh, warm, light], cache, create_policy("program"), table, now=0.0)
     assert [c.req.rid for c in order] == ["light", "warm", "fresh"]
     assert order[1].matched_tokens == 30
-    many = [_req(f"q{i}", program=f"p{i}") for i in range(policy.LPM_MAX_QUEUE + 1)]
+    many = [_req(f"q{i}", program=f"p{i}") for i in range(lpm.LPM_MAX_QUEUE + 1)]
     for r in many:  # level 1 too
         table.arrive(r)
         table.serve(r, 0, 300)
-    order = policy.candidates(many + [warm], cache, "program", table, now=0.0)
+    order = policy.candidates(many + [warm], cache, create_policy("program"), table, now=0.0)
     assert order[0].req is warm  # prefixes are looked up however long the queue
 
 
@@ -514,16 +516,22 @@ def test_program_policy_orders_by_attained_service_keeps_programs_together_and_a
     table.serve(heavy1, 0, 5000)  # level 3
     table.serve(light, 0, 100)  # level 0
     waiting = [heavy1, light, heavy2, loner]
-    order = [c.req.rid for c in policy.candidates(waiting, cache, "program", table, now=0.0)]
+    order = [
+        c.req.rid
+        for c in policy.candidates(waiting, cache, create_policy("program"), table, now=0.0)
+    ]
     # light and the lone request are level 0 (light waited first); heavy's two stay together.
     assert order == ["l1", "solo", "h1", "h2"]
     # Aging: after 3 levels' worth of waiting, heavy is level 0 too and came first.
     for r in waiting:
         r.waiting_since = 0.0
-    heavy1.waiting_since = -3 * policy.PROGRAM_AGING_S
-    order = [c.req.rid for c in policy.candidates(waiting, cache, "program", table, now=0.0)]
+    heavy1.waiting_since = -3 * program_policy.PROGRAM_AGING_S
+    order = [
+        c.req.rid
+        for c in policy.candidates(waiting, cache, create_policy("program"), table, now=0.0)
+    ]
     assert order == ["h1", "h2", "l1", "solo"]
-    assert [c.req.rid for c in policy.candidates(waiting, cache, "fcfs")] == [
+    assert [c.req.rid for c in policy.candidates(waiting, cache, create_policy("fcfs"))] == [
         "h1",
         "l1",
         "h2",
@@ -666,11 +674,11 @@ def test_program_srpt_orders_by_predicted_remaining_work_and_ages():
     assert table.remaining_work(_req("plain", max_new=9), 20) == 9 + 20 * PREFILL_WEIGHT
 
     waiting = [chatty, new, late, terse]
-    order = policy.candidates(waiting, cache, "program-srpt", table, now=0.0)
+    order = policy.candidates(waiting, cache, create_policy("program-srpt"), table, now=0.0)
     assert [c.req.rid for c in order] == ["terse/1", "late/5", "new/0", "chatty/1"]
     # chatty has waited long enough to halve its work five times: it goes first.
-    chatty.waiting_since = -5 * policy.SRPT_AGING_S
-    order = policy.candidates(waiting, cache, "program-srpt", table, now=0.0)
+    chatty.waiting_since = -5 * program_srpt.SRPT_AGING_S
+    order = policy.candidates(waiting, cache, create_policy("program-srpt"), table, now=0.0)
     assert order[0].req is chatty
 
 
@@ -736,7 +744,11 @@ def _simulate() -> list[str]:
     done = []
     while waiting:
         first = {p: i for i, p in reversed(list(enumerate(waiting)))}
-        p = min(waiting, key=lambda q: (policy.program_level(service[q]), -cached[q], first[q]))
+
+        def level(q: str) -> int:  # the thresholds passed: 0 below the first
+            return sum(service[q] >= t for t in program_policy.PROGRAM_LEVELS)
+
+        p = min(waiting, key=lambda q: (level(q), -cached[q], first[q]))
         waiting.remove(p)
         steps, new, out = WORKLOAD[p]
         service[p] += new + (1 if step_no[p] else 0) + out - 1
@@ -767,7 +779,7 @@ def fcfs_run(tiny_model_dirs):
 def test_program_policy_finishes_programs_as_the_simulation_predicts(
     tiny_model_dirs, fcfs_run, monkeypatch
 ):
-    monkeypatch.setattr(policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
+    monkeypatch.setattr(program_policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
     s = _one_at_a_time(tiny_model_dirs, "program")
     done, outputs = _drive(s, seed=1)
     expected = _simulate()
@@ -796,11 +808,12 @@ def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(
     tiny_model_dirs, monkeypatch
 ):
     """A heavy program's next step waits behind an endless stream of fresh light programs:
-    without aging it is never admitted while they keep coming; with aging it is, within the
-    bound its level gap sets."""
+    without aging it is never admitted while they keep coming; with aging the program
+    finishes, within the bound its level gap sets."""
 
-    def run(aging_s: float) -> int | None:
-        monkeypatch.setattr(policy, "PROGRAM_AGING_S", aging_s)
+    def run(aging_s: float) -> tuple[int | None, int | None]:
+        """(the step heavy/1 was admitted at, the step it finished at), None for never."""
+        monkeypatch.setattr(program_policy, "PROGRAM_AGING_S", aging_s)
         s = local_scheduler(
             tiny_model_dirs["llama"],
             kv_tokens=4096,
@@ -820,10 +833,16 @@ def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(
 
         light()
         light()
-        admitted_at = None
+        admitted_at = finished_at = None
+        tokens = []  # heavy/1's
         for n in range(400):
             for out in s.step():
-                if out.finish_reason and out.rid == "heavy/0":
+                if out.rid == "heavy/1":
+                    tokens += out.new_token_ids
+                if out.finish_reason and out.rid == "heavy/1":
+                    finished_at = n
+                    assert out.error is None and len(tokens) == 5
+                elif out.finish_reason and out.rid == "heavy/0":
                     s.handle(
                         GenerateReq(
                             "heavy/1",
@@ -840,13 +859,15 @@ def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(
                 if s.requests.get("heavy/1").status.value != "waiting":
                     admitted_at = n
         s.abort_all()
-        return admitted_at
+        return admitted_at, finished_at
 
-    assert run(1e9) is None  # starved: the light stream always wins
+    assert run(1e9) == (None, None)  # starved: the light stream always wins
     # Service after step 0: ~310 tokens, level 1: one PROGRAM_AGING_S of waiting (5 steps of
-    # 0.1 s) lifts it to level 0, then it waits for the request running to finish (3 tokens).
-    admitted = run(0.5)
+    # 0.1 s) lifts it to level 0, then it waits for the request running to finish (3 tokens)
+    # and runs its 5 tokens alone (one request at a time).
+    admitted, finished = run(0.5)
     assert admitted is not None and admitted < 300 + 5 + 3 + 5
+    assert finished is not None and finished <= admitted + 5
 
 
 # ---- pins across tool calls ---------------------------------------------------------------
@@ -1075,7 +1096,7 @@ def test_under_srpt_a_new_program_waits_while_the_programs_under_way_fill_the_po
     elif then == "c waited":
         # c's predicted work: 4 tokens (every program's mean output per call so far) times
         # the calls left (1); log2(1 + 4 + 3) = 3, less one per SRPT_AGING_S waited.
-        clock.now += 3 * policy.SRPT_AGING_S - 1
+        clock.now += 3 * program_srpt.SRPT_AGING_S - 1
         assert not s.prefill.admits_now()
         clock.now += 2
     assert s.prefill.admits_now() is (then != "runner ends")
@@ -1211,16 +1232,19 @@ def test_run_batch_computes_the_constant_prefix_once(tmp_path, caplog):
                     assert all(st.error() is None for st in odd_states)
             finally:
                 global_config.enable_precache_with_tracing = old
-            cached = [st.get_meta_info("a")["cached_tokens"] for st in states]
+            metas = [st.get_meta_info("a") for st in states]
+            cached = [m["cached_tokens"] for m in metas]
+            own = sum(m["prompt_tokens"] - m["cached_tokens"] for m in metas)
             lone_prefix = len(llm.tokenizer.encode(lone.constant_prefix(backend, set())))
-            return computed, prefix, cached, first, lone_prefix
+            return computed - own, prefix, cached, first, lone_prefix
 
-    computed, prefix, cached, first, lone_prefix = run(True)
+    beyond, prefix, cached, first, lone_prefix = run(True)
     assert prefix > 100 and lone_prefix > 100
-    # Every program found the prefix cached: it was computed once, before them; what was
-    # computed is that prefix and each program's own few tokens.
+    # Every program found the prefix cached: it was computed once, before them. Past each
+    # program's own tokens (its prompt less what it found cached), exactly the prefix was
+    # computed: once, not per program, nor twice.
     assert min(cached) >= prefix - 1
-    assert computed <= prefix + 64 * 12
+    assert beyond == prefix
     assert first >= lone_prefix - 1  # computed before lone's first call
     logged = caplog.text
     assert "peeks: traced up to where it reads a run-time value" in logged

@@ -67,10 +67,12 @@ def test_listing_names_imports_no_factory_module():
         from braid.runtime.constrained import grammar_backend_names
         from braid.runtime.function_call import PARSER_NAMES
         from braid.runtime.models import supported_architectures
+        from braid.runtime.scheduler.policies import policy_names
 
         assert backend_names() == ["flashinfer", "torch_native", "triton"]
         assert grammar_backend_names() == ["llguidance", "outlines", "xgrammar"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
+        assert policy_names() == ["fcfs", "lpm", "program", "program-srpt"]
         assert supported_architectures() == [
             "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
             "LlavaNextForConditionalGeneration", "MistralForCausalLM", "MistralModel",
@@ -86,6 +88,8 @@ def test_listing_names_imports_no_factory_module():
             "braid.runtime.function_call.hermes",
             "braid.runtime.models.llama", "braid.runtime.models.qwen2_vl",
             "braid.runtime.models.llava", "braid.runtime.models.qwen3_vl", "triton",
+            "braid.runtime.scheduler.policy", "braid.runtime.scheduler.policies.lpm",
+            "braid.runtime.scheduler.policies.program_srpt",
         ]
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         from braid.runtime.function_call import get_parser
@@ -116,3 +120,11 @@ def test_the_registries_resolve_their_names_and_keep_their_messages():
         get_parser("qwen9")
     with pytest.raises(ValueError, match=r"grammar_backend 'guidance' is unknown"):
         get_grammar_backend("guidance")
+    from braid.runtime.scheduler.policies import create_policy, policy_names
+    from braid.runtime.scheduler.policy import SchedulePolicy
+
+    for name in policy_names():  # each name is its own policy, and says which it is
+        made = create_policy(name)
+        assert isinstance(made, SchedulePolicy) and made.name == name
+    with pytest.raises(ValueError, match=r"schedule_policy 'lifo' is unknown \(have \["):
+        create_policy("lifo")

@@ -15,8 +15,8 @@ head waiting: under a queue, pins that held half the pool for paused programs ha
 ran), and, when nothing runs and nothing else is in the step, to the next chunk of the prompt
 between chunks (else nothing would free the room, and the scheduler would stall). Under
 program-srpt a pin gives way to the queue's head only if its program is predicted to need
-more work yet than the head's (`_pins_kept_from`, by srpt's aged key): srpt would serve the
-other first, and evicting its context would have it computed again when its call comes back;
+more work yet than the head's (`SchedulePolicy.pins_kept_from`, by srpt's aged key): srpt
+would serve the other first, and evicting its context would have it computed again when its call comes back;
 when nothing else would free the room, kept pins give way too, after the others.
 
 Program admission (program-srpt while programs hold pins): a request that would start a
@@ -37,8 +37,6 @@ decode step that follows.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from braid.runtime.constrained.manager import GrammarManager
@@ -46,17 +44,14 @@ from braid.runtime.scheduler.batch import StepPlan, build_extend
 from braid.runtime.scheduler.decode import DecodePlanner
 from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.policy import (
-    PROGRAM_POLICIES,
     Candidate,
-    aged_key,
+    SchedulePolicy,
     call_key,
     candidates,
-    effective_policy,
     gangs_of,
     match_limit,
     shares_uncached_prefix,
 )
-from braid.runtime.scheduler.programs import program_of
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
 from braid.runtime.scheduler.stats import SchedulerStats
 
@@ -73,7 +68,7 @@ class PrefillPlanner:
         *,
         budget: int,
         chunked: bool,
-        policy: str,
+        policy: SchedulePolicy,
         max_running: int,
         mix_decode: bool = False,
     ) -> None:
@@ -145,18 +140,18 @@ class PrefillPlanner:
         """Admit waiting requests into `items` in policy order while they fit."""
         waiting = self.reqs.view(ReqStatus.WAITING)
         running = self.reqs.view(ReqStatus.RUNNING)
-        policy = effective_policy(self.policy, len(waiting))
+        policy = self.policy.for_queue(len(waiting))
         admitted = []
         ordered = candidates(waiting, self.kv.cache, policy, self.reqs.programs, self.reqs.clock())
         gate = self._program_gate()
-        gangs = gangs_of(ordered) if policy in PROGRAM_POLICIES else {}
+        gangs = gangs_of(ordered) if policy.by_program else {}
         heads: set[str] = set()  # the head gang's requests (admitted first this step)
         for cand in ordered:
             if len(running) + len(items) >= self.max_running:
                 break
             if self.kv.table.free_slots == 0 or budget <= 0:
                 break
-            if policy != "fcfs" and shares_uncached_prefix(cand, admitted):
+            if policy.defers_sharers and shares_uncached_prefix(cand, admitted):
                 continue
             if self._waits_to_start(cand, gate, busy=bool(items or running)):
                 continue
@@ -264,46 +259,24 @@ class PrefillPlanner:
                     cache.unlock(m.node)
 
     def _program_gate(self) -> list[int] | None:
-        """Program admission, under program-srpt while programs hold pins: [programs under
-        way, how many may be] (`ProgramTable.under_way`, `program_cap`), or None (no gate)."""
-        programs = self.reqs.programs
-        if self.policy != "program-srpt" or programs is None:
-            return None
-        pinned = self.kv.sessions.by_program()
-        cap = programs.program_cap(self.kv.allocator.capacity_tokens) if pinned else None
-        return None if cap is None else [programs.under_way(pinned), cap]
+        """The policy's program admission (`SchedulePolicy.program_gate`): [programs under
+        way, how many may be], or None (no gate)."""
+        return self.policy.program_gate(
+            self.reqs.programs, self.kv.sessions, self.kv.allocator.capacity_tokens
+        )
 
     def _waits_to_start(self, cand: Candidate, gate: list[int] | None, busy: bool) -> bool:
-        """Whether `cand` would start a program while as many as may be are under way (it
-        waits for one to end), unless nothing else runs (`busy` false: it would not wait for
-        anything) or it has waited so long that srpt's aging put its key below any program's
-        with no work left (below 0: no starvation, should the programs under way never end).
-        """
+        """Whether `cand` waits for a program under way to end before it starts its own: the
+        gate is full and the policy holds it back (`holds_start`), unless nothing else runs
+        (`busy` false: it would not wait for anything)."""
         if gate is None or not busy or gate[0] < gate[1]:
             return False
-        programs = self.reqs.programs
-        if not programs.starts(cand.req):
-            return False
-        return aged_key(cand, programs, self.reqs.clock(), srpt=True) >= 0
+        return self.policy.holds_start(cand, self.reqs.programs, self.reqs.clock())
 
     def _pins_kept_from(self, cand: Candidate):
-        """Under program-srpt, the pins that do not give way to `cand`: those of programs
-        predicted to ask for less work yet than `cand`'s (the order srpt itself would serve
-        them in; evicting their context for `cand` would have them computed again when they
-        come back first). A predicate on a pin's program, or None (every pin may give way)."""
-        programs = self.reqs.programs
-        if self.policy != "program-srpt" or programs is None:
-            return None
-        # The head's place in srpt's order, aging included: a head that has waited long
-        # enough outranks the pins too (no starvation).
-        key = aged_key(cand, programs, self.reqs.clock(), srpt=True)
-        mine = program_of(cand.req)
-
-        def keep(program: str) -> bool:
-            theirs = programs.paused_work(program)
-            return program != mine and theirs is not None and math.log2(1.0 + theirs) < key
-
-        return keep
+        """The pins that do not give way to `cand` (`SchedulePolicy.pins_kept_from`): a
+        predicate on a pin's program, or None (every pin may give way)."""
+        return self.policy.pins_kept_from(cand, self.reqs.programs, self.reqs.clock())
 
     def _pins_give_way(self, end: int, items: list[tuple[Req, int]], head: bool = False) -> bool:
         """Whether session pins may be released (the soonest to expire first, one at a time
@@ -352,9 +325,9 @@ class PrefillPlanner:
             return False
         if self.kv.table.free_slots == 0:
             return False
-        policy = effective_policy(self.policy, len(waiting))
-        # fcfs keeps arrival order: the head is the first candidate.
-        considered = waiting if policy != "fcfs" else [waiting[0]]
+        policy = self.policy.for_queue(len(waiting))
+        # A policy that looks nothing up keeps arrival order: the head is the first candidate.
+        considered = waiting if policy.looks_up_prefixes else [waiting[0]]
         programs, now = self.reqs.programs, self.reqs.clock()
         gate = self._program_gate()
         ordered = candidates(considered, self.kv.cache, policy, programs, now)
@@ -362,7 +335,7 @@ class PrefillPlanner:
         if cand is None:
             return False
         req = cand.req
-        gang = gangs_of(ordered).get(call_key(req)) if policy in PROGRAM_POLICIES else None
+        gang = gangs_of(ordered).get(call_key(req)) if policy.by_program else None
         if gang is not None and not self._gang_fits(gang, running, [], head=True):
             return False
         cached, match = 0, None

@@ -38,6 +38,7 @@ from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.pin_cost import PinCost
+from braid.runtime.scheduler.policies import create_policy
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
@@ -100,13 +101,14 @@ class Scheduler:
         # What the proposer reads of each forward (the decode graphs were captured with it).
         self.capture_hidden = runner.capture_hidden
         self.stats = SchedulerStats()
-        # Programs (braid programs, sessions): per-program service and pin TTLs; only the
-        # program policy orders by service, so only it keeps programs' sequences to tell
-        # tokens computed again from new ones.
+        # Programs (braid programs, sessions): per-program service and pin TTLs; only a
+        # policy that orders by service keeps programs' sequences to tell tokens computed
+        # again from new ones.
+        policy = create_policy(config.schedule_policy)
         self.programs = ProgramTable(
             config.session_ttl_s,
             config.session_ttl_s,
-            remember=config.schedule_policy == "program",
+            remember=policy.remembers_sequences,
         )
         self.requests = RequestTable(self.programs)
         allocator = runner.kv_pool.allocator
@@ -155,7 +157,7 @@ class Scheduler:
             self.device,
             budget=min(max_prefill, chunk or max_prefill),
             chunked=chunk is not None,
-            policy=config.schedule_policy,
+            policy=policy,
             max_running=runner.max_running_requests,
             mix_decode=config.enable_mixed_chunk,
         )

@@ -1,0 +1,42 @@
+"""Scheduling policies: the order in which the prefill planner admits waiting requests, in a
+registry of lazily imported `policy.SchedulePolicy` classes (`--schedule-policy NAME`).
+
+- `lpm`: longest cached prefix first (the default).
+- `fcfs`: arrival order.
+- `program`: by program, least attained service first (Autellix), with aging.
+- `program-srpt`: by program, shortest predicted remaining work first, with aging; gates new
+  programs by the pool's room and keeps the pins of programs it would serve first.
+
+A new policy is a `SchedulePolicy` subclass in a module of this package, declared in
+`POLICIES`' table and registered with `@POLICIES.register`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from braid.runtime.registry import Registry
+
+if TYPE_CHECKING:
+    from braid.runtime.scheduler.policy import SchedulePolicy
+
+POLICIES: Registry[type[SchedulePolicy]] = Registry(
+    "schedule_policy",
+    {
+        "lpm": "braid.runtime.scheduler.policies.lpm",
+        "fcfs": "braid.runtime.scheduler.policies.fcfs",
+        "program": "braid.runtime.scheduler.policies.program",
+        "program-srpt": "braid.runtime.scheduler.policies.program_srpt",
+    },
+)
+
+
+def policy_names() -> list[str]:
+    """The names `create_policy` accepts, sorted; listing them imports no policy."""
+    return POLICIES.names()
+
+
+def create_policy(name: str) -> SchedulePolicy:
+    """The policy registered as `name`; `ValueError` naming the setting and the known names if
+    `name` is unknown."""
+    return POLICIES.get(name)()
