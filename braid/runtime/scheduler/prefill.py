@@ -16,8 +16,9 @@ ran), and, when nothing runs and nothing else is in the step, to the next chunk 
 between chunks (else nothing would free the room, and the scheduler would stall). Under
 program-srpt a pin gives way to the queue's head only if its program is predicted to need
 more work yet than the head's (`SchedulePolicy.pins_kept_from`, by srpt's aged key): srpt
-would serve the other first, and evicting its context would have it computed again when its call comes back;
-when nothing else would free the room, kept pins give way too, after the others.
+would serve the other first, and evicting its context would have it computed again when its
+call comes back; when nothing else would free the room, kept pins give way too, after the
+others.
 
 Program admission (program-srpt while programs hold pins): a request that would start a
 program waits while as many programs are under way as the pool holds at their peak
