@@ -834,3 +834,68 @@ def test_abort_request_takes_the_ids_clients_hold(server):
     finish = [c.choices[0].finish_reason for c in stream if c.choices]
     assert finish[-1] == "abort" and len(finish) < 3000
     wait_idle(url)
+
+
+def test_opened_sessions_continue_their_requests_as_sglangs_do(server):
+    """SGLang's /open_session and session_params.rid: a request continues an earlier one of its
+    session (its prompt and output, then the new tokens), or its prompt alone
+    (drop_previous_output), cut at an offset; replace forgets the other continuations and
+    ends a request still running; each continued prompt gives the tokens the same prompt sent
+    whole gives, with the earlier part found cached."""
+    url = server.url
+    wait_idle(url)
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    def generate(ids: list[int], status: int = 200, **body) -> dict:
+        r = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": sp, **body})
+        assert r.status_code == status, r.text
+        return r.json()
+
+    sid = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 4096}).json()
+    assert isinstance(sid, str) and sid
+    taken = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 10, "session_id": sid})
+    assert taken.status_code == 400 and "open already" in taken.json()["error"]["message"]
+    a, b = [504, 3457, 314, 4195, 30], [1073, 28, 2215]
+    root = generate(a, rid="t0", session_params={"id": sid})
+    assert root["meta_info"]["prompt_tokens"] == len(a)
+    out0 = root["output_ids"]
+    # Continue t0: its prompt and output, then b; the same tokens as the whole prompt sent.
+    t1 = generate(b, rid="t1", session_params={"id": sid, "rid": "t0"})
+    whole = a + out0 + b
+    assert t1["meta_info"]["prompt_tokens"] == len(whole)
+    assert t1["meta_info"]["cached_tokens"] >= len(a + out0) - 1
+    assert t1["output_ids"] == generate(whole)["output_ids"]
+    # Without t0's output; cut at an offset (t1's sequence's first 7 tokens, then b).
+    t2 = generate(
+        b, rid="t2", session_params={"id": sid, "rid": "t0", "drop_previous_output": True}
+    )
+    assert t2["meta_info"]["prompt_tokens"] == len(a + b)
+    assert t2["output_ids"] == generate(a + b)["output_ids"]
+    t3 = generate(b, rid="t3", session_params={"id": sid, "rid": "t1", "offset": 7})
+    assert t3["output_ids"] == generate((whole + t1["output_ids"])[:7] + b)["output_ids"]
+    # Refused, naming the field: an unknown request, a rid used twice, a session not opened.
+    bad = generate(b, 400, rid="t4", session_params={"id": sid, "rid": "nope"})
+    assert bad["error"]["param"] == "session_params.rid"
+    bad = generate(b, 400, rid="t1", session_params={"id": sid, "rid": "t0"})
+    assert bad["error"]["param"] == "rid" and "already" in bad["error"]["message"]
+    bad = generate(b, 400, session_params={"id": "not-opened", "rid": "t0"})
+    assert bad["error"]["param"] == "session_params.id" and "not open" in bad["error"]["message"]
+    # replace: t0's continuations (t1, t2 and t1's t3) are forgotten.
+    generate(b, rid="t5", session_params={"id": sid, "rid": "t0", "replace": True})
+    bad = generate(b, 400, rid="t6", session_params={"id": sid, "rid": "t1"})
+    assert "no request 't1'" in bad["error"]["message"]
+    # A request still running: continuing it is refused; replacing it ends it.
+    long = {"input_ids": a, "rid": "run", "stream": True, "session_params": {"id": sid}}
+    long["sampling_params"] = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/generate", json=long, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(x for x in lines if x.startswith("data:"))  # it is running
+        bad = generate(b, 400, rid="t7", session_params={"id": sid, "rid": "run"})
+        assert "has not ended" in bad["error"]["message"]
+        generate(b, rid="t8", session_params={"id": sid, "rid": "run", "replace": True})
+        last = [x for x in lines if x.startswith("data:") and x != "data: [DONE]"][-1]
+    assert '"finish_reason":{"type":"abort"' in last.replace(" ", "")
+    assert httpx.post(f"{url}/close_session", json={"session_id": sid}).json()["success"]
+    bad = generate(b, 400, rid="t9", session_params={"id": sid, "rid": "t0"})
+    assert "not open" in bad["error"]["message"]
+    wait_idle(url)

@@ -1,6 +1,6 @@
 """SGLang's native request bodies: `/generate` (with its program-session fields and the fields
-SGLang's router adds), `/abort_request`, `/close_session`, `/end_program`, and how
-`/generate`'s `sampling_params` become `SamplingParams`. Closed and strict, as the OpenAI
+SGLang's router adds), `/abort_request`, `/open_session`, `/close_session`, `/end_program`,
+and how `/generate`'s `sampling_params` become `SamplingParams`. Closed and strict, as the OpenAI
 bodies of `protocol`."""
 
 from __future__ import annotations
@@ -31,15 +31,28 @@ ProgramPosition = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class SessionParams(_Body):
-    """SGLang's `session_params`, as far as braid keeps sessions: the session's id, its pin's
-    TTL and the call's position in its program (braid's additions). SGLang's other keys (rid,
-    offset, replace, drop_previous_output) continue a session from one of its requests, which
-    braid does not do: they are refused, not ignored."""
+    """SGLang's `session_params`: the session's id; for a session opened with /open_session,
+    the request it continues (`rid`), where that request's sequence is cut (`offset`), whether
+    its output is left out (`drop_previous_output`) and whether this request replaces its other
+    continuations (`replace`) (`session_trees`); braid's additions: the pin's TTL and the
+    call's position in its program."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     id: Annotated[Text, Field(min_length=1, max_length=256)]
     ttl: SessionTTL | None = None
     position: ProgramPosition | None = None
+    rid: Name | None = None
+    offset: Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)] | None = None
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+class OpenSessionRequest(_Body):
+    """SGLang's /open_session body: the session's id (default: a new one) and its capacity
+    (kept for SGLang clients: a session's prompts are bounded by the context length)."""
+
+    capacity_of_str_len: Annotated[int, Field(gt=0, le=INT64_MAX)]
+    session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
 
 
 class GenerateRequest(_Body):

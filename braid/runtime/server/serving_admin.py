@@ -27,6 +27,7 @@ from braid.runtime.server.protocol_native import (
     AbortRequest,
     CloseSessionRequest,
     EndProgramRequest,
+    OpenSessionRequest,
 )
 from braid.runtime.server.serving_chat import chat_prompt_of, check_template_fields
 from braid.runtime.server.state import ServerState
@@ -209,11 +210,23 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         """vLLM's /detokenize: the text of token ids."""
         return {"prompt": await asyncio.to_thread(_detokenize, state, body.tokens)}
 
+    @app.post("/open_session", openapi_extra=takes(OpenSessionRequest))
+    async def open_session(body: Annotated[OpenSessionRequest, json_body(OpenSessionRequest)]):
+        """SGLang's: open a session whose requests may continue each other
+        (`session_params.rid`); its id, as a JSON string."""
+        sid = state.sessions.open(body.session_id)
+        if sid is None:
+            raise APIError(400, f"session {body.session_id!r} is open already", "session_id")
+        logger.info("session %r opened", sid[:256])
+        return sid
+
     @app.post("/close_session", openapi_extra=takes(CloseSessionRequest))
     async def close_session(body: Annotated[CloseSessionRequest, json_body(CloseSessionRequest)]):
-        """Release what a program session keeps cached."""
+        """Release what a program session keeps cached (and forget an opened session's
+        requests)."""
+        opened = state.sessions.close(body.session_id)
         result = await state.tm.control("close_session", timeout=10.0, arg=body.session_id)
-        return {"success": bool(result.get("closed"))}
+        return {"success": bool(result.get("closed")) or opened}
 
     @app.post("/end_program", openapi_extra=takes(EndProgramRequest))
     async def end_program(body: Annotated[EndProgramRequest, json_body(EndProgramRequest)]):

@@ -31,7 +31,12 @@ from braid.runtime.server.outputs import (
     text_of,
     unless_gone,
 )
-from braid.runtime.server.protocol_native import GenerateRequest, native_sampling_params
+from braid.runtime.server.protocol_native import (
+    GenerateRequest,
+    SessionParams,
+    native_sampling_params,
+)
+from braid.runtime.server.session_trees import Continuation
 from braid.runtime.server.state import ServerState
 
 
@@ -82,9 +87,21 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         for i, ((_, ids), sources) in enumerate(zip(prompts, images)):
             if not sources:
                 state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
+        continued = None
+        if state.sessions.is_open(session[0]):
+            prompts, continued = _continue_session(state, req, prompts, params, images, each)
+        elif req.session_params is not None and _continues(req.session_params):
+            raise APIError(
+                400,
+                "session_params.rid, offset, replace and drop_previous_output continue a "
+                f"session opened with /open_session; {req.session_params.id!r} is not open",
+                "session_params.id",
+            )
         if not any(images):
             prompts = validate_prompts(state, prompts, params, "text")
-        return prompts, params, single, images, session, each
+        if continued is not None:
+            continued.prompt = prompts[0][1]
+        return prompts, params, single, images, (*session, continued), each
 
     @app.post("/generate", openapi_extra=takes(GenerateRequest), responses=STREAMED)
     async def generate(
@@ -114,7 +131,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         state.metrics.requests += 1
         state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
-        session_id, session_ttl, position = session
+        session_id, session_ttl, position, continued = session
         streams = submit_all(
             state,
             [(rid, ids) for rid, (_, ids) in zip(rids, prompts)],
@@ -134,6 +151,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             for k in range(params[p].n)
         ]
         choices = [Choice() for _ in streams]
+        if continued is not None:  # a request of an opened session: later ones may continue it
+            for rid in state.sessions.add(continued, choices[0]):
+                state.tm.abort(rid)
 
         def entry(lp, tid: int, texts: dict[int, str]) -> list[Any]:
             return [None if lp is None else lp, tid, text_of(state, tid, texts)]
@@ -220,6 +240,7 @@ class _PerPrompt:
         self.top_logprobs_num = self._each(req.top_logprobs_num, "top_logprobs_num")
         self.logprob_start_len = self._each(req.logprob_start_len, "logprob_start_len")
         self._rid = req.rid
+        self._new = f"gen-{uuid.uuid4().hex[:12]}"  # the request's id when the body gives none
         if isinstance(req.rid, list):
             self._each(req.rid, "rid")
             seen: set[str] = set()
@@ -245,8 +266,35 @@ class _PerPrompt:
         (suffixed by the prompt's index in a batch) or a new one."""
         if isinstance(self._rid, list):
             return list(self._rid)
-        base = self._rid or f"gen-{uuid.uuid4().hex[:12]}"
+        base = self._rid or self._new
         return [base if single else f"{base}-{i}" for i in range(self.prompts)]
+
+
+def _continues(p: SessionParams) -> bool:
+    """Whether `session_params` asks to continue an earlier request of its session."""
+    return p.rid is not None or bool(p.offset) or bool(p.replace) or bool(p.drop_previous_output)
+
+
+def _continue_session(
+    state: ServerState, req: GenerateRequest, prompts: list, params: list, images, each
+) -> tuple[list, Continuation]:
+    """The prompt of a request in a session opened with /open_session (`session_trees`): one
+    prompt, one sample, no images (refused otherwise, naming the field)."""
+    if len(prompts) != 1:
+        raise APIError(400, "a request of an opened session has one prompt", "text")
+    if params[0].n != 1:
+        raise APIError(400, "a request of an opened session samples once (n = 1)", "n")
+    if images[0]:
+        raise APIError(
+            400, "image_data in a session opened with /open_session is not supported", "image_data"
+        )
+    params_of = req.session_params or SessionParams(id=req.session_id)
+    text, ids = prompts[0]
+    bos = getattr(state.tokenizer, "bos_token_id", None)
+    continued = state.sessions.prompt_for(
+        params_of, each.rids(True)[0], list(ids), bos, state.tm.in_flight
+    )
+    return [(text, continued.prompt)], continued
 
 
 def _prompt_params(state: ServerState, req: GenerateRequest, each: _PerPrompt, i: int):

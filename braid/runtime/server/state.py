@@ -11,6 +11,7 @@ from braid.runtime.multimodal.frontend import MediaFrontend
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import MAX_BODY_BYTES
 from braid.runtime.server.metrics import ServerMetrics
+from braid.runtime.server.session_trees import SessionTrees
 from braid.runtime.tokenizer.manager import TokenizerManager
 from braid.runtime.tokenizer.roles import RoleTemplate, role_template
 from braid.runtime.tokenizer.template_sandbox import TemplateSandbox
@@ -30,6 +31,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    sessions: SessionTrees = field(default_factory=SessionTrees)  # opened with /open_session
     server_args: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # the format parser for tool_choice "auto"
     # --tool-call-parser none: "auto" returns the model's text as it is, on purpose (with no

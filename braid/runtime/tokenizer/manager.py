@@ -529,6 +529,10 @@ class TokenizerManager:
         if wire is not None:
             self._release(rid, wire, aborted=True)
 
+    def in_flight(self, rid: str) -> bool:
+        """Whether sample `rid` was submitted and has not ended."""
+        return rid in self._wire
+
     def abort(self, rid: str) -> int:
         """Abort what runs under `rid` (each stream ends with finish_reason "abort"): the
         sample `rid`, or every sample submitted under the id a client holds (`submit`'s
