@@ -435,6 +435,16 @@ class EngineConfig:
                     "supported yet (braid's flashinfer backend reads a 16-bit cache): use "
                     "'triton' or 'torch_native' with an fp8 KV cache"
                 )
+            if self.dtype == "float32":
+                raise ValueError(
+                    f"{name} 'flashinfer' runs float16 or bfloat16, not dtype 'float32': use "
+                    "dtype 'bfloat16' or 'float16', or 'triton' or 'torch_native' in float32"
+                )
+            if self.device is not None and self.device.split(":")[0] != "cuda":
+                raise ValueError(
+                    f"{name} 'flashinfer' runs on CUDA, not device {self.device!r}: use "
+                    "'torch_native' on the CPU"
+                )
             if importlib.util.find_spec("flashinfer") is None:
                 raise ValueError(
                     f"{name} 'flashinfer' needs the flashinfer-python package, which is not "

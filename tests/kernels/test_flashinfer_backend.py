@@ -340,7 +340,7 @@ def test_prefill_kernels_default_to_fa2_and_an_unknown_choice_names_the_variable
 )
 def test_flashinfer_without_the_package_is_refused_naming_it(field):
     with pytest.raises(ValueError, match=rf"{field} 'flashinfer' needs the flashinfer-python"):
-        EngineConfig(device="cpu", **{field: "flashinfer"})
+        EngineConfig(device="cuda", **{field: "flashinfer"})
     with pytest.raises(ValueError, match="needs the flashinfer-python package"):
         import_flashinfer()
     pool = KVPool(1, 4, 1, 2, 64, torch.float16, torch.device("cpu"))
@@ -357,6 +357,35 @@ def test_flashinfer_without_the_package_is_refused_naming_it(field):
 def test_flashinfer_with_an_fp8_kv_cache_is_refused_naming_both(field):
     with pytest.raises(ValueError, match=rf"{field} 'flashinfer' with kv_cache_dtype 'fp8'"):
         EngineConfig(device="cpu", kv_cache_dtype="fp8", **{field: "flashinfer"})
+
+
+@pytest.mark.parametrize(
+    "field", ["attention_backend", "prefill_attention_backend", "decode_attention_backend"]
+)
+def test_what_flashinfer_cannot_run_is_refused_before_any_process_starts(field):
+    """A float32 model or a CPU device, refused by the config whether or not the package is
+    installed; a model's heads and a pool's dtype, by the backend before it imports it."""
+    with pytest.raises(ValueError, match=rf"{field} 'flashinfer' runs float16 or bfloat16"):
+        EngineConfig(device="cuda", dtype="float32", **{field: "flashinfer"})
+    with pytest.raises(ValueError, match=rf"{field} 'flashinfer' runs on CUDA, not device 'cpu'"):
+        EngineConfig(device="cpu", **{field: "flashinfer"})
+    table = ReqToTokenPool(2, 8, torch.device("cpu"))
+    cases = [
+        (torch.float16, 5, 2, 64, r"num_heads \(5\) must be a multiple of num_kv_heads \(2\)"),
+        (torch.float16, 4, 2, 96, r"supports head dims \[64, 128, 256\], the model has 96"),
+        (torch.float32, 4, 2, 64, "runs float16 or bfloat16, not torch.float32"),
+    ]
+    for dtype, heads, kv_heads, head_dim, message in cases:
+        pool = KVPool(1, 4, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+        with pytest.raises(ValueError, match=message):
+            create_backend(
+                "flashinfer",
+                kv_pool=pool,
+                req_to_token=table,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+            )
 
 
 @without_flashinfer
@@ -718,10 +747,10 @@ def test_draft_trees_with_flashinfer_are_refused_at_configuration_past_page_size
     with pytest.raises(
         ValueError, match=rf"{refused} 'flashinfer' reads draft-tree tails .* not 16"
     ):
-        EngineConfig(device="cpu", page_size=16, **backends, **trees)
+        EngineConfig(device="cuda", page_size=16, **backends, **trees)
     # At page size 1 the trees are read: only a missing package is refused.
     if HAS_FLASHINFER:
-        EngineConfig(device="cpu", page_size=1, **backends, **trees)
+        EngineConfig(device="cuda", page_size=1, **backends, **trees)
     else:
         with pytest.raises(ValueError, match="needs the flashinfer-python package"):
-            EngineConfig(device="cpu", page_size=1, **backends, **trees)
+            EngineConfig(device="cuda", page_size=1, **backends, **trees)

@@ -287,7 +287,7 @@ class FlashInferBackend(AttentionBackend):
         sliding_window: int | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
     ) -> None:
-        flashinfer = import_flashinfer()
+        # What the model and the pool ask is checked before the package is imported.
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -303,6 +303,7 @@ class FlashInferBackend(AttentionBackend):
                 f"attention backend 'flashinfer' runs float16 or bfloat16, not {dtype} (dtype="
                 "'bfloat16' or 'float16'; float32 runs on 'triton' or 'torch_native')"
             )
+        flashinfer = import_flashinfer()
         device = req_to_token.table.device
         if device.type != "cuda":
             raise ValueError(
