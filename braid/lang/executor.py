@@ -9,6 +9,7 @@ program line that queued it, and raised on the next read.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import queue
@@ -136,6 +137,10 @@ class Executor:
         self.chunks: list[tuple[str | None, str | None, dict[str, Any]]] = []
         self.children: list[Executor] = []
         self._pending = 0
+        # Queued nodes that will set a variable, per name, and queued joins (which may set
+        # any): a read of a name waits for them, so it sees this turn's value, not an old one.
+        self._writes: collections.Counter[str] = collections.Counter()
+        self._joins = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="braid-program", daemon=True)
@@ -143,10 +148,13 @@ class Executor:
 
     # ---- queue --------------------------------------------------------------------------
     def submit(self, node: Any, where: str) -> None:
+        names = _writes(node)
         with self._cond:
             if self.ended:
                 raise ProgramError(f"{where}: the program has ended; this state takes no more")
             self._pending += 1
+            self._writes.update(names)
+            self._joins += isinstance(node, Join)
         self._queue.put((node, where))
 
     def end(self) -> None:
@@ -177,13 +185,18 @@ class Executor:
                     self._pending -= 1
                     self._cond.notify_all()
                 return
+            ran = False
             if self.error is None:
                 try:
                     self._run(node)
+                    ran = True
                 except Exception as e:
                     self._fail(where, e)
             with self._cond:
                 self._pending -= 1
+                if ran:  # what a failed or skipped node would have set stays unsettled
+                    self._writes.subtract(_writes(node))
+                    self._joins -= isinstance(node, Join)
                 self._cond.notify_all()
 
     def _fail(self, where: str, e: Exception) -> None:
@@ -208,11 +221,16 @@ class Executor:
             self._cond.wait_for(lambda: self.ended)
 
     def get_var(self, name: str) -> Any:
+        """The variable's value once no queued node will set it again (a gen reusing the
+        name, a join); waits for it, and raises the state's error if the program failed."""
+
+        def ready() -> bool:
+            settled = name in self.variables and not self._writes[name] and not self._joins
+            return settled or self.error is not None or self._pending == 0
+
         with self._cond:
-            self._cond.wait_for(
-                lambda: name in self.variables or self.error is not None or self._pending == 0
-            )
-            if name in self.variables:
+            self._cond.wait_for(ready)
+            if name in self.variables and not self._writes[name] and not self._joins:
                 return self.variables[name]
         if self.error is not None:
             raise self.error
@@ -357,8 +375,9 @@ class Executor:
 
     def _select(self, node: Select) -> None:
         method = node.method
+        prompt = self.prompt()
         scores = self.backend.score_choices(
-            self.prompt(), list(node.choices), method.requires_unconditional_logprobs
+            prompt, list(node.choices), method.requires_unconditional_logprobs
         )
         for choice, toks in zip(node.choices, scores.tokens):
             if not toks:
@@ -371,7 +390,12 @@ class Executor:
             unconditional_token_logprobs=scores.unconditional,
         )
         if node.temperature > 0:
-            decision = method.sample(node.temperature, random.Random(), **args)
+            # With a run seed, the select's draw is seeded as a gen at its place would be.
+            seed = self.defaults.seed
+            if seed is not None:
+                seed = gen_seed(seed, self.path, prompt.position)
+            rng = random.Random(seed)
+            decision = method.sample(node.temperature, rng, **args)
         else:
             decision = method(**args)
         choice = decision.decision
@@ -421,8 +445,14 @@ class Executor:
                 for k, v in m._ex.variables.items()
                 if k not in join.group.parent_vars or join.group.parent_vars[k] is not v
             }
+            members = [m._ex for m in join.group.members]
             for name in sorted(names):
-                self._set_var(name, [m._ex.variables.get(name) for m in join.group.members])
+                texts = [m.variables.get(name) for m in members]
+                self.meta[name] = [m.meta.get(name) for m in members]
+                typed = [m.values[name] for m in members if name in m.values]
+                if typed and all(t.dtype is typed[0].dtype for t in typed):
+                    self.values[name] = _Typed(texts, typed[0].dtype, name)
+                self._set_var(name, texts)
         elif join.mode == "concate_and_append":
             self._append("".join(m._ex.text[start:] for m in join.group.members))
             # The images the branches added stand in that text, in the same order.
@@ -454,6 +484,8 @@ class _Typed:
     name: str
 
     def value(self) -> Any:
+        if self.text is None:  # a fork branch that did not set it
+            return None
         if isinstance(self.text, list):
             return [_Typed(t, self.dtype, self.name).value() for t in self.text]
         t = self.text.strip()
@@ -467,3 +499,18 @@ class _Typed:
             raise ValueError(
                 f"gen({self.name!r}): {self.text!r} is not a {self.dtype.__name__}"
             ) from None
+
+
+def _writes(node: Any) -> list[str]:
+    """The variables queued `node` sets (none known for a join, which may set any)."""
+    if isinstance(node, Join) or node is _END:
+        return []
+    names = []
+    for leaf in flatten(node):
+        if isinstance(leaf, (Gen, Select)) and leaf.name is not None:
+            names.append(leaf.name)
+        elif isinstance(leaf, VarScopeEnd):
+            names.append(leaf.name)
+        elif isinstance(leaf, SeparateReasoning):
+            names += [n for name in leaf.names for n in (name, f"{name}_reasoning_content")]
+    return names

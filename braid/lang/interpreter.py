@@ -12,6 +12,7 @@ next read (and by `run`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import linecache
 import os
 import sys
@@ -25,14 +26,19 @@ from braid.lang.ir import Expr, RoleBegin, RoleEnd, Seq, VarScopeBegin, VarScope
 __all__ = ["ForkGroup", "ProgramError", "ProgramState", "UnknownVariable", "caller_location"]
 
 _LANG_DIR = os.path.dirname(os.path.abspath(__file__))
+# Frames between a program's line and braid.lang: a `with s.user():` enters and leaves the
+# role through contextlib's frames.
+_PASSED_THROUGH = (contextlib.__file__,)
 
 
 def caller_location() -> str:
-    """`file:line in function: code` of the nearest frame outside braid.lang."""
+    """`file:line in function: code` of the nearest frame outside braid.lang (and outside
+    contextlib, which a `with` block's role scope goes through)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(
-        os.path.abspath(frame.f_code.co_filename)
-    ).startswith(_LANG_DIR):
+    while frame is not None and (
+        os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_LANG_DIR)
+        or frame.f_code.co_filename in _PASSED_THROUGH
+    ):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
@@ -161,10 +167,13 @@ class ProgramState:
         asked `output_token_logprobs`, `output_top_logprobs`, `input_token_logprobs`,
         `input_top_logprobs`; for a select, `normalized_prompt_logprobs`,
         `input_token_logprobs`, `output_token_logprobs` and the method's own keys, plus
-        braid's `choice_index` and `scores`."""
+        braid's `choice_index` and `scores`. None for a variable no gen or select set (a
+        var_scope, `set_var`), as SGLang; for one gathered by a join, a list with each
+        branch's (None where a branch has none)."""
         self._ex.get_var(name)
         self._ex.sync()
-        return dict(self._ex.meta[name])
+        meta = self._ex.meta.get(name)
+        return dict(meta) if isinstance(meta, dict) else meta
 
     def sync(self) -> None:
         self._ex.sync()

@@ -215,6 +215,26 @@ def test_trace_records_an_image_argument():
     assert graph.of_kind("image")[0].branch == ()
 
 
+def test_a_select_choice_spelling_an_image_placeholder_is_refused_naming_it(vlm, vb):
+    """A choice holding the image token would stand for an image it does not have: a
+    ValueError naming the choice, with or without an image in the prompt."""
+    pad = "<|image_pad|>" * 3
+
+    @sgl.function
+    def pick(s, picture):
+        if picture is not None:
+            s += sgl.user(sgl.image(picture) + "Which?")
+        else:
+            s += sgl.user("Which?")
+        s += sgl.assistant(sgl.select("c", choices=[pad, "b"]))
+
+    for picture in (None, tiny_image(112, 112, seed=5)):
+        with pytest.raises(sgl.ProgramError, match="select choice '<.image_pad.>") as info:
+            pick.run(picture=picture, backend=vb)
+        assert isinstance(info.value.__cause__, ValueError)
+    assert vlm.stats()["running_requests"] == 0
+
+
 def test_bytes_that_are_not_an_image_fail_naming_the_image(vlm, vb):
     with pytest.raises(sgl.ProgramError, match=r"image 0: bytes \(14 B\): not an image") as info:
         describe.run(picture=b"not an image!!", backend=vb)

@@ -391,3 +391,94 @@ def test_return_logprob_meta_info(backend):
     assert len(lps) == meta["completion_tokens"] >= 1
     assert all(lp <= 0 and isinstance(tid, int) for lp, tid, _ in lps)
     assert "".join(text for _, _, text in lps) == state["a"]
+
+
+def test_a_read_waits_for_the_queued_gen_that_sets_the_name_again(backend):
+    """A loop that reuses a variable name reads each turn's value, not the first one's (SGLang
+    waits for the newest gen of a name); so does a read after set_var then gen of that name."""
+
+    @sgl.function
+    def turns(s):
+        seen = []
+        for q in ("The capital of France is", "\nOne, two, three,", "\nRed, green,"):
+            s += q
+            s += sgl.gen("answer", max_tokens=3, temperature=0, ignore_eos=True)
+            seen.append(s["answer"])
+        s["x"] = "manual"
+        s += sgl.gen("x", max_tokens=2, temperature=0)
+        seen.append(s["x"])
+        for i in range(2):
+            with s.var_scope("scope"):
+                s += f" step{i}"
+            seen.append(s["scope"])
+        return seen
+
+    state = turns.run(backend=backend)
+    answers = state.ret_value[:3]
+    assert len(set(answers)) == 3  # three turns' answers, not the first one three times
+    text = state.text()
+    assert all(text.index(q) < text.index(a) for q, a in zip(["France", "three", "green"], answers))
+    assert state.ret_value[3] != "manual" and state.ret_value[3] in state.text()
+    assert state.ret_value[4:] == [" step0", " step1"]
+
+
+def test_meta_info_and_typed_values_of_every_kind_of_variable(backend):
+    """get_meta_info is None for a variable no gen set (var_scope, set_var), as SGLang's; a
+    join gathers each branch's meta info and typed values beside their texts."""
+
+    @sgl.function
+    def prog(s):
+        s += "Count: 1, 2, "
+        with s.var_scope("scope"):
+            s += "3"
+        s["manual"] = 5
+        forks = s.fork(2)
+        for f in forks:
+            f += sgl.gen_int("n", max_tokens=2)
+        forks.join()
+
+    state = prog.run(backend=backend)
+    assert state.get_meta_info("scope") is None and state.get_meta_info("manual") is None
+    metas = state.get_meta_info("n")
+    assert len(metas) == 2 and all(m["completion_tokens"] >= 1 for m in metas)
+    texts = state["n"]
+    assert state.get_value("n") == [int(t) for t in texts]
+    with pytest.raises(UnknownVariable):
+        state.get_meta_info("nothing")
+
+
+def test_a_run_seed_makes_a_sampled_select_repeat(backend):
+    @sgl.function
+    def pick(s):
+        s += "My favourite fruit is"
+        s += sgl.select("fruit", choices=[" apple", " banana", " cherry", " date"], temperature=5)
+
+    picks = {pick.run(backend=backend, seed=123)["fruit"] for _ in range(6)}
+    assert len(picks) == 1
+    unseeded = {pick.run(backend=backend)["fruit"] for _ in range(12)}
+    assert len(unseeded) > 1  # at temperature 5 the four choices are all likely
+
+
+def test_errors_inside_a_with_role_block_name_the_program_line(backend):
+    @sgl.function
+    def nested(s):
+        with s.user():
+            s += "Hi"
+            with s.assistant():
+                s += "there"
+
+    with pytest.raises(sgl.ProgramError, match=r"test_programs.py:\d+ in nested: with s\.assist"):
+        nested.run(backend=backend)
+
+
+def test_a_regex_the_grammar_backend_cannot_compile_is_a_value_error(smollm2, backend):
+    @sgl.function
+    def word(s):
+        s += "Say cat:"
+        s += sgl.gen("w", max_tokens=3, regex=r"\bcat\b")
+
+    with pytest.raises(sgl.ProgramError) as info:
+        word.run(backend=backend)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "cannot be compiled" in str(info.value)
+    assert_kv_all_free_or_cached(smollm2)

@@ -28,6 +28,7 @@ from braid.lang.backends.base import (
 )
 from braid.lang.images import for_runtime
 from braid.lang.ir import SamplingArgs
+from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_detokenizer import TokenLogprob
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
@@ -292,6 +293,8 @@ class EngineBackend(Backend):
             sample = samples[k]
             sample.add(out)
             if out.finish_reason is not None and out.error:
+                if out.refused is not None:  # the request's own fault: a ValueError
+                    raise ParamError(out.refused.param, f"gen refused: {out.error}")
                 raise RuntimeError(f"generation failed: {out.error}")
             if on_delta is not None and k == 0 and (out.text or out.finish_reason):
                 on_delta(out.text, dict(sample.meta))
@@ -306,6 +309,8 @@ class EngineBackend(Backend):
         jobs, spans, fulls = [], [], []
         scoring = {"max_tokens": 0, "temperature": 0.0, "prompt_logprobs": 0}
         for c in choices:
+            # A choice spelling an image placeholder would stand for an image it does not have.
+            self.llm.media.check_no_placeholders(self._encode(c), f"select choice {c!r}")
             full, full_images = self._encode(prompt.text + c), images
             if images:
                 full, full_images = self._widen(full, text_ids, prompt_ids, images, prompt.images)
@@ -327,6 +332,8 @@ class EngineBackend(Backend):
         cached = 0
         for outs, ids, start in zip(results, fulls, spans):
             if outs.error:
+                if outs.refused is not None:
+                    raise ParamError(outs.refused.param, f"select refused: {outs.error}")
                 raise RuntimeError(f"select failed: {outs.error}")
             lps = outs.prompt_logprobs
             if lps is None:
