@@ -537,7 +537,16 @@ def test_an_awq_model_through_the_engine_gives_the_greedy_tokens_of_its_packers_
 
 
 @pytest.mark.parametrize(
-    "fmt", ["gptq_act_order", "fp8_channel", "fp8_tensor_static", "int8_packed"]
+    "fmt",
+    [
+        "gptq_act_order",
+        "gptq_v2",
+        "gptq_per_channel",
+        "fp8_channel",
+        "fp8_tensor_static",
+        "int8_packed",
+        "int8",
+    ],
 )
 def test_each_format_gives_the_greedy_tokens_of_its_packers_weights(checkpoints, fmt):
     path, written = checkpoints[fmt]

@@ -250,6 +250,15 @@ FORMATS = {
         "checkpoint_format": "gptq_v2",
         "lm_head": False,
     },
+    "gptq_per_channel": {  # group_size -1: one group per output row
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": -1,
+        "desc_act": False,
+        "sym": False,
+        "checkpoint_format": "gptq_v2",
+        "lm_head": False,
+    },
     "fp8_channel": FP8_CHANNEL,
     "fp8_tensor_static": {"quant_method": "fp8", "activation_scheme": "static"},
     "int8_packed": INT8_PACKED,
@@ -261,7 +270,8 @@ def _quantize_one(fmt: str, w: torch.Tensor, order: torch.Tensor | None):
     """The checkpoint tensors (suffix -> tensor) for one float weight, the weight meant and
     the weight the CPU kernel multiplies by."""
     if fmt == "awq" or fmt.startswith("gptq"):
-        codes, scales, zeros, g_idx = quantize_groups(w, GROUP, None if fmt == "awq" else order)
+        group = w.shape[1] if fmt == "gptq_per_channel" else GROUP
+        codes, scales, zeros, g_idx = quantize_groups(w, group, None if fmt == "awq" else order)
         if fmt == "awq":
             tensors = pack_awq(codes, zeros, scales)
         else:
