@@ -44,9 +44,11 @@ class SamplingParams:
     """Sampling settings for one prompt; invalid values raise a `ParamError` (a `ValueError`)
     naming the field.
 
-    `temperature=0` means greedy. `top_k` of 0 or -1 turns top-k off. `max_tokens=None` generates
-    until a stop condition or the context length; `max_tokens=0` only prefills the prompt (its
-    KV is cached, prompt logprobs are scored) and generates nothing. `stop` strings end
+    `temperature=0` means greedy; a temperature above 0 and below 0.01 samples at 0.01, as
+    vLLM's (smaller ones overflow the logits). `top_k` of 0 or -1 turns top-k off.
+    `max_tokens=None` generates until a stop condition or the context length; `max_tokens=0`
+    only prefills the prompt (its KV is cached, prompt logprobs are scored) and generates
+    nothing. `stop` strings end
     generation on the detokenized text (cut before the stop string); `stop_regex` patterns end it
     where a match ends (SGLang's field; the matched text is kept); `stop_token_ids` end it on a
     token (even with `ignore_eos`). `seed` makes the request's
@@ -419,3 +421,92 @@ def fold_seed(seed: int) -> int:
     here, beside the parameters, so the front end computes it without importing torch)."""
     seed &= (1 << 64) - 1
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+# ---- vLLM's spellings: fields braid takes under another name, or as they mean nothing here ----
+# vLLM's structured-output keys -> braid's constraint fields.
+STRUCTURED_OUTPUT_KEYS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "ebnf",
+    "structural_tag": "structural_tag",
+}
+
+
+def _structured(value: Any, name: str) -> dict[str, Any]:
+    """vLLM's `structured_outputs` / `guided_decoding` (a dict or its params object) as
+    braid's constraint fields; a `ParamError` naming what braid cannot take."""
+    if value is None:
+        return {}
+    given = value if isinstance(value, dict) else vars(value)
+    out: dict[str, Any] = {}
+    for key, v in given.items():
+        if v is None or v is False or key.startswith("_"):
+            continue
+        if key in STRUCTURED_OUTPUT_KEYS:
+            out[STRUCTURED_OUTPUT_KEYS[key]] = v
+        elif key == "json_object":
+            out["json_schema"] = {"type": "object"}
+        elif key in ("backend", "backend_was_auto", "disable_any_whitespace"):
+            continue  # which of vLLM's engines compiles it: braid's --grammar-backend decides
+        else:
+            known = sorted([*STRUCTURED_OUTPUT_KEYS, "json_object"])
+            raise ParamError(name, f"{name}.{key} is not supported (braid takes {known})")
+    return out
+
+
+def _vllm_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with vLLM's other spellings made braid's: `structured_outputs` /
+    `guided_decoding` as the constraint fields, `seed=-1` as no seed, and the fields that
+    change nothing in braid at their values (`detokenize=True`,
+    `spaces_between_special_tokens=True`, `output_kind`: offline outputs are final, as
+    vLLM's `LLM` makes them; `extra_args` empty) dropped; any other unknown name, or one of
+    those at a value braid cannot honour, is a `ParamError` naming it."""
+    out = dict(kwargs)
+    for name in ("structured_outputs", "guided_decoding"):
+        if name in out:
+            out.update(_structured(out.pop(name), name))
+    if out.get("seed") == -1:
+        out["seed"] = None
+    keep = {"detokenize": True, "spaces_between_special_tokens": True}
+    for name, value in keep.items():
+        if name in out:
+            if out.pop(name) is not value:
+                raise ParamError(name, f"{name}: braid supports only {value}")
+    out.pop("output_kind", None)
+    if out.pop("extra_args", None):
+        raise ParamError("extra_args", "extra_args: braid has no per-request extensions")
+    unknown = sorted(set(out) - _FIELD_NAMES)
+    if unknown:
+        name = unknown[0]
+        if name == "logits_processors":
+            raise ParamError(name, "logits_processors: braid runs no per-request Python code")
+        raise ParamError(name, f"SamplingParams has no field {name!r}")
+    return out
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    _dataclass_init(self, *args, **_vllm_fields(kwargs))
+
+
+def _set_field(self: SamplingParams, name: str, value: Any) -> None:
+    """Setting a field, as vLLM's mutable params allow (`sp = llm.get_default_sampling_params();
+    sp.max_tokens = 5`), validates the whole again (a `ParamError` naming the field leaves the
+    object as it was) and normalises it as construction does."""
+    if name not in _FIELD_NAMES:
+        raise AttributeError(f"SamplingParams has no field {name!r}")
+    changes = {name: value}
+    if name == "bad_words":  # the engine makes the token ids again from the new words
+        changes["bad_words_token_ids"] = None
+    new = dataclasses.replace(self, **changes)
+    for f in _FIELD_NAMES:
+        object.__setattr__(self, f, getattr(new, f))
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]
+SamplingParams.__setattr__ = _set_field  # type: ignore[method-assign]

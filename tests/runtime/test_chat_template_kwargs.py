@@ -41,3 +41,19 @@ def test_names_braid_passes_itself_are_refused(smollm2, kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         smollm2.chat(MSGS, ONE, use_tqdm=False, chat_template_kwargs=kwargs)
     assert_kv_all_free_or_cached(smollm2)
+
+
+def test_text_parts_of_one_message_stand_on_lines_of_their_own(smollm2):
+    """A content list of text parts reaches the template joined by newlines, as vLLM joins
+    them (glued together, "Line one.Line two." is another prompt)."""
+    from braid.runtime.tokenizer.chat import template_messages
+
+    parts = [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]
+    (msg,), _ = template_messages([{"role": "user", "content": parts}], None)
+    assert msg["content"] == "Line one.\nLine two."
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    split = smollm2.chat([{"role": "user", "content": parts}], sp, use_tqdm=False)[0]
+    whole = smollm2.chat([{"role": "user", "content": "Line one.\nLine two."}], sp, use_tqdm=False)[
+        0
+    ]
+    assert split.prompt_token_ids == whole.prompt_token_ids

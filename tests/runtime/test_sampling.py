@@ -60,6 +60,19 @@ def test_stop_token_ids_end_generation_on_the_token(smollm2):
     out = _one(smollm2, PROMPT, temperature=0.0, max_tokens=20, stop_token_ids=[target])
     assert out.token_ids == full.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", target)
+    # The stop token's text is left out, as a stop string's (vLLM's and SGLang's outputs),
+    # unless include_stop_str_in_output.
+    tok = smollm2.get_tokenizer()
+    assert out.text == tok.decode(full.token_ids[:first])
+    kept = _one(
+        smollm2,
+        PROMPT,
+        temperature=0.0,
+        max_tokens=20,
+        stop_token_ids=[target],
+        include_stop_str_in_output=True,
+    )
+    assert kept.text == tok.decode(full.token_ids[: first + 1]) != out.text
 
 
 def test_eos_and_length_finish_reasons(smollm2):
@@ -71,6 +84,12 @@ def test_eos_and_length_finish_reasons(smollm2):
     assert chat.finish_reason == "stop" and chat.stop_reason is None
     assert chat.token_ids[-1] in smollm2.eos_token_ids
     assert "<|im_end|>" not in chat.text
+    raw = smollm2.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert raw.token_ids == chat.token_ids and raw.text == chat.text  # the EOS's text left out
     short = _one(smollm2, PROMPT, temperature=0.0, max_tokens=3)
     assert short.finish_reason == "length" and len(short.token_ids) == 3
 
@@ -225,3 +244,46 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm2):
     tail = smollm2.generate([{"prompt_token_ids": ids[-4:]}], params, use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-4:] and len(ids) > 4
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+def test_a_tiny_positive_temperature_samples_as_vllms_lowest(smollm2):
+    """Temperatures below 0.01 sample at 0.01 (vLLM's floor): dividing by 1e-40 overflowed the
+    logits, and every token came out as id 0."""
+    greedy = _one(smollm2, PROMPT, temperature=0.0, max_tokens=6, ignore_eos=True)
+    for t in (1e-30, 1e-40, 1e-45):
+        tiny = _one(smollm2, PROMPT, temperature=t, max_tokens=6, ignore_eos=True, seed=3)
+        assert tiny.token_ids == greedy.token_ids, t
+
+
+def test_sampling_params_are_set_as_vllms_are_and_take_its_spellings():
+    """vLLM's params are mutable (its examples edit the defaults); setting a field validates
+    it; vLLM's structured_outputs / guided_decoding, seed -1 and the fields that change nothing
+    here are taken, and what braid cannot honour is a ValueError naming it."""
+    sp = SamplingParams()
+    sp.max_tokens = 5
+    sp.stop = "x"
+    assert (sp.max_tokens, sp.stop) == (5, ("x",))
+    with pytest.raises(ValueError, match="temperature must be"):
+        sp.temperature = -1
+    assert sp.temperature == 1.0
+    with pytest.raises(AttributeError, match="no field 'bogus'"):
+        sp.bogus = 1
+    sp.bad_words = ["a"]
+    assert sp.bad_words == ("a",) and sp.bad_words_token_ids is None
+    assert SamplingParams(seed=-1).seed is None
+    schema = {"type": "object"}
+    assert SamplingParams(structured_outputs={"json": schema}).json_schema == '{"type": "object"}'
+    assert SamplingParams(guided_decoding={"regex": "a+"}).regex == "a+"
+    assert SamplingParams(structured_outputs={"grammar": 'root ::= "a"'}).ebnf == 'root ::= "a"'
+    assert SamplingParams(structured_outputs={"json_object": True}).json_schema is not None
+    SamplingParams(detokenize=True, spaces_between_special_tokens=True, output_kind=2)
+    for kw, field in [
+        ({"detokenize": False}, "detokenize"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"logits_processors": [print]}, "logits_processors"),
+        ({"extra_args": {"a": 1}}, "extra_args"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+        ({"bogus": 1}, "bogus"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)

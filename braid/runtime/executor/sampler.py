@@ -38,6 +38,9 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 # 16.7M per draw): its exponential noise was 0, and probs / noise made that token win whatever its
 # probability: NaN (= the maximum for argmax) for a token a grammar had banned.
 UNIFORM_BITS = 23
+# The smallest temperature sampled with: logits divided by less overflow float32 (inf, then
+# NaN probabilities and token 0). vLLM raises any 0 < temperature < 1e-2 to 1e-2, the same.
+MIN_TEMPERATURE = 1e-2
 
 
 def bits_to_uniform(x: torch.Tensor) -> torch.Tensor:
@@ -293,7 +296,9 @@ class Sampler:
     def _draw(self, logits, reqs, ps, greedy_ids, greedy, ahead: int) -> torch.Tensor:
         dev = self.device
         temps = to_device(
-            [1.0 if g else p.temperature for p, g in zip(ps, greedy)], dev, torch.float32
+            [1.0 if g else max(p.temperature, MIN_TEMPERATURE) for p, g in zip(ps, greedy)],
+            dev,
+            torch.float32,
         )
         logits = logits / temps[:, None]
         use_top_k = any(p.top_k > 0 for p in ps)

@@ -157,8 +157,9 @@ IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_p
 
 def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[str, list[Any]]:
     """A message's content as template text and the image sources it holds, in order: text
-    parts joined, each image part replaced by `placeholder` (the model's text for one image,
-    so any chat template renders it; None: the model takes no images, a `ParamError`)."""
+    parts joined (one after another by a newline, as vLLM's), each image part replaced by
+    `placeholder` (the model's text for one image, so any chat template renders it; None: the
+    model takes no images, a `ParamError`)."""
     if content is None:
         return "", []
     if isinstance(content, str):
@@ -166,11 +167,14 @@ def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[
     if not isinstance(content, list):
         raise ParamError.at(where, "content must be a string or a list of parts")
     text, sources = [], []
+    last = None  # the previous part's type
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise ParamError.at(f"{where}[{j}].text", "must be a string")
+            if last == "text":  # text parts on lines of their own, as vLLM joins them
+                text.append("\n")
             text.append(part["text"])
         elif kind in IMAGE_PARTS:
             if placeholder is None:
@@ -190,4 +194,5 @@ def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[
             raise ParamError.at(
                 f"{where}[{j}]", f"part type {kind!r} is not supported (text, image_url, image)"
             )
+        last = kind
     return "".join(text), sources

@@ -67,7 +67,12 @@ class DetokenizerManager:
             finish, stop_reason = out.finish_reason, out.stop_token
             text = ""
             if st.detok is not None:
-                st.detok.add_tokens(out.new_token_ids)
+                ids = out.new_token_ids
+                if finish == "stop" and ids and not st.detok.include_stop:
+                    # The scheduler stopped on an EOS or a stop token: its text is left out, as
+                    # a stop string's is (vLLM's and SGLang's outputs); its id stays.
+                    ids = ids[:-1]
+                st.detok.add_tokens(ids)
                 if st.detok.stopped and finish != "abort":
                     if finish is None:
                         aborts.append(out.rid)
