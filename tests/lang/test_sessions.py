@@ -81,6 +81,34 @@ def test_session_is_released_when_the_program_fails(small_llm):
     assert_kv_all_free_or_cached(small_llm)
 
 
+def test_endpoint_session_is_released_over_http_when_the_program_fails(served):
+    """The same through RuntimeEndpoint: the failed program's session is closed on the server
+    (its pin released), and the server's program list forgets it."""
+
+    def stats() -> dict:
+        return httpx.get(f"{served.url}/get_server_info").json()
+
+    before = stats()["stats"]["pinned_sessions"]
+    meanwhile = []
+
+    @sgl.function
+    def fails(s):
+        s += CONTEXT
+        s += sgl.gen("a", max_tokens=2, temperature=0)
+        s["a"]
+        meanwhile.append(stats()["stats"]["pinned_sessions"])
+        raise RuntimeError("the program's own bug")
+
+    with pytest.raises(RuntimeError, match="own bug"):
+        fails.run(backend=sgl.RuntimeEndpoint(served.url))
+    info = stats()
+    assert (
+        meanwhile[-1] == before + 1
+    )  # the session held its pin while it ran (the run after the trace)
+    assert info["stats"]["pinned_sessions"] == before
+    assert info["stats"]["running_requests"] == 0
+
+
 # ---- what the runtime learns of a program's calls ------------------------------------------
 @sgl.function
 def staged(s, programs):
