@@ -102,9 +102,8 @@ def test_endpoint_session_is_released_over_http_when_the_program_fails(served):
     with pytest.raises(RuntimeError, match="own bug"):
         fails.run(backend=sgl.RuntimeEndpoint(served.url))
     info = stats()
-    assert (
-        meanwhile[-1] == before + 1
-    )  # the session held its pin while it ran (the run after the trace)
+    # The session held its pin while the program ran (the last call: the first is the trace).
+    assert meanwhile[-1] == before + 1
     assert info["stats"]["pinned_sessions"] == before
     assert info["stats"]["running_requests"] == 0
 
