@@ -51,12 +51,16 @@
 #          imported): the GPU tests that start engines on CUDA, the 8k prefill end to end
 #          after the eighteenth session's copy change (issue 21: MFU 0.751 before it), then
 #          `braid serve` start-up at the 8B shapes, fork server against spawn (.gpu/tok)
+#   part 14 (twenty-third session: after the schedule-policy registry, the sampler's
+#          temperature floor, the detokenizer's stop-token text and the flashinfer refusals):
+#          the GPU tests of the runtime's step path, the sampler, the fp8 KV cache and
+#          FlashInfer (its JIT build first), on any GPU (on an H200, part 13 in the next call)
 #   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give):
 #          only on an H200 (any other GPU ends the call at once, exit 3), the 8k prefill end
 #          to end after the eighteenth session's copy change (issue 21: MFU 0.751 before it),
 #          batch-1 decode, then batch-1 decode of bf16, int4 and fp8 end to end (issue 18)
 set -u
-part=${1:?part 1 to 13}
+part=${1:?part 1 to 14}
 if [ "$part" = 13 ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     nvidia-smi --query-gpu=name --format=csv,noheader
     echo "part 13 runs on an H200 only"
@@ -189,6 +193,15 @@ if [ "$part" = 12 ]; then
         --tokenizer .gpu/tok --repeats 2 --server-args "--load-format dummy" \
         --ab-env BRAID_START_METHOD --ab-values forkserver,spawn \
         --out "$OUT/r/startup_8b_forkserver_ab_cuda.json"
+fi
+if [ "$part" = 14 ]; then
+    TAIL=8 step 260 pytest_step_path python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/runtime/test_cuda_graph.py tests/runtime/test_overlap.py \
+        tests/runtime/test_speculative.py tests/runtime/test_constrained.py \
+        tests/runtime/test_sampler.py tests/runtime/test_kv_cache_fp8.py
+    pack
+    TAIL=8 step 200 pytest_flashinfer python -m pytest -q -p no:cacheprovider -rfE \
+        tests/kernels/test_flashinfer_backend.py
 fi
 if [ "$part" = 13 ]; then
     TAIL=4 step 110 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
