@@ -427,12 +427,13 @@ def _generate(sched, prompts, max_tokens):
 def test_prefill_on_torch_native_and_decode_on_triton_give_transformers_greedy_tokens(
     tiny_model_dirs,
 ):
-    """Two backends over one KV pool (triton interpreted on CPU): a cold prompt, then a batch
-    with a full and a partial prefix-cache hit."""
+    """Two backends over one KV pool (on CUDA where there is one, else on the CPU with triton
+    interpreted): a cold prompt, then a batch with a full and a partial prefix-cache hit."""
     path = tiny_model_dirs["llama"]
     sched = local_scheduler(
         path,
-        device="cpu",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        dtype="float32",
         kv_tokens=256,
         page_size=2,
         prefill_attention_backend="torch_native",
