@@ -90,6 +90,14 @@ def test_eos_and_length_finish_reasons(smollm2):
         use_tqdm=False,
     )[0].outputs[0]
     assert raw.token_ids == chat.token_ids and raw.text == chat.text  # the EOS's text left out
+    # An EOS also among stop_token_ids is still an EOS (vLLM checks it first): no stop token.
+    eos = chat.token_ids[-1]
+    listed = smollm2.chat(
+        [{"role": "user", "content": "Say hi."}],
+        SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[eos]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert (listed.token_ids, listed.stop_reason) == (chat.token_ids, None)
     short = _one(smollm2, PROMPT, temperature=0.0, max_tokens=3)
     assert short.finish_reason == "length" and len(short.token_ids) == 3
 

@@ -313,11 +313,12 @@ class Req:
         return self.max_new_tokens - len(self.output_ids)
 
     def check_finished(self, token: int) -> None:
-        """Set `finish_reason` if `token` (just appended) ends the request."""
-        if token in self.params.stop_token_ids:
-            self.finish_reason, self.stop_token = "stop", token
-        elif token in self.eos_ids and not self.params.ignore_eos:
+        """Set `finish_reason` if `token` (just appended) ends the request (an EOS first, as
+        vLLM checks it: an EOS also among `stop_token_ids` reports no stop token)."""
+        if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
+        elif token in self.params.stop_token_ids:
+            self.finish_reason, self.stop_token = "stop", token
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
 
