@@ -150,7 +150,7 @@ class Executor:
     def submit(self, node: Any, where: str) -> None:
         names = _writes(node)
         with self._cond:
-            if self.ended:
+            if self.ended or self._end_queued:  # queued behind its end, it would never run
                 raise ProgramError(f"{where}: the program has ended; this state takes no more")
             self._pending += 1
             self._writes.update(names)
@@ -226,7 +226,7 @@ class Executor:
 
         def ready() -> bool:
             settled = name in self.variables and not self._writes[name] and not self._joins
-            return settled or self.error is not None or self._pending == 0
+            return settled or self.error is not None or self._pending == 0 or self.ended
 
         with self._cond:
             self._cond.wait_for(ready)
@@ -446,12 +446,29 @@ class Executor:
                 if k not in join.group.parent_vars or join.group.parent_vars[k] is not v
             }
             members = [m._ex for m in join.group.members]
+            before = join.group.parent_vars
             for name in sorted(names):
-                texts = [m.variables.get(name) for m in members]
-                self.meta[name] = [m.meta.get(name) for m in members]
-                typed = [m.values[name] for m in members if name in m.values]
-                if typed and all(t.dtype is typed[0].dtype for t in typed):
-                    self.values[name] = _Typed(texts, typed[0].dtype, name)
+                # Each branch's own: None where it did not set the name (what it holds then is
+                # the parent's, from before the fork).
+                own = [
+                    name in m.variables
+                    and (name not in before or before[name] is not m.variables[name])
+                    for m in members
+                ]
+                texts = [m.variables[name] if o else None for m, o in zip(members, own)]
+                self.meta[name] = [m.meta.get(name) if o else None for m, o in zip(members, own)]
+                # Typed values when every branch that set it did so with a typed gen of one
+                # type (a typed entry whose text is not the variable's is stale).
+                typed = [m.values.get(name) for m, o in zip(members, own) if o]
+                if all(t is not None for t in typed) and typed:
+                    setters = [m for m, o in zip(members, own) if o]
+                    fresh = all(t.text is m.variables[name] for t, m in zip(typed, setters))
+                    if fresh and all(t.dtype is typed[0].dtype for t in typed):
+                        self.values[name] = _Typed(texts, typed[0].dtype, name)
+                    else:
+                        self.values.pop(name, None)
+                else:
+                    self.values.pop(name, None)
                 self._set_var(name, texts)
         elif join.mode == "concate_and_append":
             self._append("".join(m._ex.text[start:] for m in join.group.members))

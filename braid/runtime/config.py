@@ -435,9 +435,9 @@ class EngineConfig:
                     "supported yet (braid's flashinfer backend reads a 16-bit cache): use "
                     "'triton' or 'torch_native' with an fp8 KV cache"
                 )
-            if self.dtype == "float32":
+            if _DTYPES.get(self.dtype) == "float32":
                 raise ValueError(
-                    f"{name} 'flashinfer' runs float16 or bfloat16, not dtype 'float32': use "
+                    f"{name} 'flashinfer' runs float16 or bfloat16, not dtype {self.dtype!r}: use "
                     "dtype 'bfloat16' or 'float16', or 'triton' or 'torch_native' in float32"
                 )
             if self.device is not None and self.device.split(":")[0] != "cuda":

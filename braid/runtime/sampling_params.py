@@ -1,6 +1,10 @@
-"""`SamplingParams`: how to sample one request, validated once and shared by every entry point.
+"""`SamplingParams`: how to sample one request, validated when made and whenever a field is
+set, and shared by every entry point.
 
-Field names and defaults follow vLLM's `SamplingParams`, so code written for it runs unchanged.
+Field names and defaults follow vLLM's `SamplingParams`, so code written for it runs unchanged:
+its fields may be set after construction (`sp.max_tokens = 5`), and its other spellings
+(`structured_outputs`, `guided_decoding`, `seed=-1`, ...) are taken or refused by name. The
+class is a frozen dataclass whose `__setattr__` validates the whole again (`_set_field`).
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ class SamplingParams:
 
             # Raises a ParamError naming the field; JSON specs are stored as text.
             object.__setattr__(self, given[0], check_spec(given[0], getattr(self, given[0])))
-        # Normalise containers so the object is hashable-ish and never aliases caller state.
+        # Normalise containers so the object never aliases the caller's lists.
         for name in ("stop", "stop_regex"):  # one string or a list of them -> a tuple
             value = getattr(self, name)
             object.__setattr__(
@@ -459,21 +463,26 @@ def _structured(value: Any, name: str) -> dict[str, Any]:
 def _vllm_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with vLLM's other spellings made braid's: `structured_outputs` /
     `guided_decoding` as the constraint fields, `seed=-1` as no seed, and the fields that
-    change nothing in braid at their values (`detokenize=True`,
-    `spaces_between_special_tokens=True`, `output_kind`: offline outputs are final, as
+    change nothing in braid at their values (`detokenize=True`, `spaces_between_special_tokens`
+    (a fast tokenizer ignores it, in vLLM too), `output_kind`: offline outputs are final, as
     vLLM's `LLM` makes them; `extra_args` empty) dropped; any other unknown name, or one of
     those at a value braid cannot honour, is a `ParamError` naming it."""
     out = dict(kwargs)
     for name in ("structured_outputs", "guided_decoding"):
         if name in out:
-            out.update(_structured(out.pop(name), name))
+            for field, value in _structured(out.pop(name), name).items():
+                given = [k for k in CONSTRAINT_FIELDS if out.get(k) is not None]
+                if given:
+                    raise ParamError(
+                        name, f"{name}: give only one constraint ({given[0]} is given too)"
+                    )
+                out[field] = value
     if out.get("seed") == -1:
         out["seed"] = None
-    keep = {"detokenize": True, "spaces_between_special_tokens": True}
-    for name, value in keep.items():
-        if name in out:
-            if out.pop(name) is not value:
-                raise ParamError(name, f"{name}: braid supports only {value}")
+    if "detokenize" in out and out.pop("detokenize") is not True:
+        raise ParamError("detokenize", "detokenize: braid supports only True")
+    # Changes nothing with a fast tokenizer, in vLLM too (the server takes it the same way).
+    out.pop("spaces_between_special_tokens", None)
     out.pop("output_kind", None)
     if out.pop("extra_args", None):
         raise ParamError("extra_args", "extra_args: braid has no per-request extensions")
@@ -487,6 +496,18 @@ def _vllm_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# vLLM's names that `_vllm_fields` takes (and maps, drops or refuses) on construction and set.
+_VLLM_ONLY = frozenset(
+    (
+        "structured_outputs",
+        "guided_decoding",
+        "detokenize",
+        "spaces_between_special_tokens",
+        "output_kind",
+        "extra_args",
+        "logits_processors",
+    )
+)
 _dataclass_init = SamplingParams.__init__
 
 
@@ -498,15 +519,17 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     """Setting a field, as vLLM's mutable params allow (`sp = llm.get_default_sampling_params();
     sp.max_tokens = 5`), validates the whole again (a `ParamError` naming the field leaves the
     object as it was) and normalises it as construction does."""
-    if name not in _FIELD_NAMES:
+    if name not in _FIELD_NAMES and name not in _VLLM_ONLY:
         raise AttributeError(f"SamplingParams has no field {name!r}")
-    changes = {name: value}
+    changes = _vllm_fields({name: value})  # vLLM's spellings, as at construction
+    if name == "structured_outputs" or name == "guided_decoding":
+        changes.update({k: None for k in CONSTRAINT_FIELDS if k not in changes})
     if name == "bad_words":  # the engine makes the token ids again from the new words
         changes["bad_words_token_ids"] = None
     new = dataclasses.replace(self, **changes)
-    for f in _FIELD_NAMES:
-        object.__setattr__(self, f, getattr(new, f))
+    self.__dict__.update(new.__dict__)  # every field at once: a reader sees old or new
 
 
 SamplingParams.__init__ = _init  # type: ignore[method-assign]
 SamplingParams.__setattr__ = _set_field  # type: ignore[method-assign]
+SamplingParams.__hash__ = None  # type: ignore[assignment]  # settable: not a dict key

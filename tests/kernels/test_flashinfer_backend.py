@@ -345,7 +345,7 @@ def test_flashinfer_without_the_package_is_refused_naming_it(field):
         import_flashinfer()
     pool = KVPool(1, 4, 1, 2, 64, torch.float16, torch.device("cpu"))
     table = ReqToTokenPool(2, 8, torch.device("cpu"))
-    with pytest.raises(ValueError, match="pip install flashinfer-python"):
+    with pytest.raises(ValueError, match="runs on CUDA, not cpu"):  # before the package
         create_backend(
             "flashinfer", kv_pool=pool, req_to_token=table, num_heads=4, num_kv_heads=2, head_dim=64
         )
@@ -365,8 +365,9 @@ def test_flashinfer_with_an_fp8_kv_cache_is_refused_naming_both(field):
 def test_what_flashinfer_cannot_run_is_refused_before_any_process_starts(field):
     """A float32 model or a CPU device, refused by the config whether or not the package is
     installed; a model's heads and a pool's dtype, by the backend before it imports it."""
-    with pytest.raises(ValueError, match=rf"{field} 'flashinfer' runs float16 or bfloat16"):
-        EngineConfig(device="cuda", dtype="float32", **{field: "flashinfer"})
+    for dtype in ("float32", "float"):
+        with pytest.raises(ValueError, match=rf"{field} 'flashinfer' runs float16 or bfloat16"):
+            EngineConfig(device="cuda", dtype=dtype, **{field: "flashinfer"})
     with pytest.raises(ValueError, match=rf"{field} 'flashinfer' runs on CUDA, not device 'cpu'"):
         EngineConfig(device="cpu", **{field: "flashinfer"})
     table = ReqToTokenPool(2, 8, torch.device("cpu"))

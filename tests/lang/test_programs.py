@@ -482,3 +482,28 @@ def test_a_regex_the_grammar_backend_cannot_compile_is_a_value_error(smollm2, ba
     assert isinstance(info.value.__cause__, ValueError)
     assert "cannot be compiled" in str(info.value)
     assert_kv_all_free_or_cached(smollm2)
+
+
+def test_a_join_gathers_only_what_each_branch_set_and_an_ended_state_takes_nothing(backend):
+    """Branches that set a typed name again with untyped gens gather texts (no stale typed
+    entry from before the fork); a branch that did not set a name gathers None; a fork member
+    appended to after the join is a clear error, not a step that never runs."""
+
+    @sgl.function
+    def prog(s):
+        s += "Count: 1, 2,"
+        s += sgl.gen_int("n", max_tokens=2)
+        forks = s.fork(2)
+        forks[0] += sgl.gen("n", max_tokens=2, temperature=0)
+        forks[1] += sgl.gen("other", max_tokens=1, temperature=0)
+        forks.join()
+        s.after = forks[0]
+
+    state = prog.run(backend=backend)
+    texts = state["n"]
+    assert texts[1] is None and isinstance(texts[0], str)
+    assert state.get_value("n") == texts  # untyped: the texts as they are
+    assert state.get_meta_info("n")[1] is None
+    assert state["other"][0] is None
+    with pytest.raises(sgl.ProgramError, match="has ended"):
+        state.after += sgl.gen("x", max_tokens=1)

@@ -284,10 +284,18 @@ def test_sampling_params_are_set_as_vllms_are_and_take_its_spellings():
     assert SamplingParams(guided_decoding={"regex": "a+"}).regex == "a+"
     assert SamplingParams(structured_outputs={"grammar": 'root ::= "a"'}).ebnf == 'root ::= "a"'
     assert SamplingParams(structured_outputs={"json_object": True}).json_schema is not None
-    SamplingParams(detokenize=True, spaces_between_special_tokens=True, output_kind=2)
+    SamplingParams(detokenize=True, spaces_between_special_tokens=False, output_kind=2)
+    later = SamplingParams()
+    later.structured_outputs = {"regex": "a+"}  # set later too, as vLLM's names are
+    assert later.regex == "a+"
+    with pytest.raises(ValueError, match="detokenize"):
+        sp.detokenize = False
+    with pytest.raises(ValueError, match="give only one"):
+        SamplingParams(regex="a", guided_decoding={"regex": "b"})
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(sp)
     for kw, field in [
         ({"detokenize": False}, "detokenize"),
-        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"logits_processors": [print]}, "logits_processors"),
         ({"extra_args": {"a": 1}}, "extra_args"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),

@@ -878,6 +878,8 @@ def test_opened_sessions_continue_their_requests_as_sglangs_do(server):
     assert bad["error"]["param"] == "session_params.rid"
     bad = generate(b, 400, rid="t1", session_params={"id": sid, "rid": "t0"})
     assert bad["error"]["param"] == "rid" and "already" in bad["error"]["message"]
+    bad = generate([b], 400, rid="t4", session_params={"id": sid, "rid": "t0"})
+    assert bad["error"]["param"] == "input_ids" and "not a list" in bad["error"]["message"]
     bad = generate(b, 400, session_params={"id": "not-opened", "rid": "t0"})
     assert bad["error"]["param"] == "session_params.id" and "not open" in bad["error"]["message"]
     # replace: t0's continuations (t1, t2 and t1's t3) are forgotten.

@@ -303,13 +303,13 @@ class FlashInferBackend(AttentionBackend):
                 f"attention backend 'flashinfer' runs float16 or bfloat16, not {dtype} (dtype="
                 "'bfloat16' or 'float16'; float32 runs on 'triton' or 'torch_native')"
             )
-        flashinfer = import_flashinfer()
         device = req_to_token.table.device
         if device.type != "cuda":
             raise ValueError(
                 f"attention backend 'flashinfer' runs on CUDA, not {device.type}; use "
                 "'torch_native' (or 'triton' under TRITON_INTERPRET=1)"
             )
+        flashinfer = import_flashinfer()
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_heads = num_heads

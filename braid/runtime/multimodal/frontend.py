@@ -157,9 +157,10 @@ IMAGE_PARTS = {"image_url": "image_url", "image": "image", "image_pil": "image_p
 
 def flatten_content(content: Any, placeholder: str | None, where: str) -> tuple[str, list[Any]]:
     """A message's content as template text and the image sources it holds, in order: text
-    parts joined (one after another by a newline, as vLLM's), each image part replaced by
-    `placeholder` (the model's text for one image, so any chat template renders it; None: the
-    model takes no images, a `ParamError`)."""
+    parts joined, a newline between two text parts that follow each other (vLLM joins its
+    text parts by newlines; braid keeps each image where it stands among them), each image
+    part replaced by `placeholder` (the model's text for one image, so any chat template
+    renders it; None: the model takes no images, a `ParamError`)."""
     if content is None:
         return "", []
     if isinstance(content, str):

@@ -89,7 +89,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.media.check_no_placeholders(ids, "text" if single else f"text[{i}]")
         continued = None
         if state.sessions.is_open(session[0]):
-            prompts, continued = _continue_session(state, req, prompts, params, images, each)
+            prompts, continued = _continue_session(
+                state, req, prompts, params, images, each, single
+            )
         elif req.session_params is not None and _continues(req.session_params):
             raise APIError(
                 400,
@@ -276,12 +278,20 @@ def _continues(p: SessionParams) -> bool:
 
 
 def _continue_session(
-    state: ServerState, req: GenerateRequest, prompts: list, params: list, images, each
+    state: ServerState,
+    req: GenerateRequest,
+    prompts: list,
+    params: list,
+    images,
+    each: _PerPrompt,
+    single: bool,
 ) -> tuple[list, Continuation]:
     """The prompt of a request in a session opened with /open_session (`session_trees`): one
-    prompt, one sample, no images (refused otherwise, naming the field)."""
-    if len(prompts) != 1:
-        raise APIError(400, "a request of an opened session has one prompt", "text")
+    prompt (not a batch, even of one), one sample, no images (refused otherwise, naming the
+    field)."""
+    if not single:
+        where = "text" if req.text is not None else "input_ids"
+        raise APIError(400, "a request of an opened session has one prompt, not a list", where)
     if params[0].n != 1:
         raise APIError(400, "a request of an opened session samples once (n = 1)", "n")
     if images[0]:

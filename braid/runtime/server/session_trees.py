@@ -15,14 +15,16 @@ front end: the scheduler receives whole prompts, and the session's pins (the ses
 for any braid session) keep their KV cached between the calls.
 
 A session id not opened here is a plain braid session (pins only): `rid`, `offset`, `replace`
-and `drop_previous_output` need an opened one. Each node keeps its prompt; a session's tree
-is forgotten at `/close_session`.
+and `drop_previous_output` need an opened one. Each node keeps its prompt's and (once it
+has ended) its output's token ids; a session's tree is forgotten at `/close_session`, and at
+most MAX_OPEN_SESSIONS are open at once.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,16 +36,25 @@ if TYPE_CHECKING:
     from braid.runtime.server.protocol_native import SessionParams
 
 
+# Sessions open at once: each holds its requests' token ids until /close_session.
+MAX_OPEN_SESSIONS = 4096
+
+
 @dataclass
 class _Node:
-    prompt: list[int]
+    prompt: array  # token ids, 4 bytes each (a Python list of ints takes about 36)
     parent: str | None
-    choice: Choice  # the sample's output as it arrives
+    choice: Choice | None  # the sample's output as it arrives, until it has ended
+    output: array | None = None  # its output's token ids once it has ended
     children: list[str] = field(default_factory=list)
 
-    def sequence(self, drop_output: bool) -> list[int]:
-        out = [] if drop_output else list(self.choice.token_ids)
-        return self.prompt + out
+    def sequence(self, drop_output: bool, ended: bool) -> list[int]:
+        if ended and self.choice is not None:  # keep the ids only, not the whole output
+            self.output, self.choice = array("i", self.choice.token_ids), None
+        if drop_output:
+            return self.prompt.tolist()
+        out = self.output.tolist() if self.output is not None else list(self.choice.token_ids)
+        return self.prompt.tolist() + out
 
 
 @dataclass
@@ -71,6 +82,12 @@ class SessionTrees:
         """Open a session named `session_id` (None: a new id); its id, or None if a session of
         that id is open already."""
         with self._lock:
+            if len(self._sessions) >= MAX_OPEN_SESSIONS:
+                raise APIError(
+                    400,
+                    f"{MAX_OPEN_SESSIONS} sessions are open: close one (/close_session) first",
+                    "session_id",
+                )
             sid = session_id if session_id is not None else uuid.uuid4().hex
             if sid in self._sessions:
                 return None
@@ -98,7 +115,9 @@ class SessionTrees:
         400 naming the field for a request it cannot be: an unknown `rid`, one still running
         (without `replace`), a rid already used in the session."""
         with self._lock:
-            nodes = self._sessions[params.id]
+            nodes = self._sessions.get(params.id)
+            if nodes is None:  # closed since the caller looked
+                raise APIError(400, f"session {params.id!r} is not open", "session_params.id")
             if rid in nodes:
                 raise APIError(
                     400, f"rid {rid!r} is already a request of session {params.id!r}", "rid"
@@ -129,7 +148,7 @@ class SessionTrees:
                     "it has, or give replace: true",
                     "session_params.rid",
                 )
-            base = node.sequence(bool(params.drop_previous_output))
+            base = node.sequence(bool(params.drop_previous_output), ended)
             if params.offset:
                 base = base[: params.offset]
             own = ids[1:] if bos is not None and ids[:1] == [bos] else ids
@@ -154,7 +173,7 @@ class SessionTrees:
                     for rid in _descendants(nodes, c.parent):
                         nodes.pop(rid, None)
                     nodes[c.parent].children = []
-            nodes[c.rid] = _Node(c.prompt, c.parent, choice)
+            nodes[c.rid] = _Node(array("i", c.prompt), c.parent, choice)
             if c.parent is not None:
                 nodes[c.parent].children.append(c.rid)
             return c.ends
