@@ -21,7 +21,7 @@ from benchmarks import perplexity  # noqa: E402
 
 # The largest perplexity change from float32 each method may show, in percent (measured:
 # gguf +0.08, int8 +2.0, int4 +72, fp8_kv -0.32).
-BOUNDS = {"gguf": 0.5, "int8": 3.0, "int4": 90.0, "fp8_kv": 1.0}
+BOUNDS = {"gguf": 0.5, "int8": 3.0, "int4": 78.0, "fp8_kv": 1.0}
 
 
 pytestmark = pytest.mark.slow  # five engines, each scoring 1140 tokens: about 50 s
