@@ -435,16 +435,13 @@ class EngineConfig:
                     "supported yet (braid's flashinfer backend reads a 16-bit cache): use "
                     "'triton' or 'torch_native' with an fp8 KV cache"
                 )
+            wrong = None
             if _DTYPES.get(self.dtype) == "float32":
-                raise ValueError(
-                    f"{name} 'flashinfer' runs float16 or bfloat16, not dtype {self.dtype!r}: use "
-                    "dtype 'bfloat16' or 'float16', or 'triton' or 'torch_native' in float32"
-                )
-            if self.device is not None and self.device.split(":")[0] != "cuda":
-                raise ValueError(
-                    f"{name} 'flashinfer' runs on CUDA, not device {self.device!r}: use "
-                    "'torch_native' on the CPU"
-                )
+                wrong = f"float16 or bfloat16, not dtype {self.dtype!r} (float32: 'triton')"
+            elif self.device is not None and self.device.split(":")[0] != "cuda":
+                wrong = f"on CUDA, not device {self.device!r} (the CPU: 'torch_native')"
+            if wrong:
+                raise ValueError(f"{name} 'flashinfer' runs {wrong}")
             if importlib.util.find_spec("flashinfer") is None:
                 raise ValueError(
                     f"{name} 'flashinfer' needs the flashinfer-python package, which is not "
