@@ -155,7 +155,7 @@ class Executor:
             self._pending += 1
             self._writes.update(names)
             self._joins += isinstance(node, Join)
-        self._queue.put((node, where))
+        self._queue.put((node, where, names))
 
     def end(self) -> None:
         """Queue the end: after the queued nodes run, close the session and any forks."""
@@ -164,11 +164,11 @@ class Executor:
                 return
             self._end_queued = True
             self._pending += 1
-        self._queue.put((_END, ""))
+        self._queue.put((_END, "", []))
 
     def _work(self) -> None:
         while True:
-            node, where = self._queue.get()
+            node, where, names = self._queue.get()
             if node is _END:
                 for child in self.children:
                     child.end()
@@ -195,7 +195,7 @@ class Executor:
             with self._cond:
                 self._pending -= 1
                 if ran:  # what a failed or skipped node would have set stays unsettled
-                    self._writes.subtract(_writes(node))
+                    self._writes.subtract(names)
                     self._joins -= isinstance(node, Join)
                 self._cond.notify_all()
 
@@ -224,13 +224,15 @@ class Executor:
         """The variable's value once no queued node will set it again (a gen reusing the
         name, a join); waits for it, and raises the state's error if the program failed."""
 
+        def settled() -> bool:
+            return name in self.variables and not self._writes[name] and not self._joins
+
         def ready() -> bool:
-            settled = name in self.variables and not self._writes[name] and not self._joins
-            return settled or self.error is not None or self._pending == 0 or self.ended
+            return settled() or self.error is not None or self._pending == 0 or self.ended
 
         with self._cond:
             self._cond.wait_for(ready)
-            if name in self.variables and not self._writes[name] and not self._joins:
+            if settled():
                 return self.variables[name]
         if self.error is not None:
             raise self.error
@@ -520,7 +522,7 @@ class _Typed:
 
 def _writes(node: Any) -> list[str]:
     """The variables queued `node` sets (none known for a join, which may set any)."""
-    if isinstance(node, Join) or node is _END:
+    if isinstance(node, Join):
         return []
     names = []
     for leaf in flatten(node):

@@ -522,7 +522,7 @@ def _set_field(self: SamplingParams, name: str, value: Any) -> None:
     if name not in _FIELD_NAMES and name not in _VLLM_ONLY:
         raise AttributeError(f"SamplingParams has no field {name!r}")
     changes = _vllm_fields({name: value})  # vLLM's spellings, as at construction
-    if name == "structured_outputs" or name == "guided_decoding":
+    if name in ("structured_outputs", "guided_decoding"):
         changes.update({k: None for k in CONSTRAINT_FIELDS if k not in changes})
     if name == "bad_words":  # the engine makes the token ids again from the new words
         changes["bad_words_token_ids"] = None
