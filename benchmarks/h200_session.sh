@@ -55,12 +55,19 @@
 #          temperature floor, the detokenizer's stop-token text and the flashinfer refusals):
 #          the GPU tests of the runtime's step path, the sampler, the fp8 KV cache and
 #          FlashInfer (its JIT build first), on any GPU (on an H200, part 13 in the next call)
+#   part 15 (twenty-fourth session, issue 21: "a prefill budget that avoids partial chunks"):
+#          offline generation of prompts of 256-768 tokens with avoid_partial_chunks off and
+#          on, two engines side by side (partial_chunks.py), on any GPU
+#   part 16 (twenty-fourth session, issue 18: the embedded model had never run on a GPU):
+#          after benchmarks/carry_embedded_model.sh's two calls and PYTHONPATH=/tmp/emb, the
+#          embedded Q4_1 file kept quantized on CUDA (its GPU test), then its perplexity in
+#          bfloat16 under every method (perplexity.py --device cuda), on any GPU
 #   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give):
 #          only on an H200 (any other GPU ends the call at once, exit 3), the 8k prefill end
 #          to end after the eighteenth session's copy change (issue 21: MFU 0.751 before it),
 #          batch-1 decode, then batch-1 decode of bf16, int4 and fp8 end to end (issue 18)
 set -u
-part=${1:?part 1 to 14}
+part=${1:?part 1 to 16}
 if [ "$part" = 13 ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     nvidia-smi --query-gpu=name --format=csv,noheader
     echo "part 13 runs on an H200 only"
@@ -202,6 +209,19 @@ if [ "$part" = 14 ]; then
     pack
     TAIL=8 step 200 pytest_flashinfer python -m pytest -q -p no:cacheprovider -rfE \
         tests/kernels/test_flashinfer_backend.py
+fi
+if [ "$part" = 15 ]; then
+    TAIL=16 step 420 partial_chunks python benchmarks/partial_chunks.py \
+        --model benchmarks/configs/llama-3.1-8b --load-format dummy --num-prompts 512 \
+        --min-len 256 --max-len 768 --output-len 128 --repeats 4 \
+        --out "$OUT/r/partial_chunks_cuda.json"
+fi
+if [ "$part" = 16 ]; then
+    TAIL=8 step 240 pytest_embedded python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/runtime/test_gguf.py
+    pack
+    TAIL=10 step 300 perplexity python benchmarks/perplexity.py --device cuda \
+        --out "$OUT/r/perplexity_cuda.json"
 fi
 if [ "$part" = 13 ]; then
     TAIL=4 step 110 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \

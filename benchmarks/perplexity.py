@@ -4,6 +4,7 @@ that applies to it, through braid.LLM's prompt log-probabilities:
 
     python benchmarks/perplexity.py            # the whole text, every method
     python benchmarks/perplexity.py --tiny-cpu # the first 64 tokens, float32 and gguf
+    python benchmarks/perplexity.py --device cuda  # every method in bfloat16 on the GPU
 
 (tests/runtime/test_perplexity.py runs the first form and bounds each method's change.)
 
@@ -15,7 +16,7 @@ value attended to is rounded through e4m3, scales 1.0). The float32 weights are 
 Q4_1 file's, so `gguf` is the same model as `float32` (its delta is the kernels' rounding),
 while `int8` and `int4` quantize it once more. Perplexity = exp(mean negative log-likelihood
 of tokens 2..n given those before), the text as one sequence. Writes
-benchmarks/results/perplexity_cpu.json.
+benchmarks/results/perplexity_<device>.json.
 """
 
 from __future__ import annotations
@@ -66,15 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny-cpu", action="store_true", help="64 tokens, float32 and gguf")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--max-tokens", type=int, default=None, help="first N tokens of the text")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: every method in bfloat16 (`float32` names the float weights there)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    overrides = {"device": "cuda", "dtype": "bfloat16"} if args.device == "cuda" else {}
     methods = [m for m in args.methods.split(",") if m]
     if args.tiny_cpu:
         methods, args.max_tokens = ["float32", "gguf"], 64
     rows = {}
     ids: list[int] = []
     for method in methods:
-        with method_engine(method) as llm:
+        with method_engine(method, **overrides) as llm:
             ids = text_ids(llm.tokenizer, args.max_tokens)
             rows[method] = {"perplexity": perplexity(llm, ids)}
     base = rows.get("float32", {}).get("perplexity")
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{method:<10}{row['perplexity']:>12.4f}{shown:>12}")
     write_result(
         "perplexity",
-        "cpu",
+        args.device,
         args.out,
         {"text": TEXT.name, "tokens": len(ids), "methods": rows},
         script="benchmarks/perplexity.py",

@@ -80,8 +80,7 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        "weights and activations; auto: float32 on CPU, the model's 16-bit type (else "
-        "bfloat16) on CUDA",
+        "weights and activations; auto: float32 on CPU, the model's 16-bit type on CUDA",
         choices=("auto", *_DTYPES),
     )
     device: str | None = setting(None, "cpu, cuda or cuda:N; unset: cuda when there is one")
@@ -127,6 +126,12 @@ class EngineConfig:
         "each prefill step also carries the running requests' decode rows (one extend batch; "
         "they count against its token budget), as SGLang's --enable-mixed-chunk: the decode "
         "rides on the prefill's weight reads instead of a step of its own",
+    )
+    avoid_partial_chunks: bool = setting(
+        True,
+        "a prompt that does not fit whole in what a prefill step's budget leaves waits for the "
+        "next step (only a step's first prompt, or one longer than the budget, is cut into "
+        "chunks); off: every step is filled to its budget, as in SGLang and vLLM",
     )
     schedule_policy: str = setting(
         "lpm",
@@ -355,13 +360,11 @@ class EngineConfig:
             "cuda_graph_capture_all_at_start",
             "disable_cuda_graph",
             "disable_custom_all_reduce",
+            "enable_mixed_chunk",
+            "avoid_partial_chunks",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.enable_mixed_chunk, bool):
-            raise ValueError(
-                f"enable_mixed_chunk must be true or false, got {self.enable_mixed_chunk!r}"
-            )
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             raise ValueError(
                 "enable_mixed_chunk does not go with speculative decoding yet (a verify step "
@@ -370,13 +373,10 @@ class EngineConfig:
         self._check_speculative()
         self._check_parallel()
         self._check_attention_backends()
-        jump = self.disable_jump_forward
-        if jump is not None and not isinstance(jump, bool):
-            raise ValueError(f"disable_jump_forward must be None, true or false, got {jump!r}")
-        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
-            raise ValueError(
-                f"overlap_schedule must be None, true or false, got {self.overlap_schedule!r}"
-            )
+        for name in ("disable_jump_forward", "overlap_schedule"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be None, true or false, got {v!r}")
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "nnodes"):

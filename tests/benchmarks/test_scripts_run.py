@@ -31,6 +31,30 @@ def test_no_script_shadows_an_installed_module():
     assert not clashes, clashes
 
 
+def test_partial_chunks_script_runs_both_settings_on_the_same_prompts(tmp_path):
+    """At toy size (budget 16, prompts of 8-30 tokens): both settings' runs, round by round,
+    on the same prompts (the same tokens computed); only the budget-filled engine cuts prompts
+    that fit a step of their own, so it cuts more."""
+    out = tmp_path / "r.json"
+    args = ["--model", "benchmarks/configs/tiny-llama", "--load-format", "dummy"]
+    args += ["--num-prompts", "8", "--min-len", "8", "--max-len", "30", "--output-len", "2"]
+    args += ["--chunked-prefill-size", "16", "--repeats", "2", "--out", str(out)]
+    subprocess.run(
+        [sys.executable, "benchmarks/partial_chunks.py", *args],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = json.loads(out.read_text())
+    filled, whole = result["runs"]["budget-filled"], result["runs"]["whole-prompts"]
+    assert len(filled) == len(whole) == len(result["ratios"]) == 2
+    for a, b in zip(filled, whole):
+        assert a["prefill_tokens_computed"] == b["prefill_tokens_computed"] > 8 * 8
+        assert a["chunked_prompts"] > b["chunked_prompts"]
+    assert 0 <= result["same_tokens"] <= 1
+
+
 def test_offline_throughput_runs_and_matches_transformers(tmp_path):
     out = tmp_path / "r.json"
     subprocess.run(

@@ -251,7 +251,8 @@ def test_each_flag_sets_its_field_with_the_fields_type(cls):
         if f.metadata["choices"] is not None and callable(f.metadata["choices"]):
             argv = [flag(f.name), [c for c in choices_of(f) if c not in NEEDS_PACKAGE][0]]
         elif typing.get_type_hints(cls)[f.name] in (bool, bool | None):
-            argv = [flag(f.name)]
+            on = SERVE_DEFAULTS.get(f.name, f.default) is True  # its --no- flag turns it off
+            argv = ["--no-" + flag(f.name)[2:] if on else flag(f.name)]
         else:
             argv = [flag(f.name), sample_value(cls, f)]
         argv += COMPANIONS.get(f.name, [])

@@ -448,3 +448,41 @@ def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_d
         m.setattr(Linear, "forward", Linear.reference)
         m.setattr(LMHead, "forward", LMHead.reference)
         assert got == _greedy(local_scheduler(blocks_dir, disable_cuda_graph=True, **gpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_gpu_the_embedded_model_kept_quantized_gives_its_references_greedy_tokens(
+    monkeypatch,
+):
+    """The real Q4_1 file on CUDA (bfloat16): every layer and the head in Triton's
+    `gguf_linear` under CUDA graphs, against the references run eagerly, on text; and the
+    demo's chat answer is the float model's."""
+    from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
+
+    path = resolve_model(None)
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    gpu = dict(device="cuda", dtype="bfloat16", kv_tokens=512)
+    sched = local_scheduler(path, **gpu)
+    segments = {
+        type(s).__name__
+        for m in _linears(sched.runner.model).values()
+        if m.method is not None
+        for s in m.method.segments
+    }
+    assert segments == {"_TritonSegment"}
+    got = _greedy(sched, n=8, prompts=prompts)
+    with monkeypatch.context() as m:
+        m.setattr(Linear, "forward", Linear.reference)
+        m.setattr(LMHead, "forward", LMHead.reference)
+        eager = local_scheduler(path, disable_cuda_graph=True, **gpu)
+        assert got == _greedy(eager, n=8, prompts=prompts)
+    chat = [
+        tok.encode(
+            render_chat(tok, [{"role": "user", "content": "What is the capital of France?"}]),
+            add_special_tokens=False,
+        )
+    ]
+    answer = tok.decode(_greedy(local_scheduler(path, **gpu), n=8, prompts=chat)[0])
+    assert "Paris" in answer, answer

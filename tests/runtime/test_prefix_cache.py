@@ -187,6 +187,45 @@ def test_the_step_that_ends_a_chunked_prompt_admits_waiting_ones_in_its_budget(
     _local_free_plus_cached(s)
 
 
+@pytest.mark.parametrize("avoid", [True, False], ids=["whole-prompts", "budget-filled"])
+def test_a_later_prompt_that_fits_a_step_of_its_own_waits_for_it_rather_than_being_cut(
+    tiny_model_dirs, hf_tiny, avoid
+):
+    """Budget 16, prompts of 10, 10 and 20 tokens. Avoiding partial chunks, the second waits
+    for the next step (it fits whole there, not in the 6 the first leaves), and the third,
+    longer than the budget, is still cut, into the room the second leaves; filling every step
+    to its budget, as SGLang and vLLM do, cuts the second too. Tokens unchanged either way."""
+    rng = random.Random(4)
+    prompts = {rid: [rng.randrange(512) for _ in range(n)] for rid, n in zip("abc", (10, 10, 20))}
+    s = local_scheduler(
+        tiny_model_dirs["llama"],
+        kv_tokens=2048,
+        chunked_prefill_size=16,
+        avoid_partial_chunks=avoid,
+    )
+    extends = []
+    real = s.runner.forward
+
+    def spy(batch):
+        if batch.mode is ForwardMode.EXTEND:
+            extends.append((batch.num_tokens, batch.batch_size))
+        return real(batch)
+
+    s.runner.forward = spy
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        s.handle(GenerateReq(rid, prompt, sp, i))
+    got = run_to_end(s)
+    if avoid:
+        assert extends == [(10, 1), (16, 2), (14, 1)]  # a | b + c's first 6 | c's last 14
+        assert s.stats.chunked_prompts == 1
+    else:
+        assert extends == [(16, 2), (16, 2), (8, 1)]  # a + b's 6 | b's 4 + c's 12 | c's 8
+        assert s.stats.chunked_prompts == 2
+    assert got == {rid: hf_greedy(hf_tiny["llama"], p, 3, eos=False) for rid, p in prompts.items()}
+    _local_free_plus_cached(s)
+
+
 def test_retraction_keeps_outputs_identical(tiny_model_dirs, hf_tiny):
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]

@@ -694,32 +694,43 @@ WORKLOAD = {  # program -> (steps, new prompt tokens per step, output tokens per
 }
 
 
-def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
-    """Run WORKLOAD on scheduler `s` (one request at a time): each program's next step is sent
-    when its previous one finishes, its prompt the program's text so far plus new tokens.
-    Returns (the order programs finished in, each step's output tokens)."""
-    rngs = {p: random.Random(f"{seed}/{p}") for p in WORKLOAD}  # a step's tokens: not order's
-    context = {p: [] for p in WORKLOAD}
-    step_no = {p: 0 for p in WORKLOAD}
+def _drive(
+    s,
+    seed: int,
+    clock: Clock | None = None,
+    on_step=None,
+    workload: dict[str, tuple[int, int, int]] | None = None,
+):
+    """Run `workload` (WORKLOAD if None) on scheduler `s`: each program's next step is sent when
+    its previous one finishes, its prompt the program's text so far plus new tokens. Returns
+    (the order programs finished in, each step's output tokens, the requests each scheduler
+    step computed, in the order it returned them)."""
+    workload = WORKLOAD if workload is None else workload
+    rngs = {p: random.Random(f"{seed}/{p}") for p in workload}  # a step's tokens: not order's
+    context = {p: [] for p in workload}
+    step_no = {p: 0 for p in workload}
     outputs: dict[tuple[str, int], list[int]] = {}
     done: list[str] = []
+    batches: list[list[str]] = []
 
     def send(p: str) -> None:
-        steps, new, out = WORKLOAD[p]
+        steps, new, out = workload[p]
         context[p] = context[p] + [rngs[p].randrange(1, 500) for _ in range(new)]
         sp = braid.SamplingParams(max_tokens=out, **GREEDY)
         s.handle(GenerateReq(f"{p}/{step_no[p]}", list(context[p]), sp, 0, session_id=p))
 
-    for p in WORKLOAD:
+    for p in workload:
         send(p)
     while s.has_work:
-        for out in s.step():
+        outs = s.step()
+        batches.append([out.rid for out in outs])
+        for out in outs:
             outputs.setdefault(tuple(out.rid.split("/")), []).extend(out.new_token_ids)
             if out.finish_reason:
                 p, k = out.rid.split("/")
                 context[p] += outputs[(p, k)]
                 step_no[p] += 1
-                if step_no[p] < WORKLOAD[p][0]:
+                if step_no[p] < workload[p][0]:
                     send(p)
                 else:
                     done.append(p)
@@ -728,37 +739,73 @@ def _drive(s, seed: int, clock: Clock | None = None, on_step=None):
         if on_step is not None:
             on_step()
         s.check_invariants()
-    return done, outputs
+    return done, outputs, batches
 
 
-def _simulate() -> list[str]:
-    """The `program` policy's choices, one request at a time, from the workload alone:
-    service per step = new prompt tokens + 1 (the previous output's last token, which has
-    no KV yet) + output tokens - 1 (the first comes from the prefill), no aging; within a
-    level, the longest cached prefix first: a program's sequence so far less its last sample
-    (the pool holds every program's context), none before its first step."""
-    service = {p: 0 for p in WORKLOAD}
-    cached = {p: 0 for p in WORKLOAD}
-    step_no = {p: 0 for p in WORKLOAD}
-    waiting = list(WORKLOAD)  # arrival order
-    done = []
-    while waiting:
-        first = {p: i for i, p in reversed(list(enumerate(waiting)))}
+def _simulate(
+    workload: dict[str, tuple[int, int, int]], rows: int, policy_name: str = "program"
+) -> tuple[list[str], list[list[str]]]:
+    """The scheduler's steps under `policy_name` ("program" or "fcfs") with `rows` requests
+    running at once, from the workload alone: (the order programs finish in, the requests each
+    step computes, in the order the step returns them). The pool holds every program's context,
+    programs share no prefix (their tokens are drawn apart) and a step's prompts fit the
+    prefill budget: nothing is evicted, chunked or retracted, and a program's cached prefix is
+    its own.
 
-        def level(q: str) -> int:  # the thresholds passed: 0 below the first
-            return sum(service[q] >= t for t in program_policy.PROGRAM_LEVELS)
+    A step admits waiting requests in policy order into the free rows (an extend, sampling
+    each one's first token) unless the step before was an extend and requests run: then, or
+    when nothing can be admitted, it is a decode step of every running request, one token
+    each (mixed chunks are off: an extend decodes none of them). A request finishes at its
+    max_tokens, in the step's order, and its program's next step joins the queue behind those
+    waiting.
 
-        p = min(waiting, key=lambda q: (level(q), -cached[q], first[q]))
-        waiting.remove(p)
-        steps, new, out = WORKLOAD[p]
-        service[p] += new + (1 if step_no[p] else 0) + out - 1
-        cached[p] += new + out
-        step_no[p] += 1
-        if step_no[p] < steps:
-            waiting.append(p)
+    `program`: service = the prompt tokens a prefill computes (the new ones, and the previous
+    output's last token, which has no KV yet) + one per decode step; no aging; within a
+    level, the longest cached prefix first (a program's sequence so far less its last sample,
+    none before its first step); then queue order. `fcfs`: queue order."""
+    service = {p: 0 for p in workload}
+    context = {p: 0 for p in workload}  # the program's tokens so far
+    step_no = {p: 0 for p in workload}
+    waiting = list(workload)  # arrival order
+    running: dict[str, int] = {}  # request -> tokens it has yet to generate, admission order
+    extended = False
+    done, steps = [], []
+
+    def key(p: str) -> tuple[int, int, int]:
+        level = sum(service[p] >= t for t in program_policy.PROGRAM_LEVELS)  # thresholds passed
+        cached = context[p] - 1 if step_no[p] else 0
+        return level, -cached, waiting.index(p)
+
+    while waiting or running:
+        extended = not (extended and running) and bool(waiting) and len(running) < rows
+        if extended:
+            order = sorted(waiting, key=key) if policy_name == "program" else waiting
+            admitted = order[: rows - len(running)]
+            for p in admitted:
+                waiting.remove(p)
+                new, out = workload[p][1:]
+                service[p] += new + (1 if step_no[p] else 0)
+                context[p] += new
+                running[f"{p}/{step_no[p]}"] = out
+            batch = [f"{p}/{step_no[p]}" for p in admitted]
         else:
-            done.append(p)
-    return done
+            batch = list(running)
+            for rid in batch:
+                service[rid.split("/")[0]] += 1
+        steps.append(batch)
+        for rid in batch:
+            running[rid] -= 1
+            if running[rid]:
+                continue
+            del running[rid]
+            p = rid.split("/")[0]
+            context[p] += workload[p][2]
+            step_no[p] += 1
+            if step_no[p] < workload[p][0]:
+                waiting.append(p)
+            else:
+                done.append(p)
+    return done, steps
 
 
 def _one_at_a_time(tiny_model_dirs, policy_name: str):
@@ -773,7 +820,8 @@ def _one_at_a_time(tiny_model_dirs, policy_name: str):
 
 @pytest.fixture(scope="module")
 def fcfs_run(tiny_model_dirs):
-    return _drive(_one_at_a_time(tiny_model_dirs, "fcfs"), seed=1)
+    done, outputs, _ = _drive(_one_at_a_time(tiny_model_dirs, "fcfs"), seed=1)
+    return done, outputs
 
 
 def test_program_policy_finishes_programs_as_the_simulation_predicts(
@@ -781,8 +829,8 @@ def test_program_policy_finishes_programs_as_the_simulation_predicts(
 ):
     monkeypatch.setattr(program_policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
     s = _one_at_a_time(tiny_model_dirs, "program")
-    done, outputs = _drive(s, seed=1)
-    expected = _simulate()
+    done, outputs, _ = _drive(s, seed=1)
+    expected, _ = _simulate(WORKLOAD, rows=1)
     assert done == expected
     assert done[:3] == ["L1", "L2", "L3"]  # the light programs are not stuck behind heavy ones
     fcfs_done, fcfs_outputs = fcfs_run
@@ -797,11 +845,56 @@ def test_program_srpt_finishes_the_light_programs_first_with_fcfs_tokens(tiny_mo
     and its later calls by its own output: the light programs finish before either heavy one,
     with the tokens fcfs gave."""
     s = _one_at_a_time(tiny_model_dirs, "program-srpt")
-    done, outputs = _drive(s, seed=1)
+    done, outputs, _ = _drive(s, seed=1)
     assert sorted(done[:3]) == ["L1", "L2", "L3"] and sorted(done[3:]) == ["H1", "H2"]
     fcfs_done, fcfs_outputs = fcfs_run
     assert fcfs_done[:3] != done[:3]
     assert outputs == fcfs_outputs
+
+
+# Eight programs on three rows. The heavy ones (long prompts, long outputs) pass the first
+# service level after two steps, the medium and light ones never do; within a level a program
+# whose context is cached goes before one that has not started.
+CONCURRENT = {
+    "H1": (3, 120, 40),
+    "L1": (4, 6, 4),
+    "H2": (3, 120, 40),
+    "M1": (4, 30, 12),
+    "L2": (4, 6, 4),
+    "H3": (2, 120, 40),
+    "L3": (4, 6, 4),
+    "M2": (3, 30, 12),
+}
+ROWS = 3
+
+
+def test_program_policy_with_concurrent_programs_finishes_as_the_simulation_predicts(
+    tiny_model_dirs, monkeypatch
+):
+    """With more programs than rows, every step (which requests it admits or decodes, so the
+    step each program finishes at) is the simulation's, under `program` and under fcfs; the
+    two orders differ, the tokens do not."""
+    monkeypatch.setattr(program_policy, "PROGRAM_AGING_S", 1e9)  # the reference has no aging
+
+    def run(policy_name: str):
+        s = local_scheduler(
+            tiny_model_dirs["llama"],
+            device="cpu",  # float32, and no overlap schedule: a step returns its own tokens
+            kv_tokens=4096,
+            max_running_requests=ROWS,
+            schedule_policy=policy_name,
+        )
+        return _drive(s, seed=1, workload=CONCURRENT)
+
+    done, outputs, steps = run("program")
+    expected_done, expected_steps = _simulate(CONCURRENT, ROWS)
+    assert done == expected_done
+    assert steps == expected_steps
+    assert sorted(done[-3:]) == ["H1", "H2", "H3"]  # the heavy programs finish last
+    fcfs_done, fcfs_outputs, fcfs_steps = run("fcfs")
+    assert fcfs_steps == _simulate(CONCURRENT, ROWS, "fcfs")[1]  # the steps' model holds there too
+    assert fcfs_done != done
+    assert outputs == fcfs_outputs  # the same tokens, in another order
 
 
 def test_a_waiting_heavy_program_is_not_starved_by_a_stream_of_light_ones(

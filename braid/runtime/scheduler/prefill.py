@@ -8,17 +8,22 @@ reserve of everything running fit in free and evictable pages (a request admitte
 no reserve); admission stops at the first that does not fit. Under the program policies the
 requests of one program call (a fork's branches) fit together or wait together while anything
 else runs (`_gang_fits`). With chunked prefill, a long prompt runs in page-aligned chunks, one
-prompt at a time. Session pins are the KV that goes first after the unpinned cache
-(`_pins_give_way`): they give way, the soonest to expire first and one at a time, to the first
-request in policy order when releasing them can make it fit (a pin never keeps the queue's
-head waiting: under a queue, pins that held half the pool for paused programs had halved what
-ran), and, when nothing runs and nothing else is in the step, to the next chunk of the prompt
-between chunks (else nothing would free the room, and the scheduler would stall). Under
-program-srpt a pin gives way to the queue's head only if its program is predicted to need
-more work yet than the head's (`SchedulePolicy.pins_kept_from`, by srpt's aged key): srpt
-would serve the other first, and evicting its context would have it computed again when its
-call comes back; when nothing else would free the room, kept pins give way too, after the
-others.
+prompt at a time; with `whole_prompts` (EngineConfig.avoid_partial_chunks) only the step's first
+prompt, or one longer than the whole budget, is cut: a later prompt that would fit whole in a
+step of its own but not in what this one leaves waits for the next step (a partial chunk
+delays its request's first token by a step, and the rest's attention reads the part before it
+again; a step's first prompt may always be cut, so nothing waits for ever).
+
+Session pins are the KV that goes first after the unpinned cache (`_pins_give_way`): they give
+way, the soonest to expire first and one at a time, to the first request in policy order when
+releasing them can make it fit (a pin never keeps the queue's head waiting: under a queue, pins
+that held half the pool for paused programs had halved what ran), and, when nothing runs and
+nothing else is in the step, to the next chunk of the prompt between chunks (else nothing would
+free the room, and the scheduler would stall). Under program-srpt a pin gives way to the queue's
+head only if its program is predicted to need more work yet than the head's
+(`SchedulePolicy.pins_kept_from`, by srpt's aged key): srpt would serve the other first, and
+evicting its context would have it computed again when its call comes back; when nothing else
+would free the room, kept pins give way too, after the others.
 
 Program admission (program-srpt while programs hold pins): a request that would start a
 program waits while as many programs are under way as the pool holds at their peak
@@ -72,6 +77,7 @@ class PrefillPlanner:
         policy: SchedulePolicy,
         max_running: int,
         mix_decode: bool = False,
+        whole_prompts: bool = True,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
@@ -84,6 +90,7 @@ class PrefillPlanner:
         self.policy = policy
         self.max_running = max_running
         self.mix_decode = mix_decode
+        self.whole_prompts = whole_prompts
         self.page_size = kv.page_size
 
     def plan(self) -> StepPlan | None:
@@ -171,6 +178,8 @@ class PrefillPlanner:
             start = len(prefix_pages) * self.page_size
             end = req.seq_len
             if end - start > budget:
+                if self.whole_prompts and end - start <= self.budget and self._has_prompt(items):
+                    break  # it fits whole in the next step: not cut into a partial chunk
                 # Prompt logprobs need every prompt position in one forward: never chunked.
                 if self.chunked and req.params.prompt_logprobs is None:
                     end = self._chunk_end(start, req, budget)
@@ -215,7 +224,13 @@ class PrefillPlanner:
             admitted.append(cand)
             budget -= end - req.kv_len
             if end < req.seq_len:
+                self.stats.chunked_prompts += 1
                 break  # one prompt between chunks at a time
+
+    @staticmethod
+    def _has_prompt(items: list[tuple[Req, int]]) -> bool:
+        """Whether the step holds a prompt (not only jump-forward tokens of running ones)."""
+        return any(r.status is ReqStatus.PREFILLING for r, _ in items)
 
     def _gang_fits(
         self, gang: list[Candidate], running: list[Req], items: list, head: bool

@@ -160,6 +160,7 @@ class Scheduler:
             policy=policy,
             max_running=runner.max_running_requests,
             mix_decode=config.enable_mixed_chunk,
+            whole_prompts=config.avoid_partial_chunks,
         )
         self.output = OutputProcessor(
             self.requests,

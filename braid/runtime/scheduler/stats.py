@@ -16,6 +16,7 @@ class SchedulerStats:
     prefill_tokens_computed: int = 0  # tokens actually run through prefill (incl. resumes)
     decode_steps: int = 0  # steps that decoded running requests (mixed steps included)
     prefill_steps: int = 0
+    chunked_prompts: int = 0  # prompts admitted with only a first chunk of their new tokens
     mixed_steps: int = 0  # prefill steps that carried decode rows (enable_mixed_chunk)
     mixed_decode_rows: int = 0  # decode rows those steps carried
     retractions: int = 0
