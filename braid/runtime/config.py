@@ -80,7 +80,7 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        "weights and activations; auto: float32 on CPU, the model's 16-bit type on CUDA",
+        "weights and activations; auto: float32 on CPU, the model's 16-bit type or bf16 on CUDA",
         choices=("auto", *_DTYPES),
     )
     device: str | None = setting(None, "cpu, cuda or cuda:N; unset: cuda when there is one")
@@ -129,9 +129,9 @@ class EngineConfig:
     )
     avoid_partial_chunks: bool = setting(
         True,
-        "a prompt that does not fit whole in what a prefill step's budget leaves waits for the "
-        "next step (only a step's first prompt, or one longer than the budget, is cut into "
-        "chunks); off: every step is filled to its budget, as in SGLang and vLLM",
+        "a prompt that does not fit whole in what a prefill step's budget leaves waits (once) "
+        "for the next step instead of being cut; off: it is cut to fill the budget, as in "
+        "SGLang and vLLM",
     )
     schedule_policy: str = setting(
         "lpm",

@@ -52,7 +52,6 @@ def test_partial_chunks_script_runs_both_settings_on_the_same_prompts(tmp_path):
     for a, b in zip(filled, whole):
         assert a["prefill_tokens_computed"] == b["prefill_tokens_computed"] > 8 * 8
         assert a["chunked_prompts"] > b["chunked_prompts"]
-    assert 0 <= result["same_tokens"] <= 1
 
 
 def test_offline_throughput_runs_and_matches_transformers(tmp_path):

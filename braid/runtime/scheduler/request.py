@@ -65,6 +65,7 @@ class Req:
     cache_node: TreeNode | None = None
     cached_tokens: int = 0
     admitted_once: bool = False
+    held_whole: bool = False  # held back once for a step that takes its prompt whole (prefill)
     retractions: int = 0
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
