@@ -5,7 +5,7 @@ the speculative settings it holds."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -52,6 +52,46 @@ def speculative_settings(spec: Any) -> dict[str, Any]:
     return out
 
 
+def _flag(key: str, value: Any) -> bool:
+    """A vLLM on/off keyword's value; None (vLLM's default: the engine decides) is on."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true, false or None, got {value!r}")
+    return value is not False
+
+
+def _changes_nothing(key: str) -> Callable[[Any, Mapping[str, Any]], dict[str, Any]]:
+    def take(value: Any, _given: Mapping[str, Any]) -> dict[str, Any]:
+        _flag(key, value)
+        return {}
+
+    return take
+
+
+def _same_tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if value is None or str(value) == str(given.get("model")):
+        return {}
+    raise ValueError(
+        f"tokenizer {str(value)!r}: the tokenizer is the model directory's own (a separate "
+        "one is not supported); leave it out, or name the model"
+    )
+
+
+# vLLM's keywords whose values braid has as other settings, or that change nothing in braid:
+# keyword -> (its value, every keyword given) -> the settings it gives.
+TRANSLATED = {
+    "enable_prefix_caching": lambda v, _: (
+        {} if _flag("enable_prefix_caching", v) else {"disable_radix_cache": True}
+    ),
+    "enable_chunked_prefill": lambda v, _: (
+        {} if _flag("enable_chunked_prefill", v) else {"chunked_prefill_size": -1}
+    ),
+    # braid runs its own model implementations and never a checkpoint's code, so permission
+    # to run it changes nothing.
+    "trust_remote_code": _changes_nothing("trust_remote_code"),
+    "tokenizer": _same_tokenizer,
+}
+
+
 # Other engines' settings that braid has under no name, because its nearest setting means
 # something else or none is needed: what to do instead (said where the keyword or the flag is
 # refused; a close spelling match could point at a setting of another meaning).
@@ -59,8 +99,10 @@ OTHER_ENGINES = {
     "max_num_batched_tokens": "vLLM's token budget of a step; braid's nearest are "
     "chunked_prefill_size (a long prompt's chunk) and max_prefill_tokens (the new tokens of "
     "one prefill batch)",
-    "enable_prefix_caching": "braid's prefix cache is always on; disable_radix_cache turns it off",
     "data_parallel_size": "one LLM is one engine; data parallelism is `braid serve --dp-size N`",
+    # Taken as `LLM` keywords (TRANSLATED); these say what to do instead of the flags.
+    "enable_prefix_caching": "braid's prefix cache is always on; --disable-radix-cache turns it "
+    "off",
     "trust_remote_code": "braid runs its own model implementations, never a checkpoint's code: "
     "leave it out",
     "tokenizer": "the tokenizer is the model directory's own (a separate one is not supported)",
@@ -83,7 +125,8 @@ def other_engines_hint(key: str) -> str | None:
 def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """`LLM`'s keywords to `EngineConfig` field names (values untouched). `ValueError` names
     a keyword that is no setting, with the close matches, or a field given under two names.
-    vLLM's `speculative_config` dict stands for the speculative settings it holds."""
+    vLLM's `speculative_config` dict stands for the speculative settings it holds, and the
+    keywords in `TRANSLATED` for the settings their values give."""
     names = keyword_names()
     resolved: dict[str, Any] = {}
     given_as: dict[str, str] = {}
@@ -94,6 +137,10 @@ def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
         items += [
             (f, f"speculative_config[{by_field.get(f, 'model')!r}]", v) for f, v in spec.items()
         ]
+    for key, value in list(overrides.items()):
+        if key in TRANSLATED:
+            items.remove((key, key, value))
+            items += [(f, key, v) for f, v in TRANSLATED[key](value, overrides).items()]
     for key, shown, value in items:
         name = names.get(key)
         if name is None and other_engines_hint(key):

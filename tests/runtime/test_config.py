@@ -115,8 +115,9 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
     max_total_tokens, the KV pool's size; enable_prefix_caching -> enable_mixed_chunk)."""
     with pytest.raises(ValueError, match="'max_num_batched_tokens': vLLM's token budget.*chunk"):
         resolve_overrides({"max_num_batched_tokens": 64})
-    with pytest.raises(ValueError, match="prefix cache is always on; disable_radix_cache"):
-        resolve_overrides({"enable_prefix_caching": True})
+    with pytest.raises(SystemExit):  # a keyword of LLM's (test below), not a flag
+        main(["serve", "--enable-prefix-caching"])
+    assert "prefix cache is always on; --disable-radix-cache" in capsys.readouterr().err
     # The same share on CUDA, not on the CPU (0.9 of free RAM for the KV cache alone).
     with pytest.raises(ValueError, match="gpu_memory_utilization': braid's mem_fraction_static"):
         resolve_overrides({"gpu_memory_utilization": 0.9})
@@ -127,6 +128,26 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
     args = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--random-seed", "5"])
     config = settings_from_args(EngineConfig, args)
     assert (config.max_running_requests, config.seed) == (3, 5)
+
+
+def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken():
+    """vLLM's on/off keywords as braid's settings (None, vLLM's default, is on); permission
+    to run a checkpoint's code changes nothing (braid never runs it); a tokenizer only if it
+    is the model's. A value of another type, another tokenizer, or the setting given twice is
+    a ValueError naming it."""
+    assert resolve_overrides({"enable_prefix_caching": False}) == {"disable_radix_cache": True}
+    assert resolve_overrides({"enable_chunked_prefill": False}) == {"chunked_prefill_size": -1}
+    on = {"enable_prefix_caching": True, "enable_chunked_prefill": None}
+    assert resolve_overrides({**on, "trust_remote_code": True, "kv_tokens": 64}) == {
+        "kv_tokens": 64
+    }
+    assert resolve_overrides({"model": "m", "tokenizer": "m"}) == {"model": "m"}
+    with pytest.raises(ValueError, match="tokenizer 'other': the tokenizer is the model"):
+        resolve_overrides({"model": "m", "tokenizer": "other"})
+    with pytest.raises(ValueError, match="trust_remote_code must be true, false or None"):
+        resolve_overrides({"trust_remote_code": "yes"})
+    with pytest.raises(ValueError, match="chunked_prefill_size is given twice"):
+        resolve_overrides({"enable_chunked_prefill": False, "chunked_prefill_size": 64})
 
 
 def test_a_field_given_under_two_names_is_refused():
