@@ -5,12 +5,15 @@ the speculative settings it holds."""
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_fields import python_name
+
+logger = logging.getLogger(__name__)
 
 
 def keyword_names() -> dict[str, str]:
@@ -76,6 +79,27 @@ def _same_tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def _gpu_share(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's share of GPU memory the engine may take, weights included: braid's
+    mem_fraction_static on CUDA; on the CPU, where it means nothing (vLLM's CPU backend
+    ignores it too), one log line says what sizes the KV cache there."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {value!r}")
+    device = given.get("device")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda"):
+        return {"mem_fraction_static": value}
+    logger.info(
+        "gpu_memory_utilization %s left aside on the CPU: the KV cache takes "
+        "mem_fraction_static of available RAM there (or kv_tokens)",
+        value,
+    )
+    return {}
+
+
 # vLLM's keywords whose values braid has as other settings, or that change nothing in braid:
 # keyword -> (its value, every keyword given) -> the settings it gives.
 TRANSLATED = {
@@ -89,6 +113,7 @@ TRANSLATED = {
     # to run it changes nothing.
     "trust_remote_code": _changes_nothing("trust_remote_code"),
     "tokenizer": _same_tokenizer,
+    "gpu_memory_utilization": _gpu_share,
 }
 
 
@@ -108,9 +133,8 @@ OTHER_ENGINES = {
     "tokenizer": "the tokenizer is the model directory's own (a separate one is not supported)",
     "tokenizer_path": "the tokenizer is the model directory's own (a separate one is not "
     "supported)",
-    "gpu_memory_utilization": "braid's mem_fraction_static is the same share on CUDA (weights "
-    "included), but on the CPU the share of available RAM for the KV cache alone: set it, or "
-    "kv_tokens",
+    "gpu_memory_utilization": "braid's --mem-fraction-static is the same share on CUDA "
+    "(weights included), but on the CPU the share of available RAM for the KV cache alone",
     "disable_log_stats": "the offline LLM logs no periodic statistics, and braid serve's "
     "throughput line goes with --log-level warning",
     "compilation_config": "braid does not use torch.compile; enforce_eager turns CUDA graphs off",

@@ -118,9 +118,6 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
     with pytest.raises(SystemExit):  # a keyword of LLM's (test below), not a flag
         main(["serve", "--enable-prefix-caching"])
     assert "prefix cache is always on; --disable-radix-cache" in capsys.readouterr().err
-    # The same share on CUDA, not on the CPU (0.9 of free RAM for the KV cache alone).
-    with pytest.raises(ValueError, match="gpu_memory_utilization': braid's mem_fraction_static"):
-        resolve_overrides({"gpu_memory_utilization": 0.9})
     with pytest.raises(SystemExit) as e:
         main(["serve", "--data-parallel-size", "2"])
     assert e.value.code == 2
@@ -131,10 +128,10 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
 
 
 def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken():
-    """vLLM's on/off keywords as braid's settings (None, vLLM's default, is on); permission
-    to run a checkpoint's code changes nothing (braid never runs it); a tokenizer only if it
-    is the model's. A value of another type, another tokenizer, or the setting given twice is
-    a ValueError naming it."""
+    """vLLM's on/off keywords as braid's settings (None, vLLM's default, is on); permission to run
+    a checkpoint's code changes nothing (braid never runs it); a tokenizer only if it is
+    the model's; the GPU memory share as mem_fraction_static on CUDA. A value of another
+    type, another tokenizer, or the setting given twice is a ValueError naming it."""
     assert resolve_overrides({"enable_prefix_caching": False}) == {"disable_radix_cache": True}
     assert resolve_overrides({"enable_chunked_prefill": False}) == {"chunked_prefill_size": -1}
     on = {"enable_prefix_caching": True, "enable_chunked_prefill": None}
@@ -148,6 +145,16 @@ def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken():
         resolve_overrides({"trust_remote_code": "yes"})
     with pytest.raises(ValueError, match="chunked_prefill_size is given twice"):
         resolve_overrides({"enable_chunked_prefill": False, "chunked_prefill_size": 64})
+    # The same share on CUDA; on the CPU it means nothing (0.9 of free RAM for the KV cache
+    # alone would be braid's mem_fraction_static there), as in vLLM's CPU backend.
+    share = {"gpu_memory_utilization": 0.8}
+    assert resolve_overrides({**share, "device": "cuda:1"}) == {
+        "device": "cuda:1",
+        "mem_fraction_static": 0.8,
+    }
+    assert resolve_overrides({**share, "device": "cpu"}) == {"device": "cpu"}
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\), got 90"):
+        resolve_overrides({"gpu_memory_utilization": 90})
 
 
 def test_a_field_given_under_two_names_is_refused():
