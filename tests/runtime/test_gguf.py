@@ -430,6 +430,16 @@ def test_the_embedded_models_greedy_chat_answer_is_the_float_models(smollm2_dir)
     assert _greedy(local_scheduler(path, kv_tokens=256), n=8, prompts=prompts) == want
 
 
+def _segment_kinds(model) -> set[str]:
+    """The kinds of kept-quantized segments the model's linear layers multiply with."""
+    return {
+        type(s).__name__
+        for m in _linears(model).values()
+        if m.method is not None
+        for s in m.method.segments
+    }
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_dir, monkeypatch):
@@ -437,13 +447,7 @@ def test_on_gpu_kept_quantized_model_gives_its_references_greedy_tokens(blocks_d
     under CUDA graphs, against the references run eagerly."""
     gpu = dict(device="cuda", dtype="bfloat16", kv_tokens=256)
     sched = local_scheduler(blocks_dir, **gpu)
-    segments = {
-        type(s).__name__
-        for m in _linears(sched.runner.model).values()
-        if m.method is not None
-        for s in m.method.segments
-    }
-    assert segments == {"_TritonSegment"}
+    assert _segment_kinds(sched.runner.model) == {"_TritonSegment"}
     got = _greedy(sched)
     with monkeypatch.context() as m:
         m.setattr(Linear, "forward", Linear.reference)
@@ -470,13 +474,7 @@ def test_on_gpu_the_embedded_model_kept_quantized_gives_its_references_greedy_to
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     gpu = dict(device="cuda", dtype="bfloat16", kv_tokens=512)
     sched = local_scheduler(path, **gpu)
-    segments = {
-        type(s).__name__
-        for m in _linears(sched.runner.model).values()
-        if m.method is not None
-        for s in m.method.segments
-    }
-    assert segments == {"_TritonSegment"}
+    assert _segment_kinds(sched.runner.model) == {"_TritonSegment"}
     got = _greedy(sched, n=8, prompts=prompts)
     with monkeypatch.context() as m:
         m.setattr(Linear, "forward", Linear.reference)

@@ -187,6 +187,20 @@ def test_the_step_that_ends_a_chunked_prompt_admits_waiting_ones_in_its_budget(
     _local_free_plus_cached(s)
 
 
+def _watch_extends(s) -> list[tuple[int, int]]:
+    """The (tokens, requests) of every extend scheduler `s` runs from now on."""
+    extends = []
+    real = s.runner.forward
+
+    def spy(batch):
+        if batch.mode is ForwardMode.EXTEND:
+            extends.append((batch.num_tokens, batch.batch_size))
+        return real(batch)
+
+    s.runner.forward = spy
+    return extends
+
+
 @pytest.mark.parametrize("avoid", [True, False], ids=["whole-prompts", "budget-filled"])
 def test_a_later_prompt_that_fits_a_step_of_its_own_waits_for_it_rather_than_being_cut(
     tiny_model_dirs, hf_tiny, avoid
@@ -203,15 +217,7 @@ def test_a_later_prompt_that_fits_a_step_of_its_own_waits_for_it_rather_than_bei
         chunked_prefill_size=16,
         avoid_partial_chunks=avoid,
     )
-    extends = []
-    real = s.runner.forward
-
-    def spy(batch):
-        if batch.mode is ForwardMode.EXTEND:
-            extends.append((batch.num_tokens, batch.batch_size))
-        return real(batch)
-
-    s.runner.forward = spy
+    extends = _watch_extends(s)
     sp = SamplingParams(max_tokens=3, **GREEDY)
     for i, (rid, prompt) in enumerate(prompts.items()):
         s.handle(GenerateReq(rid, prompt, sp, i))
@@ -236,15 +242,7 @@ def test_a_prompt_is_held_back_for_a_step_of_its_own_once_only(tiny_model_dirs):
     sp = SamplingParams(max_tokens=4, **GREEDY)
     s.handle(GenerateReq("warm", system, sp, 0))
     run_to_end(s)  # the system prompt is cached
-    extends = []
-    real = s.runner.forward
-
-    def spy(batch):
-        if batch.mode is ForwardMode.EXTEND:
-            extends.append((batch.num_tokens, batch.batch_size))
-        return real(batch)
-
-    s.runner.forward = spy
+    extends = _watch_extends(s)
     s.handle(GenerateReq("w", [rng.randrange(512) for _ in range(10)], sp, 1))
     arrivals = iter(range(3))
     s.handle(GenerateReq("x0", system + [rng.randrange(512) for _ in range(8)], sp, 2))
