@@ -102,7 +102,7 @@ class EngineConfig:
         "fraction of memory, in (0, 1), for the KV pool: on CUDA of total GPU memory, weights "
         "included (as SGLang); on CPU of available RAM; unset: 0.85 on CUDA, 0.15 on CPU",
     )
-    page_size: int = setting(1, "tokens per KV page")
+    page_size: int = setting(1, "tokens per KV page", aliases=("--block-size",))  # vLLM's name
     max_running_requests: int | None = setting(
         None,
         "requests decoded together; unset: sized from the KV capacity",

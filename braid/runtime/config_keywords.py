@@ -70,6 +70,12 @@ def _changes_nothing(key: str) -> Callable[[Any, Mapping[str, Any]], dict[str, A
     return take
 
 
+def _gib(key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{key} must be a number of GiB >= 0, got {value!r}")
+    return {}
+
+
 def _same_tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     if value is None or str(value) == str(given.get("model")):
         return {}
@@ -112,6 +118,9 @@ TRANSLATED = {
     # braid runs its own model implementations and never a checkpoint's code, so permission
     # to run it changes nothing.
     "trust_remote_code": _changes_nothing("trust_remote_code"),
+    # vLLM's CPU memory for swapped-out KV: braid recomputes a retracted request instead of
+    # swapping its KV out, so it holds none.
+    "swap_space": lambda v, _: _gib("swap_space", v),
     "tokenizer": _same_tokenizer,
     "gpu_memory_utilization": _gpu_share,
 }

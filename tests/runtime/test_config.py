@@ -139,6 +139,10 @@ def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken():
         "kv_tokens": 64
     }
     assert resolve_overrides({"model": "m", "tokenizer": "m"}) == {"model": "m"}
+    # vLLM's KV block is braid's page; braid keeps no swap space (it recomputes instead).
+    assert resolve_overrides({"block_size": 16, "swap_space": 4}) == {"page_size": 16}
+    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0, got -1"):
+        resolve_overrides({"swap_space": -1})
     with pytest.raises(ValueError, match="tokenizer 'other': the tokenizer is the model"):
         resolve_overrides({"model": "m", "tokenizer": "other"})
     with pytest.raises(ValueError, match="trust_remote_code must be true, false or None"):
