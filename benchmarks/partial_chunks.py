@@ -1,7 +1,7 @@
 """Offline generation with and without partial chunks (issue 21: "a prefill budget that avoids
 partial chunks"), in one run, on the same prompts.
 
-    python benchmarks/partial_chunks.py                  # CPU, embedded SmolLM2, float32
+    python benchmarks/partial_chunks.py                  # CPU, the embedded model (Q4_1 kept)
     python benchmarks/partial_chunks.py --model benchmarks/configs/llama-3.1-8b \\
         --load-format dummy --num-prompts 1024 --min-len 256 --max-len 768 --output-len 256
 
@@ -42,10 +42,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def timed(llm, prompts, sp, device: str) -> tuple[float, dict, list[list[int]]]:
+def timed(llm, prompts, sp) -> tuple[float, dict, list[list[int]]]:
     before = llm.stats()
-    if device == "cuda":
-        torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=True)
     dt = time.perf_counter() - t0
@@ -107,7 +105,7 @@ def main() -> None:
         # New prompts each round (the cache would hold the last round's), the same for both.
         prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab, seed=r)
         for name in order if r % 2 == 0 else order[::-1]:
-            dt, counts, ids = timed(engines[name], prompts, sp, device)
+            dt, counts, ids = timed(engines[name], prompts, sp)
             runs[name].append({"seconds": dt, **counts})
             tokens.setdefault(name, []).append(ids)
             print(json.dumps({"setting": name, "seconds": round(dt, 3), **counts}), flush=True)

@@ -129,9 +129,9 @@ class EngineConfig:
     )
     avoid_partial_chunks: bool = setting(
         True,
-        "a prompt that does not fit whole in what a prefill step's budget leaves waits (once) "
-        "for the next step instead of being cut; off: it is cut to fill the budget, as in "
-        "SGLang and vLLM",
+        "a prompt that fits a prefill step of its own but not what this step's budget leaves "
+        "waits (once) for the next step instead of being cut; off: it is cut to fill the "
+        "budget, as in SGLang and vLLM",
     )
     schedule_policy: str = setting(
         "lpm",

@@ -8,6 +8,7 @@ import difflib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from braid.runtime.config import EngineConfig
@@ -55,6 +56,15 @@ def speculative_settings(spec: Any) -> dict[str, Any]:
     return out
 
 
+_UNSET = object()
+
+
+def _given(given: Mapping[str, Any], field: str) -> Any:
+    """The value `given` holds for `field` under any of its keywords, else `_UNSET`."""
+    names = keyword_names()
+    return next((v for k, v in given.items() if names.get(k) == field), _UNSET)
+
+
 def _flag(key: str, value: Any) -> bool:
     """A vLLM on/off keyword's value; None (vLLM's default: the engine decides) is on."""
     if value is not None and not isinstance(value, bool):
@@ -62,22 +72,50 @@ def _flag(key: str, value: Any) -> bool:
     return value is not False
 
 
-def _changes_nothing(key: str) -> Callable[[Any, Mapping[str, Any]], dict[str, Any]]:
-    def take(value: Any, _given: Mapping[str, Any]) -> dict[str, Any]:
-        _flag(key, value)
+def _switch(key: str, field: str, off: Any) -> Callable[[Any, Mapping[str, Any]], dict]:
+    """A vLLM on/off keyword whose off is braid's `field` at `off`; on is braid's default,
+    and an explicit on beside `field` at `off` is a contradiction."""
+
+    def take(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+        if not _flag(key, value):
+            return {field: off}
+        if value is True and _given(given, field) == off:
+            raise ValueError(f"{key}=True contradicts {field}={off!r}: give one of them")
         return {}
 
     return take
 
 
-def _gib(key: str, value: Any) -> dict[str, Any]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{key} must be a number of GiB >= 0, got {value!r}")
+def _trust_remote_code(value: Any, _given: Mapping[str, Any]) -> dict[str, Any]:
+    # braid runs its own model implementations, never a checkpoint's code: permission to run
+    # it changes nothing.
+    _flag("trust_remote_code", value)
     return {}
 
 
-def _same_tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    if value is None or str(value) == str(given.get("model")):
+def _swap_space(value: Any, _given: Mapping[str, Any]) -> dict[str, Any]:
+    # vLLM's CPU memory for swapped-out KV: braid recomputes a retracted request instead of
+    # swapping its KV out, so it holds none.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {value!r}")
+    return {}
+
+
+def _same_model(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` name one model: the embedded one (None or its name), one local
+    path however spelled, or one hub id."""
+    from braid.runtime.models.source import EMBEDDED_MODEL_NAME
+
+    a, b = (EMBEDDED_MODEL_NAME if x is None else str(x) for x in (a, b))
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a.lower().rstrip("/") == b.lower().rstrip("/")
+
+
+def _tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    model = _given(given, "model")
+    if value is None or _same_model(value, None if model is _UNSET else model):
         return {}
     raise ValueError(
         f"tokenizer {str(value)!r}: the tokenizer is the model directory's own (a separate "
@@ -85,44 +123,45 @@ def _same_tokenizer(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def _gpu_share(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+def _gpu_memory_utilization(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's share of GPU memory the engine may take, weights included: braid's
     mem_fraction_static on CUDA; on the CPU, where it means nothing (vLLM's CPU backend
     ignores it too), one log line says what sizes the KV cache there."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
+    if _given(given, "mem_fraction_static") is not _UNSET:
+        raise ValueError(
+            "gpu_memory_utilization and mem_fraction_static are the same share on CUDA: give one"
+        )
     device = given.get("device")
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda"):
-        return {"mem_fraction_static": value}
-    logger.info(
-        "gpu_memory_utilization %s left aside on the CPU: the KV cache takes "
-        "mem_fraction_static of available RAM there (or kv_tokens)",
-        value,
-    )
-    return {}
+    if not str(device).startswith("cuda"):
+        logger.info(
+            "gpu_memory_utilization %s left aside on the CPU: the KV cache takes "
+            "mem_fraction_static of available RAM there (or kv_tokens)",
+            value,
+        )
+        return {}
+    if value == 1:
+        raise ValueError(
+            "gpu_memory_utilization 1 leaves nothing for activations and CUDA graphs: braid "
+            "takes a share below 1 (0.95, say)"
+        )
+    return {"mem_fraction_static": value}
 
 
 # vLLM's keywords whose values braid has as other settings, or that change nothing in braid:
 # keyword -> (its value, every keyword given) -> the settings it gives.
 TRANSLATED = {
-    "enable_prefix_caching": lambda v, _: (
-        {} if _flag("enable_prefix_caching", v) else {"disable_radix_cache": True}
-    ),
-    "enable_chunked_prefill": lambda v, _: (
-        {} if _flag("enable_chunked_prefill", v) else {"chunked_prefill_size": -1}
-    ),
-    # braid runs its own model implementations and never a checkpoint's code, so permission
-    # to run it changes nothing.
-    "trust_remote_code": _changes_nothing("trust_remote_code"),
-    # vLLM's CPU memory for swapped-out KV: braid recomputes a retracted request instead of
-    # swapping its KV out, so it holds none.
-    "swap_space": lambda v, _: _gib("swap_space", v),
-    "tokenizer": _same_tokenizer,
-    "gpu_memory_utilization": _gpu_share,
+    "enable_prefix_caching": _switch("enable_prefix_caching", "disable_radix_cache", True),
+    "enable_chunked_prefill": _switch("enable_chunked_prefill", "chunked_prefill_size", -1),
+    "trust_remote_code": _trust_remote_code,
+    "swap_space": _swap_space,
+    "tokenizer": _tokenizer,
+    "gpu_memory_utilization": _gpu_memory_utilization,
 }
 
 
@@ -137,6 +176,8 @@ OTHER_ENGINES = {
     # Taken as `LLM` keywords (TRANSLATED); these say what to do instead of the flags.
     "enable_prefix_caching": "braid's prefix cache is always on; --disable-radix-cache turns it "
     "off",
+    "enable_chunked_prefill": "braid chunks long prompts by default; --chunked-prefill-size -1 "
+    "turns it off",
     "trust_remote_code": "braid runs its own model implementations, never a checkpoint's code: "
     "leave it out",
     "tokenizer": "the tokenizer is the model directory's own (a separate one is not supported)",

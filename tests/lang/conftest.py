@@ -17,7 +17,7 @@ def backend(smollm2):
 
 @pytest.fixture(scope="package")
 def served(tmp_path_factory):
-    """One `braid serve` (SmolLM2, 8192 KV tokens) for every module of tests/lang: starting one
+    """One `braid serve` (SmolLM2, 8192 KV tokens) for the modules of tests/lang: starting one
     costs 10-15 s of the 2 CI cores. A test that uses it leaves it idle (nothing running or
     queued) and changes no setting, so what a module asserts does not depend on which modules
     ran before it. It serves the float model (`--dequantize-gguf`), as the session's engine

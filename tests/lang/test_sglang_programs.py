@@ -21,11 +21,11 @@ What each backend covers:
   (select, react), run_batch and its traced prefix (few_shot_qa), forks (parallel_decoding,
   parallel_encoding), and the model name the programs load the tokenizer by. HellaSwag adds
   nothing of this backend's to those: its select is the echo request `test_select` makes, only
-  160 of them over a 20-shot prompt (two minutes of the OpenAI run's three and a half on
-  2 cores: echo scoring recomputes the whole prompt for every choice), and what else it
-  exercises (run_batch's generator style; the precache, a no-op on this backend) is the
-  program's, and runs on the other two. test_backends.py checks OpenAI's select scores against
-  the Engine's.
+  160 of them over a 20-shot prompt (on the float model, two minutes of the OpenAI run's
+  three and a half on 2 cores: echo scoring recomputes the whole prompt for every choice),
+  and what else it exercises (run_batch's generator style; the precache, a no-op on this
+  backend) is the program's, and runs on the other two. test_backends.py checks OpenAI's
+  select scores against the Engine's.
 
 The programs run all at once a runtime, each under `using_backend`, so the runtime batches
 them: first the Engine's 16, then the server's 31 (RuntimeEndpoint's and OpenAI's together, on
@@ -121,11 +121,12 @@ def runtimes(tmp_path_factory):
     one `braid serve`: its native CPU decode runs a row several times faster than the float
     model the other language tests share (whose tokens they compare across backends), and
     the longest program here decodes 650 steps one row at a time."""
-    llm = sgl.LLM(resolve_model(None), kv_tokens=8192, show_progress=False)
-    server = start_server(tmp_path_factory.mktemp("sglang-serve"))
-    yield llm, server
-    server.stop()
-    llm.shutdown()
+    with sgl.LLM(resolve_model(None), kv_tokens=8192, show_progress=False) as llm:
+        server = start_server(tmp_path_factory.mktemp("sglang-serve"))
+        try:
+            yield llm, server
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="module")

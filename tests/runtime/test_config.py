@@ -127,38 +127,50 @@ def test_another_engines_setting_of_another_meaning_says_what_to_use(capsys):
     assert (config.max_running_requests, config.seed) == (3, 5)
 
 
-def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken():
-    """vLLM's on/off keywords as braid's settings (None, vLLM's default, is on); permission to run
-    a checkpoint's code changes nothing (braid never runs it); a tokenizer only if it is
-    the model's; the GPU memory share as mem_fraction_static on CUDA. A value of another
-    type, another tokenizer, or the setting given twice is a ValueError naming it."""
+def test_vllms_keywords_whose_values_braid_has_otherwise_are_taken(tmp_path, monkeypatch):
+    """vLLM's on/off keywords as braid's settings (None, vLLM's default, is on; an explicit
+    on beside braid's off contradicts it); permission to run a checkpoint's code and swap
+    space change nothing (braid runs no such code and keeps no swap); a tokenizer only if it
+    names the model, however spelled; the GPU memory share as mem_fraction_static on CUDA,
+    left aside on the CPU. Every refusal is a ValueError naming the keyword."""
     assert resolve_overrides({"enable_prefix_caching": False}) == {"disable_radix_cache": True}
     assert resolve_overrides({"enable_chunked_prefill": False}) == {"chunked_prefill_size": -1}
     on = {"enable_prefix_caching": True, "enable_chunked_prefill": None}
-    assert resolve_overrides({**on, "trust_remote_code": True, "kv_tokens": 64}) == {
-        "kv_tokens": 64
-    }
-    assert resolve_overrides({"model": "m", "tokenizer": "m"}) == {"model": "m"}
-    # vLLM's KV block is braid's page; braid keeps no swap space (it recomputes instead).
-    assert resolve_overrides({"block_size": 16, "swap_space": 4}) == {"page_size": 16}
-    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0, got -1"):
-        resolve_overrides({"swap_space": -1})
-    with pytest.raises(ValueError, match="tokenizer 'other': the tokenizer is the model"):
-        resolve_overrides({"model": "m", "tokenizer": "other"})
-    with pytest.raises(ValueError, match="trust_remote_code must be true, false or None"):
-        resolve_overrides({"trust_remote_code": "yes"})
+    assert resolve_overrides({**on, "trust_remote_code": True, "swap_space": 4}) == {}
+    assert resolve_overrides({"block_size": 16}) == {"page_size": 16}  # vLLM's KV block
+    with pytest.raises(ValueError, match="enable_prefix_caching=True contradicts disable_radix"):
+        resolve_overrides({"enable_prefix_caching": True, "disable_radix_cache": True})
+    with pytest.raises(ValueError, match="enable_chunked_prefill=True contradicts chunked_pre"):
+        resolve_overrides({"enable_chunked_prefill": True, "chunked_prefill_size": -1})
     with pytest.raises(ValueError, match="chunked_prefill_size is given twice"):
         resolve_overrides({"enable_chunked_prefill": False, "chunked_prefill_size": 64})
+    with pytest.raises(ValueError, match="swap_space must be a number of GiB >= 0, got -1"):
+        resolve_overrides({"swap_space": -1})
+    with pytest.raises(ValueError, match="trust_remote_code must be true, false or None"):
+        resolve_overrides({"trust_remote_code": "yes"})
+    # The tokenizer: the model's, named as vLLM's model_path or by another spelling of it.
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for model, tokenizer in [("m", "./m/"), (tmp_path / "m", "m"), (None, "smollm2-135m")]:
+        given = {"model_path": model, "tokenizer": tokenizer}
+        assert "tokenizer" not in resolve_overrides(given)
+    with pytest.raises(ValueError, match="tokenizer 'other': the tokenizer is the model"):
+        resolve_overrides({"model": "m", "tokenizer": "other"})
     # The same share on CUDA; on the CPU it means nothing (0.9 of free RAM for the KV cache
     # alone would be braid's mem_fraction_static there), as in vLLM's CPU backend.
-    share = {"gpu_memory_utilization": 0.8}
-    assert resolve_overrides({**share, "device": "cuda:1"}) == {
+    assert resolve_overrides({"gpu_memory_utilization": 0.8, "device": "cuda:1"}) == {
         "device": "cuda:1",
         "mem_fraction_static": 0.8,
     }
-    assert resolve_overrides({**share, "device": "cpu"}) == {"device": "cpu"}
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\), got 90"):
+    assert resolve_overrides({"gpu_memory_utilization": 1.0, "device": "cpu"}) == {"device": "cpu"}
+    with pytest.raises(ValueError, match="gpu_memory_utilization 1 leaves nothing"):
+        resolve_overrides({"gpu_memory_utilization": 1, "device": "cuda"})
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 90"):
         resolve_overrides({"gpu_memory_utilization": 90})
+    for device in ("cpu", "cuda"):  # the same refusal on either
+        both = {"gpu_memory_utilization": 0.5, "mem_fraction_static": 0.5, "device": device}
+        with pytest.raises(ValueError, match="are the same share on CUDA: give one"):
+            resolve_overrides(both)
 
 
 def test_a_field_given_under_two_names_is_refused():

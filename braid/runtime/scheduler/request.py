@@ -65,7 +65,7 @@ class Req:
     cache_node: TreeNode | None = None
     cached_tokens: int = 0
     admitted_once: bool = False
-    held_whole: bool = False  # held back once for a step that takes its prompt whole (prefill)
+    held_whole: bool = False  # held back once, in its life, for a step that takes it whole
     retractions: int = 0
     error: str | None = None
     detok_sent: bool = False  # whether the detokenizer has been told how to decode it
