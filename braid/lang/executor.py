@@ -461,14 +461,13 @@ class Executor:
                 self.meta[name] = [m.meta.get(name) if o else None for m, o in zip(members, own)]
                 # Typed values when every branch that set it did so with a typed gen of one
                 # type (a typed entry whose text is not the variable's is stale).
-                typed = [m.values.get(name) for m, o in zip(members, own) if o]
-                if all(t is not None for t in typed) and typed:
-                    setters = [m for m, o in zip(members, own) if o]
-                    fresh = all(t.text is m.variables[name] for t, m in zip(typed, setters))
-                    if fresh and all(t.dtype is typed[0].dtype for t in typed):
-                        self.values[name] = _Typed(texts, typed[0].dtype, name)
-                    else:
-                        self.values.pop(name, None)
+                setters = [m for m, o in zip(members, own) if o]
+                typed = [m.values.get(name) for m in setters]
+                fresh = all(
+                    t is not None and t.text is m.variables[name] for t, m in zip(typed, setters)
+                )
+                if typed and fresh and all(t.dtype is typed[0].dtype for t in typed):
+                    self.values[name] = _Typed(texts, typed[0].dtype, name)
                 else:
                     self.values.pop(name, None)
                 self._set_var(name, texts)

@@ -204,17 +204,17 @@ def resolve_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     names = keyword_names()
     resolved: dict[str, Any] = {}
     given_as: dict[str, str] = {}
-    items = [(k, k, v) for k, v in overrides.items() if k != "speculative_config"]
+    items = [
+        (k, k, v) for k, v in overrides.items() if k != "speculative_config" and k not in TRANSLATED
+    ]
+    for key in [k for k in overrides if k in TRANSLATED]:
+        items += [(f, key, v) for f, v in TRANSLATED[key](overrides[key], overrides).items()]
     if "speculative_config" in overrides:
         spec = speculative_settings(overrides["speculative_config"])
         by_field = {v: k for k, v in _SPECULATIVE_CONFIG_KEYS.items()}
         items += [
             (f, f"speculative_config[{by_field.get(f, 'model')!r}]", v) for f, v in spec.items()
         ]
-    for key, value in list(overrides.items()):
-        if key in TRANSLATED:
-            items.remove((key, key, value))
-            items += [(f, key, v) for f, v in TRANSLATED[key](value, overrides).items()]
     for key, shown, value in items:
         name = names.get(key)
         if name is None and other_engines_hint(key):

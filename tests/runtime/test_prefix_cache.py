@@ -166,19 +166,11 @@ def test_the_step_that_ends_a_chunked_prompt_admits_waiting_ones_in_its_budget(
     rng = random.Random(2)
     long, short = [rng.randrange(512) for _ in range(40)], [rng.randrange(512) for _ in range(5)]
     s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=2048, chunked_prefill_size=16)
-    sizes = []
-    real = s.runner.forward
-
-    def spy(batch):
-        sizes.append((batch.mode, batch.num_tokens, batch.batch_size))
-        return real(batch)
-
-    s.runner.forward = spy
+    extends = _watch_extends(s)
     sp = SamplingParams(max_tokens=3, **GREEDY)
     s.handle(GenerateReq("long", long, sp, 0))
     s.handle(GenerateReq("short", short, sp, 1))
     got = run_to_end(s)
-    extends = [(n, b) for mode, n, b in sizes if mode is ForwardMode.EXTEND]
     assert extends == [(16, 1), (16, 1), (13, 2)]
     assert got == {
         p: hf_greedy(hf_tiny["llama"], x, 3, eos=False)
