@@ -7,6 +7,9 @@ STAMP := $(VENV)/.braid-setup
 # On a machine with no GPU take the CPU build of torch (it lies on local disk); an unpinned
 # torch would pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
+# `make test` runs the suite in this many pytest workers (pytest-xdist), each taking whole test
+# files (a file's engine fixtures start once); 1 runs it in one process, as before.
+TEST_WORKERS ?= 2
 
 .PHONY: setup browser-tools demo test lint bench docs docs-serve clean-venv
 
@@ -55,7 +58,8 @@ test: setup
 	@# left out of the nav, fails here.
 	@d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $$d; \
 		rc=$$?; rm -rf $$d; exit $$rc
-	$(PY) -m pytest -q -m "not gpu" --durations=30 tests
+	$(PY) -m pytest -q -m "not gpu" --durations=30 \
+		$(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 lint: setup
 	$(VENV)/bin/ruff check braid tests benchmarks examples tools
