@@ -8,7 +8,8 @@ STAMP := $(VENV)/.braid-setup
 # torch would pull a multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 # `make test` runs the suite in this many pytest workers (pytest-xdist), each taking whole test
-# files (a file's engine fixtures start once); 1 runs it in one process, as before.
+# files (a file's engine fixtures start once), then the files marked serial alone; 1 runs it
+# all in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup browser-tools demo test lint bench docs docs-serve clean-venv
@@ -58,8 +59,12 @@ test: setup
 	@# left out of the nav, fails here.
 	@d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $$d; \
 		rc=$$?; rm -rf $$d; exit $$rc
-	$(PY) -m pytest -q -m "not gpu" --durations=30 \
-		$(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	@# In workers, then the tests that assert wall-clock bounds (marked serial) alone.
+	$(if $(filter-out 1,$(TEST_WORKERS)),\
+		$(PY) -m pytest -q -m "not gpu and not serial" --durations=30 \
+			-n $(TEST_WORKERS) --dist loadfile tests && \
+		$(PY) -m pytest -q -m "serial and not gpu" tests,\
+		$(PY) -m pytest -q -m "not gpu" --durations=30 tests)
 
 lint: setup
 	$(VENV)/bin/ruff check braid tests benchmarks examples tools

@@ -22,6 +22,8 @@ from braid.runtime.server.launcher import free_port
 from .http_limits_app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
+# Deadlines measured in wall-clock time: `make test` runs this file alone, after the rest.
+pytestmark = pytest.mark.serial
 TIMEOUT = 1.0  # header and body deadline the app is started with
 KEEP_ALIVE = 0.6
 MAX_HEADER_BYTES = 4096
