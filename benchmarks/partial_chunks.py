@@ -68,10 +68,11 @@ def main() -> None:
         help="rounds: one timed run of each setting on new prompts",
     )
     ap.add_argument(
-        "--mem-fraction-static",
-        type=float,
+        "--kv-tokens",
+        type=int,
         default=None,
-        help="each engine's (both are up at once); default: braid's on CPU, 0.4 on CUDA",
+        help="each engine's KV pool (both are up at once); default: braid's on CPU, 65536 "
+        "on CUDA (a share of the GPU would count the first engine's memory against the second)",
     )
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args()
@@ -82,13 +83,13 @@ def main() -> None:
     for name, avoid in SETTINGS.items():
         cps = args.chunked_prefill_size
         kw = {"chunked_prefill_size": cps} if cps else {}
-        frac = args.mem_fraction_static or (0.4 if device == "cuda" else None)
+        kv = args.kv_tokens or (65536 if device == "cuda" else None)
         engines[name] = braid.LLM(
             model_dir,
             dtype=args.dtype,
             load_format=args.load_format,
             avoid_partial_chunks=avoid,
-            mem_fraction_static=frac,
+            kv_tokens=kv,
             show_progress=False,
             **kw,
         )
