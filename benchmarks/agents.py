@@ -286,10 +286,13 @@ def _brief(row: dict) -> dict:
 
 
 def _median_row(rows: list[dict]) -> dict:
-    """One setup's rounds: each figure's median, and each round's p50 (one round: itself)."""
+    """One setup's rounds: each figure's median, and each round's p50 (one round: itself). A
+    figure some round lacks (the running and queued means of a round shorter than the
+    sampler's second) is left out."""
     if len(rows) == 1:
         return dict(rows[0])
-    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "completion_s"}
+    keys = [k for k in rows[0] if k != "completion_s" and all(k in r for r in rows)]
+    out = {k: statistics.median(r[k] for r in rows) for k in keys}
     out["completion_s_rounds"] = [r["completion_s"] for r in rows]
     out["p50_rounds_s"] = [r["p50_s"] for r in rows]
     return out

@@ -100,3 +100,18 @@ def test_the_heavy_mix_gives_each_program_its_own_thought_length():
         assert b["tools_ms"] == [round(ms * 0.1) for ms in a["tools_ms"]]
     with pytest.raises(ValueError, match="unknown mix 'long'"):
         agents.workload(4, 1.0, seed=0, mix="long")
+
+
+def test_rounds_are_summed_up_over_the_figures_every_round_has():
+    import agents
+
+    # A round shorter than the sampler's second has no running / queued means (a test run
+    # under load once failed with a KeyError here).
+    long = {"p50_s": 2.0, "running_requests_mean": 3.0, "completion_s": [1.0, 3.0]}
+    short = {"p50_s": 4.0, "completion_s": [2.0, 6.0]}
+    third = {"p50_s": 3.0, "running_requests_mean": 5.0, "completion_s": [3.0]}
+    row = agents._median_row([long, short, third])
+    assert row["p50_s"] == 3.0 and "running_requests_mean" not in row
+    assert row["p50_rounds_s"] == [2.0, 4.0, 3.0]
+    assert row["completion_s_rounds"] == [[1.0, 3.0], [2.0, 6.0], [3.0]]
+    assert agents._median_row([long, third])["running_requests_mean"] == 4.0
