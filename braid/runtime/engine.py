@@ -492,11 +492,24 @@ class LLM:
         bar = progress(use_tqdm, total=len(requests), desc="Generating")
         # Requests with images hold their pixels until they finish: a bounded number at once.
         with_images = asyncio.Semaphore(IMAGE_PROMPTS_IN_FLIGHT)
-        tasks = [
-            asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar, with_images))
-            for i, (req, found) in enumerate(zip(requests, sources))
-        ]
+        tasks = []
         try:
+            # Prompts without images reach the scheduler as one message (admitted in one
+            # iteration, so they are batched alike however busy the machine is).
+            with self.tm.together():
+                try:
+                    for req, found in zip(requests, sources):
+                        if not found:
+                            self._submit(req)
+                except BaseException:  # the runtime died: nothing this call sent stays behind
+                    for r in requests:
+                        for sample in r.samples:
+                            self.tm.cancel(sample.rid)
+                    raise
+            tasks = [
+                asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar, with_images))
+                for i, (req, found) in enumerate(zip(requests, sources))
+            ]
             await asyncio.gather(*tasks)
         finally:
             # An error (a bad image found late) or interrupt: stop everything this call started.
@@ -520,20 +533,23 @@ class LLM:
         once they are processed (in the media workers), so earlier requests already run
         while later images load; at most `IMAGE_PROMPTS_IN_FLIGHT` of them are processed or
         running at once."""
-        if not sources:
-            await self._submit_and_collect(req, bar)
+        if not sources:  # submitted already
+            await self._collect_all(req, bar)
             return
         async with with_images:
             req.prompt_ids, req.images = await self.media.prepare(req.prompt_ids, sources, where)
             self.tm.validate(req.prompt_ids, req.params, where=where)
-            await self._submit_and_collect(req, bar)
+            self._submit(req)
+            await self._collect_all(req, bar)
             req.images = []  # the pixels are the scheduler's now
 
-    async def _submit_and_collect(self, req: _Request, bar) -> None:
+    def _submit(self, req: _Request) -> None:
         rids = self.tm.submit(
             req.request_id, req.prompt_ids, req.params, images=req.images, cache_salt=req.cache_salt
         )
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
+
+    async def _collect_all(self, req: _Request, bar) -> None:
         await asyncio.gather(*(self._collect(req, s, bar) for s in req.samples))
 
     async def _collect(self, req: _Request, sample: _Sample, bar) -> None:

@@ -20,7 +20,13 @@ from braid.runtime.ipc.to_detokenizer import (
     TokenLogprob,
     TokenOut,
 )
-from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_scheduler import (
+    AbortReq,
+    ControlReq,
+    GenerateBatch,
+    GenerateReq,
+    ShutdownReq,
+)
 from braid.runtime.ipc.to_tokenizer import (
     BatchStrOut,
     ControlOut,
@@ -562,6 +568,12 @@ MESSAGES = [
     SchedulerHeartbeat({"running_requests": 1.0}, 0.25),
     SchedulerHeartbeat({}, 0.5, [ProgramInfo("q", 0, 1, 1, None, 8, 0, 0)]),
     GenerateReq("r2", [1], SamplingParams(), 1, "s.0", program_position=4),
+    GenerateBatch(
+        [
+            GenerateReq("r3", [1], SamplingParams(), 1),
+            GenerateReq("r4", [2, 3], SamplingParams(n=2), 5),
+        ]
+    ),
 ]
 
 
@@ -577,6 +589,12 @@ def test_codec_rejects_unknown_and_malformed():
         codec.decode([b"\xff\xff", b"\x80"])
     with pytest.raises(Exception):  # noqa: B017 - msgspec's ValidationError or DecodeError
         codec.decode([(1).to_bytes(2, "little"), b"\x93\x01\x02\x03"])
+    with pytest.raises(ValueError, match="exactly two frames"):  # only a batch has more
+        codec.decode([*codec.encode(AbortReq("a")), b""])
+    with pytest.raises(Exception):  # noqa: B017 - a batch's every body is a GenerateReq
+        codec.decode(
+            [*codec.encode(GenerateBatch([MESSAGES[0]]))[:2], codec.encode(AbortReq("a"))[1]]
+        )
 
 
 def test_children_die_with_a_killed_server(tmp_path):

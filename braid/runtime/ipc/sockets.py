@@ -9,6 +9,8 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import zmq
@@ -70,3 +72,53 @@ def free_port() -> int:
 
 def send(sock: zmq.Socket, msg: object) -> None:
     sock.send_multipart(codec.encode(msg), copy=False)
+
+
+class Outbox:
+    """The front end's line to the scheduler. Requests submitted inside `together()` are held
+    and sent as one `GenerateBatch` when it ends (or every `max_held` of them), so the
+    scheduler admits them in one iteration; any other message flushes them first, so an
+    abort never overtakes its request."""
+
+    def __init__(self, sock: zmq.Socket, max_held: int = 4096) -> None:
+        self.sock = sock
+        self.max_held = max_held
+        self._held: list[bytes] | None = None  # encoded `GenerateReq` bodies
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        if self._held is not None:  # already inside one
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            self._flush()
+            self._held = None
+
+    def requests(self, encoded: list[list[bytes]]) -> None:
+        """Send (or hold) one prompt's samples, each `codec.encode(GenerateReq)`'s frames:
+        several go as one message."""
+        if self._held is None:
+            frames = (
+                encoded[0] if len(encoded) == 1 else codec.batch_frames([f[1] for f in encoded])
+            )
+            self.sock.send_multipart(frames)
+            return
+        self._held += [f[1] for f in encoded]
+        if len(self._held) >= self.max_held:
+            self._flush()
+
+    def send(self, msg: object, flags: int = 0) -> None:
+        self._flush(flags)
+        self.sock.send_multipart(codec.encode(msg), flags)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def _flush(self, flags: int = 0) -> None:
+        if self._held:
+            held = self._held[:]
+            self._held.clear()
+            self.sock.send_multipart(codec.batch_frames(held), flags)

@@ -96,6 +96,15 @@ class GenerateReq:
 
 
 @dataclass
+class GenerateBatch:
+    """Requests sent together (an offline batch, a prompt's samples): the scheduler admits
+    them in one loop iteration, so how they are batched does not depend on how busy the
+    machine is while they are sent."""
+
+    reqs: list[GenerateReq]
+
+
+@dataclass
 class AbortReq:
     rid: str
 

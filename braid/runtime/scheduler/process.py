@@ -33,7 +33,13 @@ from braid.runtime.ipc.sockets import (
     since_process_start,
 )
 from braid.runtime.ipc.to_detokenizer import BatchTokenOut, Refusal, TokenOut
-from braid.runtime.ipc.to_scheduler import AbortReq, ControlReq, GenerateReq, ShutdownReq
+from braid.runtime.ipc.to_scheduler import (
+    AbortReq,
+    ControlReq,
+    GenerateBatch,
+    GenerateReq,
+    ShutdownReq,
+)
 from braid.runtime.ipc.to_tokenizer import (
     ControlOut,
     ProcessFailed,
@@ -194,6 +200,8 @@ class SchedulerLoop:
 
     def handle(self, msg: object) -> list[object]:
         s = self.scheduler
+        if isinstance(msg, GenerateBatch):
+            return [out for req in msg.reqs for out in self.handle(req)]
         if isinstance(msg, GenerateReq):
             try:
                 s.handle(msg)

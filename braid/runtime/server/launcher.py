@@ -4,6 +4,7 @@ scripts that need a real server)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,21 @@ class ServerProcess:
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+    def wait_for_log(self, pattern: str, timeout: float = 10.0) -> str:
+        """The log once a line matches regex `pattern` (lines about a request are written as
+        it ends, after its client may have had the answer); `TimeoutError` with the log's
+        tail if none does within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            if any(re.search(pattern, line) for line in text.splitlines()):
+                return text
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no log line matches {pattern!r}; the log ends:\n{text[-2000:]}"
+                )
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

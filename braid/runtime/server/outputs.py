@@ -45,27 +45,29 @@ def submit_all(
     """Submit `params.n` samples of every (rid, prompt) (`params[i]` for prompt i when a list),
     with `images[i]` the processed images of prompt i and `grammar_waits[i]` what its
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
-    an error) none. `group`: the id the client holds for them all (`/abort_request` takes it)."""
+    an error) none, in one message to the scheduler. `group`: the id the client holds for them
+    all (`/abort_request` takes it)."""
     rids: list[str] = []
-    try:
-        for i, (rid, ids) in enumerate(jobs):
-            rids += state.tm.submit(
-                rid,
-                ids,
-                params[i] if isinstance(params, list) else params,
-                session_id=session_id,
-                images=images[i] if images else None,
-                grammar_wait=grammar_waits[i] if grammar_waits else None,
-                session_ttl_s=session_ttl_s,
-                program_position=program_position,
-                program_id=program_id,
-                cache_salt=cache_salt,
-                group=group,
-            )
-    except BaseException:
-        for r in rids:
-            state.tm.cancel(r)
-        raise
+    with state.tm.together():
+        try:
+            for i, (rid, ids) in enumerate(jobs):
+                rids += state.tm.submit(
+                    rid,
+                    ids,
+                    params[i] if isinstance(params, list) else params,
+                    session_id=session_id,
+                    images=images[i] if images else None,
+                    grammar_wait=grammar_waits[i] if grammar_waits else None,
+                    session_ttl_s=session_ttl_s,
+                    program_position=program_position,
+                    program_id=program_id,
+                    cache_salt=cache_salt,
+                    group=group,
+                )
+        except BaseException:
+            for r in rids:
+                state.tm.cancel(r)
+            raise
     return [state.tm.stream(r) for r in rids]
 
 

@@ -37,7 +37,7 @@ import zmq.asyncio
 from braid.runtime.config import EngineConfig
 from braid.runtime.errors import ParamError
 from braid.runtime.ipc import codec
-from braid.runtime.ipc.sockets import Addresses
+from braid.runtime.ipc.sockets import Addresses, Outbox
 from braid.runtime.ipc.to_scheduler import (
     AbortReq,
     ControlReq,
@@ -157,8 +157,9 @@ class TokenizerManager:
         self._zctx = zmq.asyncio.Context()
         self._inbox = self._zctx.socket(zmq.PULL)
         self._inbox.bind(self.addrs.tokenizer)
-        self._to_sched = self._zctx.socket(zmq.PUSH)
-        self._to_sched.connect(self.addrs.scheduler)
+        to_sched = self._zctx.socket(zmq.PUSH)
+        to_sched.connect(self.addrs.scheduler)
+        self._out = Outbox(to_sched)
         if self._spawning is not None:
             await asyncio.wrap_future(self._spawning)
         if not self.procs:
@@ -235,7 +236,7 @@ class TokenizerManager:
             if p.finished:
                 continue
             p.put(StrOut(wire, "", [], 0, 0, 0, finish_reason="abort", error=reason))
-            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
+            self._out.send(AbortReq(wire))
             ended += 1
         return ended
 
@@ -250,7 +251,7 @@ class TokenizerManager:
             with contextlib.suppress(Exception):  # `start` raised it, or nobody asks
                 await asyncio.wait_for(asyncio.wrap_future(self._spawning), 60.0)
         try:
-            self._to_sched.send_multipart(codec.encode(ShutdownReq()), zmq.NOBLOCK)
+            self._out.send(ShutdownReq(), zmq.NOBLOCK)
         except (zmq.ZMQError, AttributeError):
             pass
         # The scheduler first (under tensor parallelism it stops the other ranks), then the
@@ -269,7 +270,7 @@ class TokenizerManager:
                 await asyncio.to_thread(p.join, 1.0)
         if hasattr(self, "_zctx"):
             self._inbox.close(0)
-            self._to_sched.close(0)
+            self._out.close()
             self._zctx.term()
         shutil.rmtree(self.addrs.directory, ignore_errors=True)
 
@@ -463,37 +464,40 @@ class TokenizerManager:
         wires = [f"{srid}#{next(self._submissions)}" for srid in rids]
         # Encode every sample before registering any: a request that cannot be sent leaves
         # nothing behind (its rid stays free).
+        reqs = [
+            GenerateReq(
+                wire,
+                list(input_ids),
+                params,
+                self.sample_seed(params, k),
+                session_id,
+                images or [],
+                list(grammar_wait[0]) if grammar_wait else [],
+                grammar_wait[1] if grammar_wait else None,
+                session_ttl_s=session_ttl_s,
+                embed=embed,
+                program_position=program_position,
+                program_id=program_id,
+                cache_salt=cache_salt,
+            )
+            for k, wire in enumerate(wires)
+        ]
         try:
-            frames = [
-                codec.encode(
-                    GenerateReq(
-                        wire,
-                        list(input_ids),
-                        params,
-                        self.sample_seed(params, k),
-                        session_id,
-                        images or [],
-                        list(grammar_wait[0]) if grammar_wait else [],
-                        grammar_wait[1] if grammar_wait else None,
-                        session_ttl_s=session_ttl_s,
-                        embed=embed,
-                        program_position=program_position,
-                        program_id=program_id,
-                        cache_salt=cache_salt,
-                    )
-                )
-                for k, wire in enumerate(wires)
-            ]
+            encoded = [codec.encode(r) for r in reqs]
         except (TypeError, ValueError, OverflowError, UnicodeError) as e:
             raise ValueError(f"the request cannot be sent to the scheduler: {e}") from None
         members = self._groups.setdefault(group or rid, set())
-        for srid, wire, f in zip(rids, wires, frames):
+        for srid, wire in zip(rids, wires):
             self._wire[srid] = wire
             self._pending[wire] = Pending()
             members.add(srid)
             self._group_of[srid] = group or rid
-            self._to_sched.send_multipart(f)
+        self._out.requests(encoded)
         return rids
+
+    def together(self) -> contextlib.AbstractContextManager[None]:
+        """Requests submitted in this block reach the scheduler as one message (`Outbox`)."""
+        return self._out.together()
 
     async def stream(self, rid: str) -> AsyncIterator[StrOut]:
         """The outputs of one sample until it finishes (each `StrOut.rid` is its wire id).
@@ -521,7 +525,7 @@ class TokenizerManager:
                     del self._groups[group]
         self._pending.pop(wire, None)
         if aborted and not self.failure and not self._closing:
-            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
+            self._out.send(AbortReq(wire))
 
     def cancel(self, rid: str) -> None:
         """Forget a submitted sample whose stream will never be read, and abort it."""
@@ -542,7 +546,7 @@ class TokenizerManager:
         rids = self._groups.get(rid, set()) | ({rid} if rid in self._wire else set())
         wires = [self._wire[r] for r in rids if r in self._wire]
         for wire in wires:
-            self._to_sched.send_multipart(codec.encode(AbortReq(wire)))
+            self._out.send(AbortReq(wire))
         return len(wires)
 
     async def control(
@@ -583,7 +587,7 @@ class TokenizerManager:
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self._control[req_id] = fut
-        self._to_sched.send_multipart(codec.encode(ControlReq(req_id, op, arg)))
+        self._out.send(ControlReq(req_id, op, arg))
         try:
             out: ControlOut = await asyncio.wait_for(fut, timeout)
         finally:
