@@ -357,9 +357,7 @@ class LLM:
     ) -> list[list[float]]:
         bar = progress(use_tqdm, total=len(prompts), desc="Embedding")
 
-        async def one(rid: str, prompt: Prompt) -> list[float]:
-            salt = prompt.cache_salt
-            (sample,) = self.tm.submit(rid, prompt.ids, params, embed=spec, cache_salt=salt)
+        async def one(rid: str, sample: str) -> list[float]:
             last = None
             async for out in self.tm.stream(sample):
                 last = out
@@ -371,8 +369,14 @@ class LLM:
             bar.update(1)
             return floats(last.embedding)
 
-        tasks = [asyncio.create_task(one(r, p)) for r, p in zip(rids, prompts)]
+        tasks = []
         try:
+            with self.tm.together() as samples:  # one message: admitted in one iteration
+                for rid, p in zip(rids, prompts):
+                    samples += self.tm.submit(
+                        rid, p.ids, params, embed=spec, cache_salt=p.cache_salt
+                    )
+            tasks = [asyncio.create_task(one(r, s)) for r, s in zip(rids, samples)]
             return await asyncio.gather(*tasks)
         finally:
             for t in tasks:  # a failure (or interrupt) stops everything this call started
@@ -496,16 +500,10 @@ class LLM:
         try:
             # Prompts without images reach the scheduler as one message (admitted in one
             # iteration, so they are batched alike however busy the machine is).
-            with self.tm.together():
-                try:
-                    for req, found in zip(requests, sources):
-                        if not found:
-                            self._submit(req)
-                except BaseException:  # the runtime died: nothing this call sent stays behind
-                    for r in requests:
-                        for sample in r.samples:
-                            self.tm.cancel(sample.rid)
-                    raise
+            with self.tm.together() as sent:
+                for req, found in zip(requests, sources):
+                    if not found:
+                        sent += self._submit(req)
             tasks = [
                 asyncio.create_task(self._run_one(req, found, f"prompt {i}", bar, with_images))
                 for i, (req, found) in enumerate(zip(requests, sources))
@@ -543,11 +541,12 @@ class LLM:
             await self._collect_all(req, bar)
             req.images = []  # the pixels are the scheduler's now
 
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: _Request) -> list[str]:
         rids = self.tm.submit(
             req.request_id, req.prompt_ids, req.params, images=req.images, cache_salt=req.cache_salt
         )
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
+        return rids
 
     async def _collect_all(self, req: _Request, bar) -> None:
         await asyncio.gather(*(self._collect(req, s, bar) for s in req.samples))

@@ -109,3 +109,16 @@ def test_an_offline_batch_is_admitted_in_one_step(tiny_model_dirs):
             after = llm.stats()
             assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 8
             assert after["prefill_steps"] - before["prefill_steps"] == 1
+
+
+def test_a_block_that_raises_cancels_what_it_sent_and_the_aborts_follow_the_requests(pair):
+    out, pull = pair
+    with pytest.raises(RuntimeError, match="the runtime died"):
+        with out.together(lambda rid: out.send(AbortReq(rid))) as sent:
+            for rid in ("a", "b"):
+                out.requests([req(rid)])
+                sent.append(rid)
+            raise RuntimeError("the runtime died")
+    msgs = received(pull)
+    assert [type(m).__name__ for m in msgs] == ["GenerateBatch", "AbortReq", "AbortReq"]
+    assert rids(msgs[0]) == ["a", "b"] and [m.rid for m in msgs[1:]] == ["a", "b"]

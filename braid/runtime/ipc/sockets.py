@@ -9,7 +9,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -86,16 +86,23 @@ class Outbox:
         self._held: list[bytes] | None = None  # encoded `GenerateReq` bodies
 
     @contextmanager
-    def together(self) -> Iterator[None]:
-        if self._held is not None:  # already inside one
-            yield
-            return
-        self._held = []
+    def together(self, cancel: Callable[[str], None] | None = None) -> Iterator[list[str]]:
+        """Hold what is submitted in the block. The block adds the ids it submits to the list
+        it gets; should it raise, `cancel` is called on each (nothing it sent stays behind)."""
+        sent: list[str] = []
+        outer = self._held is not None  # inside another block, which sends
+        if not outer:
+            self._held = []
         try:
-            yield
+            yield sent
+        except BaseException:
+            for rid in sent if cancel else ():
+                cancel(rid)
+            raise
         finally:
-            self._flush()
-            self._held = None
+            if not outer:
+                self._flush()
+                self._held = None
 
     def requests(self, encoded: list[list[bytes]]) -> None:
         """Send (or hold) one prompt's samples, each `codec.encode(GenerateReq)`'s frames:

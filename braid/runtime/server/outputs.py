@@ -47,27 +47,21 @@ def submit_all(
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
     an error) none, in one message to the scheduler. `group`: the id the client holds for them
     all (`/abort_request` takes it)."""
-    rids: list[str] = []
-    with state.tm.together():
-        try:
-            for i, (rid, ids) in enumerate(jobs):
-                rids += state.tm.submit(
-                    rid,
-                    ids,
-                    params[i] if isinstance(params, list) else params,
-                    session_id=session_id,
-                    images=images[i] if images else None,
-                    grammar_wait=grammar_waits[i] if grammar_waits else None,
-                    session_ttl_s=session_ttl_s,
-                    program_position=program_position,
-                    program_id=program_id,
-                    cache_salt=cache_salt,
-                    group=group,
-                )
-        except BaseException:
-            for r in rids:
-                state.tm.cancel(r)
-            raise
+    with state.tm.together() as rids:
+        for i, (rid, ids) in enumerate(jobs):
+            rids += state.tm.submit(
+                rid,
+                ids,
+                params[i] if isinstance(params, list) else params,
+                session_id=session_id,
+                images=images[i] if images else None,
+                grammar_wait=grammar_waits[i] if grammar_waits else None,
+                session_ttl_s=session_ttl_s,
+                program_position=program_position,
+                program_id=program_id,
+                cache_salt=cache_salt,
+                group=group,
+            )
     return [state.tm.stream(r) for r in rids]
 
 

@@ -119,13 +119,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 def _submit(
     state: ServerState, rid: str, prompts: list[list[int]], spec: EmbedSpec
 ) -> list[AsyncIterator[StrOut]]:
-    """Submit one embedding request per prompt: all of them or (on an error) none."""
-    rids: list[str] = []
-    try:
+    """Submit one embedding request per prompt: all of them (in one message) or (on an error)
+    none."""
+    with state.tm.together() as rids:
         for i, ids in enumerate(prompts):
             rids += state.tm.submit(f"{rid}-{i}", ids, _PARAMS, embed=spec)
-    except BaseException:
-        for r in rids:
-            state.tm.cancel(r)
-        raise
     return [state.tm.stream(r) for r in rids]

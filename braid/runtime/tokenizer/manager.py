@@ -495,9 +495,10 @@ class TokenizerManager:
         self._out.requests(encoded)
         return rids
 
-    def together(self) -> contextlib.AbstractContextManager[None]:
-        """Requests submitted in this block reach the scheduler as one message (`Outbox`)."""
-        return self._out.together()
+    def together(self) -> contextlib.AbstractContextManager[list[str]]:
+        """Requests submitted in this block reach the scheduler as one message (`Outbox`); the
+        block adds the rids it gets to the list it is given, cancelled if it raises."""
+        return self._out.together(self.cancel)
 
     async def stream(self, rid: str) -> AsyncIterator[StrOut]:
         """The outputs of one sample until it finishes (each `StrOut.rid` is its wire id).
