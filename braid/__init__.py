@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLM": "braid.runtime.engine",
     "Engine": "braid.runtime.engine",
     "SamplingParams": "braid.runtime.sampling_params",
+    "PoolingParams": "braid.runtime.pooling",
     "RequestOutput": "braid.runtime.outputs",
     "CompletionOutput": "braid.runtime.outputs",
     "Logprob": "braid.runtime.outputs",
@@ -68,6 +69,7 @@ __all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "LLM",
     "Engine",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -78,6 +80,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from braid.runtime.engine import LLM, Engine
     from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+    from braid.runtime.pooling import PoolingParams
     from braid.runtime.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from braid.runtime.outputs import (
     SampleOutputs,
     spec_meta_info,
 )
-from braid.runtime.pooling import PoolingConfig, floats
+from braid.runtime.pooling import PoolingConfig, PoolingParams, floats, prompt_keep
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.tokenizer.chat import chat_prompt
 from braid.runtime.tokenizer.manager import TokenizerManager
@@ -320,21 +320,33 @@ class LLM:
         *,
         normalize: bool | None = None,
         dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string, token ids, or a dict with "prompt" or
         "prompt_token_ids"), in input order: the prompt's final hidden states pooled as the
         model's sentence-transformers config says, else by the `pooling` setting (last token
         by default). `normalize` (default: the model's config, else True) scales each vector
-        to unit length; `dimensions` truncates it first (Matryoshka models only). The prompts
-        run through the scheduler like prefills, batched with whatever else runs; nothing is
-        sampled and no request holds KV after it. `ValueError` names a bad field."""
-        spec = self.pooling.spec(normalize, dimensions)
+        to unit length; `dimensions` truncates it first (Matryoshka models only);
+        `truncate_prompt_tokens=k` embeds each prompt's last k tokens (-1: as many as the
+        context takes). `pooling_params` (vLLM's `PoolingParams`) may carry the same fields.
+        The prompts run through the scheduler like prefills, batched with whatever else runs;
+        nothing is sampled and no request holds KV after it. `ValueError` names a bad field."""
+        given = (pooling_params or PoolingParams()).merged(
+            normalize=normalize,
+            dimensions=dimensions,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        spec = self.pooling.spec(given["normalize"], given["dimensions"])
+        keep = prompt_keep(given["truncate_prompt_tokens"], self.context_length)
         items = self._read_prompts(prompts)
         params = SamplingParams(max_tokens=0)
         for i, item in enumerate(items):
             if item.sources:
                 raise ValueError(f"prompt {i}: embeddings take text only")
+            if keep is not None:
+                items[i] = item = replace(item, ids=item.ids[-keep:])
             self.media.check_no_placeholders(item.ids, f"prompt {i}")
             self.tm.validate(item.ids, params, where=f"prompt {i}", embed=True)
         if self._closed:

@@ -75,6 +75,56 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str | None, bool | N
     return chosen[0], normalize, None
 
 
+@dataclass
+class PoolingParams:
+    """vLLM's `PoolingParams` for `LLM.embed(pooling_params=...)`: `truncate_prompt_tokens`
+    (keep the prompt's last k tokens; -1: as many as the context takes), `dimensions`
+    (Matryoshka), `normalize`, and `use_activation`, vLLM's newer name for `normalize` on an
+    embedding (None: the model's default)."""
+
+    truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def merged(self, **given: Any) -> dict[str, Any]:
+        """These fields with the call's keywords of the same names (None: not given); a
+        `ParamError` for a field given two different ways."""
+        own = {
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "dimensions": self.dimensions,
+            "normalize": self.normalize,
+        }
+        if self.use_activation is not None:
+            if self.normalize is not None and self.normalize != self.use_activation:
+                raise ParamError.at(
+                    "normalize", "pooling_params: normalize and use_activation disagree"
+                )
+            own["normalize"] = self.use_activation
+        out = {}
+        for name, value in own.items():
+            other = given.get(name)
+            if value is not None and other is not None and other != value:
+                raise ParamError.at(
+                    name, f"given as {other!r} and as pooling_params.{name}={value!r}"
+                )
+            out[name] = value if other is None else other
+        return out
+
+
+def prompt_keep(k: Any, context_length: int) -> int | None:
+    """How many of a prompt's last tokens an embedding keeps for `truncate_prompt_tokens` `k`
+    (None: all; -1: the context length); a `ParamError` for another value."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+        raise ParamError.at(
+            "truncate_prompt_tokens",
+            f"must be an integer >= 1, -1 (the most the context takes) or null, got {k!r}",
+        )
+    return context_length if k == -1 else k
+
+
 @dataclass(frozen=True)
 class PoolingConfig:
     """A model's embedding defaults and limits, resolved once by the front end.

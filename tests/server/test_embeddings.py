@@ -119,6 +119,33 @@ def test_openai_client_embeddings_equal_transformers(server, hf):
         )
 
 
+def test_truncate_prompt_tokens_embeds_the_prompts_tail(server, hf):
+    """vLLM's `truncate_prompt_tokens`: each input's last k tokens (usage counts what was
+    embedded); -1 keeps as many as the context takes, so a prompt longer than the context
+    is embedded by its tail instead of refused."""
+    model, tok = hf
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    ids = [tok.encode(t) for t in TEXTS[:2]]
+    res = client.embeddings.create(
+        input=TEXTS[:2], model="tiny", extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert len(ids[0]) > 3 and res.usage.prompt_tokens == sum(min(len(p), 3) for p in ids)
+    for d, p in zip(res.data, ids):
+        np.testing.assert_allclose(d.embedding, reference(model, p[-3:]), atol=TOL, rtol=0)
+    context = httpx.get(f"{server.url}/get_server_info").json()["context_length"]
+    long = [(7 * i) % 500 + 3 for i in range(context + 40)]
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": long})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    r = httpx.post(
+        f"{server.url}/v1/embeddings", json={"input": long, "truncate_prompt_tokens": -1}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == context
+    np.testing.assert_allclose(
+        r.json()["data"][0]["embedding"], reference(model, long[-context:]), atol=TOL, rtol=0
+    )
+
+
 def test_wire_format_and_base64(server, hf):
     model, tok = hf
     r = httpx.post(
@@ -174,6 +201,9 @@ def test_generation_alongside_embeddings_is_unchanged(server):
         ({"input": "hi", "dimensions": 20}, "dimensions"),
         ({"input": "hi", "dimensions": 0}, "dimensions"),
         ({"input": "hi", "normalize": "yes"}, "normalize"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"input": "hi", "truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
@@ -225,6 +255,31 @@ def test_llm_embed(tmp_path):
         )
         with pytest.raises(ValueError, match="^dimensions:"):
             llm.embed([1, 2], dimensions=8)
+        # vLLM's truncate_prompt_tokens and PoolingParams: the tail's vector, as the keyword
+        # or in pooling_params (use_activation: vLLM's newer name for normalize).
+        tail = llm.embed(prompts[2], truncate_prompt_tokens=7, use_tqdm=False)[0]
+        assert tail.prompt_token_ids == prompts[2][-7:]
+        np.testing.assert_allclose(
+            tail.outputs.embedding, reference(model, prompts[2][-7:], "last"), atol=TOL, rtol=0
+        )
+        pp = braid.PoolingParams(truncate_prompt_tokens=7, use_activation=False)
+        raw_tail = llm.embed(prompts[2], pooling_params=pp, use_tqdm=False)[0]
+        np.testing.assert_allclose(
+            raw_tail.outputs.embedding,
+            reference(model, prompts[2][-7:], "last", False),
+            atol=TOL,
+            rtol=0,
+        )
+        whole = llm.embed(prompts[1], truncate_prompt_tokens=-1, use_tqdm=False)[0]
+        assert whole.prompt_token_ids == prompts[1]
+        with pytest.raises(ValueError, match="^truncate_prompt_tokens: must be an integer >= 1"):
+            llm.embed([1, 2], truncate_prompt_tokens=0)
+        with pytest.raises(ValueError, match="^dimensions: given as 8 and as pooling_params"):
+            llm.embed([1, 2], dimensions=8, pooling_params=braid.PoolingParams(dimensions=16))
+        with pytest.raises(ValueError, match="^normalize: pooling_params: normalize and use_act"):
+            llm.embed(
+                [1, 2], pooling_params=braid.PoolingParams(normalize=True, use_activation=False)
+            )
         with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
             llm.embed([[1, 2], []])
         with pytest.raises(ValueError, match="prompt 0: token id 600"):
@@ -235,7 +290,7 @@ def test_llm_embed(tmp_path):
             use_tqdm=False,
         )
         assert len(gen[0].outputs[0].token_ids) == 4
-        assert llm.stats()["embedding_requests"] == 4
+        assert llm.stats()["embedding_requests"] == 7
         llm.check_invariants()
         s = llm.stats()
         assert s["kv_free_tokens"] + s["kv_cached_tokens"] == s["kv_capacity_tokens"]

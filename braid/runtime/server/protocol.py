@@ -491,8 +491,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class EmbeddingRequest(_Body):
-    """OpenAI's embeddings body, with vLLM's `normalize`. `input`: a text, a list of texts,
-    token ids, or a list of token-id lists (one embedding each)."""
+    """OpenAI's embeddings body, with vLLM's `normalize` and `truncate_prompt_tokens`. `input`:
+    a text, a list of texts, token ids, or a list of token-id lists (one embedding each)."""
 
     input: list[Int] | list[list[Int]] | Text | list[Text] = Field(union_mode="left_to_right")
     model: Text | None = None
@@ -500,6 +500,7 @@ class EmbeddingRequest(_Body):
     dimensions: Int | None = None
     user: Text | None = None
     normalize: bool | None = None
+    truncate_prompt_tokens: Int | None = None
 
 
 class TokenizeRequest(_Body):

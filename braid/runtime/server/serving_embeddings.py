@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from braid.runtime.ipc.to_scheduler import EmbedSpec
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.models.config import ModelConfig
-from braid.runtime.pooling import PoolingConfig, floats
+from braid.runtime.pooling import PoolingConfig, floats, prompt_keep
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts
@@ -54,7 +54,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     def prepare(req: EmbeddingRequest) -> tuple[list[list[int]], EmbedSpec]:
         check_model(state, req.model)
         spec = pooling.spec(req.normalize, req.dimensions)  # ParamErrors name their field
+        keep = prompt_keep(req.truncate_prompt_tokens, state.tm.ready.context_length)
         prompts = [ids for _, ids in tokenize_prompts(state, req.input, "input")]
+        if keep is not None:
+            prompts = [ids[-keep:] for ids in prompts]
         for i, ids in enumerate(prompts):
             where = "input" if len(prompts) == 1 else f"input[{i}]"
             state.media.check_no_placeholders(ids, where)
