@@ -4,6 +4,7 @@ embedded SmolLM2 model."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -138,11 +139,18 @@ def run_to_end(sched, check: bool = True) -> dict[str, list[int]]:
     return tokens
 
 
-def assert_kv_all_free_or_cached(llm) -> None:
-    """Nothing runs, the scheduler's accounting holds, and every KV token is free or cached."""
+def assert_kv_all_free_or_cached(llm, timeout: float = 10.0) -> None:
+    """Nothing runs (within `timeout`: a request its stop string ended reaches the client
+    before the detokenizer's abort reaches the scheduler), the scheduler's accounting holds,
+    and every KV token is free or cached."""
+    deadline = time.monotonic() + timeout
+    s = llm.stats()
+    while (s["running_requests"] or s["queued_requests"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        s = llm.stats()
+    assert s["running_requests"] == 0 and s["queued_requests"] == 0, s
     llm.check_invariants()
     s = llm.stats()
-    assert s["running_requests"] == 0 and s["queued_requests"] == 0
     assert s["kv_free_tokens"] + s["kv_cached_tokens"] == s["kv_capacity_tokens"]
 
 

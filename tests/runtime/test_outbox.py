@@ -26,12 +26,13 @@ def pair():
     ctx.term()
 
 
-def received(pull: zmq.Socket, wait_ms: int = 2000) -> list[object]:
-    """Every message that arrives until none comes for `wait_ms`."""
+def received(pull: zmq.Socket, count: int) -> list[object]:
+    """The next `count` messages (each within 10 s), and then no other for 300 ms."""
     out = []
-    while pull.poll(wait_ms):
+    for _ in range(count):
+        assert pull.poll(10_000), f"only {len(out)} of {count} messages came"
         out.append(codec.decode(pull.recv_multipart()))
-        wait_ms = 200
+    assert not pull.poll(300), "more messages came"
     return out
 
 
@@ -50,7 +51,7 @@ def test_requests_submitted_together_arrive_as_one_message(pair):
         out.requests([req("b/0"), req("b/1")])
         out.requests([req("c")])
         assert not pull.poll(300)  # held until the block ends
-    (msg,) = received(pull)
+    (msg,) = received(pull, 1)
     assert isinstance(msg, GenerateBatch) and rids(msg) == ["a", "b/0", "b/1", "c"]
     assert msg.reqs[0] == GenerateReq("a", [1, 2], SamplingParams(), 7)
 
@@ -59,7 +60,7 @@ def test_outside_a_block_one_sample_goes_alone_and_a_prompts_samples_together(pa
     out, pull = pair
     out.requests([req("a")])
     out.requests([req("b/0"), req("b/1")])
-    a, b = received(pull)
+    a, b = received(pull, 2)
     assert isinstance(a, GenerateReq) and a.rid == "a"
     assert isinstance(b, GenerateBatch) and rids(b) == ["b/0", "b/1"]
 
@@ -71,7 +72,7 @@ def test_an_abort_never_overtakes_a_held_request(pair):
         out.send(AbortReq("a"))
         out.requests([req("b")])
         out.send(ControlReq(1, "stats"))
-    msgs = received(pull)
+    msgs = received(pull, 4)
     assert [type(m).__name__ for m in msgs] == [
         "GenerateBatch",
         "AbortReq",
@@ -90,7 +91,7 @@ def test_a_long_block_is_sent_every_max_held_requests_and_nested_blocks_are_one(
         assert not pull.poll(300)  # the inner block's end sends nothing
         for i in range(4, 7):
             out.requests([req(f"r{i}")])
-    msgs = received(pull)
+    msgs = received(pull, 2)
     assert [rids(m) for m in msgs] == [[f"r{i}" for i in range(5)], ["r5", "r6"]]
 
 
@@ -119,6 +120,6 @@ def test_a_block_that_raises_cancels_what_it_sent_and_the_aborts_follow_the_requ
                 out.requests([req(rid)])
                 sent.append(rid)
             raise RuntimeError("the runtime died")
-    msgs = received(pull)
+    msgs = received(pull, 3)
     assert [type(m).__name__ for m in msgs] == ["GenerateBatch", "AbortReq", "AbortReq"]
     assert rids(msgs[0]) == ["a", "b"] and [m.rid for m in msgs[1:]] == ["a", "b"]

@@ -29,11 +29,13 @@ def server(tmp_path_factory):
 
 
 def wait_idle(url: str, timeout: float = 20.0, headers=None) -> dict:
-    """Wait until nothing runs; returns the scheduler stats."""
+    """Wait until nothing runs; returns the scheduler stats (fresh ones: a busy scheduler's
+    last heartbeat, marked stale, may predate what the test did)."""
     deadline = time.time() + timeout
     while True:
         stats = httpx.get(f"{url}/get_server_info", headers=headers).json()["stats"]
-        if stats["running_requests"] == 0 and stats["queued_requests"] == 0:
+        idle = stats["running_requests"] == 0 and stats["queued_requests"] == 0
+        if idle and not stats.get("stale"):
             return stats
         if time.time() > deadline:
             raise AssertionError(f"requests still running: {stats}")

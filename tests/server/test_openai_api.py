@@ -806,15 +806,16 @@ def test_abort_request_takes_the_ids_clients_hold(server):
     def post(name):
         got[name] = httpx.post(f"{url}/generate", json=bodies[name], timeout=300)
 
-    threads = [threading.Thread(target=post, args=(name,)) for name in bodies]
-    for t in threads:
-        t.start()
+    threads = {name: threading.Thread(target=post, args=(name,)) for name in bodies}
     deadline = time.time() + 60
-    while httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"] < 3:
-        assert time.time() < deadline
-        time.sleep(0.05)
+    # Mine first, then theirs once mine runs: theirs is short, and must still be running.
+    for name, running in (("mine", 2), ("theirs", 3)):
+        threads[name].start()
+        while httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"] < running:
+            assert time.time() < deadline
+            time.sleep(0.05)
     assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).status_code == 200
-    for t in threads:
+    for t in threads.values():
         t.join(120)
     outs = got["mine"].json()
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]

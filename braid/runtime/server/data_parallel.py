@@ -205,7 +205,9 @@ class DataParallelServer:
             listed = httpx.get(self.router.url + "/workers", timeout=5.0).json()["workers"]
             for w in listed:
                 if w.get("url") == worker.url:
-                    httpx.delete(f"{self.router.url}/workers/{w['id']}", timeout=5.0)
+                    r = httpx.delete(f"{self.router.url}/workers/{w['id']}", timeout=5.0)
+                    r.raise_for_status()
+                    logger.info("braid serve: %s is out of the router's rotation", worker.name)
         except (httpx.HTTPError, KeyError, ValueError) as e:
             logger.warning("braid serve: could not take %s out of the router: %s", worker.name, e)
 
