@@ -18,6 +18,7 @@ _EXPORTS = {
     "Engine": "braid.runtime.engine",
     "SamplingParams": "braid.runtime.sampling_params",
     "PoolingParams": "braid.runtime.pooling",
+    "BeamSearchParams": "braid.runtime.beam_search",
     "RequestOutput": "braid.runtime.outputs",
     "CompletionOutput": "braid.runtime.outputs",
     "Logprob": "braid.runtime.outputs",
@@ -70,6 +71,7 @@ __all__ = [  # noqa: F822 - resolved lazily by __getattr__
     "Engine",
     "SamplingParams",
     "PoolingParams",
+    "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -78,6 +80,7 @@ __all__ = [  # noqa: F822 - resolved lazily by __getattr__
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from braid.runtime.beam_search import BeamSearchParams
     from braid.runtime.engine import LLM, Engine
     from braid.runtime.outputs import CompletionOutput, Logprob, RequestOutput
     from braid.runtime.pooling import PoolingParams

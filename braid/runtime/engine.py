@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from braid.runtime.assets import ModelAssets
+from braid.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_keywords import resolve_overrides
 from braid.runtime.errors import ParamError
@@ -395,6 +396,14 @@ class LLM:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             bar.close()
+
+    def beam_search(
+        self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams, *, use_tqdm=True
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the `params.beam_width` most likely continuations of each
+        prompt (text or token ids), each a `BeamSearchSequence` (tokens with the prompt's,
+        cumulative logprob, text), best first (`braid.runtime.beam_search`)."""
+        return beam_search(self, prompts, params, use_tqdm)
 
     def stats(self) -> dict[str, float]:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
