@@ -13,6 +13,7 @@ are returned.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,90 @@ def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: fl
     return beam.cum_logprob / max(length, 1) ** length_penalty
 
 
+class BeamSearch:
+    """One beam search over token-id prompts, driven by its caller: `batch()` gives the
+    sequences to extend by one token (None when the search is over), `advance` takes each
+    one's scored next tokens, `results` ranks what is left (see the module's docstring)."""
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+    ) -> None:
+        params.check()
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.context_length = context_length
+        self.prompt_lens = [len(p) for p in prompts]
+        self.live = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self._order: list[tuple[int, BeamSearchSequence]] = []
+
+    def step_params(self) -> SamplingParams:
+        """What each sequence of a batch is run with: one token, the most likely candidates."""
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * self.params.beam_width
+        )
+
+    def batch(self) -> list[tuple[int, list[int]]] | None:
+        """(prompt index, tokens) of every live beam, or None when the search is over. A beam
+        the context cannot take one more token of ends here."""
+        if self.steps == self.params.max_tokens:
+            return None
+        for p, beams in enumerate(self.live):
+            for b in beams:
+                if len(b.tokens) >= self.context_length:
+                    b.finish_reason = "length"
+                    self.done[p].append(b)
+            self.live[p] = [b for b in beams if b.finish_reason is None]
+        self._order = [(p, b) for p, beams in enumerate(self.live) for b in beams]
+        return [(p, b.tokens) for p, b in self._order] or None
+
+    def advance(self, positions: list[PositionLogprobs]) -> None:
+        """The candidates of each sequence of the last `batch()`, in its order."""
+        grown: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (p, beam), position in zip(self._order, positions, strict=True):
+            for token, lp in position.items():
+                child = BeamSearchSequence(
+                    beam.tokens + [token], beam.logprobs + [position], beam.cum_logprob + lp.logprob
+                )
+                if token in self.eos:
+                    child.finish_reason, child.stop_reason = "stop", token
+                    self.done[p].append(child)
+                else:
+                    grown[p].append(child)
+        for p, children in enumerate(grown):
+            children.sort(key=lambda b: b.cum_logprob, reverse=True)
+            self.live[p] = children[: self.params.beam_width]
+        self.steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None) -> list[BeamSearchOutput]:
+        """The best `beam_width` beams of each prompt, best first, their text decoded by
+        `decode` (the whole sequence; an ended beam's EOS left out unless asked to keep it)."""
+        out = []
+        for p in range(len(self.live)):
+            for b in self.live[p]:
+                b.finish_reason = b.finish_reason or "length"
+            ranked = sorted(
+                self.done[p] + self.live[p],
+                key=lambda b: beam_score(b, self.eos, self.params.length_penalty),
+                reverse=True,
+            )[: self.params.beam_width]
+            for b in ranked:
+                b.text = decode(self.kept(b)) if decode is not None else None
+            out.append(BeamSearchOutput(ranked))
+        return out
+
+    def kept(self, beam: BeamSearchSequence) -> list[int]:
+        """The beam's tokens its text shows: an ended beam's EOS only if asked for."""
+        if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+            return beam.tokens[:-1]
+        return beam.tokens
+
+
 def beam_search(
     llm: LLM, prompts: Any, params: BeamSearchParams, use_tqdm: bool = True
 ) -> list[BeamSearchOutput]:
@@ -97,61 +182,16 @@ def beam_search(
     for i, item in enumerate(items):
         if item.sources:
             raise ParamError("prompt", f"prompt {i}: beam search takes text only")
-    eos = frozenset(() if params.ignore_eos else llm.eos_token_ids)
-    step = SamplingParams(
-        max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * params.beam_width
-    )
-    live = [[BeamSearchSequence(list(item.ids))] for item in items]
-    done: list[list[BeamSearchSequence]] = [[] for _ in items]
-    salts = [item.cache_salt for item in items]
+    search = BeamSearch([item.ids for item in items], params, llm.eos_token_ids, llm.context_length)
+    step = search.step_params()
     bar = progress(use_tqdm, total=params.max_tokens, desc="Beam search")
     try:
-        for _ in range(params.max_tokens):
-            # A beam the context cannot take one more token of ends here.
-            for p, beams in enumerate(live):
-                for b in beams:
-                    if len(b.tokens) >= llm.context_length:
-                        b.finish_reason = "length"
-                        done[p].append(b)
-                live[p] = [b for b in beams if b.finish_reason is None]
-            order = [(p, b) for p, beams in enumerate(live) for b in beams]
-            if not order:
-                break
-            batch = [Prompt(None, b.tokens, cache_salt=salts[p]) for p, b in order]
-            outs = llm._run(batch, [step] * len(batch), use_tqdm=False)
-            grown: list[list[BeamSearchSequence]] = [[] for _ in items]
-            for (p, beam), out in zip(order, outs):
-                (position,) = out.outputs[0].logprobs
-                for token, lp in position.items():
-                    child = BeamSearchSequence(
-                        beam.tokens + [token],
-                        beam.logprobs + [position],
-                        beam.cum_logprob + lp.logprob,
-                    )
-                    if token in eos:
-                        child.finish_reason, child.stop_reason = "stop", token
-                        done[p].append(child)
-                    else:
-                        grown[p].append(child)
-            for p, children in enumerate(grown):
-                children.sort(key=lambda b: b.cum_logprob, reverse=True)
-                live[p] = children[: params.beam_width]
+        while (batch := search.batch()) is not None:
+            prompts_now = [Prompt(None, ids, cache_salt=items[p].cache_salt) for p, ids in batch]
+            outs = llm._run(prompts_now, [step] * len(batch), use_tqdm=False)
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
             bar.update(1)
     finally:
         bar.close()
-    results = []
-    for p in range(len(items)):
-        for b in live[p]:
-            b.finish_reason = b.finish_reason or "length"
-        ranked = sorted(
-            done[p] + live[p],
-            key=lambda b: beam_score(b, eos, params.length_penalty),
-            reverse=True,
-        )[: params.beam_width]
-        for b in ranked:
-            keep = b.tokens
-            if b.finish_reason == "stop" and not params.include_stop_str_in_output:
-                keep = keep[:-1]
-            b.text = llm.tokenizer.decode(keep) if llm.tokenizer is not None else None
-        results.append(BeamSearchOutput(ranked))
-    return results
+    tok = llm.tokenizer
+    return search.results(tok.decode if tok is not None else None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import braid
 from braid import BeamSearchParams
 from tests.conftest import assert_kv_all_free_or_cached, build_tiny_model
 from tests.runtime.tiny_tokenizers import build_byte_level_bpe
+from tests.server.conftest import start_server, wait_idle
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17]]
 
@@ -184,3 +187,59 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm):
         llm.beam_search([{"prompt": "x", "multi_modal_data": {"image": b"x"}}], params)
     assert len(llm.beam_search([PROMPTS[1]], params, use_tqdm=False)[0].sequences) == 2
     assert_kv_all_free_or_cached(llm)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("beam-serve"), "--model", str(model_dir))
+    yield s
+    s.stop()
+
+
+def test_the_servers_use_beam_search_gives_the_offline_beams(server, llm):
+    """vLLM's `use_beam_search` on /v1/completions: `n` beams per prompt as its choices, best
+    first, each the offline search's beam (its new tokens' text)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    res = client.completions.create(
+        model="m",
+        prompt=PROMPTS,
+        max_tokens=5,
+        n=3,
+        temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    offline = llm.beam_search(
+        PROMPTS, BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.5), use_tqdm=False
+    )
+    want = [
+        (llm.tokenizer.decode(s.tokens[len(p) :], skip_special_tokens=True), s.finish_reason)
+        for p, out in zip(PROMPTS, offline)
+        for s in out.sequences
+    ]
+    assert [(c.text, c.finish_reason) for c in res.choices] == want
+    assert [c.index for c in res.choices] == list(range(6))
+    assert res.usage.prompt_tokens == sum(map(len, PROMPTS))
+    assert res.usage.completion_tokens == 6 * 5
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"stop": ["x"]}, "stop"),
+        ({"logit_bias": {"5": 3}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"regex": "[a-z]+"}, "use_beam_search"),
+        ({"n": 11}, "n"),
+        ({"length_penalty": "long"}, "length_penalty"),
+    ],
+)
+def test_what_beam_search_cannot_honour_is_a_400_naming_it(server, extra, param):
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "n": 2, "use_beam_search": True, **extra}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

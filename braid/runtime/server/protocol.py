@@ -402,6 +402,12 @@ class CompletionRequest(_SamplingFields):
     suffix: Text | None = None  # refused unless empty: braid does not fill in the middle
     # vLLM's: false tokenizes a text prompt without the tokenizer's special tokens (BOS).
     add_special_tokens: bool = True
+    # vLLM's beam search: `n` beams per prompt (serving_beam.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    INERT = {
+        k: v for k, v in REFUSED_FIELDS.items() if k not in ("use_beam_search", "length_penalty")
+    }
 
 
 class ChatMessage(_Body):

@@ -19,6 +19,7 @@ from braid.runtime.server.openai_types import Completion, CompletionChoice, Comp
 from braid.runtime.server.openapi import answers, takes
 from braid.runtime.server.outputs import Choice, text_of
 from braid.runtime.server.protocol import CompletionRequest
+from braid.runtime.server.serving_beam import beam_params, beam_response
 from braid.runtime.server.serving_openai import OpenAIResponse
 from braid.runtime.server.state import ServerState
 
@@ -51,7 +52,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
         if req.echo and params.truncate_prompt_tokens is not None:
             raise APIError(400, "echo: not with truncate_prompt_tokens", "echo")
-        return validate_prompts(state, prompts, params, "prompt"), params
+        if not req.use_beam_search and req.length_penalty != 1:
+            raise APIError(400, "length_penalty: only with use_beam_search", "length_penalty")
+        beam = beam_params(req, params) if req.use_beam_search else None
+        return validate_prompts(state, prompts, params, "prompt"), params, beam
 
     @app.post(
         "/v1/completions",
@@ -61,7 +65,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(
         request: Request, req: Annotated[CompletionRequest, json_body(CompletionRequest)]
     ):
-        prompts, params = await asyncio.to_thread(prepare_completion, req)
+        prompts, params, beam = await asyncio.to_thread(prepare_completion, req)
+        if beam is not None:
+            return await beam_response(state, req, prompts, beam, request)
         return await CompletionResponse(state, req, prompts, params).respond(request)
 
 

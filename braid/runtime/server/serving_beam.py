@@ -1,0 +1,162 @@
+"""Beam search on `/v1/completions` (vLLM's `use_beam_search`): `n` beams per prompt, run
+as `braid.runtime.beam_search.BeamSearch` steps through the scheduler (each step submits
+one token of every live beam with its top `2 x n` logprobs, over the prefix cache), answered
+with the `n` best beams of each prompt as its choices, best first. Whole responses only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from braid.runtime.beam_search import BeamSearch, BeamSearchParams
+from braid.runtime.errors import ParamError
+from braid.runtime.ipc.to_tokenizer import StrOut
+from braid.runtime.outputs import Logprob, PositionLogprobs
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.guard import APIError
+from braid.runtime.server.openai_types import (
+    Completion,
+    CompletionChoice,
+    PromptTokensDetails,
+    Usage,
+)
+from braid.runtime.server.outputs import GONE, encode_listed, json_response, submit_all, unless_gone
+from braid.runtime.server.protocol import CompletionRequest
+from braid.runtime.server.state import ServerState
+from braid.runtime.tokenizer.manager import RuntimeDied
+
+# What a completions body may ask for that beam search cannot honour: it ranks beams by the
+# model's own probabilities and ends them only at EOS or max_tokens.
+_NOT_WITH_BEAMS = (
+    "stream",
+    "echo",
+    "logprobs",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+# Their values that ask for nothing.
+_INERT_VALUES = {
+    "stream": False,
+    "echo": False,
+    "min_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def beam_params(req: CompletionRequest, params: SamplingParams) -> BeamSearchParams:
+    """The beam search `req` asks for (`n` beams, its `max_tokens`); a 400 naming a field
+    beam search cannot honour, or an output constraint."""
+    for name in _NOT_WITH_BEAMS:
+        value = getattr(req, name)
+        if value is None or value == [] or value == _INERT_VALUES.get(name):
+            continue
+        raise APIError(400, f"{name}: not with use_beam_search", name)
+    if req.constraint_fields():
+        raise APIError(400, "use_beam_search: not with an output constraint", "use_beam_search")
+    beam = BeamSearchParams(
+        beam_width=req.n,
+        max_tokens=params.max_tokens,
+        ignore_eos=req.ignore_eos,
+        temperature=params.temperature,
+        length_penalty=req.length_penalty,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+    try:
+        beam.check()
+    except ParamError as e:
+        name = {"beam_width": "n"}.get(e.param or "", e.param)
+        raise APIError(400, str(e).replace(str(e.param), name, 1), name) from None
+    return beam
+
+
+async def beam_response(
+    state: ServerState,
+    req: CompletionRequest,
+    prompts: list[tuple[str | None, list[int]]],
+    beam: BeamSearchParams,
+    request: Request,
+) -> Response:
+    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    state.metrics.requests += 1
+    state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+    search = BeamSearch(
+        [ids for _, ids in prompts], beam, state.tm.eos_token_ids, state.tm.ready.context_length
+    )
+    step = search.step_params()
+
+    async def run() -> None:
+        while (batch := search.batch()) is not None:
+            streams = submit_all(
+                state,
+                [(f"{rid}-{search.steps}-{j}", ids) for j, (_, ids) in enumerate(batch)],
+                step,
+                cache_salt=req.cache_salt,
+                group=rid,
+            )
+            search.advance(await asyncio.gather(*(_candidates(state, s) for s in streams)))
+
+    if await unless_gone(request, run()) is GONE:
+        return Response(status_code=499)
+    choices, completion = [], 0
+    for p, out in enumerate(search.results(None)):
+        start = search.prompt_lens[p]
+        for b in out.sequences:
+            new = search.kept(b)[start:]
+            completion += len(b.tokens) - start
+            skip = req.skip_special_tokens
+            text = state.tokenizer.decode(new, skip_special_tokens=skip) if state.tokenizer else ""
+            extra = {"stop_reason": b.stop_reason} if b.stop_reason is not None else {}
+            choices.append(
+                CompletionChoice(
+                    index=len(choices),
+                    text=text,
+                    finish_reason=b.finish_reason,
+                    logprobs=None,
+                    **extra,
+                )
+            )
+    prompt = sum(search.prompt_lens)
+    body = Completion(
+        id=rid,
+        created=created,
+        model=state.served_model_name,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        ),
+    )
+    return json_response(encode_listed(body, "choices"))
+
+
+async def _candidates(state: ServerState, stream: AsyncIterator[StrOut]) -> PositionLogprobs:
+    """The scored next tokens of one beam's step: the chosen one and its top alternatives."""
+    scored = []
+    async for out in stream:
+        if out.error:
+            if state.tm.failure:
+                raise RuntimeDied(state.tm.failure)
+            raise APIError(500, f"beam search failed: {out.error}", kind="server_error")
+        scored += out.logprobs or []
+    (first,) = scored
+    position = {t: Logprob(v) for t, v in first.top}
+    position.setdefault(first.token_id, Logprob(first.logprob))
+    return position
