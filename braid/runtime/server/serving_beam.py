@@ -131,6 +131,7 @@ async def beam_response(
                     **extra,
                 )
             )
+    state.metrics.generation_tokens += completion
     prompt = sum(search.prompt_lens)
     body = Completion(
         id=rid,
