@@ -15,15 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from braid.runtime.errors import ParamError
-from braid.runtime.offline_prompts import Prompt
+from braid.runtime.offline_prompts import Prompt, progress, prompt_list
 from braid.runtime.outputs import PositionLogprobs
 from braid.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
-
-if TYPE_CHECKING:
-    from braid.runtime.engine import LLM
 
 
 @dataclass
@@ -63,7 +60,7 @@ class BeamSearchSequence:
     """One beam: its tokens (the prompt's, then the generated ones), each generated
     position's log-probabilities (the chosen token and the other candidates), their sum, and,
     once returned, its text (the whole sequence decoded), `finish_reason` ("stop" for an EOS,
-    "length") and `stop_reason` (the EOS token id)."""
+    "length", "abort") and `stop_reason` (vLLM's field; None, as for an EOS in `generate`)."""
 
     tokens: list[int]
     logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -136,7 +133,7 @@ class BeamSearch:
                     beam.tokens + [token], beam.logprobs + [position], beam.cum_logprob + lp.logprob
                 )
                 if token in self.eos:
-                    child.finish_reason, child.stop_reason = "stop", token
+                    child.finish_reason = "stop"  # stop_reason None: an EOS, as generate's
                     self.done[p].append(child)
                 else:
                     grown[p].append(child)
@@ -162,6 +159,13 @@ class BeamSearch:
             out.append(BeamSearchOutput(ranked))
         return out
 
+    def abort(self) -> None:
+        """End the search now (a step was aborted): the live beams end with "abort"."""
+        for beams in self.live:
+            for b in beams:
+                b.finish_reason = "abort"
+        self.steps = self.params.max_tokens
+
     def kept(self, beam: BeamSearchSequence) -> list[int]:
         """The beam's tokens its text shows: an ended beam's EOS only if asked for."""
         if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
@@ -170,28 +174,58 @@ class BeamSearch:
 
 
 def beam_search(
-    llm: LLM, prompts: Any, params: BeamSearchParams, use_tqdm: bool = True
+    llm: Any,
+    prompts: Any,
+    params: BeamSearchParams,
+    lora_request: None = None,
+    use_tqdm: bool | Callable[..., Any] = False,
+    concurrency_limit: int | None = None,
 ) -> list[BeamSearchOutput]:
-    """`params.beam_width` best continuations of each prompt (see the module's docstring)."""
-    from braid.runtime.engine import progress
+    """`LLM.beam_search`: the best `params.beam_width` continuations of each prompt (text or
+    token ids) through the offline engine `llm`, each a `BeamSearchSequence` (see the
+    module's docstring); at most `concurrency_limit` prompts searched at once (vLLM's).
+    `lora_request` is vLLM's and must be None (braid serves no adapters)."""
+    if lora_request is not None:
+        raise ParamError.at("lora_request", "braid serves no LoRA adapters")
+    bar = progress(use_tqdm, total=len(prompt_list(prompts)), desc="Beam search")
+    try:
+        return _search(llm, prompts, params, bar, concurrency_limit)
+    finally:
+        bar.close()
 
+
+def _search(
+    llm: Any, prompts: Any, params: BeamSearchParams, bar: Any, concurrency_limit: int | None
+) -> list[BeamSearchOutput]:
     if not isinstance(params, BeamSearchParams):
         raise ParamError("params", f"params must be a BeamSearchParams, got {params!r}")
     params.check()
+    limit = concurrency_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ParamError.at("concurrency_limit", f"must be an integer >= 1, got {limit!r}")
     items = llm._read_prompts(prompts)
+    probe = SamplingParams(max_tokens=1)
     for i, item in enumerate(items):
         if item.sources:
             raise ParamError("prompt", f"prompt {i}: beam search takes text only")
-    search = BeamSearch([item.ids for item in items], params, llm.eos_token_ids, llm.context_length)
-    step = search.step_params()
-    bar = progress(use_tqdm, total=params.max_tokens, desc="Beam search")
-    try:
+        llm.tm.validate(item.ids, probe, where=f"prompt {i}")  # room for one token at least
+    limit = limit or max(len(items), 1)
+    results: list[BeamSearchOutput] = []
+    for start in range(0, len(items), limit):
+        chunk = items[start : start + limit]
+        search = BeamSearch([it.ids for it in chunk], params, llm.eos_token_ids, llm.context_length)
+        step = search.step_params()
         while (batch := search.batch()) is not None:
-            prompts_now = [Prompt(None, ids, cache_salt=items[p].cache_salt) for p, ids in batch]
-            outs = llm._run(prompts_now, [step] * len(batch), use_tqdm=False)
-            search.advance([out.outputs[0].logprobs[0] for out in outs])
-            bar.update(1)
-    finally:
-        bar.close()
-    tok = llm.tokenizer
-    return search.results(tok.decode if tok is not None else None)
+            now = [Prompt(None, ids, cache_salt=chunk[p].cache_salt) for p, ids in batch]
+            outs = llm._run(now, [step] * len(batch), use_tqdm=False)
+            positions = []
+            for (p, _), out in zip(batch, outs):
+                sample = out.outputs[0]
+                if sample.finish_reason == "abort" or not sample.logprobs:
+                    raise RuntimeError(f"beam search: prompt {start + p}: a step was aborted")
+                positions.append(sample.logprobs[0])
+            search.advance(positions)
+        tok = llm.tokenizer
+        results += search.results(tok.decode if tok is not None else None)
+        bar.update(len(chunk))
+    return results

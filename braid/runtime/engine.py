@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from braid.runtime.assets import ModelAssets
 from braid.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from braid.runtime.config import EngineConfig
@@ -34,7 +32,14 @@ from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.models.config import BASE_MODEL_ARCHS
 from braid.runtime.multimodal.frontend import MediaFrontend
-from braid.runtime.offline_prompts import Prompt, PromptInput, prompt_list, read_prompt, truncated
+from braid.runtime.offline_prompts import (
+    Prompt,
+    PromptInput,
+    progress,
+    prompt_list,
+    read_prompt,
+    truncated,
+)
 from braid.runtime.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -334,7 +339,8 @@ class LLM:
         context takes). `pooling_params` (vLLM's `PoolingParams`) may carry the same fields.
         The prompts run through the scheduler like prefills, batched with whatever else runs;
         nothing is sampled and no request holds KV after it. `ValueError` names a bad field."""
-        given = (pooling_params or PoolingParams()).merged(
+        given = PoolingParams.merge(
+            pooling_params,
             normalize=normalize,
             dimensions=dimensions,
             truncate_prompt_tokens=truncate_prompt_tokens,
@@ -382,7 +388,7 @@ class LLM:
             bar.update(1)
             return floats(last.embedding)
 
-        tasks = []
+        tasks, samples = [], []
         try:
             with self.tm.together() as samples:  # one message: admitted in one iteration
                 for rid, p in zip(rids, prompts):
@@ -395,15 +401,21 @@ class LLM:
             for t in tasks:  # a failure (or interrupt) stops everything this call started
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for sample in samples:  # one whose task was cancelled before it read anything
+                self.tm.cancel(sample)
             bar.close()
 
     def beam_search(
-        self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams, *, use_tqdm=True
+        self,
+        prompts: PromptInput | list[PromptInput],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """vLLM's beam search: the `params.beam_width` most likely continuations of each
-        prompt (text or token ids), each a `BeamSearchSequence` (tokens with the prompt's,
-        cumulative logprob, text), best first (`braid.runtime.beam_search`)."""
-        return beam_search(self, prompts, params, use_tqdm)
+        """vLLM's beam search: the best `params.beam_width` continuations of each prompt, best
+        first (`braid.runtime.beam_search.beam_search`)."""
+        return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
     def stats(self) -> dict[str, float]:
         """Runtime counters since start: requests, prompt and cached tokens, cache hit rate,
@@ -535,6 +547,9 @@ class LLM:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for r in requests:  # a sample whose task was cancelled before it read anything
+                for sample in r.samples:
+                    self.tm.cancel(sample.rid)
             bar.close()
         errors = [s.outputs.error for r in requests for s in r.samples if s.outputs.error]
         if errors and self.tm.failure:
@@ -580,10 +595,3 @@ class LLM:
 
 
 Engine = LLM
-
-
-def progress(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
-    """The call's progress bar: tqdm's (off with `use_tqdm=False`), or, as vLLM takes it, one
-    made by `use_tqdm` itself when it is a callable (a tqdm class or factory)."""
-    make = use_tqdm if callable(use_tqdm) else tqdm
-    return make(total=total, desc=desc, unit="req", disable=not use_tqdm)

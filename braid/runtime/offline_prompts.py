@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
 from braid.runtime.errors import ParamError
 
 if TYPE_CHECKING:
@@ -135,3 +137,10 @@ def truncated(item: Prompt, params: SamplingParams, index: int, context_length: 
     except ParamError as e:
         raise ParamError(e.param, f"prompt {index}: {e}") from None
     return replace(item, ids=ids)
+
+
+def progress(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """The call's progress bar: tqdm's (off with `use_tqdm=False`), or, as vLLM takes it, one
+    made by `use_tqdm` itself when it is a callable (a tqdm class or factory)."""
+    make = use_tqdm if callable(use_tqdm) else tqdm
+    return make(total=total, desc=desc, unit="req", disable=not use_tqdm)

@@ -87,6 +87,18 @@ class PoolingParams:
     normalize: bool | None = None
     use_activation: bool | None = None
 
+    @classmethod
+    def merge(cls, params: Any, **given: Any) -> dict[str, Any]:
+        """`params` (a `PoolingParams` or None) merged with the call's keywords (`merged`)."""
+        if params is None:
+            params = cls()
+        if not isinstance(params, cls):
+            raise ParamError.at(
+                "pooling_params",
+                f"must be one PoolingParams for every prompt, got {type(params).__name__}",
+            )
+        return params.merged(**given)
+
     def merged(self, **given: Any) -> dict[str, Any]:
         """These fields with the call's keywords of the same names (None: not given); a
         `ParamError` for a field given two different ways."""

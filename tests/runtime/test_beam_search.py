@@ -135,7 +135,8 @@ def test_beams_that_reach_eos_are_kept_and_ranked_with_the_length_penalty(eos_di
             for s in engine.beam_search([PROMPTS[0]], params, use_tqdm=False)[0].sequences
             if s.finish_reason == "stop"
         )
-        assert ended.stop_reason == eos and ended.text == engine.tokenizer.decode(ended.tokens[:-1])
+        assert ended.tokens[-1] in eos_ids and ended.stop_reason is None  # as generate's EOS
+        assert ended.text == engine.tokenizer.decode(ended.tokens[:-1])
         params.include_stop_str_in_output = True
         kept = engine.beam_search([PROMPTS[0]], params, use_tqdm=False)[0].sequences
         assert engine.tokenizer.decode(ended.tokens) in [s.text for s in kept]
@@ -161,6 +162,21 @@ def test_a_beam_the_context_cannot_grow_ends_there(llm):
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6), use_tqdm=False)
     assert [len(s.tokens) for s in out.sequences] == [llm.context_length] * 2
     assert all(s.finish_reason == "length" for s in out.sequences)
+    with pytest.raises(ValueError, match="prompt 1: .*context length"):
+        llm.beam_search([PROMPTS[0], prompt + [5, 5]], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_concurrency_limit_searches_the_prompts_a_few_at_a_time_to_the_same_beams(llm):
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    together = llm.beam_search(PROMPTS, params)
+    one_by_one = llm.beam_search(PROMPTS, params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in one_by_one] == [
+        [s.tokens for s in o.sequences] for o in together
+    ]
+    with pytest.raises(ValueError, match="^concurrency_limit: must be an integer >= 1"):
+        llm.beam_search(PROMPTS, params, concurrency_limit=0)
+    with pytest.raises(ValueError, match="^lora_request: braid serves no LoRA adapters"):
+        llm.beam_search(PROMPTS, params, lora_request=object())
 
 
 @pytest.mark.parametrize(
@@ -224,6 +240,20 @@ def test_the_servers_use_beam_search_gives_the_offline_beams(server, llm):
     assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
 
 
+def test_a_client_that_leaves_a_beam_search_stops_it(server):
+    """The client gives up mid-search: the server stops submitting steps, aborts the one in
+    flight, keeps every KV token accounted for, and serves the next request."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 480, "n": 4, "use_beam_search": True}
+    body["ignore_eos"] = True
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
+    body["max_tokens"] = 2
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -232,6 +262,7 @@ def test_the_servers_use_beam_search_gives_the_offline_beams(server, llm):
         ({"echo": True}, "echo"),
         ({"stop": ["x"]}, "stop"),
         ({"logit_bias": {"5": 3}}, "logit_bias"),
+        ({"stop_token_ids": [3]}, "stop_token_ids"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"regex": "[a-z]+"}, "use_beam_search"),
         ({"n": 11}, "n"),

@@ -274,6 +274,8 @@ def test_llm_embed(tmp_path):
         assert whole.prompt_token_ids == prompts[1]
         with pytest.raises(ValueError, match="^truncate_prompt_tokens: must be an integer >= 1"):
             llm.embed([1, 2], truncate_prompt_tokens=0)
+        with pytest.raises(ValueError, match="^pooling_params: must be one PoolingParams"):
+            llm.embed([1, 2], pooling_params=[braid.PoolingParams()])
         with pytest.raises(ValueError, match="^dimensions: given as 8 and as pooling_params"):
             llm.embed([1, 2], dimensions=8, pooling_params=braid.PoolingParams(dimensions=16))
         with pytest.raises(ValueError, match="^normalize: pooling_params: normalize and use_act"):

@@ -78,7 +78,8 @@ class Outbox:
     """The front end's line to the scheduler. Requests submitted inside `together()` are held
     and sent as one `GenerateBatch` when it ends (or every `max_held` of them), so the
     scheduler admits them in one iteration; any other message flushes them first, so an
-    abort never overtakes its request."""
+    abort never overtakes its request. A block is synchronous code on the front end's
+    loop (no await inside: other coroutines' requests would join it)."""
 
     def __init__(self, sock: zmq.Socket, max_held: int = 4096) -> None:
         self.sock = sock
@@ -101,8 +102,10 @@ class Outbox:
             raise
         finally:
             if not outer:
-                self._flush()
-                self._held = None
+                try:
+                    self._flush()
+                finally:
+                    self._held = None
 
     def requests(self, encoded: list[list[bytes]]) -> None:
         """Send (or hold) one prompt's samples, each `codec.encode(GenerateReq)`'s frames:

@@ -207,7 +207,8 @@ class DataParallelServer:
                 if w.get("url") == worker.url:
                     r = httpx.delete(f"{self.router.url}/workers/{w['id']}", timeout=5.0)
                     r.raise_for_status()
-                    logger.info("braid serve: %s is out of the router's rotation", worker.name)
+            # (Not listed: the router's health checks took it out first.)
+            logger.info("braid serve: %s is out of the router's rotation", worker.name)
         except (httpx.HTTPError, KeyError, ValueError) as e:
             logger.warning("braid serve: could not take %s out of the router: %s", worker.name, e)
 

@@ -58,12 +58,20 @@ _INERT_VALUES = {
 }
 
 
-def beam_params(req: CompletionRequest, params: SamplingParams) -> BeamSearchParams:
+def beam_params(
+    req: CompletionRequest, params: SamplingParams, has_tokenizer: bool
+) -> BeamSearchParams:
     """The beam search `req` asks for (`n` beams, its `max_tokens`); a 400 naming a field
     beam search cannot honour, or an output constraint."""
+    if not has_tokenizer:
+        raise APIError(
+            400,
+            "use_beam_search: this model has no tokenizer to write the beams' text",
+            "use_beam_search",
+        )
     for name in _NOT_WITH_BEAMS:
         value = getattr(req, name)
-        if value is None or value == [] or value == _INERT_VALUES.get(name):
+        if value is None or value in ([], {}) or value == _INERT_VALUES.get(name):
             continue
         raise APIError(400, f"{name}: not with use_beam_search", name)
     if req.constraint_fields():
@@ -102,14 +110,22 @@ async def beam_response(
 
     async def run() -> None:
         while (batch := search.batch()) is not None:
-            streams = submit_all(
-                state,
-                [(f"{rid}-{search.steps}-{j}", ids) for j, (_, ids) in enumerate(batch)],
-                step,
-                cache_salt=req.cache_salt,
-                group=rid,
-            )
-            search.advance(await asyncio.gather(*(_candidates(state, s) for s in streams)))
+            jobs = [(f"{rid}-{search.steps}-{j}", ids) for j, (_, ids) in enumerate(batch)]
+            streams = submit_all(state, jobs, step, cache_salt=req.cache_salt, group=rid)
+            try:
+                got = await asyncio.gather(
+                    *(_candidates(state, s) for s in streams), return_exceptions=True
+                )
+            finally:
+                for r, _ in jobs:  # a stream never read (the client left first) is aborted
+                    state.tm.cancel(r)
+            failed = [g for g in got if isinstance(g, BaseException)]
+            if failed:
+                raise failed[0]
+            if any(g is None for g in got):  # aborted (/abort_request, shutdown)
+                search.abort()
+                return
+            search.advance(got)
 
     if await unless_gone(request, run()) is GONE:
         return Response(status_code=499)
@@ -121,14 +137,9 @@ async def beam_response(
             completion += len(b.tokens) - start
             skip = req.skip_special_tokens
             text = state.tokenizer.decode(new, skip_special_tokens=skip) if state.tokenizer else ""
-            extra = {"stop_reason": b.stop_reason} if b.stop_reason is not None else {}
             choices.append(
                 CompletionChoice(
-                    index=len(choices),
-                    text=text,
-                    finish_reason=b.finish_reason,
-                    logprobs=None,
-                    **extra,
+                    index=len(choices), text=text, finish_reason=b.finish_reason, logprobs=None
                 )
             )
     state.metrics.generation_tokens += completion
@@ -148,16 +159,23 @@ async def beam_response(
     return json_response(encode_listed(body, "choices"))
 
 
-async def _candidates(state: ServerState, stream: AsyncIterator[StrOut]) -> PositionLogprobs:
-    """The scored next tokens of one beam's step: the chosen one and its top alternatives."""
+async def _candidates(state: ServerState, stream: AsyncIterator[StrOut]) -> PositionLogprobs | None:
+    """The scored next tokens of one beam's step: the chosen one and its top alternatives;
+    None if the step was aborted."""
     scored = []
     async for out in stream:
+        if out.refused is not None and out.error:
+            raise APIError(400, out.error, out.refused.param)
         if out.error:
             if state.tm.failure:
                 raise RuntimeDied(state.tm.failure)
             raise APIError(500, f"beam search failed: {out.error}", kind="server_error")
+        if out.finish_reason == "abort":
+            return None
         scored += out.logprobs or []
-    (first,) = scored
+    if not scored:
+        return None
+    first = scored[0]
     position = {t: Logprob(v) for t, v in first.top}
     position.setdefault(first.token_id, Logprob(first.logprob))
     return position

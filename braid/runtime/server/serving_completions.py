@@ -54,7 +54,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "echo: not with truncate_prompt_tokens", "echo")
         if not req.use_beam_search and req.length_penalty != 1:
             raise APIError(400, "length_penalty: only with use_beam_search", "length_penalty")
-        beam = beam_params(req, params) if req.use_beam_search else None
+        has_tokenizer = state.tokenizer is not None
+        beam = beam_params(req, params, has_tokenizer) if req.use_beam_search else None
         return validate_prompts(state, prompts, params, "prompt"), params, beam
 
     @app.post(
