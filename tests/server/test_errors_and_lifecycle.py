@@ -101,8 +101,7 @@ BAD = [
     (CH, {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400, "request's tools field"),
     (CH, {"messages": MSG, "chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     # vLLM's fields braid does not implement: refused by name, not dropped.
-    (CH, {"messages": MSG, "use_beam_search": True}, 400, "use_beam_search: not supported"),
-    (CH, {"messages": MSG, "length_penalty": 2.0}, 400, "length_penalty: not supported"),
+    (CH, {"messages": MSG, "length_penalty": 2.0}, 400, "length_penalty: only with use_beam"),
     (C, {"prompt": "x", "length_penalty": 2.0}, 400, "length_penalty: only with use_beam"),
     (C, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs: not supported"),
     (CH, {"messages": MSG, "logits_processors": ["x"]}, 400, "logits_processors"),

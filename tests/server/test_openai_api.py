@@ -902,3 +902,31 @@ def test_opened_sessions_continue_their_requests_as_sglangs_do(server):
     bad = generate(b, 400, rid="t9", session_params={"id": sid, "rid": "t0"})
     assert "not open" in bad["error"]["message"]
     wait_idle(url)
+
+
+def test_chat_beam_search_gives_the_beams_of_its_rendered_prompt(client, server):
+    """vLLM's `use_beam_search` on chat: the chat template's prompt searched as completions
+    search it (the same beams, in order, as the messages' text), `n` choices, best first;
+    tools and what beam search cannot honour are 400s naming the field."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    beam = {"use_beam_search": True, "length_penalty": 0.5}
+    chat = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, n=2, extra_body=beam
+    )
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    plain = client.completions.create(model="m", prompt=ids, max_tokens=4, n=2, extra_body=beam)
+    assert [c.message.content for c in chat.choices] == [c.text for c in plain.choices]
+    assert [c.finish_reason for c in chat.choices] == [c.finish_reason for c in plain.choices]
+    assert len({c.message.content for c in chat.choices}) == 2  # two different beams
+    assert chat.id.startswith("chatcmpl-") and chat.usage.prompt_tokens == len(ids)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in (
+        ({"tools": [tool], "tool_choice": "required"}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stream": True}, "stream"),
+    ):
+        body = {"messages": messages, "n": 2, "use_beam_search": True, **extra}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]

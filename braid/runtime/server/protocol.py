@@ -221,6 +221,13 @@ OPENAI_INERT = {
 }
 
 
+# What the two completion APIs refuse once beam search (use_beam_search, length_penalty) is
+# served.
+BEAM_SEARCH_SERVED = {
+    k: v for k, v in REFUSED_FIELDS.items() if k not in ("use_beam_search", "length_penalty")
+}
+
+
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's plus braid's extras."""
 
@@ -405,9 +412,7 @@ class CompletionRequest(_SamplingFields):
     # vLLM's beam search: `n` beams per prompt (serving_beam.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    INERT = {
-        k: v for k, v in REFUSED_FIELDS.items() if k not in ("use_beam_search", "length_penalty")
-    }
+    INERT = BEAM_SEARCH_SERVED
 
 
 class ChatMessage(_Body):
@@ -483,8 +488,11 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: JsonValue = None
     moderation: JsonValue = None
     stream_reasoning: JsonValue = True
+    # vLLM's beam search: `n` beams (serving_beam.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     INERT = (
-        REFUSED_FIELDS
+        BEAM_SEARCH_SERVED
         | OPENAI_INERT
         | {
             "store": ("braid keeps no completions", (None, False)),

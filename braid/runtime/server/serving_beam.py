@@ -1,7 +1,8 @@
-"""Beam search on `/v1/completions` (vLLM's `use_beam_search`): `n` beams per prompt, run
-as `braid.runtime.beam_search.BeamSearch` steps through the scheduler (each step submits
-one token of every live beam with its top `2 x n` logprobs, over the prefix cache), answered
-with the `n` best beams of each prompt as its choices, best first. Whole responses only."""
+"""Beam search on `/v1/completions` and `/v1/chat/completions` (vLLM's `use_beam_search`):
+`n` beams per prompt, run as `braid.runtime.beam_search.BeamSearch` steps through the
+scheduler (each step submits one token of every live beam with its top `2 x n` logprobs,
+over the prefix cache), answered with the `n` best beams of each prompt as its choices, best
+first. Whole responses only."""
 
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ from braid.runtime.outputs import Logprob, PositionLogprobs
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
     Completion,
     CompletionChoice,
     PromptTokensDetails,
     Usage,
 )
 from braid.runtime.server.outputs import GONE, encode_listed, json_response, submit_all, unless_gone
-from braid.runtime.server.protocol import CompletionRequest
+from braid.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.manager import RuntimeDied
 
@@ -36,6 +40,7 @@ _NOT_WITH_BEAMS = (
     "stream",
     "echo",
     "logprobs",
+    "tools",
     "stop",
     "stop_token_ids",
     "stop_regex",
@@ -59,10 +64,13 @@ _INERT_VALUES = {
 
 
 def beam_params(
-    req: CompletionRequest, params: SamplingParams, has_tokenizer: bool
+    req: CompletionRequest | ChatCompletionRequest,
+    params: SamplingParams,
+    has_tokenizer: bool,
+    max_tokens: int | None = None,
 ) -> BeamSearchParams:
-    """The beam search `req` asks for (`n` beams, its `max_tokens`); a 400 naming a field
-    beam search cannot honour, or an output constraint."""
+    """The beam search `req` asks for (`n` beams, `max_tokens` if given, else its params'); a
+    400 naming a field beam search cannot honour, or an output constraint."""
     if not has_tokenizer:
         raise APIError(
             400,
@@ -70,15 +78,15 @@ def beam_params(
             "use_beam_search",
         )
     for name in _NOT_WITH_BEAMS:
-        value = getattr(req, name)
-        if value is None or value in ([], {}) or value == _INERT_VALUES.get(name):
+        value = getattr(req, name, None)
+        if value in (None, False, [], {}) or value == _INERT_VALUES.get(name):
             continue
         raise APIError(400, f"{name}: not with use_beam_search", name)
     if req.constraint_fields():
         raise APIError(400, "use_beam_search: not with an output constraint", "use_beam_search")
     beam = BeamSearchParams(
         beam_width=req.n,
-        max_tokens=params.max_tokens,
+        max_tokens=params.max_tokens if max_tokens is None else max_tokens,
         ignore_eos=req.ignore_eos,
         temperature=params.temperature,
         length_penalty=req.length_penalty,
@@ -94,12 +102,15 @@ def beam_params(
 
 async def beam_response(
     state: ServerState,
-    req: CompletionRequest,
+    req: CompletionRequest | ChatCompletionRequest,
     prompts: list[tuple[str | None, list[int]]],
     beam: BeamSearchParams,
     request: Request,
 ) -> Response:
-    rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    """Run the search and answer with a completion, or for a chat request a chat completion
+    whose messages hold the beams' text."""
+    chat = isinstance(req, ChatCompletionRequest)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     state.metrics.requests += 1
     state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
@@ -137,14 +148,14 @@ async def beam_response(
             completion += len(b.tokens) - start
             skip = req.skip_special_tokens
             text = state.tokenizer.decode(new, skip_special_tokens=skip) if state.tokenizer else ""
-            choices.append(
-                CompletionChoice(
-                    index=len(choices), text=text, finish_reason=b.finish_reason, logprobs=None
-                )
-            )
+            common = {"index": len(choices), "finish_reason": b.finish_reason, "logprobs": None}
+            if chat:
+                choices.append(ChatChoice(message=AssistantMessage(content=text), **common))
+            else:
+                choices.append(CompletionChoice(text=text, **common))
     state.metrics.generation_tokens += completion
     prompt = sum(search.prompt_lens)
-    body = Completion(
+    body = (ChatCompletion if chat else Completion)(
         id=rid,
         created=created,
         model=state.served_model_name,

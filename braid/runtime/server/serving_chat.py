@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from braid.runtime.errors import ParamError
 from braid.runtime.function_call.base import ContentDelta, ToolCall, ToolCallStream
@@ -30,6 +31,7 @@ from braid.runtime.server.openai_types import (
 from braid.runtime.server.openapi import answers, takes
 from braid.runtime.server.outputs import Choice, finish_of, text_of
 from braid.runtime.server.protocol import ChatCompletionRequest
+from braid.runtime.server.serving_beam import beam_params, beam_response
 from braid.runtime.server.serving_openai import OpenAIResponse
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.chat import ChatPrompt, chat_prompt, template_messages
@@ -101,11 +103,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         except ParamError as e:
             raise APIError.refused(e) from None
         check_template_fields(req)
+        if not req.use_beam_search and req.length_penalty != 1:
+            raise APIError(400, "length_penalty: only with use_beam_search", "length_penalty")
         text = None
         if req.chat_template is not None:
             text = await render_request_template(req)
         try:
             response = await build_chat(state, req, text)
+            if req.use_beam_search:
+                return await _beam_search(state, req, response, request)
             return await response.respond(request)
         except APIError as e:
             raise in_tools_terms(e, req) from None
@@ -244,6 +250,28 @@ async def build_chat(
         )
     reasoning = state.reasoning_parser if _separates_reasoning(req) else None
     return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)
+
+
+async def _beam_search(
+    state: ServerState, req: ChatCompletionRequest, response: ChatResponse, request: Request
+) -> Response:
+    """vLLM's `use_beam_search` on chat: the rendered prompt's `n` best beams
+    (`serving_beam`); without `max_tokens`, up to the context."""
+    ((_, ids),) = response.prompts
+    if response.images and response.images[0]:
+        raise APIError(400, "messages: images are not taken with use_beam_search", "messages")
+    if response.reasoning is not None:
+        raise APIError(
+            400,
+            "use_beam_search: not with the server's reasoning parser (a beam's text would "
+            "hold its thinking)",
+            "use_beam_search",
+        )
+    max_tokens = response.params.max_tokens
+    if max_tokens is None:
+        max_tokens = state.tm.ready.context_length - len(ids)
+    beam = beam_params(req, response.params, state.tokenizer is not None, max_tokens)
+    return await beam_response(state, req, response.prompts, beam, request)
 
 
 @dataclass(frozen=True)
