@@ -30,6 +30,8 @@ from braid.runtime.distributed.group import TPGroup, init_group
 from braid.runtime.ipc.children import die_with_parent, runtime_process, start_children
 
 logger = logging.getLogger(__name__)
+# How long a rank that failed to start stays before it exits (see `run_follower`).
+FAILED_RANK_LINGER_S = 5.0
 
 
 def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
@@ -79,6 +81,9 @@ def run_follower_process(
         )
     except Exception as e:  # rank 0 fails the same way and tells the front end
         logger.error("tensor-parallel rank %d failed to start: %s: %s", rank, type(e).__name__, e)
+        # Stay a moment: a rank gone while rank 0 still forms the group leaves rank 0 a gloo
+        # error to report (seen once, on a loaded machine) instead of this same reason.
+        time.sleep(FAILED_RANK_LINGER_S)
         os._exit(1)
     try:
         follow(runner, group)
