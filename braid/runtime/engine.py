@@ -27,7 +27,7 @@ from braid.runtime.config import EngineConfig
 from braid.runtime.config_keywords import resolve_overrides
 from braid.runtime.errors import ParamError
 from braid.runtime.front_loop import FrontLoop, release
-from braid.runtime.ipc.to_detokenizer import SpecUsage, TokenLogprob
+from braid.runtime.ipc.to_detokenizer import SpecUsage
 from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.launch import spawn_runtime
 from braid.runtime.models.config import BASE_MODEL_ARCHS
@@ -44,9 +44,9 @@ from braid.runtime.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
-    Logprob,
     RequestOutput,
     SampleOutputs,
+    logprob_dict,
     spec_meta_info,
 )
 from braid.runtime.pooling import PoolingConfig, PoolingParams, floats, prompt_keep
@@ -133,16 +133,6 @@ class _Request:
             sum(s.accepted_drafts for s in spec),
         )
         return spec_meta_info(total)
-
-
-def logprob_dict(lp: TokenLogprob, texts: dict[int, str] | None) -> dict[int, Logprob]:
-    """vLLM's per-position dict: the chosen token and the top alternatives."""
-    texts = texts or {}
-    d = {lp.token_id: Logprob(lp.logprob, lp.rank, texts.get(lp.token_id))}
-    for rank, (tid, val) in enumerate(lp.top, start=1):
-        if tid not in d:
-            d[tid] = Logprob(val, rank, texts.get(tid))
-    return d
 
 
 class LLM:

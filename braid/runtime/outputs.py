@@ -68,6 +68,16 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+def logprob_dict(lp: TokenLogprob, texts: dict[int, str] | None) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the chosen token and the top alternatives."""
+    texts = texts or {}
+    d = {lp.token_id: Logprob(lp.logprob, lp.rank, texts.get(lp.token_id))}
+    for rank, (tid, val) in enumerate(lp.top, start=1):
+        if tid not in d:
+            d[tid] = Logprob(val, rank, texts.get(tid))
+    return d
+
+
 @dataclass
 class CompletionOutput:
     """One sample. `finish_reason` is "stop", "length" or "abort"; `stop_reason` is the stop

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from braid.runtime.beam_search import BeamSearch, BeamSearchParams
 from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_tokenizer import StrOut
-from braid.runtime.outputs import Logprob, PositionLogprobs
+from braid.runtime.outputs import PositionLogprobs, logprob_dict
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import (
@@ -186,7 +186,4 @@ async def _candidates(state: ServerState, stream: AsyncIterator[StrOut]) -> Posi
         scored += out.logprobs or []
     if not scored:
         return None
-    first = scored[0]
-    position = {t: Logprob(v) for t, v in first.top}
-    position.setdefault(first.token_id, Logprob(first.logprob))
-    return position
+    return logprob_dict(scored[0], None)
