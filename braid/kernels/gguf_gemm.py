@@ -5,19 +5,31 @@ offset[g, n], g = k // G (G = 32, or 16 for Q6_K), codes 4-bit packed eight a wo
 one a byte. The planes are the blocks' own values, exact (float16 where that is exact, else
 float32), so the product is the dequantized model's up to the order of float32 sums.
 
-Each program owns BLOCK_N outputs for BLOCK_M rows and walks K; every weight byte is read
-once per row block. Codes become floats through the bits of 1.5 * 2**23 (as in
-`quant_gemm.py`: no int-to-float conversion).
+Three paths by rows, each summing in float32 and rounding once to x's dtype:
 
-- one row (a batch-1 decode step): each weight is rebuilt in float32 (c * s + o, exact) and
-  multiplied into a [BLOCK_N, BLOCK_K] tile, reduced once at the end;
-- more rows: per group, `tl.dot` of x with the exact integer codes in x's dtype, then
-  `acc += dot * scale + rowsum(x) * offset` (the offset term needs the group's sum of x).
+- **one row** (a batch-1 decode step; `_gguf_gemv_kernel`): each program owns BLOCK_N outputs
+  and one split of K (SPLIT_K programs along K, reduced by `gemv_split._finish`: one launch,
+  the same bits whatever order the programs ran in), walking it in tiles of BW words of codes
+  per output (eight 4-bit codes a word, or four 8-bit ones: the 8-bit codes are read as
+  words too). Code j of every word of the tile is one plane: inputs 8 w + j (or 4 w + j), so
+  each plane multiplies a strided slice of x, and no tile is reshaped. A code becomes a float
+  by OR'ing its bits into the mantissa of a float of fixed exponent and subtracting that float
+  (one LOP3 and one FADD, exact); one FFMA multiplies it in. Each word's sum is scaled once
+  (the group's scale, a gather of the [K / G, N] plane) and the offset term is the group's
+  offset times the word's sum of x. Launch shapes are autotuned per (N, K, G, code width)
+  over `GEMV_SHAPES` on CUDA; the splits' scratch is `quant_gemv.GemvWorkspace`'s.
+- **more rows** (`_gguf_kernel`): each program owns BLOCK_M rows and BLOCK_N outputs and walks
+  K one group at a time: `tl.dot` of x with the group's exact integer codes in x's dtype,
+  then `acc += dot * scale + rowsum(x) * offset` (the offset term needs the group's sum of x);
+  every weight byte is read once per row block. Codes become floats through the bits of
+  1.5 * 2**23 (as in `quant_gemm.py`). Autotuned per (N, K, G, code width, row class).
 
-Both sum in float32 and round once to x's dtype after the bias. Autotuned per (N, K, G,
-code width, row class) on CUDA, cached on disk; under TRITON_INTERPRET=1 one small fixed
-configuration runs instead. Not yet tuned on hardware: the H200 run of
-`benchmarks/quantization.py --gguf-gpu` is the place to prune the configurations.
+- **many rows** (from `quant_planar.DEQUANTIZE_MIN_ROWS`, as the int4 layers do): compute-bound,
+  so one pass writes the weight out in x's dtype (`dequantize_gguf`: each weight exact in
+  float32, rounded once to bfloat16 or float16) and cuBLAS multiplies.
+
+Under TRITON_INTERPRET=1 one small fixed configuration of each runs instead (the one-row one
+split in two, so the CPU tests cover the split-K reduction).
 """
 
 from __future__ import annotations
@@ -33,10 +45,13 @@ from braid.kernels._checks import (
     check_tensor,
     dot_precision,
 )
+from braid.kernels.gemv_split import _finish
 from braid.kernels.gguf_reference import KernelPlanes, gguf_linear_reference
-from braid.kernels.quant_gemm import _bench, _check_common, _row_class
+from braid.kernels.quant_gemm import MAGIC_BITS, _bench, _check_common, _row_class
+from braid.kernels.quant_gemv import GemvWorkspace
+from braid.kernels.quant_planar import DEQUANTIZE_MIN_ROWS
 
-__all__ = ["gguf_linear", "gguf_linear_reference"]
+__all__ = ["dequantize_gguf", "gguf_linear", "gguf_linear_reference"]
 
 
 @triton.jit
@@ -79,92 +94,209 @@ def _gguf_kernel(
     ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if ROWS == 1:
-        GROUPS: tl.constexpr = BLOCK_K // G
-        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, BLOCK_K)
-            offs_g = k0 // G + tl.arange(0, GROUPS)
-            gmask = mask_n[:, None] & (offs_g < K // G)[None, :]
-            sp = offs_g[None, :] * N + offs_n[:, None]
-            s = tl.load(Scale + sp, mask=gmask, other=0.0).to(tl.float32)
-            w = tl.reshape(c, (BLOCK_N, GROUPS, G)) * s[:, :, None]
-            if HAS_OFFSET:
-                o = tl.load(Offset + sp, mask=gmask, other=0.0).to(tl.float32)
-                w += o[:, :, None]
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            part += tl.reshape(w, (BLOCK_N, BLOCK_K)) * x[None, :]
-        acc = tl.sum(part, axis=1)[None, :]
-        offs_m = tl.arange(0, 1)
-        mask_m = offs_m < 1
-    else:
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        x_rows = X + offs_m[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, G):
-            c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, G)
-            x = tl.load(x_rows + (k0 + tl.arange(0, G))[None, :], mask=mask_m[:, None], other=0.0)
-            part = tl.dot(x, tl.trans(c.to(x.dtype)), input_precision=DOT_PREC)
-            g = k0 // G
-            s = tl.load(Scale + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            acc += part * s[None, :]
-            if HAS_OFFSET:
-                o = tl.load(Offset + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    x_rows = X + offs_m[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, G):
+        c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, G)
+        x = tl.load(x_rows + (k0 + tl.arange(0, G))[None, :], mask=mask_m[:, None], other=0.0)
+        part = tl.dot(x, tl.trans(c.to(x.dtype)), input_precision=DOT_PREC)
+        g = k0 // G
+        s = tl.load(Scale + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += part * s[None, :]
+        if HAS_OFFSET:
+            o = tl.load(Offset + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = Out + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per row class; BLOCK_K is the group
-# size on the tl.dot path (the 0 here), a multiple of it on the one-row path.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per row class of the several-row kernel.
 SHAPES = {
-    1: [
-        (1, 16, 128, 4, 3),
-        (1, 32, 128, 4, 3),
-        (1, 16, 256, 4, 3),
-        (1, 32, 256, 8, 3),
-        (1, 64, 128, 4, 3),
-    ],
-    16: [(16, 32, 0, 4, 3), (16, 64, 0, 4, 3), (16, 128, 0, 4, 4)],
-    64: [(32, 64, 0, 4, 3), (64, 64, 0, 4, 3), (64, 128, 0, 8, 3)],
-    128: [(64, 64, 0, 4, 3), (128, 64, 0, 8, 3), (64, 128, 0, 8, 3), (128, 128, 0, 8, 3)],
+    16: [(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 4)],
+    64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 3)],
 }
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages
-    )
+def _config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The configurations of the call's row class, with BLOCK_K set for its group size."""
-    rows, group = kwargs["ROWS"], kwargs["G"]
-    keep = []
-    for m, bn, bk, warps, stages in SHAPES[rows]:
-        keep.append(_config(m, bn, bk if rows == 1 else group, warps, stages))
-    return keep
+    """The configurations of the call's row class."""
+    return [_config(*c) for c in SHAPES[kwargs["ROWS"]]]
+
+
+@triton.jit
+def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, magic):
+    """Code J of each int32 word (BITS 4: nibble J of eight; 8: byte J of four, signed or not)
+    as float32, exactly. Codes in the lower half word are read from `words`, the others from
+    `hi` (the word shifted down 16 bits), each left in place at bit SH < 16: OR'ed into the
+    mantissa of 1.5 * 2**(23 - SH) (`magic`, the bits of 1.5 * 2**23, with SH off its
+    exponent) the code adds to that float, which is then subtracted. A signed byte has its top
+    bit flipped first (b + 128) and 128 more subtracted."""
+    HALF: tl.constexpr = 16 // BITS
+    SH: tl.constexpr = BITS * (J % HALF)
+    MASK: tl.constexpr = ((1 << BITS) - 1) << SH
+    if J < HALF:
+        src = words
+    else:
+        src = hi
+    if SIGNED:
+        src = src ^ (0x80 << SH)
+    bits = (src & MASK) | (magic - (SH << 23))
+    base = 12582912.0 / (2.0**SH)
+    if SIGNED:
+        base = base + 128.0
+    return bits.to(tl.float32, bitcast=True) - base
+
+
+@triton.jit
+def _gguf_gemv_kernel(
+    X,
+    Q,
+    Scale,
+    Offset,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    N,
+    KW,
+    magic,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BW: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS  # codes a word
+    WPG: tl.constexpr = G // PER  # words a group
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    wi = tl.arange(0, BW)
+    q_rows = Q + rows.to(tl.int64)[:, None] * KW + wi[None, :]
+    split_words = tl.cdiv(tl.cdiv(KW, SPLIT_K), BW) * BW
+    first = split * split_words
+    end = tl.minimum(first + split_words, KW)
+    acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+    for w0 in tl.range(first, end, BW, num_stages=STAGES):
+        ws = w0 + wi
+        wmask = rmask[:, None] & (ws < end)[None, :]
+        words = tl.load(q_rows + w0, mask=wmask, other=0)
+        hi = words >> 16
+        part = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        xsum = tl.zeros([BW], dtype=tl.float32)
+        for j in tl.static_range(PER):
+            x = tl.load(X + ws * PER + j, mask=ws < end, other=0.0).to(tl.float32)
+            part += _word_plane(words, hi, j, BITS, SIGNED, magic) * x[None, :]
+            if HAS_OFFSET:
+                xsum += x
+        sp = (ws // WPG)[None, :] * N + rows[:, None]
+        acc += part * tl.load(Scale + sp, mask=wmask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            acc += tl.load(Offset + sp, mask=wmask, other=0.0).to(tl.float32) * xsum[None, :]
+    _finish(
+        tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
+        SPLIT_K, HAS_BIAS, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dequantize_kernel(
+    Q, Scale, Offset, Out, N, K, G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, BLOCK_K)
+    GROUPS: tl.constexpr = BLOCK_K // G
+    offs_g = k0 // G + tl.arange(0, GROUPS)
+    gmask = mask_n[:, None] & (offs_g < K // G)[None, :]
+    sp = offs_g[None, :] * N + offs_n[:, None]
+    w = (
+        tl.reshape(c, (BLOCK_N, GROUPS, G))
+        * tl.load(Scale + sp, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+    )
+    if HAS_OFFSET:
+        w += tl.load(Offset + sp, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    out = Out + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    tl.store(out, tl.reshape(w, (BLOCK_N, BLOCK_K)).to(Out.dtype.element_ty), mask=mask)
+
+
+def dequantize_gguf(planes: KernelPlanes, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight `planes` hold as [N, k] in `dtype`: code * scale + offset, exact in float32,
+    rounded once to `dtype` (a rounding of each weight for bfloat16 and float16)."""
+    n = planes.codes.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=planes.codes.device)
+    block_n, block_k = 32, 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](
+        planes.codes, planes.scale, planes.offset if planes.offset is not None else planes.scale,
+        out, n, k, G=planes.group_size, BITS=planes.bits, HAS_OFFSET=planes.offset is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+# One-row launch shapes: (BLOCK_N, words per row a tile, SPLIT_K, num_warps, num_stages).
+# Starting points the first GPU run measures (benchmarks/gguf_gpu.py prints the pick per
+# shape): tiles of 8-32 KB of codes, K split until the small layers fill the GPU.
+GEMV_SHAPES = [
+    (64, 16, 1, 4, 3),
+    (64, 16, 4, 4, 3),
+    (128, 16, 2, 4, 3),
+    (128, 16, 4, 4, 2),
+    (128, 32, 4, 8, 2),
+    (64, 32, 8, 4, 2),
+    (256, 16, 8, 8, 2),
+    (32, 32, 4, 4, 3),
+]
+INTERPRET_GEMV = {"BLOCK_N": 16, "BW": 4, "SPLIT_K": 2, "STAGES": 1}
+# The scratch every launch shape fits: partials of the largest split, a counter for each row
+# block of the smallest.
+MAX_SPLIT = max(max(c[2] for c in GEMV_SHAPES), INTERPRET_GEMV["SPLIT_K"])
+MIN_BLOCK_N = min(min(c[0] for c in GEMV_SHAPES), INTERPRET_GEMV["BLOCK_N"])
+
+
+def _gemv_config(bn: int, bw: int, split: int, warps: int, stages: int) -> triton.Config:
+    meta = {"BLOCK_N": bn, "BW": bw, "SPLIT_K": split, "STAGES": stages}
+    return triton.Config(meta, num_warps=warps, num_stages=1)
 
 
 if triton.knobs.runtime.interpret:
-    _kernel = _gguf_kernel
+    _kernel, _gemv = _gguf_kernel, _gguf_gemv_kernel
 else:
     _kernel = triton.autotune(
-        [_config(*s) for s in SHAPES[1]],
+        [_config(*c) for c in SHAPES[16]],
         key=["N", "K", "G", "BITS", "ROWS"],
         prune_configs_by={"early_config_prune": _prune},
         do_bench=_bench,
         cache_results=True,
     )(_gguf_kernel)
+    _gemv = triton.autotune(
+        [_gemv_config(*c) for c in GEMV_SHAPES],
+        key=["N", "KW", "G", "BITS"],
+        do_bench=_bench,
+        cache_results=True,
+    )(_gguf_gemv_kernel)
 
 
 def gguf_linear(
@@ -175,7 +307,8 @@ def gguf_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ W.T + bias` for the GGUF weight `planes` hold (`KernelPlanes`), summed in float32
-    and rounded once to x's dtype after the bias.
+    and rounded once to x's dtype after the bias; from `DEQUANTIZE_MIN_ROWS` rows the weight
+    is first rounded to x's dtype (exact for float32) and cuBLAS multiplies.
 
     `x`: [M, K] float, M >= 1, unit stride in K; `planes.codes`: contiguous int32 [N, K / 8]
     (bits 4) or int8 / uint8 [N, K] (bits 8); `planes.scale` (and `planes.offset`, or None):
@@ -214,21 +347,38 @@ def gguf_linear(
         check_shape(name, t, (k // g, n))
         check_contiguous(name, t)
     m, out = _check_common(x, n, bias, out)
+    offset = planes.offset if planes.offset is not None else planes.scale
+    bias_arg = bias if bias is not None else planes.scale
+    if m == 1:
+        # The splits' scratch, room for any launch shape the autotuner may pick; its counters
+        # return to zero after every launch.
+        partials, counters = GemvWorkspace.for_device(x.device).take(
+            MAX_SPLIT * n, triton.cdiv(n, MIN_BLOCK_N)
+        )
+        words = codes.view(torch.int32) if bits == 8 else codes
+        fixed = INTERPRET_GEMV if triton.knobs.runtime.interpret else {}
+        grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        _gemv[grid1](
+            x, words, planes.scale, offset, bias_arg, out, partials, counters, n,
+            words.shape[1], MAGIC_BITS, G=g, BITS=bits, SIGNED=codes.dtype == torch.int8,
+            HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, **fixed,
+        )  # fmt: skip
+        return out
+    if m >= DEQUANTIZE_MIN_ROWS:
+        # Compute-bound: a pass over the weight into x's dtype, then cuBLAS.
+        weight = dequantize_gguf(planes, k, x.dtype)
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
     rows = _row_class(m)
-    fixed = {}
-    if triton.knobs.runtime.interpret:
-        fixed = {
-            "BLOCK_M": 1 if rows == 1 else 16,
-            "BLOCK_N": 16,
-            "BLOCK_K": 64 if rows == 1 else g,
-        }
+    fixed = {"BLOCK_M": 16, "BLOCK_N": 16} if triton.knobs.runtime.interpret else {}
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
     _kernel[grid](
         x,
         codes,
         planes.scale,
-        planes.offset if planes.offset is not None else planes.scale,
-        bias if bias is not None else planes.scale,
+        offset,
+        bias_arg,
         out,
         m,
         n,

@@ -43,9 +43,15 @@ def test_gguf_cpu_tiny_run_writes_every_engine(tmp_path):
 
 def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
     r = _run(["benchmarks/gguf_gpu.py", "--tiny"], tmp_path / "g.json", TRITON_INTERPRET="1")
-    rows = r["kernels"]
+    rows = [row for row in r["kernels"] if row["layer"] != "layer"]
     assert {row["type"] for row in rows} == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
+    assert {row["rows"] for row in rows} == {1, 16, 512}
     assert all(row["max_abs_err_vs_reference"] < 1e-2 for row in rows)
+    # Each type's "layer" row sums its shapes' times, per row count.
+    for qtype in ("Q4_K", "Q6_K"):
+        layer = next(x for x in r["kernels"] if x["type"] == qtype and x["layer"] == "layer")
+        shapes = [x for x in rows if x["type"] == qtype and x["rows"] == layer["rows"]]
+        assert layer["us"] == pytest.approx(sum(x["us"] for x in shapes), rel=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """GGUF blocks: each type's decoder bit for bit against gguf-py's dequantizers (the layouts),
 the kernel planes exact, and `gguf_linear` against its dequantize-then-matmul reference (one
-row: the multiply-add form; several and many rows: tl.dot per group; ragged N and K past the
-tile; bias; float16 planes and float32 ones); argument checks. On a GPU: Llama-3.1-8B shapes
-in bfloat16 for every type and row class, and CUDA-graph capture."""
+row: the split-K GEMV; several rows: tl.dot per group; many rows: the weight written out
+(`dequantize_gguf`, exact in float32) then a matmul; ragged N and K past the tile; bias;
+float16 planes and float32 ones); argument checks. On a GPU: Llama-3.1-8B shapes in bfloat16
+for every type and row class, and CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from braid.kernels import gguf_linear
+from braid.kernels.gguf_gemm import dequantize_gguf
 from braid.kernels.gguf_reference import (
     BLOCK_LAYOUTS,
     decode,
@@ -20,6 +22,7 @@ from braid.kernels.gguf_reference import (
     kernel_planes,
     random_blocks,
 )
+from braid.kernels.quant_planar import DEQUANTIZE_MIN_ROWS
 from tests.kernels.conftest import CPU_DTYPES
 
 TYPES = list(BLOCK_LAYOUTS)
@@ -58,7 +61,7 @@ def _close(got, want):
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("m", [1, 3, 20, DEQUANTIZE_MIN_ROWS])
 def test_gguf_linear_matches_reference(device, qtype, dtype, m):
     # N = 40: a ragged last tile; K = 96 (or 512): not a whole number of 64-wide tiles.
     k = 512 if qtype.endswith("_K") else 96
@@ -72,6 +75,19 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m):
     bias = torch.randn(40, generator=g).to(device=device, dtype=dtype)
     _close(gguf_linear(x, planes, bias), gguf_linear_reference(x, planes, bias))
     _close(gguf_linear(x, planes), gguf_linear_reference(x, planes))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_gguf_writes_the_exact_weights(device, qtype):
+    # N = 40 and K = 96 (512 for the K-quants): ragged tiles both ways.
+    k = 512 if qtype.endswith("_K") else 96
+    planes = kernel_planes(decode(_raw(qtype, 40, k), qtype), qtype)
+    want = dequantize_kernel_planes(planes)
+    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
+    if planes.offset is not None:
+        planes.offset = planes.offset.to(device)
+    assert torch.equal(dequantize_gguf(planes, k, torch.float32).cpu(), want)
+    assert torch.equal(dequantize_gguf(planes, k, torch.float16).cpu(), want.half())
 
 
 def test_gguf_linear_checks_its_arguments(device):
