@@ -138,7 +138,8 @@ class EngineConfig:
         "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival "
         "order; program: the program that has received the least service first, with aging "
         "(braid programs and sessions; see docs/architecture.md); program-srpt: the program "
-        "predicted to ask for the least work yet first, with aging",
+        "predicted to ask for the least work yet first, with aging; priority: each request's "
+        "priority, lower first (vLLM's), which also picks what is retracted when KV runs short",
         choices=_schedule_policies,
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")

@@ -35,6 +35,7 @@ from braid.runtime.multimodal.frontend import MediaFrontend
 from braid.runtime.offline_prompts import (
     Prompt,
     PromptInput,
+    priorities,
     progress,
     prompt_list,
     read_prompt,
@@ -96,6 +97,7 @@ class _Request:
     cache_salt: str | None = None
     images: list[ImageInput] = field(default_factory=list)
     samples: list[_Sample] = field(default_factory=list)
+    priority: int = 0
 
     @property
     def finished(self) -> bool:
@@ -231,13 +233,15 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids", and for a vision-language model "multi_modal_data": {"image": one
         image or a list}, each a path, URL, bytes or PIL image, with one placeholder per image
-        in the prompt: `llm.media.placeholder`); outputs come back in input order."""
+        in the prompt: `llm.media.placeholder`); outputs come back in input order.
+        `priority`: one per prompt, lower first (`schedule_policy="priority"` only)."""
         items = self._read_prompts(prompts)
-        return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm)
+        return self._run(items, self._params_for(sampling_params, len(items)), use_tqdm, priority)
 
     def chat(
         self,
@@ -486,8 +490,13 @@ class LLM:
         )
 
     def _run(
-        self, items: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+        self,
+        items: list[Prompt],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        ranks = priorities(priority, len(items), self.config.schedule_policy)
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         if self.model_config.architecture in BASE_MODEL_ARCHS:
@@ -507,8 +516,8 @@ class LLM:
                 self.media.check_no_placeholders(item.ids, f"prompt {i}")
                 self.tm.validate(item.ids, p, where=f"prompt {i}")
         requests = [
-            _Request(f"req-{next(self._ids)}", item.text, item.ids, p, item.cache_salt)
-            for item, p in zip(items, params)
+            _Request(f"req-{next(self._ids)}", item.text, item.ids, p, item.cache_salt, priority=r)
+            for item, p, r in zip(items, params, ranks)
         ]
         sources = [item.sources for item in items]
         return self._call(self._run_async(requests, sources, use_tqdm))
@@ -569,8 +578,9 @@ class LLM:
 
     def _submit(self, req: _Request) -> list[str]:
         rids = self.tm.submit(
-            req.request_id, req.prompt_ids, req.params, images=req.images, cache_salt=req.cache_salt
-        )
+            req.request_id, req.prompt_ids, req.params, images=req.images,
+            cache_salt=req.cache_salt, priority=req.priority,
+        )  # fmt: skip
         req.samples = [_Sample(k, rid) for k, rid in enumerate(rids)]
         return rids
 

@@ -144,3 +144,15 @@ def progress(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
     made by `use_tqdm` itself when it is a callable (a tqdm class or factory)."""
     make = use_tqdm if callable(use_tqdm) else tqdm
     return make(total=total, desc=desc, unit="req", disable=not use_tqdm)
+
+
+def priorities(priority: Any, n: int, schedule_policy: str) -> list[int]:
+    """`LLM.generate`'s `priority` (vLLM's: one int per prompt, or None: all 0) as a list;
+    `ValueError` naming it when it is not that (`check_priority`)."""
+    from braid.runtime.scheduler.policies import check_priority
+
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, (list, tuple)) or len(priority) != n:
+        raise ParamError.at("priority", f"must be a list of {n} integers (one per prompt)")
+    return [check_priority(v, schedule_policy, f"priority[{i}]") for i, v in enumerate(priority)]

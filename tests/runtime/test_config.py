@@ -225,7 +225,8 @@ def test_every_setting_declares_a_doc(f):
 def test_a_value_outside_a_fields_choices_names_the_field_and_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"schedule_policy must be one of \['fcfs', 'lpm', 'program', 'program-srpt'\]",
+        match=r"schedule_policy must be one of "
+        r"\['fcfs', 'lpm', 'priority', 'program', 'program-srpt'\]",
     ):
         EngineConfig(schedule_policy="random")
     with pytest.raises(ValueError, match="attention_backend must be None or one of"):

@@ -72,7 +72,7 @@ def test_listing_names_imports_no_factory_module():
         assert backend_names() == ["flashinfer", "torch_native", "triton"]
         assert grammar_backend_names() == ["llguidance", "outlines", "xgrammar"]
         assert PARSER_NAMES == ("hermes", "llama3", "mistral", "pythonic")
-        assert policy_names() == ["fcfs", "lpm", "program", "program-srpt"]
+        assert policy_names() == ["fcfs", "lpm", "priority", "program", "program-srpt"]
         assert supported_architectures() == [
             "LlamaForCausalLM", "LlamaModel", "LlavaForConditionalGeneration",
             "LlavaNextForConditionalGeneration", "MistralForCausalLM", "MistralModel",
@@ -90,6 +90,7 @@ def test_listing_names_imports_no_factory_module():
             "braid.runtime.models.llava", "braid.runtime.models.qwen3_vl", "triton",
             "braid.runtime.scheduler.policy", "braid.runtime.scheduler.policies.lpm",
             "braid.runtime.scheduler.policies.program_srpt",
+            "braid.runtime.scheduler.policies.priority",
         ]
         assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
         from braid.runtime.function_call import get_parser

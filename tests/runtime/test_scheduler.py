@@ -154,3 +154,100 @@ def test_a_working_scheduler_logs_its_throughput(tiny_model_dirs, caplog):
         lines[0],
     ), lines
     assert len(lines) >= 3 and lines[-1].startswith("0 running")
+
+
+def _finish_order(s) -> list[str]:
+    finished = []
+    while s.has_work:
+        finished += [out.rid for out in s.step() if out.finish_reason]
+        s.check_invariants()
+    return finished
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_the_priority_policy_admits_lower_values_first(tiny_model_dirs, policy):
+    """One request runs at a time: under `priority` they finish by value, arrival order among
+    equals (vLLM's order); fcfs, the control, takes them in arrival order."""
+    s = local_scheduler(
+        tiny_model_dirs["qwen3"], kv_tokens=512, max_running_requests=1, schedule_policy=policy
+    )
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    ranks = {"a": 5, "b": 0, "c": 5, "d": -1, "e": 0}
+    for rid, rank in ranks.items():
+        s.handle(GenerateReq(rid, [3, 4, 5], sp, 0, priority=rank if policy == "priority" else 0))
+    want = ["d", "b", "e", "a", "c"] if policy == "priority" else list(ranks)
+    assert _finish_order(s) == want
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_the_priority_policy_retracts_the_highest_value(tiny_model_dirs, policy):
+    """KV runs short while three requests decode, the one of the highest value admitted first
+    (it came first): under `priority` a retraction takes it, not the newest; fcfs, the
+    control, takes the newest. Every request still gets its tokens."""
+    s = local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=64, schedule_policy=policy)
+    ranks = {"a": 5, "b": 0, "c": 1}
+    sp = SamplingParams(max_tokens=30, **GREEDY)
+    for i, (rid, rank) in enumerate(ranks.items()):
+        s.handle(GenerateReq(rid, [i + 1] * 8, sp, i, priority=rank * (policy == "priority")))
+        s.step()  # admitted in arrival order
+    picks = []
+    choose = s.decode.victim
+
+    def spy(running):
+        i = choose(running)
+        picks.append(([r.rid for r in running], running[i].rid))
+        return i
+
+    s.decode.victim = spy
+    assert sorted(_finish_order(s)) == sorted(ranks)
+    assert picks, "nothing was retracted: the pool no longer runs short"
+    assert picks[0] == (["a", "b"], "a" if policy == "priority" else "b")
+    for running, picked in picks:
+        want = max(running, key=lambda r: (ranks[r], running.index(r)))
+        assert picked == (want if policy == "priority" else running[-1]), (running, picked)
+
+
+def test_a_priority_under_another_policy_is_refused(tiny_model_dirs, smollm2):
+    from braid.runtime.errors import ParamError
+
+    s = local_scheduler(tiny_model_dirs["qwen3"], kv_tokens=512)
+    with pytest.raises(ParamError, match="priority: needs the priority schedule policy"):
+        s.handle(GenerateReq("a", [3, 4], SamplingParams(max_tokens=2), 0, priority=1))
+    assert not s.has_work
+    # The offline API checks it before sending anything, and its form.
+    for priority, field in [
+        ([1], "priority[0]"),  # this engine runs lpm
+        (1, "priority"),
+        ([0, 0], "priority"),
+        (["1"], "priority[0]"),
+        ([True], "priority[0]"),
+        ([2**63], "priority[0]"),
+    ]:
+        with pytest.raises(ParamError) as e:
+            smollm2.generate(
+                ["hi"], SamplingParams(max_tokens=1), use_tqdm=False, priority=priority
+            )
+        assert e.value.param == field, (priority, e.value)
+    out = smollm2.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
+    assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_llm_generate_sends_each_prompts_priority(tiny_model_dirs):
+    """Through the engine's processes: one request runs at a time, so the first to run finds
+    nothing of the shared prefix cached and the others find it; priorities [2, 0, 1] run the
+    second prompt first (without them the first would be)."""
+    shared = [5] * 16
+    prompts = [shared + [i + 1] * 3 for i in range(3)]
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    with braid.LLM(
+        tiny_model_dirs["llama"],
+        kv_tokens=512,
+        max_running_requests=1,
+        schedule_policy="priority",
+        show_progress=False,
+    ) as llm:
+        out = llm.generate(prompts, sp, use_tqdm=False, priority=[2, 0, 1])
+        assert [o.num_cached_tokens for o in out] == [16, 0, 16]
+        assert llm.flush_cache()
+        out = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.num_cached_tokens for o in out] == [0, 16, 16]

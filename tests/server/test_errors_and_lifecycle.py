@@ -120,6 +120,11 @@ BAD = [
     (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (C, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
     (G, {"text": "x", "cache_salt": 5}, 400, "cache_salt"),
+    # A priority needs --schedule-policy priority (this server runs lpm).
+    (C, {"prompt": "x", "priority": 1}, 400, "priority: needs the priority schedule policy"),
+    (CH, {"messages": MSG, "priority": -2}, 400, "priority: needs the priority schedule"),
+    (G, {"text": "x", "priority": 3}, 400, "priority: needs the priority schedule policy"),
+    (C, {"prompt": "x", "priority": "high"}, 400, "priority"),
     (C, {"prompt": "x", "allowed_token_ids": [10**8]}, 400, "outside the vocabulary"),
     (C, {"prompt": "x", "bad_words": [""]}, 400, "bad_words"),
     (C, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),

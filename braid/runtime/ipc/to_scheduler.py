@@ -78,6 +78,8 @@ class GenerateReq:
     one defers the grammar to `grammar_after`.
     `cache_salt`: the prefix cache keys this prompt with the salt (vLLM's field), so only
     requests with the same salt share its KV (tenants cannot time each other's prompts).
+    `priority`: under the `priority` schedule policy, requests of a lower value are admitted
+    first and retracted last (vLLM's field); any other policy refuses a value other than 0.
     """
 
     rid: str
@@ -93,6 +95,7 @@ class GenerateReq:
     embed: EmbedSpec | None = None
     program_position: int | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass

@@ -6,13 +6,15 @@ remaining tokens, at most RESERVE_CLIP of them. The ratio decays while decoding 
 jumps back up after a retraction. When a decode step cannot get the pages it needs anyway,
 session pins are released (the soonest to expire first), then a prompt between chunks is
 retracted, then the newest running requests (their KV goes to the
-prefix cache; they wait again at the head of the queue with their output kept).
+prefix cache; they wait again at the head of the queue with their output kept), or those
+the schedule policy names (`SchedulePolicy.retract_victim`: under `priority`, the lowest).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,12 +41,15 @@ class DecodePlanner:
         stats: SchedulerStats,
         device: torch.device,
         drafter: Drafter | None = None,
+        victim: Callable[[list[Req]], int] | None = None,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
         self.stats = stats
         self.device = device
         self.drafter = drafter  # speculative decoding: drafts to verify with each step
+        # Which running request a step short of pages retracts (the policy's; else the newest).
+        self.victim = victim or (lambda running: len(running) - 1)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._held, self._logged_at = (0, 0), -RETRACTION_LOG_S  # retractions not logged yet
 
@@ -68,7 +73,7 @@ class DecodePlanner:
                 continue
             if len(running) == 1:
                 return None, running[0]
-            retracted.append(running.pop())
+            retracted.append(running.pop(self.victim(running)))
             self.retract(retracted[-1])
         if retracted:
             self._log_retractions(retracted)

@@ -32,7 +32,9 @@ class SchedulePolicy:
     step waits a step (`shares_uncached_prefix`). `by_program`: a program call's requests (a
     fork's branches, a select's choices) are admitted together (`gangs_of`).
     `remembers_sequences`: the program table keeps programs' sequences, so a program's service
-    counts only tokens it had not had computed before.
+    counts only tokens it had not had computed before. `takes_priorities`: requests may carry
+    a `priority` (any other policy refuses one other than 0); `retract_victim` picks what a
+    decode step short of pages retracts.
     """
 
     name = ""
@@ -40,6 +42,12 @@ class SchedulePolicy:
     defers_sharers = True
     by_program = False
     remembers_sequences = False
+    takes_priorities = False  # requests may carry a `priority` other than 0
+
+    def retract_victim(self, running: list[Req]) -> int:
+        """The index in `running` (in admission order) of the request to retract when decoding
+        runs out of pages: the newest."""
+        return len(running) - 1
 
     def for_queue(self, num_waiting: int) -> SchedulePolicy:
         """The policy to apply to a queue of `num_waiting` requests (lpm gives way to fcfs

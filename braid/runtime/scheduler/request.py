@@ -110,6 +110,7 @@ class Req:
     embed: EmbedSpec | None = None
     pooled: Pooled | None = None
     cache_salt: str | None = None  # the prefix cache's key of its first token is salted
+    priority: int = 0  # under the `priority` policy: lower values go first, leave last
 
     def __post_init__(self) -> None:
         assert self.input_ids, "a request needs at least one prompt token"
@@ -234,6 +235,7 @@ class Req:
             rope_delta=rope_delta,
             embed=msg.embed,
             cache_salt=msg.cache_salt,
+            priority=msg.priority,
         )
 
     @property

@@ -105,6 +105,7 @@ class Scheduler:
         # policy that orders by service keeps programs' sequences to tell tokens computed
         # again from new ones.
         policy = create_policy(config.schedule_policy)
+        self.schedule_policy, self.takes_priorities = policy.name, policy.takes_priorities
         self.programs = ProgramTable(
             config.session_ttl_s,
             config.session_ttl_s,
@@ -145,7 +146,9 @@ class Scheduler:
                 self.context_length,
                 self.vocab_size,
             )
-        self.decode = DecodePlanner(self.requests, self.kv, self.stats, self.device, drafter)
+        self.decode = DecodePlanner(
+            self.requests, self.kv, self.stats, self.device, drafter, policy.retract_victim
+        )
         max_prefill = config.effective_max_prefill_tokens
         chunk = config.effective_chunked_prefill_size
         self.prefill = PrefillPlanner(
@@ -203,6 +206,12 @@ class Scheduler:
         raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
 
     def _add(self, msg: GenerateReq) -> None:
+        if msg.priority != 0 and not self.takes_priorities:
+            raise ParamError.at(
+                "priority",
+                f"needs the priority schedule policy (--schedule-policy priority); this "
+                f"engine runs {self.schedule_policy!r}",
+            )
         if msg.embed is not None and self.embed_refusal is not None:
             raise ParamError("input", self.embed_refusal)
         if msg.embed is None and self.generate_refusal is not None:

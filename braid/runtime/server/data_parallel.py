@@ -155,7 +155,7 @@ class DataParallelServer:
         logger.warning(
             "braid serve: the router forwards chat and /generate bodies without the fields it "
             "does not know (cache_salt, bad_words, allowed_token_ids, truncate_prompt_tokens, "
-            "documents); /v1/completions keeps them (docs/parallelism.md)"
+            "documents; chat's priority); /v1/completions keeps them (docs/parallelism.md)"
         )
 
     def _wait_ready(self, child: _Child, path: str) -> None:

@@ -22,6 +22,7 @@ from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import SampleOutputs
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import ChatCompletionChunk, CompletionChunk, Usage
 from braid.runtime.server.state import ServerState
@@ -41,12 +42,15 @@ def submit_all(
     program_id: str | None = None,
     cache_salt: str | None = None,
     group: str | None = None,
+    priority: int = 0,
 ) -> list[AsyncIterator[StrOut]]:
     """Submit `params.n` samples of every (rid, prompt) (`params[i]` for prompt i when a list),
     with `images[i]` the processed images of prompt i and `grammar_waits[i]` what its
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
     an error) none, in one message to the scheduler. `group`: the id the client holds for them
-    all (`/abort_request` takes it)."""
+    all (`/abort_request` takes it). `priority`: under the priority schedule policy, lower
+    first (a 400 under another policy, unless 0)."""
+    check_priority(priority, state.tm.config.schedule_policy)
     with state.tm.together() as rids:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(
@@ -61,6 +65,7 @@ def submit_all(
                 program_id=program_id,
                 cache_salt=cache_salt,
                 group=group,
+                priority=priority,
             )
     return [state.tm.stream(r) for r in rids]
 

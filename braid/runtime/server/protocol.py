@@ -244,6 +244,8 @@ class _SamplingFields(_Body):
     user: Text | None = None
     # vLLM's: only requests with the same salt share this prompt's cached KV.
     cache_salt: Name | None = None
+    # vLLM's: under --schedule-policy priority, lower values are admitted first.
+    priority: Int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     # braid / vLLM / SGLang extras (the openai client sends them via extra_body)

@@ -76,6 +76,8 @@ class GenerateRequest(_Body):
     rid: Name | list[Name] | None = None
     # vLLM's: only requests with the same salt share this prompt's cached KV.
     cache_salt: Name | None = None
+    # Under --schedule-policy priority, lower values are admitted first (SGLang's, vLLM's).
+    priority: Int = 0
     # A program session: the finished sequence stays cached for it until /close_session.
     session_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     # How long the session keeps this request's KV after it (default: twice the longest pause

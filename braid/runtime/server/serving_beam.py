@@ -122,7 +122,9 @@ async def beam_response(
     async def run() -> None:
         while (batch := search.batch()) is not None:
             jobs = [(f"{rid}-{search.steps}-{j}", ids) for j, (_, ids) in enumerate(batch)]
-            streams = submit_all(state, jobs, step, cache_salt=req.cache_salt, group=rid)
+            streams = submit_all(
+                state, jobs, step, cache_salt=req.cache_salt, group=rid, priority=req.priority
+            )
             try:
                 got = await asyncio.gather(
                     *(_candidates(state, s) for s in streams), return_exceptions=True

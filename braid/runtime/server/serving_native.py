@@ -145,6 +145,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             program_id=req.program_id,
             cache_salt=req.cache_salt,
             group=req.rid if isinstance(req.rid, str) else None,
+            priority=req.priority,
         )
         prompt_of = [i for i in range(len(prompts)) for _ in range(params[i].n)]
         sample_rids = [

@@ -124,6 +124,7 @@ class OpenAIResponse(abc.ABC):
             grammar_waits=self.grammar_waits(),
             cache_salt=self.req.cache_salt,
             group=self.rid,
+            priority=self.req.priority,
         )
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]

@@ -412,6 +412,7 @@ class TokenizerManager:
         program_id: str | None = None,
         cache_salt: str | None = None,
         group: str | None = None,
+        priority: int = 0,
     ) -> list[str]:
         """Queue `params.n` samples of one prompt (validated already); returns their rids.
         With `session_id`, each finished sample's sequence is pinned for that program session,
@@ -423,8 +424,8 @@ class TokenizerManager:
         `input_ids` already holds. `grammar_wait`: (`grammar_after`, `grammar_open`), what the
         constraint waits for (see `GenerateReq`). `embed`: pool the prompt into an embedding
         instead (its one output carries `StrOut.embedding`). `cache_salt`: only requests with
-        the same salt share this prompt's cached KV (`GenerateReq`). `group`: the id the
-        client holds for these samples, if not `rid` (`abort` takes it)."""
+        the same salt share this prompt's cached KV (`GenerateReq`, as `priority`). `group`:
+        the id the client holds for these samples, if not `rid` (`abort` takes it)."""
         self._check_alive()
         params = self.resolve(params)
         if session_ttl_s is not None:
@@ -479,6 +480,7 @@ class TokenizerManager:
                 program_position=program_position,
                 program_id=program_id,
                 cache_salt=cache_salt,
+                priority=priority,
             )
             for k, wire in enumerate(wires)
         ]

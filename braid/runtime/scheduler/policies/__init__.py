@@ -6,6 +6,8 @@ registry of lazily imported `policy.SchedulePolicy` classes (`--schedule-policy 
 - `program`: by program, least attained service first (Autellix), with aging.
 - `program-srpt`: by program, shortest predicted remaining work first, with aging; gates new
   programs by the pool's room and keeps the pins of programs it would serve first.
+- `priority`: by each request's `priority` (lower first, vLLM's), which also decides what a
+  decode step short of pages retracts.
 
 A new policy is a `SchedulePolicy` subclass in a module of this package, declared in
 `POLICIES`' table and registered with `@POLICIES.register`.
@@ -13,7 +15,7 @@ A new policy is a `SchedulePolicy` subclass in a module of this package, declare
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from braid.runtime.registry import Registry
 
@@ -27,6 +29,7 @@ POLICIES: Registry[type[SchedulePolicy]] = Registry(
         "fcfs": "braid.runtime.scheduler.policies.fcfs",
         "program": "braid.runtime.scheduler.policies.program",
         "program-srpt": "braid.runtime.scheduler.policies.program_srpt",
+        "priority": "braid.runtime.scheduler.policies.priority",
     },
 )
 
@@ -40,3 +43,19 @@ def create_policy(name: str) -> SchedulePolicy:
     """The policy registered as `name`; `ValueError` naming the setting and the known names if
     `name` is unknown."""
     return POLICIES.get(name)()
+
+
+def check_priority(value: Any, schedule_policy: str, where: str = "priority") -> int:
+    """A request's `priority` checked before it is sent: a 64-bit integer, and 0 unless
+    `schedule_policy` takes priorities; `ParamError` naming `where` otherwise."""
+    from braid.runtime.errors import ParamError
+
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+        raise ParamError.at(where, f"must be a 64-bit integer, got {value!r}")
+    if value and not create_policy(schedule_policy).takes_priorities:
+        raise ParamError.at(
+            where,
+            f"needs the priority schedule policy (schedule_policy='priority', --schedule-policy "
+            f"priority); this engine runs {schedule_policy!r}",
+        )
+    return value
