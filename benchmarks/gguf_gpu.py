@@ -193,7 +193,7 @@ def main() -> None:
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if cuda else "cpu")
-    shapes = {"qkv": (64, 256), "down": (48, 512)} if args.tiny else SHAPES
+    shapes = {"qkv": (64, 256)} if args.tiny else SHAPES
     fields: dict = {}
     if cuda:
         fields["copy"] = copy_bandwidth("cuda")
