@@ -231,7 +231,8 @@ if [ "$part" = 16 ]; then
         --out "$OUT/r/perplexity_cuda.json"
 fi
 if [ "$part" = 13 ]; then
-    # The one-row GGUF GEMV (split K; this session) against the kernel before it, if carried.
+    # The one-row GGUF GEMV (split K; 2026-12-07) against the kernel before it, if carried
+    # (`git show 55de8d3:braid/kernels/gguf_gemm.py > benchmarks/baseline_gguf_gemm_55de8d3.py`).
     TAIL=4 step 100 pytest_gguf python -m pytest -q -x -p no:cacheprovider -m gpu -rfE \
         tests/kernels/test_gguf_gemm.py
     BASE=benchmarks/baseline_gguf_gemm_55de8d3.py
