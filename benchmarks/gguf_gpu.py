@@ -109,7 +109,11 @@ def kernels(
                 row = {"type": qtype, "layer": name, "n": n, "k": k, "rows": m}
                 row["max_abs_err_vs_reference"] = err.item()
                 row["weight_bytes"] = nbytes
-                row["launch"] = _picked(gguf_gemm._gemv if m == 1 else gguf_gemm._kernel)
+                row["launch"] = (
+                    "dequantize+cuBLAS"
+                    if m >= gguf_gemm.DEQUANTIZE_MIN_ROWS
+                    else _picked(gguf_gemm._gemv if m == 1 else gguf_gemm._kernel)
+                )
                 us = bench.per_call_us(lambda i, x=x, c=copy: gguf_linear(x, c[i % len(c)]), True)
                 bf16 = bench.per_call_us(lambda i, x=x, w=w16: F.linear(x, w[i % len(w)]), True)
                 row |= {

@@ -5,7 +5,7 @@ offset[g, n], g = k // G (G = 32, or 16 for Q6_K), codes 4-bit packed eight a wo
 one a byte. The planes are the blocks' own values, exact (float16 where that is exact, else
 float32), so the product is the dequantized model's up to the order of float32 sums.
 
-Three paths by rows, each summing in float32 and rounding once to x's dtype:
+Three paths by rows:
 
 - **one row** (a batch-1 decode step; `_gguf_gemv_kernel`): each program owns BLOCK_N outputs
   and one split of K (SPLIT_K programs along K, reduced by `gemv_split._finish`: one launch,
@@ -23,10 +23,11 @@ Three paths by rows, each summing in float32 and rounding once to x's dtype:
   then `acc += dot * scale + rowsum(x) * offset` (the offset term needs the group's sum of x);
   every weight byte is read once per row block. Codes become floats through the bits of
   1.5 * 2**23 (as in `quant_gemm.py`). Autotuned per (N, K, G, code width, row class).
-
+  These two sum in float32 and round once to x's dtype, after the bias.
 - **many rows** (from `quant_planar.DEQUANTIZE_MIN_ROWS`, as the int4 layers do): compute-bound,
   so one pass writes the weight out in x's dtype (`dequantize_gguf`: each weight exact in
-  float32, rounded once to bfloat16 or float16) and cuBLAS multiplies.
+  float32, rounded once to bfloat16 or float16) and cuBLAS multiplies (accumulating as it
+  does for a float layer).
 
 Under TRITON_INTERPRET=1 one small fixed configuration of each runs instead (the one-row one
 split in two, so the CPU tests cover the split-K reduction).
@@ -308,7 +309,8 @@ def gguf_linear(
 ) -> torch.Tensor:
     """`x @ W.T + bias` for the GGUF weight `planes` hold (`KernelPlanes`), summed in float32
     and rounded once to x's dtype after the bias; from `DEQUANTIZE_MIN_ROWS` rows the weight
-    is first rounded to x's dtype (exact for float32) and cuBLAS multiplies.
+    is first rounded to x's dtype (exact for float32) and cuBLAS multiplies, accumulating as
+    it does for a float layer.
 
     `x`: [M, K] float, M >= 1, unit stride in K; `planes.codes`: contiguous int32 [N, K / 8]
     (bits 4) or int8 / uint8 [N, K] (bits 8); `planes.scale` (and `planes.offset`, or None):

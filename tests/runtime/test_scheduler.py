@@ -228,7 +228,10 @@ def test_a_priority_under_another_policy_is_refused(tiny_model_dirs, smollm2):
                 ["hi"], SamplingParams(max_tokens=1), use_tqdm=False, priority=priority
             )
         assert e.value.param == field, (priority, e.value)
-    out = smollm2.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
+    import numpy as np
+
+    zero = [np.int64(0)]  # any integer type, as vLLM takes
+    out = smollm2.generate(["hi"], SamplingParams(max_tokens=1), use_tqdm=False, priority=zero)
     assert len(out[0].outputs[0].token_ids) == 1
 
 
@@ -251,3 +254,54 @@ def test_llm_generate_sends_each_prompts_priority(tiny_model_dirs):
         assert llm.flush_cache()
         out = llm.generate(prompts, sp, use_tqdm=False)
         assert [o.num_cached_tokens for o in out] == [0, 16, 16]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lower_value_that_fits_is_admitted_while_the_earlier_one_waits(tiny_model_dirs, overlap):
+    """A request decodes; then one that does not fit the pool (value 5) and one that does
+    (value 0) arrive. The second runs beside the first, with the overlap schedule too (whose
+    look at the queue once checked the earliest arrival alone, and kept decoding ahead until
+    the running request ended)."""
+    s = local_scheduler(
+        tiny_model_dirs["qwen3"],
+        kv_tokens=128,
+        schedule_policy="priority",
+        overlap_schedule=overlap,
+    )
+    s.handle(GenerateReq("r", [1] * 40, SamplingParams(max_tokens=40, **GREEDY), 0))
+    s.step()
+    s.step()
+    s.handle(GenerateReq("low", [2] * 100, SamplingParams(max_tokens=2, **GREEDY), 1, priority=5))
+    s.handle(GenerateReq("high", [3] * 4, SamplingParams(max_tokens=2, **GREEDY), 2, priority=0))
+    assert s.prefill.admits_now()
+    assert _finish_order(s) == ["high", "r", "low"]
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_prompt_between_chunks_is_retracted_by_its_value(tiny_model_dirs, policy):
+    """KV runs short while a long prompt (value 0) is between chunks beside a decoding
+    request (value 5): under `priority` the decoding one is retracted and the prompt keeps its
+    chunks; fcfs, the control, retracts the prompt between chunks (the newest)."""
+    s = local_scheduler(
+        tiny_model_dirs["qwen3"],
+        kv_tokens=64,
+        chunked_prefill_size=8,
+        schedule_policy=policy,
+    )
+    s.decode.new_token_ratio = 0.1  # admit optimistically: the prompt takes r's room
+    rank = policy == "priority"
+    r = SamplingParams(max_tokens=40, **GREEDY)
+    s.handle(GenerateReq("r", [1] * 8, r, 0, priority=5 * rank))
+    s.step()
+    s.handle(GenerateReq("p", [2] * 60, SamplingParams(max_tokens=4, **GREEDY), 1))
+    picks = []
+    retract = s.decode.retract
+
+    def spy(req):
+        picks.append((req.rid, req.status.name))
+        retract(req)
+
+    s.decode.retract = spy
+    assert sorted(_finish_order(s)) == ["p", "r"]
+    assert picks, "nothing was retracted: the pool no longer runs short"
+    assert picks[0] == (("r", "RUNNING") if rank else ("p", "PREFILLING")), picks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -630,3 +631,22 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
     f.write_text("")
     with pytest.raises(ValueError, match="is empty"):
         key("--api-key-file", str(f))
+
+
+def test_a_refused_priority_is_not_counted_as_a_request(server):
+    """A priority under lpm is a 400 before the request is counted (or its images made)."""
+
+    def received() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r"^braid_requests_total (\S+)$", text, re.M).group(1))
+
+    before = received()
+    for path, body in [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "priority": 1}),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "priority": 1}),
+        ("/generate", {"text": "x", "priority": 1}),
+    ]:
+        assert httpx.post(server.url + path, json=body).status_code == 400
+    assert received() == before
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and received() == before + 1

@@ -7,7 +7,8 @@ jumps back up after a retraction. When a decode step cannot get the pages it nee
 session pins are released (the soonest to expire first), then a prompt between chunks is
 retracted, then the newest running requests (their KV goes to the
 prefix cache; they wait again at the head of the queue with their output kept), or those
-the schedule policy names (`SchedulePolicy.retract_victim`: under `priority`, the lowest).
+the schedule policy names (`SchedulePolicy.retract_victim`: under `priority`, the highest
+value, a prompt between chunks among them).
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ class DecodePlanner:
             # Pinned program KV goes before any running request is retracted.
             if self.kv.make_room(need, release_pins=True):
                 break
+            # A prompt between chunks is the newest: by default it goes first (its chunks must
+            # not starve running decodes).
             prefilling = self.reqs.first(ReqStatus.PREFILLING)
-            if prefilling is not None:
-                self.retract(prefilling)  # its chunks must not starve running decodes
-                retracted.append(prefilling)
-                continue
-            if len(running) == 1:
+            pool = running + ([prefilling] if prefilling is not None else [])
+            if len(pool) == 1:
                 return None, running[0]
-            retracted.append(running.pop(self.victim(running)))
+            i = self.victim(pool)
+            retracted.append(pool[i] if i == len(running) else running.pop(i))
             self.retract(retracted[-1])
         if retracted:
             self._log_retractions(retracted)

@@ -34,7 +34,8 @@ class SchedulePolicy:
     `remembers_sequences`: the program table keeps programs' sequences, so a program's service
     counts only tokens it had not had computed before. `takes_priorities`: requests may carry
     a `priority` (any other policy refuses one other than 0); `retract_victim` picks what a
-    decode step short of pages retracts.
+    decode step short of pages retracts. `keeps_arrival_order`: without prefix lookups the
+    head of the queue is the first candidate (`PrefillPlanner.admits_now` looks at it alone).
     """
 
     name = ""
@@ -43,6 +44,7 @@ class SchedulePolicy:
     by_program = False
     remembers_sequences = False
     takes_priorities = False  # requests may carry a `priority` other than 0
+    keeps_arrival_order = True  # `order` leaves candidates that look nothing up as they came
 
     def retract_victim(self, running: list[Req]) -> int:
         """The index in `running` (in admission order) of the request to retract when decoding

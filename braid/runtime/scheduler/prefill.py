@@ -351,8 +351,10 @@ class PrefillPlanner:
         if self.kv.table.free_slots == 0:
             return False
         policy = self.policy.for_queue(len(waiting))
-        # A policy that looks nothing up keeps arrival order: the head is the first candidate.
-        considered = waiting if policy.looks_up_prefixes else [waiting[0]]
+        # A policy that looks nothing up and keeps arrival order: the head is the first
+        # candidate.
+        alone = policy.keeps_arrival_order and not policy.looks_up_prefixes
+        considered = [waiting[0]] if alone else waiting
         programs, now = self.reqs.programs, self.reqs.clock()
         gate = self._program_gate()
         ordered = candidates(considered, self.kv.cache, policy, programs, now)

@@ -287,6 +287,8 @@ class Scheduler:
             plan, too_big = self.decode.plan()
             if too_big is not None:
                 outs.append(self.output.finish(too_big, "abort", self._out_of_memory(too_big)))
+            if plan is None and not self.running:  # all retracted for a prompt between chunks
+                plan = self.prefill.plan()
         self._last_was_prefill = (
             plan is not None
             and plan.batch.mode is ForwardMode.EXTEND

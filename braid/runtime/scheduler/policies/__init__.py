@@ -48,10 +48,17 @@ def create_policy(name: str) -> SchedulePolicy:
 def check_priority(value: Any, schedule_policy: str, where: str = "priority") -> int:
     """A request's `priority` checked before it is sent: a 64-bit integer, and 0 unless
     `schedule_policy` takes priorities; `ParamError` naming `where` otherwise."""
+    import operator
+
     from braid.runtime.errors import ParamError
 
-    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+    try:  # any integer type (numpy's too), not a bool
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or not -(2**63) <= number < 2**63:
         raise ParamError.at(where, f"must be a 64-bit integer, got {value!r}")
+    value = number
     if value and not create_policy(schedule_policy).takes_priorities:
         raise ParamError.at(
             where,

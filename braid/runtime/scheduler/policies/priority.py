@@ -15,6 +15,7 @@ from braid.runtime.scheduler.request import Req
 class PriorityPolicy(SchedulePolicy):
     name = "priority"
     takes_priorities = True
+    keeps_arrival_order = False
 
     def order(
         self, cands: list[Candidate], programs: ProgramTable | None, now: float
