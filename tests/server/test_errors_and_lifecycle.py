@@ -645,6 +645,7 @@ def test_a_refused_priority_is_not_counted_as_a_request(server):
         ("/v1/completions", {"prompt": "x", "max_tokens": 1, "priority": 1}),
         ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "priority": 1}),
         ("/generate", {"text": "x", "priority": 1}),
+        ("/v1/responses", {"input": "x", "max_output_tokens": 1, "priority": 1}),
     ]:
         assert httpx.post(server.url + path, json=body).status_code == 400
     assert received() == before

@@ -89,6 +89,7 @@ class ResponsesRequest(_Body):
     }
     # braid's extras, as on chat completions
     cache_salt: Name | None = None
+    priority: Int = 0  # vLLM's, under --schedule-policy priority
     seed: Int | None = None
     top_k: Int | None = None
     min_p: Annotated[float, _doc(minimum=0, maximum=1)] | None = None
@@ -304,6 +305,7 @@ def chat_request(
         "min_p",
         "repetition_penalty",
         "cache_salt",
+        "priority",
     ):
         fields[name] = getattr(body, name)
     fields["stop"], fields["regex"] = body.stop, body.regex

@@ -28,6 +28,7 @@ from fastapi.responses import Response
 
 from braid.runtime.function_call.base import ContentDelta, ToolCallDelta, ToolCallStream
 from braid.runtime.models.source import cache_root
+from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, json_body
 from braid.runtime.server.openapi import STREAMED, takes
@@ -281,6 +282,7 @@ class ResponseRun:
     # ---- answering ----------------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         chat, state = self.chat, self.state
+        check_priority(self.body.priority, state.tm.config.schedule_policy)  # before it counts
         state.metrics.requests += 1
         state.metrics.prompt_tokens += len(chat.prompts[0][1])
         self.t0 = time.perf_counter()
@@ -292,6 +294,7 @@ class ResponseRun:
             grammar_waits=chat.grammar_waits(),
             cache_salt=self.body.cache_salt,
             group=self.id,
+            priority=self.body.priority,
         )
         if not self.body.stream:
             return await self._whole(request, streams)
