@@ -47,8 +47,9 @@ class SchedulePolicy:
     keeps_arrival_order = True  # `order` leaves candidates that look nothing up as they came
 
     def retract_victim(self, running: list[Req]) -> int:
-        """The index in `running` (in admission order) of the request to retract when decoding
-        runs out of pages: the newest."""
+        """The index in `running` (the running requests in admission order, then a prompt
+        between chunks if there is one) of the request to retract when decoding runs out of
+        pages: the last."""
         return len(running) - 1
 
     def for_queue(self, num_waiting: int) -> SchedulePolicy:
