@@ -135,11 +135,10 @@ class EngineConfig:
     )
     schedule_policy: str = setting(
         "lpm",
-        "lpm: longest cached prefix first (shared prefixes are computed once); fcfs: arrival "
-        "order; program: the program that has received the least service first, with aging "
-        "(braid programs and sessions; see docs/architecture.md); program-srpt: the program "
-        "predicted to ask for the least work yet first, with aging; priority: each request's "
-        "priority, lower first (vLLM's), which also picks what is retracted when KV runs short",
+        "lpm: longest cached prefix first; fcfs: arrival order; program: the program with the "
+        "least service so far first, with aging (braid programs and sessions); program-srpt: "
+        "the program predicted to ask for the least work yet first, with aging; priority: each "
+        "request's priority, lower first, also choosing what KV running short retracts (vLLM's)",
         choices=_schedule_policies,
     )
     disable_radix_cache: bool = setting(False, "no prefix caching, for A/B measurement")
