@@ -41,16 +41,16 @@ class DecodePlanner:
         kv: KVManager,
         stats: SchedulerStats,
         device: torch.device,
+        victim: Callable[[list[Req]], int],
         drafter: Drafter | None = None,
-        victim: Callable[[list[Req]], int] | None = None,
     ) -> None:
         self.reqs = reqs
         self.kv = kv
         self.stats = stats
         self.device = device
         self.drafter = drafter  # speculative decoding: drafts to verify with each step
-        # Which running request a step short of pages retracts (the policy's; else the newest).
-        self.victim = victim or (lambda running: len(running) - 1)
+        # Which running request a step short of pages retracts: the schedule policy's choice.
+        self.victim = victim
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self._held, self._logged_at = (0, 0), -RETRACTION_LOG_S  # retractions not logged yet
 

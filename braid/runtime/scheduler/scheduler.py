@@ -147,7 +147,7 @@ class Scheduler:
                 self.vocab_size,
             )
         self.decode = DecodePlanner(
-            self.requests, self.kv, self.stats, self.device, drafter, policy.retract_victim
+            self.requests, self.kv, self.stats, self.device, policy.retract_victim, drafter
         )
         max_prefill = config.effective_max_prefill_tokens
         chunk = config.effective_chunked_prefill_size

@@ -22,7 +22,6 @@ from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import SampleOutputs
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import ChatCompletionChunk, CompletionChunk, Usage
 from braid.runtime.server.state import ServerState
@@ -49,8 +48,7 @@ def submit_all(
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
     an error) none, in one message to the scheduler. `group`: the id the client holds for them
     all (`/abort_request` takes it). `priority`: under the priority schedule policy, lower
-    first (a 400 under another policy, unless 0)."""
-    check_priority(priority, state.tm.config.schedule_policy)
+    first (the routes check it with `check_priority` before they count the request)."""
     with state.tm.together() as rids:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(
