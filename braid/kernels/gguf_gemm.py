@@ -24,9 +24,11 @@ Three paths by rows:
   makes them (code * scale + offset, exact in float32, rounded once to x's dtype;
   `_tile_weights`: 4-bit codes as [BLOCK_N, words, 8] nibbles with each word's scale, 8-bit
   ones as [BLOCK_N, groups, G] bytes with each group's, one reshape), then one `tl.dot` with
-  x, summed in float32. Up to 16 rows K may be split, so that small layers fill the GPU (the
-  splits' sums: `gemv_split._sum_splits`). Autotuned per (N, K, G, code width, row class).
-  On an H100 at 16 rows: 0.92x bf16 cuBLAS for Q4_0 / Q4_1, 0.80x Q4_K, 1.50x Q8_0, 1.20x
+  x (or, SWAP, of the weights on the left with x's rows on the right, the accumulator
+  transposed once at the end), summed in float32. Up to 16 rows K may be split, so that
+  small layers fill the GPU (the splits' sums: `gemv_split._sum_splits`). Autotuned per (N,
+  K, G, code width, row class).
+  On an H100 at 16 rows: 1.05x bf16 cuBLAS for Q4_0 / Q4_1, 0.86x Q4_K, 1.49x Q8_0, 1.19x
   Q6_K over a decoder layer's four shapes (it was 0.10-0.41x when it stepped K one group at
   a time; docs/benchmarks.md).
 - **many rows** (from `quant_planar.DEQUANTIZE_MIN_ROWS`, as the int4 layers do): compute-bound,
@@ -163,6 +165,7 @@ def _gguf_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,
+    SWAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     PER: tl.constexpr = 8 if BITS == 4 else 1  # codes an element of Q
@@ -177,14 +180,29 @@ def _gguf_kernel(
     split_len = tl.cdiv(tl.cdiv(KQ, SPLIT_K), BE) * BE
     first = split * split_len
     end = tl.minimum(first + split_len, KQ)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for e0 in tl.range(first, end, BE, num_stages=STAGES):
-        w = _tile_weights(
-            Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K
-        )
-        xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
-        x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
+    if SWAP:
+        # The weights as the dot's left operand, [BLOCK_N, BLOCK_K] (made in registers, where
+        # Hopper's wgmma reads its left operand), x's rows on the right.
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for e0 in tl.range(first, end, BE, num_stages=STAGES):
+            w = _tile_weights(
+                Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET,
+                BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
+            x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
+            acc_t += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PREC)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for e0 in tl.range(first, end, BE, num_stages=STAGES):
+            w = _tile_weights(
+                Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET,
+                BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
+            x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -197,36 +215,48 @@ def _gguf_kernel(
         tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K codes, SPLIT_K, num_warps, num_stages) per row class of the
+# (BLOCK_M, BLOCK_N, BLOCK_K codes, SPLIT_K, num_warps, num_stages, SWAP) per row class of the
 # several-row kernel: tiles of several groups, so each step reads enough codes to keep the
 # loads in flight; BLOCK_N down to 16 and K split (up to 16 rows, which bounds the scratch:
-# `MAX_SPLIT_ROWS`) so that N = 4096 still makes enough programs for 132 SMs.
+# `MAX_SPLIT_ROWS`) so that N = 4096 still makes enough programs for 132 SMs; SWAP puts the
+# weights on the dot's left (on an H100 the 4-bit types' pick at 4-16 rows, 10-15% faster).
 SHAPES = {
     16: [
-        (16, 32, 256, 1, 4, 3),
-        (16, 64, 128, 1, 4, 4),
-        (16, 32, 256, 2, 4, 3),
-        (16, 64, 256, 2, 4, 3),
-        (16, 16, 256, 2, 4, 3),
-        (16, 32, 128, 4, 4, 4),
+        (16, 32, 256, 1, 4, 3, 0),
+        (16, 64, 128, 1, 4, 4, 0),
+        (16, 32, 256, 2, 4, 3, 0),
+        (16, 64, 256, 2, 4, 3, 0),
+        (16, 16, 256, 2, 4, 3, 0),
+        (16, 32, 128, 4, 4, 4, 0),
+        (16, 64, 128, 2, 4, 3, 1),
+        (16, 64, 256, 2, 4, 3, 1),
+        (16, 64, 128, 4, 4, 3, 1),
+        (16, 128, 128, 2, 4, 3, 1),
+        (16, 128, 128, 1, 8, 3, 1),
     ],
     64: [
-        (64, 64, 128, 1, 4, 3),
-        (64, 32, 128, 1, 4, 3),
-        (32, 32, 128, 1, 4, 3),
-        (32, 64, 256, 1, 4, 3),
+        (64, 64, 128, 1, 4, 3, 0),
+        (64, 32, 128, 1, 4, 3, 0),
+        (32, 32, 128, 1, 4, 3, 0),
+        (32, 64, 256, 1, 4, 3, 0),
+        (64, 64, 128, 1, 4, 3, 1),
+        (32, 64, 128, 1, 4, 3, 1),
+        (64, 128, 128, 1, 8, 3, 1),
     ],
     128: [
-        (64, 32, 128, 1, 4, 3),
-        (64, 64, 128, 1, 4, 3),
-        (128, 64, 64, 1, 8, 3),
-        (64, 128, 64, 1, 8, 3),
+        (64, 32, 128, 1, 4, 3, 0),
+        (64, 64, 128, 1, 4, 3, 0),
+        (128, 64, 64, 1, 8, 3, 0),
+        (64, 128, 64, 1, 8, 3, 0),
     ],
 }
 
 
-def _config(bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
+def _config(
+    bm: int, bn: int, bk: int, split: int, warps: int, stages: int, swap: int
+) -> triton.Config:
     meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "STAGES": stages}
+    meta["SWAP"] = bool(swap)
     return triton.Config(meta, num_warps=warps, num_stages=1)
 
 
@@ -348,7 +378,15 @@ GEMV_SHAPES = [
 INTERPRET_GEMV = {"BLOCK_N": 16, "BW": 4, "SPLIT_K": 2, "STAGES": 1}
 # Several rows under the interpreter: tiles of 64 codes, K split in two, so K = 96 ends in
 # half a tile (8-bit) or half a split (4-bit).
-INTERPRET_ROWS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "STAGES": 1}
+# (The tests set SWAP to run the other operand order.)
+INTERPRET_ROWS = {
+    "BLOCK_M": 16,
+    "BLOCK_N": 16,
+    "BLOCK_K": 64,
+    "SPLIT_K": 2,
+    "STAGES": 1,
+    "SWAP": False,
+}
 # The several-row kernel's largest split per row class (its scratch: split x M x N partials).
 MAX_SPLIT_ROWS = {rows: max(c[3] for c in shapes) for rows, shapes in SHAPES.items()}
 # The scratch every launch shape fits: partials of the largest split, a counter for each row

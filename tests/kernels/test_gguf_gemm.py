@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 
-from braid.kernels import gguf_linear
+from braid.kernels import gguf_gemm, gguf_linear
 from braid.kernels.gguf_gemm import dequantize_gguf
 from braid.kernels.gguf_reference import (
     BLOCK_LAYOUTS,
@@ -75,6 +75,17 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m):
     bias = torch.randn(40, generator=g).to(device=device, dtype=dtype)
     _close(gguf_linear(x, planes, bias), gguf_linear_reference(x, planes, bias))
     _close(gguf_linear(x, planes), gguf_linear_reference(x, planes))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("m", [3, 20])
+def test_gguf_linear_with_the_weights_as_the_left_operand_matches_reference(
+    device, qtype, dtype, m, monkeypatch
+):
+    # The several-row kernel's other operand order (SWAP, which the GPU autotuner may pick).
+    monkeypatch.setitem(gguf_gemm.INTERPRET_ROWS, "SWAP", True)
+    test_gguf_linear_matches_reference(device, qtype, dtype, m)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
