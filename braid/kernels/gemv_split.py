@@ -1,7 +1,8 @@
-"""The split-K epilogue the one-row GEMVs share (`quant_gemv`, `int4_gemv`): each split
-of K writes its float32 partial sums to a workspace, and the last split of a row block to
-arrive (an atomic counter) adds them in split order, scales, adds the bias and stores. One
+"""The split-K epilogue the one-row GEMVs share (`quant_gemv`, `int4_gemv`, `gguf_gemm`): each
+split of K writes its float32 partial sums to a workspace, and the last split of a row block
+to arrive (an atomic counter) adds them in split order, scales, adds the bias and stores. One
 launch, and the same bits whatever order the programs ran in; the counters return to zero.
+`_sum_splits` is the summing part alone (also GGUF's several-row kernel's, over its tiles).
 
 Program order (`GemvConfig.splits_first`): the grid is (row blocks, splits) or, with
 SPLITS_FIRST, (splits, row blocks). The GPU starts programs in grid order, the first axis

@@ -376,8 +376,8 @@ GEMV_SHAPES = [
     (32, 32, 4, 4, 3),
 ]
 INTERPRET_GEMV = {"BLOCK_N": 16, "BW": 4, "SPLIT_K": 2, "STAGES": 1}
-# Several rows under the interpreter: tiles of 64 codes, K split in two, so K = 96 ends in
-# half a tile (8-bit) or half a split (4-bit).
+# Several rows under the interpreter: tiles of 64 codes, K split in two, so at K = 96 the
+# second split is half a tile.
 # (The tests set SWAP to run the other operand order.)
 INTERPRET_ROWS = {
     "BLOCK_M": 16,
@@ -490,22 +490,33 @@ def gguf_linear(
         if bias is None:
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)
+    fixed = INTERPRET_ROWS if triton.knobs.runtime.interpret else {}
+    _launch_rows(_kernel, x, planes, offset, bias, bias_arg, out, fixed)
+    return out
+
+
+def _launch_rows(kernel, x, planes, offset, bias, bias_arg, out, meta: dict) -> None:
+    """The several-row launch: the autotuned `_kernel` (`meta` empty), or `_gguf_kernel` with
+    one launch shape's values in `meta` (the interpreter's; the GPU test of every shape)."""
+    m, n = x.shape[0], out.shape[1]
     rows = _row_class(m)
-    interpret = triton.knobs.runtime.interpret
-    split = INTERPRET_ROWS["SPLIT_K"] if interpret else MAX_SPLIT_ROWS[rows]
-    # Every launch shape's tiles are at least 16 x 16.
+    split = meta.get("SPLIT_K", MAX_SPLIT_ROWS[rows])
+    # Scratch by N and the row class alone, so it never grows with M within a class: the
+    # partials of `rows` rows, a counter per 16 x 16 block (every launch shape's tiles are at
+    # least that).
     partials, counters = GemvWorkspace.for_device(x.device).take(
-        split * m * n if split > 1 else 1, triton.cdiv(m, 16) * triton.cdiv(n, 16)
+        split * rows * n if split > 1 else 1,
+        triton.cdiv(rows, 16) * triton.cdiv(n, 16) if split > 1 else 1,
     )
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(n, meta["BLOCK_N"]),
         triton.cdiv(m, meta["BLOCK_M"]),
         meta["SPLIT_K"],
     )
-    _kernel[grid](
+    codes = planes.codes
+    kernel[grid](
         x, codes, planes.scale, offset, bias_arg, out, partials, counters, m, n, codes.shape[1],
-        x.stride(0), out.stride(0), G=g, BITS=bits, HAS_OFFSET=planes.offset is not None,
-        HAS_BIAS=bias is not None, ROWS=rows, DOT_PREC=dot_precision(x.dtype),
-        **(INTERPRET_ROWS if interpret else {}),
+        x.stride(0), out.stride(0), G=planes.group_size, BITS=planes.bits,
+        HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, ROWS=rows,
+        DOT_PREC=dot_precision(x.dtype), **meta,
     )  # fmt: skip
-    return out

@@ -194,13 +194,17 @@ def dequantize_kernel_planes(p: KernelPlanes) -> torch.Tensor:
 
 
 def gguf_linear_reference(
-    x: torch.Tensor, planes: KernelPlanes, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    planes: KernelPlanes,
+    bias: torch.Tensor | None = None,
+    *,
+    as_kernel: bool = True,
 ) -> torch.Tensor:
-    """`x @ W.T + bias` for the weight `planes` hold, in float32, rounded once to x's dtype,
-    with `gguf_linear`'s rounding points: from two rows of x the weight is rounded to x's dtype
-    first (exact for float32)."""
+    """`x @ W.T + bias` for the weight `planes` hold, in float32, rounded once to x's dtype.
+    `as_kernel`: with `gguf_linear`'s rounding points, which from two rows of x rounds the
+    weight to x's dtype first (exact for float32); False: the exact weight at any row count."""
     w = dequantize_kernel_planes(planes)
-    if x.numel() > x.shape[-1]:
+    if as_kernel and x.numel() > x.shape[-1]:
         w = w.to(x.dtype).float()
     y = x.float() @ w.T
     if bias is not None:

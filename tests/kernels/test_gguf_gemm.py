@@ -63,7 +63,8 @@ def _close(got, want):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 20, DEQUANTIZE_MIN_ROWS])
 def test_gguf_linear_matches_reference(device, qtype, dtype, m):
-    # N = 40: a ragged last tile; K = 96 (or 512): not a whole number of 64-wide tiles.
+    # N = 40: a ragged last tile; K = 96: not a whole number of 64-wide tiles (the K-quants'
+    # 512 is).
     k = 512 if qtype.endswith("_K") else 96
     scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
     planes = kernel_planes(decode(_raw(qtype, 40, k, scale=scale), qtype), qtype)
@@ -83,7 +84,8 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m):
 def test_gguf_linear_with_the_weights_as_the_left_operand_matches_reference(
     device, qtype, dtype, m, monkeypatch
 ):
-    # The several-row kernel's other operand order (SWAP, which the GPU autotuner may pick).
+    # The several-row kernel's other operand order under the interpreter (SWAP; on a GPU
+    # every launch shape runs in test_every_several_row_launch_shape_matches_reference).
     monkeypatch.setitem(gguf_gemm.INTERPRET_ROWS, "SWAP", True)
     test_gguf_linear_matches_reference(device, qtype, dtype, m)
 
@@ -141,10 +143,33 @@ def test_gguf_linear_on_llama_8b_shapes(qtype, m):
 
 
 @pytest.mark.gpu
-def test_gguf_linear_is_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_every_several_row_launch_shape_matches_reference(qtype):
+    """Each of `SHAPES`' launch shapes run as it is (the autotuner keeps one per shape, so
+    the others would go untested), at rows of its class, ragged N."""
+    dev = torch.device("cuda")
+    n, k = 4096 + 48, 4096
+    scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
+    planes = _on(kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype), dev)
+    offset = planes.offset if planes.offset is not None else planes.scale
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    for rows, shapes in gguf_gemm.SHAPES.items():
+        x = torch.randn({16: 9, 64: 40, 128: 100}[rows], k, device=dev, dtype=torch.bfloat16)
+        want = gguf_linear_reference(x, planes, bias).float()
+        for shape in shapes:
+            cfg = gguf_gemm._config(*shape)
+            meta = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": 1}
+            out = torch.empty(x.shape[0], n, device=dev, dtype=x.dtype)
+            gguf_gemm._launch_rows(gguf_gemm._gguf_kernel, x, planes, offset, bias, bias, out, meta)
+            torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2e-2, msg=str(shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gguf_linear_is_captured_in_a_cuda_graph(m):
     dev = torch.device("cuda")
     planes = _on(kernel_planes(decode(_raw("Q4_1", 4096, 4096), "Q4_1"), "Q4_1"), dev)
-    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
     out = gguf_linear(x, planes)  # tunes eagerly first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

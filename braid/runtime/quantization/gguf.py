@@ -182,7 +182,7 @@ class _ReferenceSegment(_Segment):
         self.planes = planes
 
     def __call__(self, x, bias):
-        return gguf_linear_reference(x, self.planes, bias)
+        return gguf_linear_reference(x, self.planes, bias, as_kernel=False)
 
     reference = __call__
 
