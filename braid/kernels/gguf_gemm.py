@@ -17,8 +17,8 @@ Three paths by rows:
   (one LOP3 and one FADD, exact); one FFMA multiplies it in. Each word's sum is scaled once
   (the group's scale, a gather of the [K / G, N] plane) and the offset term is the group's
   offset times the word's sum of x; the sum is float32, rounded once to x's dtype after the
-  bias. Launch shapes are autotuned per (N, K, G, code width)
-  over `GEMV_SHAPES` on CUDA; the splits' scratch is `quant_gemv.GemvWorkspace`'s.
+  bias. Launch shapes are autotuned per (N, K, G, code width) over `GEMV_SHAPES` on CUDA;
+  the splits' scratch is `quant_gemv.GemvWorkspace`'s.
 - **more rows** (`_gguf_kernel`): each program owns BLOCK_M rows, BLOCK_N outputs and one split
   of K, and walks it in tiles of BLOCK_K codes: the tile's weights made as `dequantize_gguf`
   makes them (code * scale + offset, exact in float32, rounded once to x's dtype;
