@@ -17,8 +17,8 @@ Three paths by rows:
   (one LOP3 and one FADD, exact); one FFMA multiplies it in. Each word's sum is scaled once
   (the group's scale, a gather of the [K / G, N] plane) and the offset term is the group's
   offset times the word's sum of x; the sum is float32, rounded once to x's dtype after the
-  bias. Launch shapes are autotuned per (N, K, G, code width) over `GEMV_SHAPES` on CUDA;
-  the splits' scratch is `quant_gemv.GemvWorkspace`'s.
+  bias. Launch shapes are autotuned per (N, K, G, code width, offset or not) over
+  `GEMV_SHAPES` on CUDA; the splits' scratch is `quant_gemv.GemvWorkspace`'s.
 - **more rows** (`_gguf_kernel`): each program owns BLOCK_M rows, BLOCK_N outputs and one split
   of K, and walks it in tiles of BLOCK_K codes: the tile's weights made as `dequantize_gguf`
   makes them (code * scale + offset, exact in float32, rounded once to x's dtype;
@@ -27,7 +27,7 @@ Three paths by rows:
   x (or, SWAP, of the weights on the left with x's rows on the right, the accumulator
   transposed once at the end), summed in float32. Up to 16 rows K may be split, so that
   small layers fill the GPU (the splits' sums: `gemv_split._sum_splits`). Autotuned per (N,
-  K, G, code width, row class).
+  K, G, code width, offset or not, row class).
   On an H100 at 16 rows: 1.05x bf16 cuBLAS for Q4_0 / Q4_1, 0.86x Q4_K, 1.49x Q8_0, 1.19x
   Q6_K over a decoder layer's four shapes (it was 0.10-0.41x when it stepped K one group at
   a time; docs/benchmarks.md).
@@ -405,14 +405,14 @@ if triton.knobs.runtime.interpret:
 else:
     _kernel = triton.autotune(
         [_config(*c) for c in SHAPES[16]],
-        key=["N", "KQ", "G", "BITS", "ROWS"],
+        key=["N", "KQ", "G", "BITS", "HAS_OFFSET", "ROWS"],
         prune_configs_by={"early_config_prune": _prune},
         do_bench=_bench,
         cache_results=True,
     )(_gguf_kernel)
     _gemv = triton.autotune(
         [_gemv_config(*c) for c in GEMV_SHAPES],
-        key=["N", "KW", "G", "BITS"],
+        key=["N", "KW", "G", "BITS", "HAS_OFFSET"],
         do_bench=_bench,
         cache_results=True,
     )(_gguf_gemv_kernel)
