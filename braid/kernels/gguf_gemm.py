@@ -140,6 +140,21 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.conste
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
+@triton.jit
+def _tile_operands(x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ,
+                   G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The dot's operands for the tile from element e0 of Q: the weights (`_tile_weights`) in
+    x's dtype, and x's [BLOCK_M, BLOCK_K] slice they meet (0 past `end`)."""
+    w = _tile_weights(
+        Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K
+    )
+    PER: tl.constexpr = 8 if BITS == 4 else 1
+    xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
+    x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
+    return w.to(x.dtype), x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gguf_kernel(
     X,
@@ -185,24 +200,20 @@ def _gguf_kernel(
         # Hopper's wgmma reads its left operand), x's rows on the right.
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
-            w = _tile_weights(
-                Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET,
-                BLOCK_N, BLOCK_K,
+            w, x = _tile_operands(
+                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
+                HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
-            x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
-            acc_t += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PREC)
+            acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
-            w = _tile_weights(
-                Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET,
-                BLOCK_N, BLOCK_K,
+            w, x = _tile_operands(
+                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
+                HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
-            x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -491,14 +502,16 @@ def gguf_linear(
             return torch.mm(x, weight.t(), out=out)
         return torch.addmm(bias, x, weight.t(), out=out)
     fixed = INTERPRET_ROWS if triton.knobs.runtime.interpret else {}
-    _launch_rows(_kernel, x, planes, offset, bias, bias_arg, out, fixed)
+    _launch_rows(_kernel, x, planes, bias, out, fixed)
     return out
 
 
-def _launch_rows(kernel, x, planes, offset, bias, bias_arg, out, meta: dict) -> None:
+def _launch_rows(kernel, x, planes: KernelPlanes, bias, out, meta: dict) -> None:
     """The several-row launch: the autotuned `_kernel` (`meta` empty), or `_gguf_kernel` with
     one launch shape's values in `meta` (the interpreter's; the GPU test of every shape)."""
     m, n = x.shape[0], out.shape[1]
+    offset = planes.offset if planes.offset is not None else planes.scale
+    bias_arg = bias if bias is not None else planes.scale
     rows = _row_class(m)
     split = meta.get("SPLIT_K", MAX_SPLIT_ROWS[rows])
     # Scratch by N and the row class alone, so it never grows with M within a class: the

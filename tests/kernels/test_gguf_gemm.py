@@ -151,7 +151,6 @@ def test_every_several_row_launch_shape_matches_reference(qtype):
     n, k = 4096 + 48, 4096
     scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
     planes = _on(kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype), dev)
-    offset = planes.offset if planes.offset is not None else planes.scale
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
     for rows, shapes in gguf_gemm.SHAPES.items():
         x = torch.randn({16: 9, 64: 40, 128: 100}[rows], k, device=dev, dtype=torch.bfloat16)
@@ -160,7 +159,7 @@ def test_every_several_row_launch_shape_matches_reference(qtype):
             cfg = gguf_gemm._config(*shape)
             meta = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": 1}
             out = torch.empty(x.shape[0], n, device=dev, dtype=x.dtype)
-            gguf_gemm._launch_rows(gguf_gemm._gguf_kernel, x, planes, offset, bias, bias, out, meta)
+            gguf_gemm._launch_rows(gguf_gemm._gguf_kernel, x, planes, bias, out, meta)
             torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=2e-2, msg=str(shape))
 
 

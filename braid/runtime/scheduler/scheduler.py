@@ -38,7 +38,7 @@ from braid.runtime.scheduler.kv import KVManager
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.scheduler.overlap import Launched, next_step
 from braid.runtime.scheduler.pin_cost import PinCost
-from braid.runtime.scheduler.policies import create_policy
+from braid.runtime.scheduler.policies import check_priority, create_policy
 from braid.runtime.scheduler.prefill import PrefillPlanner
 from braid.runtime.scheduler.programs import ProgramTable
 from braid.runtime.scheduler.request import Req, ReqStatus, RequestTable
@@ -105,7 +105,7 @@ class Scheduler:
         # policy that orders by service keeps programs' sequences to tell tokens computed
         # again from new ones.
         policy = create_policy(config.schedule_policy)
-        self.schedule_policy, self.takes_priorities = policy.name, policy.takes_priorities
+        self.schedule_policy = policy.name
         self.programs = ProgramTable(
             config.session_ttl_s,
             config.session_ttl_s,
@@ -206,12 +206,7 @@ class Scheduler:
         raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
 
     def _add(self, msg: GenerateReq) -> None:
-        if msg.priority != 0 and not self.takes_priorities:
-            raise ParamError.at(
-                "priority",
-                f"needs the priority schedule policy (--schedule-policy priority); this "
-                f"engine runs {self.schedule_policy!r}",
-            )
+        check_priority(msg.priority, self.schedule_policy)
         if msg.embed is not None and self.embed_refusal is not None:
             raise ParamError("input", self.embed_refusal)
         if msg.embed is None and self.generate_refusal is not None:

@@ -22,11 +22,20 @@ from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import SampleOutputs
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import ChatCompletionChunk, CompletionChunk, Usage
 from braid.runtime.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
+
+def count_request(state: ServerState, prompt_tokens: int, priority: int) -> None:
+    """Count an accepted request in /metrics: its `priority` checked first (`check_priority`:
+    a 400 naming it), so a refused request is not counted."""
+    check_priority(priority, state.tm.config.schedule_policy)
+    state.metrics.requests += 1
+    state.metrics.prompt_tokens += prompt_tokens
 
 
 def submit_all(
@@ -48,7 +57,7 @@ def submit_all(
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
     an error) none, in one message to the scheduler. `group`: the id the client holds for them
     all (`/abort_request` takes it). `priority`: under the priority schedule policy, lower
-    first (the routes check it with `check_priority` before they count the request)."""
+    first (checked by `count_request` before)."""
     with state.tm.together() as rids:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(

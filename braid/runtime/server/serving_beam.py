@@ -19,7 +19,6 @@ from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import PositionLogprobs, logprob_dict
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import (
     AssistantMessage,
@@ -30,7 +29,14 @@ from braid.runtime.server.openai_types import (
     PromptTokensDetails,
     Usage,
 )
-from braid.runtime.server.outputs import GONE, encode_listed, json_response, submit_all, unless_gone
+from braid.runtime.server.outputs import (
+    GONE,
+    count_request,
+    encode_listed,
+    json_response,
+    submit_all,
+    unless_gone,
+)
 from braid.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from braid.runtime.server.state import ServerState
 from braid.runtime.tokenizer.manager import RuntimeDied
@@ -113,9 +119,7 @@ async def beam_response(
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    check_priority(req.priority, state.tm.config.schedule_policy)  # before it is counted
-    state.metrics.requests += 1
-    state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+    count_request(state, sum(len(ids) for _, ids in prompts), req.priority)
     search = BeamSearch(
         [ids for _, ids in prompts], beam, state.tm.eos_token_ids, state.tm.ready.context_length
     )

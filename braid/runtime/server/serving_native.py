@@ -13,7 +13,6 @@ from fastapi.responses import Response
 
 from braid.runtime.errors import ParamError
 from braid.runtime.outputs import finish_reason_info, spec_meta_info
-from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, json_body, tokenize_prompts, validate_prompts
 from braid.runtime.server.openapi import STREAMED, takes
@@ -22,6 +21,7 @@ from braid.runtime.server.outputs import (
     SSE_DONE,
     Choice,
     absorb,
+    count_request,
     dumps,
     event_stream,
     finish_of,
@@ -132,9 +132,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         # sampled once.
         rids = each.rids(single)
         t0 = time.perf_counter()
-        check_priority(req.priority, state.tm.config.schedule_policy)  # before it is counted
-        state.metrics.requests += 1
-        state.metrics.prompt_tokens += sum(len(ids) for _, ids in prompts)
+        count_request(state, sum(len(ids) for _, ids in prompts), req.priority)
         session_id, session_ttl, position, continued = session
         streams = submit_all(
             state,

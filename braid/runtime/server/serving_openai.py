@@ -19,7 +19,6 @@ from braid.runtime.function_call.tools import finish_reason
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.openai_types import (
     ChatChoice,
     ChatCompletion,
@@ -38,6 +37,7 @@ from braid.runtime.server.outputs import (
     Choice,
     ChunkEncoder,
     absorb,
+    count_request,
     encode_listed,
     event_stream,
     finish_of,
@@ -115,9 +115,7 @@ class OpenAIResponse(abc.ABC):
         self.rid = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.t0 = time.perf_counter()
-        check_priority(self.req.priority, state.tm.config.schedule_policy)  # before it counts
-        state.metrics.requests += 1
-        state.metrics.prompt_tokens += sum(len(ids) for _, ids in self.prompts)
+        count_request(state, sum(len(ids) for _, ids in self.prompts), self.req.priority)
         streams = submit_all(
             state,
             [(f"{self.rid}-{i}", ids) for i, (_, ids) in enumerate(self.prompts)],

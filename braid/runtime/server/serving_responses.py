@@ -28,7 +28,6 @@ from fastapi.responses import Response
 
 from braid.runtime.function_call.base import ContentDelta, ToolCallDelta, ToolCallStream
 from braid.runtime.models.source import cache_root
-from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.inputs import check_model, json_body
 from braid.runtime.server.openapi import STREAMED, takes
@@ -36,6 +35,7 @@ from braid.runtime.server.outputs import (
     GONE,
     Choice,
     absorb,
+    count_request,
     event_stream,
     finish_of,
     first_output,
@@ -282,9 +282,7 @@ class ResponseRun:
     # ---- answering ----------------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         chat, state = self.chat, self.state
-        check_priority(self.body.priority, state.tm.config.schedule_policy)  # before it counts
-        state.metrics.requests += 1
-        state.metrics.prompt_tokens += len(chat.prompts[0][1])
+        count_request(state, len(chat.prompts[0][1]), self.body.priority)
         self.t0 = time.perf_counter()
         streams = submit_all(
             state,

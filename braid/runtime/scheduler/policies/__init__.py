@@ -58,11 +58,10 @@ def check_priority(value: Any, schedule_policy: str, where: str = "priority") ->
         number = None
     if number is None or not -(2**63) <= number < 2**63:
         raise ParamError.at(where, f"must be a 64-bit integer, got {value!r}")
-    value = number
-    if value and not create_policy(schedule_policy).takes_priorities:
+    if number and not POLICIES.get(schedule_policy).takes_priorities:
         raise ParamError.at(
             where,
             f"needs the priority schedule policy (schedule_policy='priority', --schedule-policy "
             f"priority); this engine runs {schedule_policy!r}",
         )
-    return value
+    return number
