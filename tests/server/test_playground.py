@@ -126,7 +126,10 @@ def browser():
 
 
 def _set(drv, element_id: str, value: str) -> None:
-    el = drv.find_element("id", element_id)
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    # Right after `drv.get` on a loaded machine the page may not be there yet.
+    el = WebDriverWait(drv, 30).until(lambda d: d.find_element("id", element_id))
     el.clear()
     el.send_keys(value)
 
