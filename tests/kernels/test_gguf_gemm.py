@@ -41,6 +41,12 @@ def test_decoders_equal_gguf_py_bit_for_bit(qtype):
     assert torch.equal(dequantize_kernel_planes(planes), torch.from_numpy(want))
     # float16 planes only where float16 holds them exactly.
     assert planes.scale.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
+    # Bits a weight in memory: 4-bit codes, 8-bit ones, and the planes (Q6_K's codes are
+    # stored less 32 as signed bytes, so it has no offset plane: 8 + 32 / 16).
+    held = sum(t.numel() * t.element_size() for t in (planes.codes, planes.scale, planes.offset)
+               if t is not None)  # fmt: skip
+    bits = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q4_K": 6.0, "Q6_K": 10.0}[qtype]
+    assert held * 8 == bits * raw.shape[0] * 512
 
 
 def test_gguf_py_quantized_blocks_decode_to_its_values():
