@@ -58,9 +58,10 @@ def _copies(planes, device: torch.device, copies: int) -> list:
     out = []
     for _ in range(copies):
         c = dataclasses.replace(planes)
-        for attr in ("codes", "scale", "offset"):
-            t = getattr(planes, attr)
-            setattr(c, attr, None if t is None else t.to(device))
+        for f in dataclasses.fields(planes):
+            t = getattr(planes, f.name)
+            if isinstance(t, torch.Tensor):
+                setattr(c, f.name, t.to(device))
         out.append(c)
     return out
 
@@ -102,11 +103,7 @@ def kernels(
             scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
             raw = random_blocks(qtype, n, k, gen, scale=scale)
             planes = kernel_planes(decode(raw, qtype), qtype)
-            nbytes = sum(
-                t.numel() * t.element_size()
-                for t in (planes.codes, planes.scale, planes.offset)
-                if t is not None
-            )
+            nbytes = sum(t.numel() * t.element_size() for t in planes.tensors().values())
             copies = 1 if device.type != "cuda" else min(calls, max(2, -(-COLD_BYTES // nbytes)))
             copy = _copies(planes, device, copies)
             old_copy = copy

@@ -54,7 +54,7 @@ from braid.kernels._checks import (
     dot_precision,
 )
 from braid.kernels.gemv_split import _finish, _sum_splits
-from braid.kernels.gguf_reference import KernelPlanes, gguf_linear_reference
+from braid.kernels.gguf_reference import SUPER_BLOCK, KernelPlanes, gguf_linear_reference
 from braid.kernels.quant_gemm import MAGIC_BITS, _bench, _check_common, _row_class
 from braid.kernels.quant_gemv import GemvWorkspace
 from braid.kernels.quant_planar import DEQUANTIZE_MIN_ROWS
@@ -111,9 +111,21 @@ def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.const
 
 
 @triton.jit
-def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.constexpr,
-                  BITS: tl.constexpr, ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _group_factor(Plane, Super, gi, n, mask, N, SUB: tl.constexpr):
+    """The float32 scale (or offset) of groups `gi` of outputs `n`: the plane's value, times
+    its super-block's factor where SUB (groups a super-block) is not 0 (a K-quant's integer
+    times its float16 d: exact)."""
+    f = tl.load(Plane + gi * N + n, mask=mask, other=0).to(tl.float32)
+    if SUB > 0:
+        f *= tl.load(Super + (gi // SUB) * N + n, mask=mask, other=0.0).to(tl.float32)
+    return f
+
+
+@triton.jit
+def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, SuperScale, SuperOffset, N, KQ,
+                  G: tl.constexpr, SUB: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr,
+                  HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] float32 weights (code - ZERO) * scale + offset (exact) of the codes
     from element e0 of each row of Q (0 from `end` on). Codes become floats through the bits
     of 1.5 * 2**23 with the code in the mantissa, less that float and ZERO. 4-bit: [BLOCK_N,
@@ -128,7 +140,7 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.conste
         words = tl.load(Q + row0[:, None] + ws[None, :], mask=wmask, other=0)
         shifts = tl.arange(0, 8) * 4
         bits = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B400000
-        sp = (ws // (G // 8))[None, :] * N + offs_n[:, None]
+        gi = (ws // (G // 8))[None, :]
     else:
         offs_k = e0 + tl.arange(0, BLOCK_K)
         cmask = mask_n[:, None] & (offs_k < end)[None, :]
@@ -136,39 +148,26 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, N, KQ, G: tl.conste
         bits = tl.reshape(c.to(tl.int32) + 0x4B400000, (BLOCK_N, BLOCK_K // G, G))
         gs = tl.arange(0, BLOCK_K // G)
         wmask = mask_n[:, None] & (e0 + gs * G < end)[None, :]
-        sp = (e0 // G + gs)[None, :] * N + offs_n[:, None]
-    w = (bits.to(tl.float32, bitcast=True) - (12582912.0 + ZERO)) * tl.load(
-        Scale + sp, mask=wmask, other=0.0
-    ).to(tl.float32)[:, :, None]
+        gi = (e0 // G + gs)[None, :]
+    n = offs_n[:, None]
+    scale = _group_factor(Scale, SuperScale, gi, n, wmask, N, SUB)
+    w = (bits.to(tl.float32, bitcast=True) - (12582912.0 + ZERO)) * scale[:, :, None]
     if HAS_OFFSET:
-        w += tl.load(Offset + sp, mask=wmask, other=0.0).to(tl.float32)[:, :, None]
+        w += _group_factor(Offset, SuperOffset, gi, n, wmask, N, SUB)[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _tile_operands(x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ,
-                   G: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr,
-                   HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+def _tile_operands(x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, SuperScale,
+                   SuperOffset, N, KQ, G: tl.constexpr, SUB: tl.constexpr, BITS: tl.constexpr,
+                   ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):  # fmt: skip
     """The dot's operands for the tile from element e0 of Q: the weights (`_tile_weights`) in
     x's dtype, and x's [BLOCK_M, BLOCK_K] slice they meet (0 past `end`)."""
     w = _tile_weights(
-        Q,
-        e0,
-        end,
-        offs_n,
-        mask_n,
-        Scale,
-        Offset,
-        N,
-        KQ,
-        G,
-        BITS,
-        ZERO,
-        HAS_OFFSET,
-        BLOCK_N,
-        BLOCK_K,
-    )
+        Q, e0, end, offs_n, mask_n, Scale, Offset, SuperScale, SuperOffset, N, KQ, G, SUB, BITS,
+        ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     PER: tl.constexpr = 8 if BITS == 4 else 1
     xmask = mask_m[:, None] & (e0 * PER + ki < end * PER)[None, :]
     x = tl.load(x_rows + e0 * PER, mask=xmask, other=0.0)
@@ -181,6 +180,8 @@ def _gguf_kernel(
     Q,
     Scale,
     Offset,
+    SuperScale,
+    SuperOffset,
     Bias,
     Out,
     Partials,
@@ -191,6 +192,7 @@ def _gguf_kernel(
     stride_xm,
     stride_om,
     G: tl.constexpr,
+    SUB: tl.constexpr,
     BITS: tl.constexpr,
     ZERO: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
@@ -222,8 +224,8 @@ def _gguf_kernel(
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
             w, x = _tile_operands(
-                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
-                ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
+                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, SuperScale,
+                SuperOffset, N, KQ, G, SUB, BITS, ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             acc_t += tl.dot(w, tl.trans(x), input_precision=DOT_PREC)
         acc = tl.trans(acc_t)
@@ -231,8 +233,8 @@ def _gguf_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for e0 in tl.range(first, end, BE, num_stages=STAGES):
             w, x = _tile_operands(
-                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, N, KQ, G, BITS,
-                ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
+                x_rows, Q, e0, end, offs_n, mask_n, mask_m, ki, Scale, Offset, SuperScale,
+                SuperOffset, N, KQ, G, SUB, BITS, ZERO, HAS_OFFSET, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
     if HAS_BIAS:
@@ -303,6 +305,8 @@ def _gguf_gemv_kernel(
     Q,
     Scale,
     Offset,
+    SuperScale,
+    SuperOffset,
     Bias,
     Out,
     Partials,
@@ -311,6 +315,7 @@ def _gguf_gemv_kernel(
     KW,
     magic,
     G: tl.constexpr,
+    SUB: tl.constexpr,
     BITS: tl.constexpr,
     SIGNED: tl.constexpr,
     ZERO: tl.constexpr,
@@ -345,10 +350,10 @@ def _gguf_gemv_kernel(
             part += _word_plane(words, hi, j, BITS, SIGNED, ZERO, magic) * x[None, :]
             if HAS_OFFSET:
                 xsum += x
-        sp = (ws // WPG)[None, :] * N + rows[:, None]
-        acc += part * tl.load(Scale + sp, mask=wmask, other=0.0).to(tl.float32)
+        gi, n = (ws // WPG)[None, :], rows[:, None]
+        acc += part * _group_factor(Scale, SuperScale, gi, n, wmask, N, SUB)
         if HAS_OFFSET:
-            acc += tl.load(Offset + sp, mask=wmask, other=0.0).to(tl.float32) * xsum[None, :]
+            acc += _group_factor(Offset, SuperOffset, gi, n, wmask, N, SUB) * xsum[None, :]
     _finish(
         tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, False,
@@ -357,8 +362,9 @@ def _gguf_gemv_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    Q, Scale, Offset, Out, N, K, G: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr,
-    HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    Q, Scale, Offset, SuperScale, SuperOffset, Out, N, K, G: tl.constexpr, SUB: tl.constexpr,
+    BITS: tl.constexpr, ZERO: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -367,17 +373,26 @@ def _dequantize_kernel(
     GROUPS: tl.constexpr = BLOCK_K // G
     offs_g = k0 // G + tl.arange(0, GROUPS)
     gmask = mask_n[:, None] & (offs_g < K // G)[None, :]
-    sp = offs_g[None, :] * N + offs_n[:, None]
-    w = (
-        tl.reshape(c, (BLOCK_N, GROUPS, G))
-        * tl.load(Scale + sp, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
-    )
+    gi, n = offs_g[None, :], offs_n[:, None]
+    scale = _group_factor(Scale, SuperScale, gi, n, gmask, N, SUB)
+    w = tl.reshape(c, (BLOCK_N, GROUPS, G)) * scale[:, :, None]
     if HAS_OFFSET:
-        w += tl.load(Offset + sp, mask=gmask, other=0.0).to(tl.float32)[:, :, None]
+        w += _group_factor(Offset, SuperOffset, gi, n, gmask, N, SUB)[:, :, None]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out = Out + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     tl.store(out, tl.reshape(w, (BLOCK_N, BLOCK_K)).to(Out.dtype.element_ty), mask=mask)
+
+
+def _planes(planes: KernelPlanes) -> tuple[list[torch.Tensor], dict]:
+    """The kernels' plane arguments (Scale, Offset, SuperScale, SuperOffset; the scale plane
+    in the place of those absent) and the constexprs that say which are real."""
+    p = planes
+    args = [p.scale] + [t if t is not None else p.scale for t in (p.offset, p.super_scale)]
+    args.append(p.super_offset if p.super_offset is not None else p.scale)
+    sub = SUPER_BLOCK // p.group_size if p.super_scale is not None else 0
+    meta = {"G": p.group_size, "SUB": sub, "BITS": p.bits, "ZERO": p.zero}
+    return args, meta | {"HAS_OFFSET": p.offset is not None}
 
 
 def dequantize_gguf(planes: KernelPlanes, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -387,12 +402,10 @@ def dequantize_gguf(planes: KernelPlanes, k: int, dtype: torch.dtype) -> torch.T
     out = torch.empty(n, k, dtype=dtype, device=planes.codes.device)
     block_n, block_k = 32, 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    args, meta = _planes(planes)
     _dequantize_kernel[grid](
-        planes.codes, planes.scale, planes.offset if planes.offset is not None else planes.scale,
-        out, n, k, G=planes.group_size, BITS=planes.bits, ZERO=planes.zero,
-        HAS_OFFSET=planes.offset is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
+        planes.codes, *args, out, n, k, **meta, BLOCK_N=block_n, BLOCK_K=block_k
+    )
     return out
 
 
@@ -466,7 +479,9 @@ def gguf_linear(
 
     `x`: [M, K] float, M >= 1, unit stride in K; `planes.codes`: contiguous int32 [N, K / 8]
     (bits 4) or int8 / uint8 [N, K] (bits 8); `planes.scale` (and `planes.offset`, or None):
-    contiguous float16 or float32 [K / G, N]; G 16 or 32 dividing K; `bias`: contiguous [N]
+    contiguous float16 or float32 [K / G, N], or with `planes.super_scale` (and
+    `planes.super_offset`: contiguous float16 [K / 256, N], K a multiple of 256) int8 / uint8
+    [K / G, N]; G 16 or 32 dividing K; `bias`: contiguous [N]
     of x's dtype, or None; `out`: [M, N] of x's dtype with unit stride in N (else a new
     tensor). All on x's device. Float32 x multiplies in full precision (no TF32). Never
     synchronises with the host once (N, K, G, bits, row class) has run once on CUDA.
@@ -493,15 +508,8 @@ def gguf_linear(
     check_contiguous("planes.codes", codes)
     if n < 1:
         raise ValueError(f"planes.codes must have at least one row, got {tuple(codes.shape)}")
-    plane_dtypes = (torch.float16, torch.float32)
-    for name, t in (("planes.scale", planes.scale), ("planes.offset", planes.offset)):
-        if t is None and name == "planes.offset":
-            continue
-        check_tensor(name, t, ndim=2, dtypes=plane_dtypes, device=x.device)
-        check_shape(name, t, (k // g, n))
-        check_contiguous(name, t)
+    _check_planes(planes, n, k, x.device)
     m, out = _check_common(x, n, bias, out)
-    offset = planes.offset if planes.offset is not None else planes.scale
     bias_arg = bias if bias is not None else planes.scale
     if m == 1:
         # The splits' scratch, room for any launch shape the autotuner may pick; its counters
@@ -512,11 +520,10 @@ def gguf_linear(
         words = codes.view(torch.int32) if bits == 8 else codes
         fixed = INTERPRET_GEMV if triton.knobs.runtime.interpret else {}
         grid1 = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        args, meta = _planes(planes)
         _gemv[grid1](
-            x, words, planes.scale, offset, bias_arg, out, partials, counters, n,
-            words.shape[1], MAGIC_BITS, G=g, BITS=bits, SIGNED=codes.dtype == torch.int8,
-            ZERO=planes.zero,
-            HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, **fixed,
+            x, words, *args, bias_arg, out, partials, counters, n, words.shape[1], MAGIC_BITS,
+            SIGNED=codes.dtype == torch.int8, HAS_BIAS=bias is not None, **meta, **fixed,
         )  # fmt: skip
         return out
     if m >= DEQUANTIZE_MIN_ROWS:
@@ -530,11 +537,35 @@ def gguf_linear(
     return out
 
 
+def _check_planes(planes: KernelPlanes, n: int, k: int, device: torch.device) -> None:
+    g, p = planes.group_size, planes
+    factored = p.super_scale is not None
+    if factored and k % SUPER_BLOCK:
+        raise ValueError(f"planes with super-block factors need K a multiple of 256, got {k}")
+    if (p.super_offset is not None) != (factored and p.offset is not None):
+        raise ValueError(
+            "planes.super_offset must be given exactly when planes.offset and "
+            "planes.super_scale both are"
+        )
+    ints = (torch.int8, torch.uint8)
+    group_dtypes = ints if factored else (torch.float16, torch.float32)
+    for name, t, shape, dtypes in (
+        ("planes.scale", p.scale, (k // g, n), group_dtypes),
+        ("planes.offset", p.offset, (k // g, n), group_dtypes),
+        ("planes.super_scale", p.super_scale, (k // SUPER_BLOCK, n), (torch.float16,)),
+        ("planes.super_offset", p.super_offset, (k // SUPER_BLOCK, n), (torch.float16,)),
+    ):
+        if t is None and name != "planes.scale":
+            continue
+        check_tensor(name, t, ndim=2, dtypes=dtypes, device=device)
+        check_shape(name, t, shape)
+        check_contiguous(name, t)
+
+
 def _launch_rows(kernel, x, planes: KernelPlanes, bias, out, meta: dict) -> None:
     """The several-row launch: the autotuned `_kernel` (`meta` empty), or `_gguf_kernel` with
     one launch shape's values in `meta` (the interpreter's; the GPU test of every shape)."""
     m, n = x.shape[0], out.shape[1]
-    offset = planes.offset if planes.offset is not None else planes.scale
     bias_arg = bias if bias is not None else planes.scale
     rows = _row_class(m)
     split = meta.get("SPLIT_K", MAX_SPLIT_ROWS[rows])
@@ -551,9 +582,9 @@ def _launch_rows(kernel, x, planes: KernelPlanes, bias, out, meta: dict) -> None
         meta["SPLIT_K"],
     )
     codes = planes.codes
+    args, plane_meta = _planes(planes)
     kernel[grid](
-        x, codes, planes.scale, offset, bias_arg, out, partials, counters, m, n, codes.shape[1],
-        x.stride(0), out.stride(0), G=planes.group_size, BITS=planes.bits, ZERO=planes.zero,
-        HAS_OFFSET=planes.offset is not None, HAS_BIAS=bias is not None, ROWS=rows,
-        DOT_PREC=dot_precision(x.dtype), **meta,
+        x, codes, *args, bias_arg, out, partials, counters, m, n, codes.shape[1], x.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, ROWS=rows, DOT_PREC=dot_precision(x.dtype),
+        **plane_meta, **meta,
     )  # fmt: skip

@@ -29,7 +29,7 @@ so is c * scale + offset: the planes reproduce gguf-py's float32 dequantization 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,16 +55,24 @@ ZERO_POINTS = {"Q4_0": 8, "Q6_K": 32}
 NO_OFFSET = ("Q4_0", "Q8_0", "Q6_K")
 
 
+# Elements of a K-quant's super-block, whose float16 d (and dmin) scale its groups' integers.
+SUPER_BLOCK = 256
+
+
 @dataclass
 class Planes:
     """A quantized tensor decoded: W[r, k] = codes[r, k] * scale[r, k // G] + offset[r, k // G].
     `codes`: uint8 (unsigned types) or int8 (Q8_0) [R, K]; `scale`, `offset`: float32
-    [R, K / G]."""
+    [R, K / G]. The K-quants also keep the factors of those: `factors` = (sub-block scales
+    (uint8 Q4_K, int8 Q6_K) [R, K / G], their super-blocks' d float16 [R, K / 256], and for
+    Q4_K the mins uint8 [R, K / G] and -dmin float16 [R, K / 256]): scale = sc * d[g // (256
+    / G)], offset = mn * (-dmin)[g // (256 / G)]."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     group_size: int
+    factors: tuple[torch.Tensor, ...] | None = None
 
     def dequantize(self) -> torch.Tensor:
         g = self.group_size
@@ -89,9 +97,9 @@ def row_elements(qtype: str, nbytes: int) -> int:
     return nbytes // size * block
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> [...] float32, read as little-endian float16."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
+def _f16(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., 2] bytes -> [...] `dtype`, read as little-endian float16."""
+    return b.contiguous().view(torch.float16).squeeze(-1).to(dtype)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -120,6 +128,7 @@ def decode(raw: torch.Tensor, qtype: str) -> Planes:
     """Raw blocks uint8 [R, row bytes] of `qtype` -> their `Planes` (on raw's device)."""
     b = _blocks(raw, qtype)
     r, nb = b.shape[:2]
+    factors = None
     if qtype in ("Q4_0", "Q4_1"):
         d = _f16(b[..., 0:2])
         codes = _nibbles(b[..., -16:])
@@ -136,6 +145,7 @@ def decode(raw: torch.Tensor, qtype: str) -> Planes:
         offset = -(dmin[..., None] * mn.float()).reshape(r, nb * 8)
         qs = b[..., 16:].reshape(r, nb, 4, 32)
         codes = _nibbles(qs)
+        factors = (sc.reshape(r, nb * 8), d.half(), mn.reshape(r, nb * 8), (-dmin).half())
     elif qtype == "Q6_K":
         ql = b[..., 0:128].reshape(r, nb, 2, 64)
         qh = b[..., 128:192].reshape(r, nb, 2, 1, 32)
@@ -147,11 +157,12 @@ def decode(raw: torch.Tensor, qtype: str) -> Planes:
         codes = low | (high << 4)
         scale = (d[..., None] * sc).reshape(r, nb * 16)
         offset = -32 * scale
+        factors = (sc.to(torch.int8).reshape(r, nb * 16), d.half())
     else:
         raise ValueError(f"no block layout for GGUF type {qtype}")
     codes = codes.reshape(r, -1)
     g = GROUP_SIZES[qtype]
-    return Planes(codes, scale.reshape(r, -1), offset.reshape(r, -1), g)
+    return Planes(codes, scale.reshape(r, -1), offset.reshape(r, -1), g, factors)
 
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -167,9 +178,12 @@ class KernelPlanes:
     """`braid.kernels.gguf_linear`'s operands for one weight of N rows, K columns:
     `codes`: int32 [N, K / 8] (4-bit codes packed along K, the first in the lowest nibble) or
     int8 / uint8 [N, K]; `scale`, `offset`: [K / G, N] float16 where that is exact (Q4_0,
-    Q4_1, Q8_0) else float32; `offset` None where there is none (`NO_OFFSET`); `zero`: the
-    codes' zero point, W[n, k] = (code - zero) * scale + offset (`ZERO_POINTS`). Bits a
-    weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 6, Q6_K 10 (its 6-bit codes as bytes)."""
+    Q4_1, Q8_0); `offset` None where there is none (`NO_OFFSET`); `zero`: the codes' zero
+    point, W[n, k] = (code - zero) * scale + offset (`ZERO_POINTS`). The K-quants hold their
+    scales as the file does: `scale` (and `offset`) are the sub-blocks' integers (uint8 or
+    int8) and `super_scale` (`super_offset`) float16 [K / 256, N] their super-blocks' factors,
+    scale = scale * super_scale[g // (256 / G)] (exact in float32). Bits a weight: Q4_0 4.5,
+    Q4_1 5, Q8_0 8.5, Q4_K 4.625, Q6_K 8.5625 (its 6-bit codes as bytes)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -177,6 +191,17 @@ class KernelPlanes:
     group_size: int
     bits: int
     zero: int = 0
+    super_scale: torch.Tensor | None = None
+    super_offset: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The planes held, by name (the layer's parameters)."""
+        names = ("codes", "scale", "offset", "super_scale", "super_offset")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def to(self, device: torch.device | str) -> KernelPlanes:
+        """A copy with every plane on `device`."""
+        return replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
 
 
 def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
@@ -184,16 +209,24 @@ def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
 
     bits = CODE_BITS[qtype]
     codes = pack_int4(planes.codes) if bits == 4 else planes.codes.contiguous()
-    dtype = torch.float16 if qtype in FP16_PLANES else torch.float32
-    scale = planes.scale.T.contiguous().to(dtype)
     zero = ZERO_POINTS.get(qtype, 0)
-    if qtype in NO_OFFSET:
+    if qtype in NO_OFFSET and not torch.equal(planes.offset, -zero * planes.scale):
         # The offset is -zero * scale (zero for Q8_0): held in the zero point instead.
-        if not torch.equal(planes.offset, -zero * planes.scale):
-            raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
-        offset = None
-    else:
-        offset = planes.offset.T.contiguous().to(dtype)
+        raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
+
+    def plane(t: torch.Tensor) -> torch.Tensor:
+        return t.T.contiguous()
+
+    if planes.factors is not None:
+        sc, d, *mins = planes.factors
+        offset, super_offset = (plane(mins[0]), plane(mins[1])) if mins else (None, None)
+        return KernelPlanes(
+            codes, plane(sc), offset, planes.group_size, bits, zero, plane(d), super_offset
+        )
+    if qtype not in FP16_PLANES:
+        raise ValueError(f"{qtype} planes need their K-quant factors (decode keeps them)")
+    scale = plane(planes.scale).half()
+    offset = None if qtype in NO_OFFSET else plane(planes.offset).half()
     return KernelPlanes(codes, scale, offset, planes.group_size, bits, zero)
 
 
@@ -203,8 +236,14 @@ def dequantize_kernel_planes(p: KernelPlanes) -> torch.Tensor:
 
     codes = unpack_int4(p.codes) if p.bits == 4 else p.codes
     codes = codes.to(torch.int16) - p.zero if p.zero else codes
-    scale = p.scale.float().T
-    offset = torch.zeros_like(scale) if p.offset is None else p.offset.float().T
+    sub = SUPER_BLOCK // p.group_size
+
+    def factor(t: torch.Tensor, per_super: torch.Tensor | None) -> torch.Tensor:
+        t = t.float()
+        return t if per_super is None else t * per_super.float().repeat_interleave(sub, dim=0)
+
+    scale = factor(p.scale, p.super_scale).T
+    offset = torch.zeros_like(scale) if p.offset is None else factor(p.offset, p.super_offset).T
     return Planes(codes, scale, offset, p.group_size).dequantize()
 
 

@@ -7,6 +7,8 @@ GPU: Llama-3.1-8B shapes in bfloat16 for every type and row class, and CUDA-grap
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import pytest
 import torch
@@ -39,13 +41,17 @@ def test_decoders_equal_gguf_py_bit_for_bit(qtype):
     assert torch.equal(dequantize(raw, qtype), torch.from_numpy(want))
     planes = kernel_planes(decode(raw, qtype), qtype)
     assert torch.equal(dequantize_kernel_planes(planes), torch.from_numpy(want))
-    # float16 planes only where float16 holds them exactly.
-    assert planes.scale.dtype == (torch.float32 if qtype.endswith("_K") else torch.float16)
-    # Bits a weight in memory: 4-bit codes, 8-bit ones, and the planes (Q6_K's codes are
-    # stored less 32 as signed bytes, so it has no offset plane: 8 + 32 / 16).
-    held = sum(t.numel() * t.element_size() for t in (planes.codes, planes.scale, planes.offset)
-               if t is not None)  # fmt: skip
-    bits = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q4_K": 6.0, "Q6_K": 10.0}[qtype]
+    # The K-quants hold their sub-blocks' integer scales and their super-blocks' float16 d,
+    # as the file does; the others a float16 scale per 32.
+    k_quant = qtype.endswith("_K")
+    assert planes.scale.dtype == (
+        {"Q4_K": torch.uint8, "Q6_K": torch.int8}.get(qtype, torch.float16)
+    )
+    assert (planes.super_scale is not None) == k_quant
+    # Bits a weight in memory: 4-bit codes or bytes, then the planes: Q4_0's and Q6_K's offsets
+    # are zero points, Q8_0 has none; Q4_K: 8-bit scales and mins per 32, d and dmin per 256.
+    held = sum(t.numel() * t.element_size() for t in planes.tensors().values())
+    bits = {"Q4_0": 4.5, "Q4_1": 5.0, "Q8_0": 8.5, "Q4_K": 4.625, "Q6_K": 8.5625}[qtype]
     assert held * 8 == bits * raw.shape[0] * 512
 
 
@@ -74,9 +80,7 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m):
     k = 512 if qtype.endswith("_K") else 96
     scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
     planes = kernel_planes(decode(_raw(qtype, 40, k, scale=scale), qtype), qtype)
-    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
-    if planes.offset is not None:
-        planes.offset = planes.offset.to(device)
+    planes = planes.to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
     bias = torch.randn(40, generator=g).to(device=device, dtype=dtype)
@@ -102,9 +106,7 @@ def test_dequantize_gguf_writes_the_exact_weights(device, qtype):
     k = 512 if qtype.endswith("_K") else 96
     planes = kernel_planes(decode(_raw(qtype, 40, k), qtype), qtype)
     want = dequantize_kernel_planes(planes)
-    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
-    if planes.offset is not None:
-        planes.offset = planes.offset.to(device)
+    planes = planes.to(device)
     assert torch.equal(dequantize_gguf(planes, k, torch.float32).cpu(), want)
     assert torch.equal(dequantize_gguf(planes, k, torch.float16).cpu(), want.half())
 
@@ -123,16 +125,29 @@ def test_gguf_linear_checks_its_arguments(device):
     planes.group_size = 32
     with pytest.raises(ValueError, match="bias must have shape"):
         gguf_linear(x, planes, torch.randn(8))
+    # The K-quants' integer scales come with their super-blocks' factors, and K whole
+    # super-blocks.
+    kq = kernel_planes(decode(_raw("Q4_K", 16, 256), "Q4_K"), "Q4_K")
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="planes.super_offset must be given exactly"):
+        gguf_linear(x, dataclasses.replace(kq, super_offset=None))
+    with pytest.raises(
+        ValueError, match=r"planes.scale must be one of \(float16, float32\), got torch.uint8"
+    ):
+        gguf_linear(x, dataclasses.replace(kq, super_scale=None, super_offset=None))
+    with pytest.raises(ValueError, match="planes.super_scale must have shape"):
+        gguf_linear(x, dataclasses.replace(kq, super_scale=kq.super_scale.repeat(2, 1)))
+    half = dataclasses.replace(
+        kq,
+        codes=kq.codes[:, :16].contiguous(),
+        scale=kq.scale[:4].contiguous(),
+        offset=kq.offset[:4].contiguous(),
+    )
+    with pytest.raises(ValueError, match="need K a multiple of 256, got 128"):
+        gguf_linear(torch.randn(2, 128), half)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
-
-
-def _on(planes, device):
-    planes.codes, planes.scale = planes.codes.to(device), planes.scale.to(device)
-    if planes.offset is not None:
-        planes.offset = planes.offset.to(device)
-    return planes
 
 
 @pytest.mark.gpu
@@ -142,21 +157,21 @@ def test_gguf_linear_on_llama_8b_shapes(qtype, m):
     dev = torch.device("cuda")
     for n, k in [(6144, 4096), (4096, 14336)]:
         scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
-        planes = _on(kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype), dev)
+        planes = kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype).to(dev)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         got, want = gguf_linear(x, planes), gguf_linear_reference(x, planes)
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_every_several_row_launch_shape_matches_reference(qtype):
     """Each of `SHAPES`' launch shapes run as it is (the autotuner keeps one per shape, so
     the others would go untested), at rows of its class, ragged N."""
     dev = torch.device("cuda")
     n, k = 4096 + 48, 4096
     scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
-    planes = _on(kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype), dev)
+    planes = kernel_planes(decode(_raw(qtype, n, k, scale=scale), qtype), qtype).to(dev)
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
     for rows, shapes in gguf_gemm.SHAPES.items():
         x = torch.randn({16: 9, 64: 40, 128: 100}[rows], k, device=dev, dtype=torch.bfloat16)
@@ -173,7 +188,7 @@ def test_every_several_row_launch_shape_matches_reference(qtype):
 @pytest.mark.parametrize("m", [1, 16])
 def test_gguf_linear_is_captured_in_a_cuda_graph(m):
     dev = torch.device("cuda")
-    planes = _on(kernel_planes(decode(_raw("Q4_1", 4096, 4096), "Q4_1"), "Q4_1"), dev)
+    planes = kernel_planes(decode(_raw("Q4_1", 4096, 4096), "Q4_1"), "Q4_1").to(dev)
     x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
     out = gguf_linear(x, planes)  # tunes eagerly first
     graph = torch.cuda.CUDAGraph()

@@ -137,8 +137,7 @@ class _TritonSegment(_Segment):
         return dequantize_kernel_planes(self.planes)
 
     def tensors(self):
-        p = self.planes
-        return {"codes": p.codes, "scale": p.scale, "offset": p.offset}
+        return self.planes.tensors()
 
 
 class _CpuSegment(_Segment):
@@ -190,8 +189,7 @@ class _ReferenceSegment(_Segment):
         return dequantize_kernel_planes(self.planes)
 
     def tensors(self):
-        p = self.planes
-        return {"codes": p.codes, "scale": p.scale, "offset": p.offset}
+        return self.planes.tensors()
 
 
 class GGUFLinearMethod(LinearMethod):
