@@ -1,9 +1,10 @@
 """`gguf_linear`: the dequantizing GEMM of GGUF's block-quantized weights (Q4_0, Q4_1, Q8_0,
 Q4_K, Q6_K) kept in their codes and per-group scales, the layout of
-`braid.kernels.gguf_reference.KernelPlanes`: W[n, k] = code[n, k] * scale[g, n] +
+`braid.kernels.gguf_reference.KernelPlanes`: W[n, k] = (code[n, k] - zero) * scale[g, n] +
 offset[g, n], g = k // G (G = 32, or 16 for Q6_K), codes 4-bit packed eight a word or 8-bit
-one a byte. The planes are the blocks' own values, exact (float16 where that is exact, else
-float32), so the product is the dequantized model's up to the order of float32 sums.
+one a byte; the K-quants' scale and offset an integer per group times a float16 per
+super-block of 256, as in the file. Every weight is the file's, exact in float32, so the
+product is the dequantized model's up to the order of float32 sums.
 
 Three paths by rows:
 
@@ -27,10 +28,7 @@ Three paths by rows:
   x (or, SWAP, of the weights on the left with x's rows on the right, the accumulator
   transposed once at the end), summed in float32. Up to 16 rows K may be split, so that
   small layers fill the GPU (the splits' sums: `gemv_split._sum_splits`). Autotuned per (N,
-  K, G, code width, offset or not, row class).
-  On an H100 at 16 rows: 1.05x bf16 cuBLAS for Q4_0 / Q4_1, 0.86x Q4_K, 1.49x Q8_0, 1.19x
-  Q6_K over a decoder layer's four shapes (it was 0.10-0.41x when it stepped K one group at
-  a time; docs/benchmarks.md).
+  K, G, code width, offset or not, row class); timings in docs/benchmarks.md.
 - **many rows** (from `quant_planar.DEQUANTIZE_MIN_ROWS`, as the int4 layers do): compute-bound,
   so one pass writes the weight out in x's dtype (`dequantize_gguf`: each weight exact in
   float32, rounded once to bfloat16 or float16) and cuBLAS multiplies (accumulating as it
@@ -46,13 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.kernels._checks import (
-    FLOAT_DTYPES,
-    check_contiguous,
-    check_shape,
-    check_tensor,
-    dot_precision,
-)
+from braid.kernels._checks import FLOAT_DTYPES, check_tensor, dot_precision
 from braid.kernels.gemv_split import _finish, _sum_splits
 from braid.kernels.gguf_reference import SUPER_BLOCK, KernelPlanes, gguf_linear_reference
 from braid.kernels.quant_gemm import MAGIC_BITS, _bench, _check_common, _row_class
@@ -111,13 +103,28 @@ def _word_plane(words, hi, J: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.const
 
 
 @triton.jit
-def _group_factor(Plane, Super, gi, n, mask, N, SUB: tl.constexpr):
-    """The float32 scale (or offset) of groups `gi` of outputs `n`: the plane's value, times
-    its super-block's factor where SUB (groups a super-block) is not 0 (a K-quant's integer
-    times its float16 d: exact)."""
-    f = tl.load(Plane + gi * N + n, mask=mask, other=0).to(tl.float32)
+def _super_block(code0, G: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr):
+    """The super-block of a tile of TILE codes from code `code0` (0 without super-blocks);
+    the tile must lie within one."""
     if SUB > 0:
-        f *= tl.load(Super + (gi // SUB) * N + n, mask=mask, other=0.0).to(tl.float32)
+        tl.static_assert((SUB * G) % TILE == 0)
+        si = code0 // (SUB * G)
+    else:
+        si = 0
+    return si
+
+
+@triton.jit
+def _tile_factor(Plane, Super, gi, si, offs_n, mask, mask_n, N, SUB: tl.constexpr):
+    """The float32 scales (or offsets) [BLOCK_N, groups] of groups `gi` [1, groups] of outputs
+    `offs_n`: the plane's values, times, where SUB (groups a super-block) is not 0, the
+    factor of super-block `si` (a K-quant's integer times its float16 d: exact). A tile lies
+    within one super-block (the kernels' tiles divide its codes and start at multiples of
+    their size), so its factors are loaded once a tile, not once a group (a gather per group
+    ran 16% slower at 4-16 rows of Q4_K on an H100)."""
+    f = tl.load(Plane + gi * N + offs_n[:, None], mask=mask, other=0).to(tl.float32)
+    if SUB > 0:
+        f *= tl.load(Super + si * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return f
 
 
@@ -149,11 +156,12 @@ def _tile_weights(Q, e0, end, offs_n, mask_n, Scale, Offset, SuperScale, SuperOf
         gs = tl.arange(0, BLOCK_K // G)
         wmask = mask_n[:, None] & (e0 + gs * G < end)[None, :]
         gi = (e0 // G + gs)[None, :]
-    n = offs_n[:, None]
-    scale = _group_factor(Scale, SuperScale, gi, n, wmask, N, SUB)
+    PER: tl.constexpr = 8 if BITS == 4 else 1
+    si = _super_block(e0 * PER, G, SUB, BLOCK_K)
+    scale = _tile_factor(Scale, SuperScale, gi, si, offs_n, wmask, mask_n, N, SUB)
     w = (bits.to(tl.float32, bitcast=True) - (12582912.0 + ZERO)) * scale[:, :, None]
     if HAS_OFFSET:
-        w += _group_factor(Offset, SuperOffset, gi, n, wmask, N, SUB)[:, :, None]
+        w += _tile_factor(Offset, SuperOffset, gi, si, offs_n, wmask, mask_n, N, SUB)[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
@@ -350,10 +358,12 @@ def _gguf_gemv_kernel(
             part += _word_plane(words, hi, j, BITS, SIGNED, ZERO, magic) * x[None, :]
             if HAS_OFFSET:
                 xsum += x
-        gi, n = (ws // WPG)[None, :], rows[:, None]
-        acc += part * _group_factor(Scale, SuperScale, gi, n, wmask, N, SUB)
+        gi = (ws // WPG)[None, :]
+        si = _super_block(w0 * PER, G, SUB, BW * PER)
+        acc += part * _tile_factor(Scale, SuperScale, gi, si, rows, wmask, rmask, N, SUB)
         if HAS_OFFSET:
-            acc += _group_factor(Offset, SuperOffset, gi, n, wmask, N, SUB) * xsum[None, :]
+            offset = _tile_factor(Offset, SuperOffset, gi, si, rows, wmask, rmask, N, SUB)
+            acc += offset * xsum[None, :]
     _finish(
         tl.sum(acc, axis=1), block, split, rows, rmask, Out, Bias, Bias, 1.0, Partials, Counters, N,
         SPLIT_K, HAS_BIAS, False,
@@ -373,11 +383,12 @@ def _dequantize_kernel(
     GROUPS: tl.constexpr = BLOCK_K // G
     offs_g = k0 // G + tl.arange(0, GROUPS)
     gmask = mask_n[:, None] & (offs_g < K // G)[None, :]
-    gi, n = offs_g[None, :], offs_n[:, None]
-    scale = _group_factor(Scale, SuperScale, gi, n, gmask, N, SUB)
+    gi = offs_g[None, :]
+    si = _super_block(k0, G, SUB, BLOCK_K)
+    scale = _tile_factor(Scale, SuperScale, gi, si, offs_n, gmask, mask_n, N, SUB)
     w = tl.reshape(c, (BLOCK_N, GROUPS, G)) * scale[:, :, None]
     if HAS_OFFSET:
-        w += _group_factor(Offset, SuperOffset, gi, n, gmask, N, SUB)[:, :, None]
+        w += _tile_factor(Offset, SuperOffset, gi, si, offs_n, gmask, mask_n, N, SUB)[:, :, None]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out = Out + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     mask = mask_n[:, None] & (offs_k < K)[None, :]
@@ -490,25 +501,8 @@ def gguf_linear(
     m, k = x.shape
     if m < 1:
         raise ValueError(f"x must have at least one row, got shape {tuple(x.shape)}")
-    g, bits = planes.group_size, planes.bits
-    if g not in (16, 32) or k % g:
-        raise ValueError(f"planes.group_size must be 16 or 32 and divide K = {k}, got {g}")
-    codes = planes.codes
-    if bits == 4:
-        check_tensor("planes.codes", codes, ndim=2, dtypes=(torch.int32,), device=x.device)
-        n = codes.shape[0]
-        check_shape("planes.codes", codes, (n, k // 8))
-    elif bits == 8:
-        dtypes = (torch.int8, torch.uint8)
-        check_tensor("planes.codes", codes, ndim=2, dtypes=dtypes, device=x.device)
-        n = codes.shape[0]
-        check_shape("planes.codes", codes, (n, k))
-    else:
-        raise ValueError(f"planes.bits must be 4 or 8, got {bits!r}")
-    check_contiguous("planes.codes", codes)
-    if n < 1:
-        raise ValueError(f"planes.codes must have at least one row, got {tuple(codes.shape)}")
-    _check_planes(planes, n, k, x.device)
+    n = planes.check(k, x.device)
+    bits, codes = planes.bits, planes.codes
     m, out = _check_common(x, n, bias, out)
     bias_arg = bias if bias is not None else planes.scale
     if m == 1:
@@ -535,31 +529,6 @@ def gguf_linear(
     fixed = INTERPRET_ROWS if triton.knobs.runtime.interpret else {}
     _launch_rows(_kernel, x, planes, bias, out, fixed)
     return out
-
-
-def _check_planes(planes: KernelPlanes, n: int, k: int, device: torch.device) -> None:
-    g, p = planes.group_size, planes
-    factored = p.super_scale is not None
-    if factored and k % SUPER_BLOCK:
-        raise ValueError(f"planes with super-block factors need K a multiple of 256, got {k}")
-    if (p.super_offset is not None) != (factored and p.offset is not None):
-        raise ValueError(
-            "planes.super_offset must be given exactly when planes.offset and "
-            "planes.super_scale both are"
-        )
-    ints = (torch.int8, torch.uint8)
-    group_dtypes = ints if factored else (torch.float16, torch.float32)
-    for name, t, shape, dtypes in (
-        ("planes.scale", p.scale, (k // g, n), group_dtypes),
-        ("planes.offset", p.offset, (k // g, n), group_dtypes),
-        ("planes.super_scale", p.super_scale, (k // SUPER_BLOCK, n), (torch.float16,)),
-        ("planes.super_offset", p.super_offset, (k // SUPER_BLOCK, n), (torch.float16,)),
-    ):
-        if t is None and name != "planes.scale":
-            continue
-        check_tensor(name, t, ndim=2, dtypes=dtypes, device=device)
-        check_shape(name, t, shape)
-        check_contiguous(name, t)
 
 
 def _launch_rows(kernel, x, planes: KernelPlanes, bias, out, meta: dict) -> None:

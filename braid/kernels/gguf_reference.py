@@ -203,6 +203,46 @@ class KernelPlanes:
         """A copy with every plane on `device`."""
         return replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
 
+    def check(self, k: int, device: torch.device) -> int:
+        """N, once the planes are checked as `gguf_linear`'s for K inputs on `device`
+        (`ValueError` naming the first wrong one)."""
+        from braid.kernels._checks import check_contiguous, check_shape, check_tensor
+
+        g, bits, codes = self.group_size, self.bits, self.codes
+        if g not in (16, 32) or k % g:
+            raise ValueError(f"planes.group_size must be 16 or 32 and divide K = {k}, got {g}")
+        if bits not in (4, 8):
+            raise ValueError(f"planes.bits must be 4 or 8, got {bits!r}")
+        dtypes = (torch.int32,) if bits == 4 else (torch.int8, torch.uint8)
+        check_tensor("planes.codes", codes, ndim=2, dtypes=dtypes, device=device)
+        n = codes.shape[0]
+        check_shape("planes.codes", codes, (n, k // 8 if bits == 4 else k))
+        check_contiguous("planes.codes", codes)
+        if n < 1:
+            raise ValueError(f"planes.codes must have at least one row, got {tuple(codes.shape)}")
+        factored = self.super_scale is not None
+        if factored and k % SUPER_BLOCK:
+            raise ValueError(f"planes with super-block factors need K a multiple of 256, got {k}")
+        if (self.super_offset is not None) != (factored and self.offset is not None):
+            raise ValueError(
+                "planes.super_offset must be given exactly when planes.offset and "
+                "planes.super_scale both are"
+            )
+        groups = (torch.int8, torch.uint8) if factored else (torch.float16, torch.float32)
+        for name, shape, dtypes in (
+            ("scale", (k // g, n), groups),
+            ("offset", (k // g, n), groups),
+            ("super_scale", (k // SUPER_BLOCK, n), (torch.float16,)),
+            ("super_offset", (k // SUPER_BLOCK, n), (torch.float16,)),
+        ):
+            t = getattr(self, name)
+            if t is None and name != "scale":
+                continue
+            check_tensor(f"planes.{name}", t, ndim=2, dtypes=dtypes, device=device)
+            check_shape(f"planes.{name}", t, shape)
+            check_contiguous(f"planes.{name}", t)
+        return n
+
 
 def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
     from braid.kernels.quant_reference import pack_int4
