@@ -177,13 +177,14 @@ def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
 class KernelPlanes:
     """`braid.kernels.gguf_linear`'s operands for one weight of N rows, K columns:
     `codes`: int32 [N, K / 8] (4-bit codes packed along K, the first in the lowest nibble) or
-    int8 / uint8 [N, K]; `scale`, `offset`: [K / G, N] float16 where that is exact (Q4_0,
-    Q4_1, Q8_0); `offset` None where there is none (`NO_OFFSET`); `zero`: the codes' zero
-    point, W[n, k] = (code - zero) * scale + offset (`ZERO_POINTS`). The K-quants hold their
-    scales as the file does: `scale` (and `offset`) are the sub-blocks' integers (uint8 or
-    int8) and `super_scale` (`super_offset`) float16 [K / 256, N] their super-blocks' factors,
-    scale = scale * super_scale[g // (256 / G)] (exact in float32). Bits a weight: Q4_0 4.5,
-    Q4_1 5, Q8_0 8.5, Q4_K 4.625, Q6_K 8.5625 (its 6-bit codes as bytes)."""
+    int8 / uint8 [N, K]; `scale`, `offset`: [K / G, N] float16 (Q4_0, Q4_1, Q8_0: the
+    blocks' own d and m); `offset` None where there is none (`NO_OFFSET`); `zero`: the
+    codes' zero point, W[n, k] = (code - zero) * scale + offset (`ZERO_POINTS`). The K-quants
+    hold their scales as the file does: `scale` (and `offset`) are the sub-blocks' integers
+    (uint8 or int8) and `super_scale` (`super_offset`) float16 [K / 256, N] their
+    super-blocks' factors, scale = scale * super_scale[g // (256 / G)] (exact in float32).
+    Bits a weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.625, Q6_K 8.5625 (its 6-bit codes as
+    bytes)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
