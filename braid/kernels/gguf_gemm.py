@@ -407,8 +407,8 @@ def _planes(planes: KernelPlanes) -> tuple[list[torch.Tensor], dict]:
 
 
 def dequantize_gguf(planes: KernelPlanes, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight `planes` hold as [N, k] in `dtype`: code * scale + offset, exact in float32,
-    rounded once to `dtype` (a rounding of each weight for bfloat16 and float16)."""
+    """The weight `planes` hold as [N, k] in `dtype`: (code - zero) * scale + offset, exact in
+    float32, rounded once to `dtype` (a rounding of each weight for bfloat16 and float16)."""
     n = planes.codes.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=planes.codes.device)
     block_n, block_k = 32, 128

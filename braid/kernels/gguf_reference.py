@@ -229,7 +229,7 @@ class KernelPlanes:
                 "planes.super_offset must be given exactly when planes.offset and "
                 "planes.super_scale both are"
             )
-        groups = (torch.int8, torch.uint8) if factored else (torch.float16, torch.float32)
+        groups = (torch.int8, torch.uint8) if factored else (torch.float16,)
         for name, shape, dtypes in (
             ("scale", (k // g, n), groups),
             ("offset", (k // g, n), groups),
@@ -251,9 +251,12 @@ def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
     bits = CODE_BITS[qtype]
     codes = pack_int4(planes.codes) if bits == 4 else planes.codes.contiguous()
     zero = ZERO_POINTS.get(qtype, 0)
-    if qtype in NO_OFFSET and not torch.equal(planes.offset, -zero * planes.scale):
-        # The offset is -zero * scale (zero for Q8_0): held in the zero point instead.
-        raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
+    if qtype in NO_OFFSET:
+        # The offset is -zero * scale (zero for Q8_0): held in the zero point instead. A
+        # non-finite scale (a broken block) stays the weight it was (inf or NaN).
+        same = (planes.offset == -zero * planes.scale) | ~torch.isfinite(planes.scale)
+        if not bool(same.all()):
+            raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
 
     def plane(t: torch.Tensor) -> torch.Tensor:
         return t.T.contiguous()

@@ -2,8 +2,9 @@
 the kernel planes exact, and `gguf_linear` against its dequantize-then-matmul reference (one
 row: the split-K GEMV; several rows: a tl.dot per tile of groups, the weight rounded to x's
 dtype; many rows: the weight written out (`dequantize_gguf`, exact in float32) then a matmul;
-ragged N and K past the tile; bias; float16 planes and float32 ones); argument checks. On a
-GPU: Llama-3.1-8B shapes in bfloat16 for every type and row class, and CUDA-graph capture."""
+ragged N and K past the tile; bias; the K-quants' super-blocks across splits); argument
+checks. On a GPU: Llama-3.1-8B shapes in bfloat16 for every type and row class, and
+CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ def test_decoders_equal_gguf_py_bit_for_bit(qtype):
     assert held * 8 == bits * raw.shape[0] * 512
 
 
+def test_a_block_with_a_non_finite_scale_keeps_its_weights():
+    # A broken block (d inf or NaN) loads as the weights it decodes to, as the float path's.
+    raw = _raw("Q8_0", 2, 64)
+    raw[0, 0:2] = torch.tensor([float("inf")]).half().view(torch.uint8)
+    planes = kernel_planes(decode(raw, "Q8_0"), "Q8_0")
+    want = dequantize(raw, "Q8_0")
+    got = dequantize_kernel_planes(planes)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        got.nan_to_num(), want.nan_to_num()
+    )
+
+
 def test_gguf_py_quantized_blocks_decode_to_its_values():
     w = torch.randn(16, 64).numpy()
     for qtype in ("Q4_0", "Q4_1", "Q8_0"):
@@ -75,9 +88,10 @@ def _close(got, want):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 20, DEQUANTIZE_MIN_ROWS])
 def test_gguf_linear_matches_reference(device, qtype, dtype, m):
-    # N = 40: a ragged last tile; K = 96: not a whole number of 64-wide tiles (the K-quants'
-    # 512 is).
-    k = 512 if qtype.endswith("_K") else 96
+    # N = 40: a ragged last tile; K = 96: not a whole number of 64-wide tiles. The K-quants'
+    # 1024: four super-blocks, two in each of the interpreter's two splits (a super-block
+    # index taken from the split's start, not the tile's, fails here).
+    k = 1024 if qtype.endswith("_K") else 96
     scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
     planes = kernel_planes(decode(_raw(qtype, 40, k, scale=scale), qtype), qtype)
     planes = planes.to(device)
@@ -102,8 +116,8 @@ def test_gguf_linear_with_the_weights_as_the_left_operand_matches_reference(
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_gguf_writes_the_exact_weights(device, qtype):
-    # N = 40 and K = 96 (512 for the K-quants): ragged tiles both ways.
-    k = 512 if qtype.endswith("_K") else 96
+    # N = 40 and K = 96 (1024 for the K-quants): ragged tiles both ways.
+    k = 1024 if qtype.endswith("_K") else 96
     planes = kernel_planes(decode(_raw(qtype, 40, k), qtype), qtype)
     want = dequantize_kernel_planes(planes)
     planes = planes.to(device)
@@ -131,10 +145,15 @@ def test_gguf_linear_checks_its_arguments(device):
     x = torch.randn(2, 256)
     with pytest.raises(ValueError, match="planes.super_offset must be given exactly"):
         gguf_linear(x, dataclasses.replace(kq, super_offset=None))
+    q6 = kernel_planes(decode(_raw("Q6_K", 16, 256), "Q6_K"), "Q6_K")
+    with pytest.raises(ValueError, match="planes.super_offset must be given exactly"):
+        gguf_linear(x, dataclasses.replace(q6, super_offset=kq.super_offset))
     with pytest.raises(
-        ValueError, match=r"planes.scale must be one of \(float16, float32\), got torch.uint8"
+        ValueError, match=r"planes.scale must be one of \(float16\), got torch.uint8"
     ):
         gguf_linear(x, dataclasses.replace(kq, super_scale=None, super_offset=None))
+    with pytest.raises(ValueError, match="planes.super_scale must be one of"):
+        gguf_linear(x, dataclasses.replace(kq, super_scale=kq.super_scale.float()))
     with pytest.raises(ValueError, match="planes.super_scale must have shape"):
         gguf_linear(x, dataclasses.replace(kq, super_scale=kq.super_scale.repeat(2, 1)))
     half = dataclasses.replace(

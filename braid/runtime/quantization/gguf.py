@@ -14,8 +14,9 @@ too (a `GGUFLinearMethod` of its own, `LMHead.keep_gguf_blocks`; without tensor 
 for steps of few rows, beside the float weight (its tied embedding's table).
 
 Kernels, chosen once per segment in `finish_loading`:
-- CUDA: `braid.kernels.gguf_linear` over the blocks decoded into exact codes and per-group
-  scale and offset planes (`gguf_reference.KernelPlanes`), in the model's dtype;
+- CUDA: `braid.kernels.gguf_linear` over the blocks decoded into exact codes and the blocks'
+  own scales (`gguf_reference.KernelPlanes`: per group, and the K-quants' per super-block),
+  in the model's dtype;
 - CPU: torch's int4 weight-packed matmul (`gguf_cpu.py`: bfloat16 activations, codes exact,
   scales rounded to bfloat16), when N is a multiple of 16;
 - otherwise: the torch reference over the decoded planes (weights still quantized in memory).
