@@ -78,6 +78,7 @@ def kernels(
     rows: list[int],
     baseline: str | None = None,
     baseline_reference: str | None = None,
+    types: tuple[str, ...] = TYPES,
 ) -> list[dict]:
     import torch.nn.functional as F
 
@@ -97,7 +98,7 @@ def kernels(
     old_ref = _load(baseline_reference, "gguf_reference_baseline") if baseline_reference else None
     out = []
     gen = torch.Generator().manual_seed(0)
-    for qtype in TYPES:
+    for qtype in types:
         layer: dict[int, dict[str, float]] = {}
         for name, (n, k) in shapes.items():
             scale = 0.02 / 24 if qtype.endswith("_K") else 0.02
@@ -215,6 +216,7 @@ def main() -> None:
         help="another gguf_reference.py whose kernel_planes make the baseline's planes",
     )
     ap.add_argument("--rows", default="1,16,512", help="comma-separated row counts")
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated GGUF types")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -228,7 +230,10 @@ def main() -> None:
     if cuda:
         fields["copy"] = copy_bandwidth("cuda")
     rows = [int(r) for r in args.rows.split(",")]
-    fields["kernels"] = kernels(device, shapes, rows, args.baseline, args.baseline_reference)
+    types = tuple(args.types.split(","))
+    if unknown := set(types) - set(TYPES):
+        ap.error(f"--types: unknown {sorted(unknown)}; known: {', '.join(TYPES)}")
+    fields["kernels"] = kernels(device, shapes, rows, args.baseline, args.baseline_reference, types)
     if cuda:
         rate = fields["copy"]["bytes_per_s"]
         for row in fields["kernels"]:

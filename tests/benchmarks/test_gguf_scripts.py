@@ -56,13 +56,15 @@ def test_gguf_gpu_tiny_run_checks_every_type(tmp_path):
 
 def test_gguf_gpu_times_a_baseline_with_its_own_planes(tmp_path):
     # The kernel and the planes of the working tree given as the baseline: each row carries
-    # the baseline's time and its error against the reference of today's planes.
-    args = ["benchmarks/gguf_gpu.py", "--tiny", "--rows", "1"]
+    # the baseline's time and its error against the reference of today's planes (a zero
+    # point's type and a K-quant's).
+    args = ["benchmarks/gguf_gpu.py", "--tiny", "--rows", "1", "--types", "Q4_0,Q4_K"]
     args += ["--baseline", "braid/kernels/gguf_gemm.py"]
     args += ["--baseline-reference", "braid/kernels/gguf_reference.py"]
     r = _run(args, tmp_path / "g.json", TRITON_INTERPRET="1")
     rows = [row for row in r["kernels"] if row["layer"] != "layer"]
-    assert len(rows) == 5 and all(row["baseline_us"] > 0 for row in rows)
+    assert [row["type"] for row in rows] == ["Q4_0", "Q4_K"]
+    assert all(row["baseline_us"] > 0 for row in rows)
     assert all(row["baseline_max_abs_err_vs_reference"] < 1e-2 for row in rows)
 
 
