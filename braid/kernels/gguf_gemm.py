@@ -495,12 +495,12 @@ def gguf_linear(
 
     `x`: [M, K] float, M >= 1, unit stride in K; `planes.codes`: contiguous int32 [N, K / 8]
     (bits 4) or int8 / uint8 [N, K] (bits 8); `planes.scale` (and `planes.offset`, or None):
-    contiguous float16 or float32 [K / G, N], or with `planes.super_scale` (and
-    `planes.super_offset`: contiguous float16 [K / 256, N], K a multiple of 256) int8 / uint8
-    [K / G, N]; G 16 or 32 dividing K; `bias`: contiguous [N]
-    of x's dtype, or None; `out`: [M, N] of x's dtype with unit stride in N (else a new
-    tensor). All on x's device. Float32 x multiplies in full precision (no TF32). Never
-    synchronises with the host once (N, K, G, bits, row class) has run once on CUDA.
+    contiguous float16 [K / G, N], or with `planes.super_scale` (and `planes.super_offset`:
+    contiguous float16 [K / 256, N], K a multiple of 256) int8 / uint8 [K / G, N]; G 16 or
+    32 dividing K (`KernelPlanes.check`); `bias`: contiguous [N] of x's dtype, or None;
+    `out`: [M, N] of x's dtype with unit stride in N (else a new tensor). All on x's
+    device. Float32 x multiplies in full precision (no TF32). Never synchronises with the
+    host once (N, K, G, bits, row class) has run once on CUDA.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape

@@ -97,9 +97,9 @@ def row_elements(qtype: str, nbytes: int) -> int:
     return nbytes // size * block
 
 
-def _f16(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., 2] bytes -> [...] `dtype`, read as little-endian float16."""
-    return b.contiguous().view(torch.float16).squeeze(-1).to(dtype)
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> [...] float32, read as little-endian float16."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ def kernel_planes(planes: Planes, qtype: str) -> KernelPlanes:
     zero = ZERO_POINTS.get(qtype, 0)
     if qtype in NO_OFFSET:
         # The offset is -zero * scale (zero for Q8_0): held in the zero point instead. A
-        # non-finite scale (a broken block) stays the weight it was (inf or NaN).
+        # non-finite scale (a broken block) still loads, its weights inf or NaN.
         same = (planes.offset == -zero * planes.scale) | ~torch.isfinite(planes.scale)
         if not bool(same.all()):
             raise ValueError(f"{qtype} planes must have offset {-zero} * scale")
