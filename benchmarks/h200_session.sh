@@ -70,9 +70,10 @@
 #          decode of bf16 (its roofline fraction), int4 and fp8 end to end (issue 18)
 #   part 17 (twenty-eighth session, issue 18: GGUF at 16 rows ran at 0.05-0.49x bf16 on an
 #          H100): the several-row GGUF kernel in tiles of groups, its GPU tests and the kept
-#          model's, then its timings at 1-64 rows against 9e5b7bb's kernel (`git show
-#          9e5b7bb:braid/kernels/gguf_gemm.py > .gpu/gguf_gemm_9e5b7bb.py`, carried with
-#          .gpu; BASE=FILE another), on any GPU
+#          model's, then its timings at 1-64 rows against b3649ac's kernel and planes (`git
+#          show b3649ac:braid/kernels/gguf_gemm.py > .gpu/gguf_gemm_b3649ac.py`, the same
+#          for gguf_reference.py, carried with .gpu; BASE=FILE BASE_REF=FILE others; the
+#          twenty-eighth session's run was against 9e5b7bb's kernel), on any GPU
 set -u
 part=${1:?part 1 to 17}
 source "$(dirname "$0")/step.sh"
@@ -253,8 +254,12 @@ if [ "$part" = 17 ]; then
     TAIL=4 step 240 pytest_gguf python -m pytest -q -p no:cacheprovider -m gpu -rfE \
         tests/kernels/test_gguf_gemm.py tests/kernels/test_quant_gemv.py tests/runtime/test_gguf.py
     pack
+    # The baseline's own planes (twenty-ninth session: the planes' layout changed at 4f57a80;
+    # `git show b3649ac:braid/kernels/gguf_reference.py > .gpu/gguf_reference_b3649ac.py`).
     TAIL=30 step 300 gguf_gpu python benchmarks/gguf_gpu.py --kernels-only --rows 1,4,16,64 \
-        --baseline "${BASE:-.gpu/gguf_gemm_9e5b7bb.py}" --out "$OUT/r/gguf_gpu_rows_cuda.json"
+        --baseline "${BASE:-.gpu/gguf_gemm_b3649ac.py}" \
+        --baseline-reference "${BASE_REF:-.gpu/gguf_reference_b3649ac.py}" \
+        --out "$OUT/r/gguf_gpu_rows_cuda.json"
 fi
 kill "$smi"
 pack
