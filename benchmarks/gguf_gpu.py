@@ -54,7 +54,8 @@ def _load(path: str, name: str):
 
 
 def _copies(planes, device: torch.device, copies: int) -> list:
-    """`copies` copies of `planes` on `device` (cycled so that each call reads from memory)."""
+    """`copies` copies of `planes` on `device` (cycled so that each call reads from memory);
+    every tensor field, so an earlier reference's planes (no `KernelPlanes.to`) copy too."""
     out = []
     for _ in range(copies):
         c = dataclasses.replace(planes)
@@ -118,7 +119,8 @@ def kernels(
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 got = gguf_linear(x, copy[0])  # autotunes this (N, K, G, bits, rows) once
-                err = (got.float() - gguf_linear_reference(x, copy[0]).float()).abs().max()
+                want = gguf_linear_reference(x, copy[0]).float()
+                err = (got.float() - want).abs().max()
                 row = {"type": qtype, "layer": name, "n": n, "k": k, "rows": m}
                 row["max_abs_err_vs_reference"] = err.item()
                 row["weight_bytes"] = nbytes
@@ -136,7 +138,6 @@ def kernels(
                     "weight_gb_per_s": round(nbytes / us / 1e3, 1),
                 }
                 if old is not None:
-                    want = gguf_linear_reference(x, copy[0]).float()
                     err_old = (old(x, old_copy[0]).float() - want).abs().max().item()
                     row["baseline_max_abs_err_vs_reference"] = err_old
                     row["baseline_us"] = round(

@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from braid.kernels._checks import check_contiguous, check_shape, check_tensor
+
 # type name -> (elements per block, bytes per block)
 BLOCK_LAYOUTS: dict[str, tuple[int, int]] = {
     "Q4_0": (32, 18),
@@ -207,8 +209,6 @@ class KernelPlanes:
     def check(self, k: int, device: torch.device) -> int:
         """N, once the planes are checked as `gguf_linear`'s for K inputs on `device`
         (`ValueError` naming the first wrong one)."""
-        from braid.kernels._checks import check_contiguous, check_shape, check_tensor
-
         g, bits, codes = self.group_size, self.bits, self.codes
         if g not in (16, 32) or k % g:
             raise ValueError(f"planes.group_size must be 16 or 32 and divide K = {k}, got {g}")
