@@ -120,16 +120,12 @@ def _tile_factor(Plane, Super, gi, si, offs_n, mask, mask_n, N, SUB: tl.constexp
     `offs_n`: the plane's values, times, where SUB (groups a super-block) is not 0, the
     factor of super-block `si` (a K-quant's integer times its float16 d: exact). A tile lies
     within one super-block (the kernels' tiles divide its codes and start at multiples of
-    their size), so its factors are loaded once a tile, not once a group."""
-    v = tl.load(Plane + gi * N + offs_n[:, None], mask=mask, other=0)
+    their size), so its factors are loaded once a tile, not once a group. The integers are
+    converted as they are: through the bits of 1.5 * 2**23 (as the codes are) the several-row
+    kernel ran 6-19% slower at 16-64 rows of Q4_K and Q6_K on an H100 (docs/benchmarks.md)."""
+    f = tl.load(Plane + gi * N + offs_n[:, None], mask=mask, other=0).to(tl.float32)
     if SUB > 0:
-        # The integer (uint8 or int8) as a float through the bits of 1.5 * 2**23 with it
-        # added in, less that float (exact): an integer-to-float conversion runs at a
-        # quarter of the float rate.
-        f = (v.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         f *= tl.load(Super + si * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    else:
-        f = v.to(tl.float32)
     return f
 
 
