@@ -122,7 +122,7 @@ def _tile_factor(Plane, Super, gi, si, offs_n, mask, mask_n, N, SUB: tl.constexp
     within one super-block (the kernels' tiles divide its codes and start at multiples of
     their size), so its factors are loaded once a tile, not once a group. The integers are
     converted as they are: through the bits of 1.5 * 2**23 (as the codes are) the several-row
-    kernel ran 6-19% slower at 16-64 rows of Q4_K and Q6_K on an H100 (docs/benchmarks.md)."""
+    kernel took 6-23% longer at 16-64 rows of Q4_K and Q6_K on an H100 (docs/benchmarks.md)."""
     f = tl.load(Plane + gi * N + offs_n[:, None], mask=mask, other=0).to(tl.float32)
     if SUB > 0:
         f *= tl.load(Super + si * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
