@@ -355,7 +355,12 @@ def test_tensor_parallelism_refuses_the_blocks_and_splits_the_dequantized_file(b
 
     def runner(**kw) -> ModelRunner:
         config = EngineConfig(
-            model=str(blocks_dir), device="cpu", kv_tokens=64, show_progress=False, **kw
+            model=str(blocks_dir),
+            device="cpu",
+            kv_tokens=64,
+            show_progress=False,
+            tp_size=2,
+            **kw,
         )
         return ModelRunner(config, ModelConfig.from_dir(blocks_dir), blocks_dir, tp=rank1)
 

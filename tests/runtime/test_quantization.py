@@ -272,10 +272,13 @@ def test_tensor_parallelism_of_a_quantized_checkpoint_is_refused_naming_its_meth
 
     path, _ = checkpoints["awq"]
     rank1 = TPGroup(rank=1, size=2, local_rank=1, device_group=None, cpu_group=None)
-    config = EngineConfig(model=str(path), device="cpu", kv_tokens=64, show_progress=False)
-    with pytest.raises(
-        ValueError, match=r"tensor parallelism of quantized checkpoints \(quant_method 'awq'\)"
-    ):
+    config = EngineConfig(
+        model=str(path), device="cpu", kv_tokens=64, show_progress=False, tp_size=2
+    )
+    match = r"tensor parallelism of quantized checkpoints \(quant_method 'awq'\)"
+    with pytest.raises(ValueError, match=match):
+        config.check_model(ModelConfig.from_dir(path))  # the front end's check
+    with pytest.raises(ValueError, match=match):
         ModelRunner(config, ModelConfig.from_dir(path), path, tp=rank1)
 
 

@@ -8,6 +8,7 @@ two `braid serve` invocations form one group across two "nodes"."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -24,7 +25,7 @@ from transformers import AutoModelForCausalLM
 import braid
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, sharding
-from braid.runtime.layers.parallel import head_shard
+from braid.runtime.distributed.split import check_model_split, head_shard
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.server.launcher import free_port, start_server
@@ -284,8 +285,43 @@ def test_sigterm_to_the_scheduler_stops_the_other_ranks_cleanly(tiny_model_dirs)
 
 
 def test_a_split_that_does_not_divide_fails_at_start_naming_it(tiny_model_dirs):
+    """Refused in the front end, from config.json, before any runtime process starts."""
+    before = set(psutil.Process().children(recursive=True))
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not a multiple of"):
         braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, tp_size=3, show_progress=False)
+    assert set(psutil.Process().children(recursive=True)) == before
+    cfg = ModelConfig.from_dir(tiny_model_dirs["llama"])
+    check_model_split(cfg, 2)  # 4 query heads, 2 KV heads: even
+    with pytest.raises(
+        ValueError, match="intermediate_size \\(66\\) is not a multiple of tp_size \\(4\\)"
+    ):
+        check_model_split(dataclasses.replace(cfg, intermediate_size=66), 4)
+
+
+def test_serve_with_a_split_that_does_not_divide_exits_2_before_the_runtime(tiny_model_dirs):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "braid",
+            "serve",
+            "--model",
+            str(tiny_model_dirs["llama"]),
+            "--tp-size",
+            "3",
+            "--device",
+            "cpu",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "is not a multiple of" in line]
+    assert len(errors) == 1 and "num_attention_heads (4)" in errors[0], run.stderr
+    assert "KV cache" not in run.stderr and "Traceback" not in run.stderr
 
 
 def test_two_braid_serve_nodes_form_one_group(tmp_path):

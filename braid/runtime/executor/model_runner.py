@@ -22,10 +22,10 @@ from braid.runtime.cache.memory_pool import KVPool, ReqToTokenPool
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, sharding
 from braid.runtime.distributed.plan import PlanSender
+from braid.runtime.distributed.split import head_shard
 from braid.runtime.executor.cuda_graph import CudaGraphRunner
 from braid.runtime.executor.profiler import PROFILER
 from braid.runtime.forward_batch import ForwardBatch, ForwardMode
-from braid.runtime.layers.parallel import head_shard
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.multimodal.encoder_cache import EncoderCache
@@ -81,30 +81,12 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype(model_config.dtype)
         self.kv_dtype = config.kv_torch_dtype(self.dtype)
+        config.check_model(model_config)
         ctx = config.context_length or model_config.max_position_embeddings
-        if config.context_length and config.context_length > model_config.max_position_embeddings:
-            raise ValueError(
-                f"context_length {config.context_length} exceeds the model's "
-                f"max_position_embeddings ({model_config.max_position_embeddings})"
-            )
         # Start-up phases in seconds (the ready line's): weights, KV cache, graphs.
         self.phases: dict[str, float] = {}
         mark = time.perf_counter()
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
-        if tp is not None and model_config.is_multimodal:
-            raise ValueError(
-                f"tensor parallelism of vision-language models ({model_config.architecture}) "
-                "is not supported yet"
-            )
-        qc = model_config.quantization_config
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        # A GGUF file loaded with dequantize_gguf is a float checkpoint (`build_model`).
-        if tp is not None and qc and not (method == "gguf" and config.dequantize_gguf):
-            hint = "; dequantize_gguf loads a GGUF file as floats" if method == "gguf" else ""
-            raise ValueError(
-                f"tensor parallelism of quantized checkpoints (quant_method {method!r}) is not "
-                f"supported yet{hint}"
-            )
         self.heads = head_shard(model_config.num_heads, model_config.num_kv_heads, rank, size)
         with sharding(tp):
             self.model = build_model(

@@ -16,62 +16,14 @@ checkpoint tensor, and reads only that block when the loader hands it a safetens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from braid.runtime.distributed.group import TPGroup, building_group
+from braid.runtime.distributed.split import HeadShard, even_block, head_shard
 from braid.runtime.layers.embedding import LMHead, VocabEmbedding
 from braid.runtime.layers.linear import Linear
-
-
-@dataclass(frozen=True)
-class HeadShard:
-    """The attention heads one rank holds: query heads [q_start, q_start + num_heads) and key/
-    value heads [kv_start, kv_start + num_kv_heads) of the model's."""
-
-    num_heads: int
-    num_kv_heads: int
-    q_start: int
-    kv_start: int
-
-
-def head_shard(num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadShard:
-    """Split the heads over `size` ranks. Query heads divide evenly; key/value heads too when
-    there are at least as many as ranks, and otherwise each rank holds (a copy of) the one its
-    query heads read (grouped-query attention with more ranks than KV heads). `ValueError`
-    for a split that does not come out even."""
-    if num_heads % size:
-        raise ValueError(
-            f"tensor parallelism: num_attention_heads ({num_heads}) is not a multiple of "
-            f"tp_size ({size})"
-        )
-    heads = num_heads // size
-    if num_kv_heads >= size:
-        if num_kv_heads % size:
-            raise ValueError(
-                f"tensor parallelism: num_key_value_heads ({num_kv_heads}) is not a multiple "
-                f"of tp_size ({size})"
-            )
-        kv = num_kv_heads // size
-        return HeadShard(heads, kv, rank * heads, rank * kv)
-    if size % num_kv_heads:
-        raise ValueError(
-            f"tensor parallelism: tp_size ({size}) is not a multiple of num_key_value_heads "
-            f"({num_kv_heads})"
-        )
-    group = num_heads // num_kv_heads  # query heads per KV head
-    return HeadShard(heads, 1, rank * heads, rank * heads // group)
-
-
-def even_block(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
-    """(start, size) of rank `rank`'s block of `total` split evenly over `size` ranks."""
-    if total % size:
-        raise ValueError(f"tensor parallelism: {what} ({total}) is not a multiple of tp_size")
-    n = total // size
-    return rank * n, n
 
 
 def read_block(loaded, dim: int, start: int, size: int) -> torch.Tensor:

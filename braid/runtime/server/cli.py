@@ -384,13 +384,14 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         use_braid_triton_cache()
 
         try:
-            path = ModelAssets.load(
+            follower = ModelAssets.load(
                 config.model, revision=config.revision, gguf_file=config.gguf_file
-            ).path
+            )
+            config.check_model(follower.config)
         except ValueError as e:
             logger.error("braid serve: %s", e)
             return 2
-        return serve_followers(config, path, level)
+        return serve_followers(config, follower.path, level)
     try:
         assets = ModelAssets.load(  # small JSON files; the tokenizer loads below
             config.model,
@@ -398,6 +399,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             revision=config.revision,
             gguf_file=config.gguf_file,
         )
+        config.check_model(assets.config)
         api_key = _api_key(settings)
         chat_template = settings.chat_template and read_chat_template(settings.chat_template)
         listener = bind_listener(settings.host, settings.port)  # before the model loads
