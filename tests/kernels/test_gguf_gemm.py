@@ -105,12 +105,15 @@ def test_gguf_linear_matches_reference(device, qtype, dtype, m):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("m", [3, 20])
-def test_gguf_linear_with_the_weights_as_the_left_operand_matches_reference(
-    device, qtype, dtype, m, monkeypatch
+@pytest.mark.parametrize("setting", [("SWAP", True), ("BLOCK_M", 32)])
+def test_gguf_linear_in_other_launch_shapes_matches_reference(
+    device, qtype, dtype, m, setting, monkeypatch
 ):
-    # The several-row kernel's other operand order under the interpreter (SWAP; on a GPU
-    # every launch shape runs in test_every_several_row_launch_shape_matches_reference).
-    monkeypatch.setitem(gguf_gemm.INTERPRET_ROWS, "SWAP", True)
+    # The several-row kernel under the interpreter with the weights as the dot's left operand
+    # (SWAP), and in blocks of 32 rows, where Q4_0 / Q4_1 take each word's factors instead of
+    # spreading each group's (on a GPU every launch shape runs in
+    # test_every_several_row_launch_shape_matches_reference).
+    monkeypatch.setitem(gguf_gemm.INTERPRET_ROWS, *setting)
     test_gguf_linear_matches_reference(device, qtype, dtype, m)
 
 
