@@ -74,8 +74,11 @@
 #          show b3649ac:braid/kernels/gguf_gemm.py > .gpu/gguf_gemm_b3649ac.py`, the same
 #          for gguf_reference.py, carried with .gpu; BASE=FILE BASE_REF=FILE others; the
 #          twenty-eighth session's run was against 9e5b7bb's kernel), on any GPU
+#   part 18 (thirty-first session): the extend kernel tuned on this GPU (`tune_extend.py
+#          --write-config`: bring $OUT/extend_attention.json back into
+#          braid/kernels/configs/), then the 8k prefill with it, on any GPU
 set -u
-part=${1:?part 1 to 17}
+part=${1:?part 1 to 18}
 source "$(dirname "$0")/step.sh"
 # The GPU's clocks, power and throttle reasons each second into $OUT/clocks.log ($smi: kill it).
 clocks() {
@@ -261,6 +264,19 @@ if [ "$part" = 17 ]; then
         --baseline "${BASE:-.gpu/gguf_gemm_b3649ac.py}" \
         --baseline-reference "${BASE_REF:-.gpu/gguf_reference_b3649ac.py}" \
         --out "$OUT/r/gguf_gpu_rows_cuda.json"
+fi
+if [ "$part" = 18 ]; then
+    # The extend kernel's launch configuration swept on this GPU and recorded under its name
+    # (the tuned file holds the H200's alone: an H100 ran the 8k prefill at MFU 0.698 with the
+    # built-in one, 2026-12-07), the file brought back, then the 8k prefill with it.
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o 'H[0-9]*' | head -n 1)
+    gpu=$(echo "${gpu:-gpu}" | tr A-Z a-z)
+    TAIL=6 step 330 tune_extend python benchmarks/tune_extend.py --pack 0 --repeats 3 \
+        --per-repeat 5 --write-config --out "$OUT/r/tune_extend_${gpu}_cuda.json"
+    cp braid/kernels/configs/extend_attention.json "$OUT/extend_attention.json"
+    pack
+    TAIL=4 step 110 prefill_tuned python benchmarks/gpu.py prefill --skip-hf --repeats 5 \
+        --out "$OUT/r/gpu_prefill_${gpu}_tuned_cuda.json"
 fi
 kill "$smi"
 pack
