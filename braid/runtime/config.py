@@ -15,12 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from braid.runtime.config_fields import check_choices, setting
-from braid.runtime.distributed.split import check_model_split
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the server's front
     import torch  # end starts the runtime's processes without paying for its import first
-
-    from braid.runtime.models.config import ModelConfig
 
 # `dtype` values -> torch dtype names
 _DTYPES = {
@@ -450,35 +447,6 @@ class EngineConfig:
                     f"{name} 'flashinfer' needs the flashinfer-python package, which is not "
                     "installed (pip install flashinfer-python, or braid[flashinfer])"
                 )
-
-    def check_model(self, model: ModelConfig) -> None:
-        """These settings against the model's config.json: the context length, and what
-        tensor parallelism cannot split or carry (`ValueError` naming the first problem). Run
-        where the front end has read config.json, before any process starts, and by each model
-        runner."""
-        ctx = self.context_length
-        if ctx and ctx > model.max_position_embeddings:
-            raise ValueError(
-                f"context_length {ctx} exceeds the model's max_position_embeddings "
-                f"({model.max_position_embeddings})"
-            )
-        if self.tp_size == 1:
-            return
-        if model.is_multimodal:
-            raise ValueError(
-                f"tensor parallelism of vision-language models ({model.architecture}) is not "
-                "supported yet"
-            )
-        qc = model.quantization_config
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        # A GGUF file loaded with dequantize_gguf is a float checkpoint (`build_model`).
-        if qc and not (method == "gguf" and self.dequantize_gguf):
-            hint = "; dequantize_gguf loads a GGUF file as floats" if method == "gguf" else ""
-            raise ValueError(
-                f"tensor parallelism of quantized checkpoints (quant_method {method!r}) is not "
-                f"supported yet{hint}"
-            )
-        check_model_split(model, self.tp_size)
 
     @property
     def ranks_per_node(self) -> int:

@@ -162,7 +162,7 @@ class LLM:
         )
         self.model_path = self.assets.path
         self.model_config = self.assets.config
-        self.config.check_model(self.model_config)
+        self.model_config.check_engine(self.config)
         self.eos_token_ids = self.assets.eos_token_ids
         self._ids = itertools.count()
         self._closed = False

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 import braid
 from braid.runtime.config import EngineConfig
 from braid.runtime.distributed.group import TPGroup, sharding
-from braid.runtime.distributed.split import check_model_split, head_shard
+from braid.runtime.distributed.split import head_shard
 from braid.runtime.models.config import ModelConfig
 from braid.runtime.models.loader import build_model
 from braid.runtime.server.launcher import free_port, start_server
@@ -291,11 +291,11 @@ def test_a_split_that_does_not_divide_fails_at_start_naming_it(tiny_model_dirs):
         braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, tp_size=3, show_progress=False)
     assert set(psutil.Process().children(recursive=True)) == before
     cfg = ModelConfig.from_dir(tiny_model_dirs["llama"])
-    check_model_split(cfg, 2)  # 4 query heads, 2 KV heads: even
+    cfg.check_engine(EngineConfig(tp_size=2))  # 4 query heads, 2 KV heads: even
     with pytest.raises(
         ValueError, match="intermediate_size \\(66\\) is not a multiple of tp_size \\(4\\)"
     ):
-        check_model_split(dataclasses.replace(cfg, intermediate_size=66), 4)
+        dataclasses.replace(cfg, intermediate_size=66).check_engine(EngineConfig(tp_size=4))
 
 
 def test_serve_with_a_split_that_does_not_divide_exits_2_before_the_runtime(tiny_model_dirs):

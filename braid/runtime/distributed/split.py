@@ -1,14 +1,10 @@
 """How a model's weights split over tensor-parallel ranks: integers only (no torch), so the
-front end checks a split (`check_model_split`) before any process starts, and every rank
-makes the same one at load (`braid.runtime.layers.parallel`)."""
+front end checks a split (`ModelConfig.check_engine`) before any process starts, and every
+rank makes the same one at load (`braid.runtime.layers.parallel`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from braid.runtime.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -58,11 +54,3 @@ def even_block(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
         )
     n = total // size
     return rank * n, n
-
-
-def check_model_split(config: ModelConfig, size: int) -> None:
-    """The splits every rank makes at load (its attention heads, its block of the MLP),
-    checked where the front end has read config.json: `ValueError` naming the first that
-    does not come out even (a rank would raise it only once spawned, seconds later)."""
-    head_shard(config.num_heads, config.num_kv_heads, 0, size)
-    even_block(config.intermediate_size, 0, size, "intermediate_size")

@@ -81,7 +81,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype(model_config.dtype)
         self.kv_dtype = config.kv_torch_dtype(self.dtype)
-        config.check_model(model_config)
+        model_config.check_engine(config)
         ctx = config.context_length or model_config.max_position_embeddings
         # Start-up phases in seconds (the ready line's): weights, KV cache, graphs.
         self.phases: dict[str, float] = {}

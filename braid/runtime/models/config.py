@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from braid.runtime.distributed.split import even_block, head_shard
+
+if TYPE_CHECKING:
+    from braid.runtime.config import EngineConfig
 
 # Vision-language architectures (their language model is one of the text families).
 QWEN2_VL_ARCHS = frozenset(
@@ -91,6 +96,38 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_layers * self.kv_size * element_size
+
+    def check_engine(self, config: EngineConfig) -> None:
+        """This model under the engine settings `config`: the context length, and what tensor
+        parallelism cannot split or carry (`ValueError` naming the first problem). Run where
+        the front end has read config.json (`LLM`, `braid serve`), before any process starts,
+        and by each model runner."""
+        ctx = config.context_length
+        if ctx and ctx > self.max_position_embeddings:
+            raise ValueError(
+                f"context_length {ctx} exceeds the model's max_position_embeddings "
+                f"({self.max_position_embeddings})"
+            )
+        size = config.tp_size
+        if size == 1:
+            return
+        if self.is_multimodal:
+            raise ValueError(
+                f"tensor parallelism of vision-language models ({self.architecture}) is not "
+                "supported yet"
+            )
+        qc = self.quantization_config
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        # A GGUF file loaded with dequantize_gguf is a float checkpoint (`build_model`).
+        if qc and not (method == "gguf" and config.dequantize_gguf):
+            hint = "; dequantize_gguf loads a GGUF file as floats" if method == "gguf" else ""
+            raise ValueError(
+                f"tensor parallelism of quantized checkpoints (quant_method {method!r}) is not "
+                f"supported yet{hint}"
+            )
+        # The splits every rank makes at load: its attention heads, its block of the MLP.
+        head_shard(self.num_heads, self.num_kv_heads, 0, size)
+        even_block(self.intermediate_size, 0, size, "intermediate_size")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -387,7 +387,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             follower = ModelAssets.load(
                 config.model, revision=config.revision, gguf_file=config.gguf_file
             )
-            config.check_model(follower.config)
+            follower.config.check_engine(config)
         except ValueError as e:
             logger.error("braid serve: %s", e)
             return 2
@@ -399,7 +399,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             revision=config.revision,
             gguf_file=config.gguf_file,
         )
-        config.check_model(assets.config)
+        assets.config.check_engine(config)
         api_key = _api_key(settings)
         chat_template = settings.chat_template and read_chat_template(settings.chat_template)
         listener = bind_listener(settings.host, settings.port)  # before the model loads
