@@ -289,7 +289,7 @@ def test_a_split_that_does_not_divide_fails_at_start_naming_it(tiny_model_dirs):
     before = set(psutil.Process().children(recursive=True))
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not a multiple of"):
         braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, tp_size=3, show_progress=False)
-    assert set(psutil.Process().children(recursive=True)) == before
+    assert not set(psutil.Process().children(recursive=True)) - before  # none started
     cfg = ModelConfig.from_dir(tiny_model_dirs["llama"])
     cfg.check_engine(EngineConfig(tp_size=2))  # 4 query heads, 2 KV heads: even
     with pytest.raises(
