@@ -4,14 +4,24 @@ embedded SmolLM2 model."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
-import httpx
-import pytest
-import torch
+# In pytest-xdist's workers (`make test` runs two) the cores are divided between the workers
+# before torch loads, for this process and the runtime processes it starts (they inherit the
+# variable). Each worker's torch on every core waits at each parallel region for threads the
+# other worker's have descheduled: the agent-traffic script's test took 23 s alone on 2 cores,
+# 124 s beside two busy processes, and 36 s there with one thread.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
-from braid.runtime.models.source import resolve_model
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from braid.runtime.models.source import resolve_model  # noqa: E402
 
 # The tests' HTTP calls share 2 cores with the runtime processes they drive: httpx's 5 s
 # default read timeout fails a healthy but busy server (seen once in CI-like conditions).
