@@ -15,7 +15,8 @@ from pathlib import Path
 # 124 s beside two busy processes, and 36 s there with one thread.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (_CORES or 1) // _WORKERS))
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
