@@ -33,6 +33,16 @@ def _build(path, **kw):
     return cfg, model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
+    """The native layers split attention over threads (`at::parallel_for`): two of them, even
+    in a test worker given one core (tests/conftest.py), so a split that races shows here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def embedded():
     return _build(resolve_model(None))
