@@ -13,6 +13,7 @@ are returned.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,8 @@ class BeamSearchParams:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ParamError.at("max_tokens", f"must be an integer >= 1, got {n!r}")
         lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or lp != lp:
-            raise ParamError.at("length_penalty", f"must be a number, got {lp!r}")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ParamError.at("length_penalty", f"must be a finite number, got {lp!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
             raise ParamError.at("temperature", f"must be a number >= 0, got {t!r}")
@@ -78,8 +79,16 @@ class BeamSearchOutput:
 
 
 def beam_score(beam: BeamSearchSequence, eos: frozenset[int], length_penalty: float) -> float:
+    """`cum_logprob / length ** length_penalty`; for a penalty that takes the power past the
+    float range, the limit (0 for an infinite power, -inf for one that rounds to 0)."""
     length = len(beam.tokens) - (beam.tokens[-1] in eos and beam.finish_reason == "stop")
-    return beam.cum_logprob / max(length, 1) ** length_penalty
+    if beam.cum_logprob == 0:
+        return 0.0
+    try:
+        power = float(max(length, 1)) ** length_penalty
+    except OverflowError:
+        power = math.inf
+    return beam.cum_logprob / power if power else -math.inf
 
 
 class BeamSearch:

@@ -6,6 +6,7 @@ docstring says (complete beams kept, ranked with the length penalty)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import httpx
@@ -187,12 +188,36 @@ def test_concurrency_limit_searches_the_prompts_a_few_at_a_time_to_the_same_beam
         (BeamSearchParams(beam_width=2, max_tokens=0), "^max_tokens: must be an integer >= 1"),
         (BeamSearchParams(beam_width=2, max_tokens=4, temperature=-1), "^temperature:"),
         (BeamSearchParams(beam_width=2, max_tokens=4, length_penalty="x"), "^length_penalty:"),
+        (
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("inf")),
+            "^length_penalty: must be a finite number",
+        ),
         (braid.SamplingParams(max_tokens=4), "params must be a BeamSearchParams"),
     ],
 )
 def test_bad_parameters_are_refused_naming_the_field(llm, params, message):
     with pytest.raises(ValueError, match=message):
         llm.beam_search([PROMPTS[0]], params)
+
+
+@pytest.mark.parametrize(
+    ("penalty", "scores"),
+    [
+        (1.0, [-2.0 / 3, -1.0 / 3]),
+        (1000.0, [-0.0, -0.0]),  # 3.0 ** 1000 overflows: the score's limit
+        (-1000.0, [-math.inf, -math.inf]),  # 3.0 ** -1000 rounds to 0: the limit again
+        (1e308, [-0.0, -0.0]),
+    ],
+)
+def test_a_beams_score_is_its_limit_where_the_length_power_leaves_the_float_range(penalty, scores):
+    from braid.runtime.beam_search import BeamSearchSequence, beam_score
+
+    beams = [
+        BeamSearchSequence([1, 2, 3], cum_logprob=-2.0),
+        BeamSearchSequence([1, 2, 3], cum_logprob=-1.0),
+    ]
+    assert [beam_score(b, frozenset(), penalty) for b in beams] == scores
+    assert beam_score(BeamSearchSequence([1], cum_logprob=0.0), frozenset(), -1000.0) == 0.0
 
 
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm):

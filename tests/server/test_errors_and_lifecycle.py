@@ -253,6 +253,27 @@ BAD = [
         'tool_choice: "auto" (the default with tools) needs a tool-call parser',
     ),
     (G, {"text": "x", "sampling_params": {"regex": "(a)\\1"}}, 400, "regex"),
+    # More new tokens than the context leaves room for: refused, as vLLM's server and SGLang
+    # do (a client's max_tokens is not cut short silently with finish_reason "length").
+    (C, {"prompt": "x", "max_tokens": 9000}, 400, "max_tokens: 9000 is too large: the context"),
+    (CH, {"messages": MSG, "max_tokens": 9000}, 400, "max_tokens: 9000 is too large"),
+    (CH, {"messages": MSG, "max_completion_tokens": 9000}, 400, "max_completion_tokens: 9000"),
+    (G, {"text": "x", "sampling_params": {"max_new_tokens": 9000}}, 400, "max_new_tokens: 9000"),
+    (
+        G,
+        {"text": ["x", "y"], "sampling_params": [{}, {"max_tokens": 9000}]},
+        400,
+        "sampling_params[1].max_tokens: 9000 is too large",
+    ),
+    (C, {"prompt": "x", "n": 2, "max_tokens": 9000, "use_beam_search": True}, 400, "too large"),
+    (CH, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens: must be"),
+    (
+        C,
+        b'{"prompt": "x", "n": 2, "use_beam_search": true, "length_penalty": Infinity}',
+        400,
+        "length_penalty: must be a finite number",
+    ),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 9000}, 400, "max_output_tokens: 9000"),
 ]
 
 
@@ -296,6 +317,8 @@ PARAMS = [
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"max_completion_tokens": -5}, "max_completion_tokens"),
+    ("chat", {"max_completion_tokens": 9000}, "max_completion_tokens"),
+    ("completions", {"max_tokens": 9000}, "max_tokens"),
     (
         "chat",
         {"extra_body": {"chat_template_kwargs": {"tokenize": True}}},

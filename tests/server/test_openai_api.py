@@ -535,6 +535,11 @@ def test_tokenize_messages_and_detokenize_as_vllm(server, client):
     assert len(ids["token_strs"]) == ids["count"] and ids["token_strs"][0] == "Hello"
     back = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()
     assert back == {"prompt": text}
+    # vLLM's clients name the model on these routes too.
+    named = httpx.post(f"{url}/tokenize", json={"model": "smollm2-135m", "prompt": text})
+    assert named.status_code == 200 and named.json()["tokens"] == ids["tokens"]
+    named = httpx.post(f"{url}/detokenize", json={"model": "m", "tokens": ids["tokens"]})
+    assert named.status_code == 200 and named.json() == {"prompt": text}
 
 
 def test_models_retrieve_and_version(server, client):
@@ -780,12 +785,39 @@ def test_every_body_and_chunk_parses_into_its_response_model(server, include_usa
         assert len({c.id for c in chunks}) == 1
         finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
         assert finished == set(range(4 if "prompt" in body else 1))
+        # Only a chunk that ends its choice at a stop string names it (stop_reason).
+        named = [ch for c in chunks for ch in c.choices if "stop_reason" in ch.model_fields_set]
+        assert all(ch.finish_reason == "stop" and ch.stop_reason == "," for ch in named)
         # With include_usage every chunk has a usage, null but on the last (choices []);
         # without, none has the key.
         assert all(("usage" in c.model_fields_set) == include_usage for c in chunks)
         if include_usage:
             assert all(c.usage is None for c in chunks[:-1])
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_names_the_stop_string_that_ended_it_as_the_whole_response_does(client, chat):
+    """vLLM's `stop_reason`: the stop string that ended a choice, on the whole response's
+    choice and on the stream's last chunk of it."""
+    stop = "." if chat else " 7"  # chat: "The capital of France is Paris." (make demo)
+    kw = dict(model="m", max_tokens=12, temperature=0, stop=[stop])
+    if chat:
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = client.chat.completions.create(messages=msgs, **kw)
+        chunks = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+    else:
+        whole = client.completions.create(prompt="1, 2, 3, 4,", **kw)
+        chunks = list(client.completions.create(prompt="1, 2, 3, 4,", stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    choice = whole.choices[0]
+    assert (choice.finish_reason, getattr(choice, "stop_reason", None)) == ("stop", stop), choice
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert (last.finish_reason, getattr(last, "stop_reason", None)) == ("stop", stop), last
+    earlier = [c.choices[0] for c in chunks if c.choices][:-1]
+    assert not any(getattr(c, "stop_reason", None) for c in earlier)
 
 
 def test_abort_request_takes_the_ids_clients_hold(server):
@@ -902,6 +934,22 @@ def test_opened_sessions_continue_their_requests_as_sglangs_do(server):
     bad = generate(b, 400, rid="t9", session_params={"id": sid, "rid": "t0"})
     assert "not open" in bad["error"]["message"]
     wait_idle(url)
+
+
+@pytest.mark.parametrize("penalty", [-1000.0, 1000.0, 1e308])
+def test_beam_search_ranks_beams_under_any_finite_length_penalty(client, server, penalty):
+    """A length penalty that takes `length ** penalty` past the float range (1000 at a length
+    of 3 or more) ranks the beams by the score's limit instead of failing with a 500."""
+    out = client.completions.create(
+        model="m",
+        prompt="The sky is",
+        max_tokens=3,
+        n=2,
+        extra_body={"use_beam_search": True, "length_penalty": penalty},
+    )
+    assert len(out.choices) == 2 and all(c.text for c in out.choices)
+    stats = wait_idle(server.url)
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_capacity_tokens"]
 
 
 def test_chat_beam_search_gives_the_beams_of_its_rendered_prompt(client, server):

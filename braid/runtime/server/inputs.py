@@ -14,6 +14,7 @@ import msgspec
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
+from braid.runtime.errors import ParamError
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.state import ServerState
@@ -170,18 +171,39 @@ def validate_prompts(
     where: str,
     *,
     images: bool | list[bool] = False,
+    max_tokens_field: str | None | list[str | None] = None,
 ) -> list:
     """The prompts as they run (each cut to its last `truncate_prompt_tokens` tokens), having
     refused what the scheduler would refuse: more samples than the server runs for one request
     (`APIError`), a prompt too long for the context or a token id outside the vocabulary
     (`ParamError`). `params` is one for every prompt or a list, one per prompt; `images`:
-    whether the prompts (all, or each) hold images (whose tokens a cut would split: refused)."""
+    whether the prompts (all, or each) hold images (whose tokens a cut would split: refused).
+    `max_tokens_field`: the body's field that gave the params' `max_tokens` (one for all, or
+    one per prompt), refused when the prompt leaves less room in the context (as vLLM's server
+    and SGLang do); None where the value is a default, which the context cuts short."""
     each = params if isinstance(params, list) else [params] * len(prompts)
     with_images = images if isinstance(images, list) else [images] * len(prompts)
+    fields = (
+        max_tokens_field if isinstance(max_tokens_field, list) else [max_tokens_field] * len(each)
+    )
     _check_fan_out(state, each)
     out = []
     for i, ((text, ids), p) in enumerate(zip(prompts, each)):
         ids = p.prompt_tail(ids, state.tm.ready.context_length, with_images[i])
         state.tm.validate(ids, p, where=where if len(prompts) == 1 else f"{where}[{i}]")
+        if fields[i] is not None:
+            check_room(state, len(ids), p.max_tokens, fields[i])
         out.append((text, ids))
     return out
+
+
+def check_room(state: ServerState, prompt_len: int, max_tokens: int | None, field: str) -> None:
+    """A `ParamError` naming `field` if `max_tokens` does not fit in the context after a
+    prompt of `prompt_len` tokens."""
+    context = state.tm.ready.context_length
+    if max_tokens is not None and prompt_len + max_tokens > context:
+        raise ParamError.at(
+            field,
+            f"{max_tokens} is too large: the context length is {context} tokens and the prompt "
+            f"has {prompt_len}, which leaves room for {context - prompt_len}",
+        )

@@ -104,6 +104,7 @@ class CompletionChunkChoice(_Body):
     text: str
     finish_reason: FinishReason | None
     logprobs: CompletionLogprobs | None
+    stop_reason: str | int | MISSING = MISSING  # on the choice's last chunk, as vLLM's
     error: ChoiceError | MISSING = MISSING
 
 
@@ -198,6 +199,7 @@ class ChatChunkChoice(_Body):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None
+    stop_reason: str | int | MISSING = MISSING  # on the choice's last chunk, as vLLM's
     error: ChoiceError | MISSING = MISSING
 
 

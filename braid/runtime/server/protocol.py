@@ -520,8 +520,10 @@ class EmbeddingRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered as a chat request's."""
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered as a chat request's.
+    `model`: as on the other routes (vLLM's clients send it)."""
 
+    model: Text | None = None
     prompt: Annotated[Text, _doc(minLength=1)] | None = None
     messages: list[ChatMessage] | None = None
     tools: list[JsonValue] | None = None  # as chat's, for the template to show
@@ -534,4 +536,5 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
+    model: Text | None = None
     tokens: list[Int]

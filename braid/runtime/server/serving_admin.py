@@ -199,6 +199,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: Annotated[TokenizeRequest, json_body(TokenizeRequest)]):
         """vLLM's /tokenize: the token ids of a prompt, or of chat messages, as this server
         would feed them (`return_token_strs`: each token's string too)."""
+        check_model(state, body.model)
         ids = await asyncio.to_thread(_tokenize, state, body)
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.tm.ready.context_length}
         if body.return_token_strs:
@@ -208,6 +209,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", openapi_extra=takes(DetokenizeRequest))
     async def detokenize(body: Annotated[DetokenizeRequest, json_body(DetokenizeRequest)]):
         """vLLM's /detokenize: the text of token ids."""
+        check_model(state, body.model)
         return {"prompt": await asyncio.to_thread(_detokenize, state, body.tokens)}
 
     @app.post("/open_session", openapi_extra=takes(OpenSessionRequest))

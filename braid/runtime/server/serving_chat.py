@@ -66,8 +66,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     )
     if max_tokens is None:
         max_tokens = state.chat_max_tokens  # None: up to the context
+    field = _max_tokens_field(req)
     if max_tokens == 0:
-        raise APIError(400, "max_tokens must be >= 1", "max_tokens")
+        raise APIError(400, f"{field}: must be >= 1", field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
@@ -80,8 +81,22 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     params = state.tm.resolve(params)  # bad words tokenized once, here off the event loop
     if not sources:
         state.media.check_no_placeholders(ids, "messages")
-        ((text, ids),) = validate_prompts(state, [(text, ids)], params, "messages")
+        ((text, ids),) = validate_prompts(
+            state, [(text, ids)], params, "messages", max_tokens_field=_given_max_tokens(req)
+        )
     return text, ids, sources, params, plan
+
+
+def _max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The field that gives the request's most tokens to generate, as the body spells it."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
+def _given_max_tokens(req: ChatCompletionRequest) -> str | None:
+    """`_max_tokens_field` where the body gives one, else None (a default, which the context
+    cuts short)."""
+    given = req.max_completion_tokens is not None or req.max_tokens is not None
+    return _max_tokens_field(req) if given else None
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -246,7 +261,13 @@ async def build_chat(
         # Images load and process in the media workers; their placeholders then expand.
         ids, images = await state.media.prepare(ids, sources, "messages")
         ((text, ids),) = await asyncio.to_thread(
-            validate_prompts, state, [(text, ids)], params, "messages", images=True
+            validate_prompts,
+            state,
+            [(text, ids)],
+            params,
+            "messages",
+            images=True,
+            max_tokens_field=_given_max_tokens(req),
         )
     reasoning = state.reasoning_parser if _separates_reasoning(req) else None
     return ChatResponse(state, req, [(text, ids)], params, plan, [images], reasoning)

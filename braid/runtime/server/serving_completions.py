@@ -56,7 +56,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "length_penalty: only with use_beam_search", "length_penalty")
         has_tokenizer = state.tokenizer is not None
         beam = beam_params(req, params, has_tokenizer) if req.use_beam_search else None
-        return validate_prompts(state, prompts, params, "prompt"), params, beam
+        given = "max_tokens" if req.max_tokens is not None else None  # else 16, cut short
+        prompts = validate_prompts(state, prompts, params, "prompt", max_tokens_field=given)
+        return prompts, params, beam
 
     @app.post(
         "/v1/completions",

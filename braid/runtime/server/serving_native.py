@@ -101,7 +101,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 "session_params.id",
             )
         if not any(images):
-            prompts = validate_prompts(state, prompts, params, "text")
+            prompts = validate_prompts(
+                state, prompts, params, "text", max_tokens_field=_given_max_tokens(req, each)
+            )
         if continued is not None:
             continued.prompt = prompts[0][1]
         return prompts, params, single, images, (*session, continued), each
@@ -126,7 +128,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             images = [wire for _, wire in prepared]
             with_images = [bool(s) for s in sources]
             prompts = await asyncio.to_thread(
-                validate_prompts, state, prompts, params, "text", images=with_images
+                validate_prompts,
+                state,
+                prompts,
+                params,
+                "text",
+                images=with_images,
+                max_tokens_field=_given_max_tokens(req, each),
             )
         # SGLang's layout: one result per sample, prompt-major; a list unless one prompt was
         # sampled once.
@@ -306,6 +314,19 @@ def _continue_session(
         params_of, each.rids(True)[0], list(ids), bos, state.tm.in_flight
     )
     return [(text, continued.prompt)], continued
+
+
+def _given_max_tokens(req: GenerateRequest, each: _PerPrompt) -> list[str | None]:
+    """Each prompt's field that gives its most new tokens, as the body spells it
+    ("sampling_params.max_new_tokens", "sampling_params[1].max_tokens"), or None where it
+    takes the default (which the context cuts short)."""
+    out: list[str | None] = []
+    listed = isinstance(req.sampling_params, list)
+    for i, raw in enumerate(each.sampling_params):
+        where = f"sampling_params[{i}]" if listed else "sampling_params"
+        given = [k for k in ("max_new_tokens", "max_tokens") if (raw or {}).get(k) is not None]
+        out.append(f"{where}.{given[0]}" if given else None)
+    return out
 
 
 def _prompt_params(state: ServerState, req: GenerateRequest, each: _PerPrompt, i: int):

@@ -216,6 +216,11 @@ class OpenAIResponse(abc.ABC):
                 }
                 if out.error:  # the stream's last chunk says why it failed
                     item["error"] = {"message": out.error, "type": "server_error"}
+                # The last chunk's stop_reason, as a whole response's choice has it.
+                ends: dict[str, Any] = {}
+                if out.finish_reason and c.stop_reason is not None:
+                    ends = {"stop_reason": c.stop_reason}
+                item.update(ends)
                 if deltas is not None and calls is not None:
                     # One chunk per delta: logprobs on the first, the finish reason on the last.
                     finish = finish_reason(item["finish_reason"], calls[i].num_calls)
@@ -228,6 +233,7 @@ class OpenAIResponse(abc.ABC):
                                     "logprobs": lp if k == 0 else None,
                                     "finish_reason": finish if last else None,
                                     "delta": d,
+                                    **(ends if last else {}),
                                 }
                             ],
                             usage_now(),
