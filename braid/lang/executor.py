@@ -129,6 +129,8 @@ class Executor:
         self.values: dict[str, Any] = dict(parent.values) if parent else {}
         self.spans: dict[str, tuple[int, int]] = dict(parent.spans) if parent else {}
         self.meta: dict[str, dict[str, Any]] = dict(parent.meta) if parent else {}
+        # The names set on this state (a fork branch's: since the fork), which a join gathers.
+        self.set_here: set[str] = set()
         self.scopes: list[tuple[str, int]] = []
         self.error: ProgramError | None = None
         self.ended = False
@@ -251,9 +253,15 @@ class Executor:
             self.chunks.append((var, piece, meta))
             self._cond.notify_all()
 
-    def _set_var(self, name: str, value: Any) -> None:
+    def _set_var(self, name: str, value: Any, typed: _Typed | None = None) -> None:
+        """Set variable `name`; `typed`: its typed gen's value, else it has none."""
         with self._cond:
             self.variables[name] = value
+            self.set_here.add(name)
+            if typed is None:
+                self.values.pop(name, None)
+            else:
+                self.values[name] = typed
             self._cond.notify_all()
 
     def prompt(self) -> Prompt:
@@ -370,10 +378,9 @@ class Executor:
         if node.name is not None:
             self.meta[node.name] = out.meta
             self.spans[node.name] = (start, len(self.text))
-            if node.dtype is not None:
-                self.values[node.name] = _Typed(value, node.dtype, node.name)
+            typed = _Typed(value, node.dtype, node.name) if node.dtype is not None else None
             self._log(node.name, None, out.meta)
-            self._set_var(node.name, value)
+            self._set_var(node.name, value, typed)
 
     def _select(self, node: Select) -> None:
         method = node.method
@@ -441,36 +448,20 @@ class Executor:
         )
         start = join.group.fork_text_len
         if join.mode == "gather_variable":
-            names = {
-                k
-                for m in join.group.members
-                for k, v in m._ex.variables.items()
-                if k not in join.group.parent_vars or join.group.parent_vars[k] is not v
-            }
             members = [m._ex for m in join.group.members]
-            before = join.group.parent_vars
-            for name in sorted(names):
+            for name in sorted(set().union(*(m.set_here for m in members))):
                 # Each branch's own: None where it did not set the name (what it holds then is
                 # the parent's, from before the fork).
-                own = [
-                    name in m.variables
-                    and (name not in before or before[name] is not m.variables[name])
-                    for m in members
-                ]
+                own = [name in m.set_here for m in members]
                 texts = [m.variables[name] if o else None for m, o in zip(members, own)]
                 self.meta[name] = [m.meta.get(name) if o else None for m, o in zip(members, own)]
-                # Typed values when every branch that set it did so with a typed gen of one
-                # type (a typed entry whose text is not the variable's is stale).
-                setters = [m for m, o in zip(members, own) if o]
-                typed = [m.values.get(name) for m in setters]
-                fresh = all(
-                    t is not None and t.text is m.variables[name] for t, m in zip(typed, setters)
-                )
-                if typed and fresh and all(t.dtype is typed[0].dtype for t in typed):
-                    self.values[name] = _Typed(texts, typed[0].dtype, name)
-                else:
-                    self.values.pop(name, None)
-                self._set_var(name, texts)
+                # Typed values when every branch that set it did so last with a typed gen of
+                # one type.
+                typed = [m.values.get(name) for m, o in zip(members, own) if o]
+                joined = None
+                if all(t is not None and t.dtype is typed[0].dtype for t in typed):
+                    joined = _Typed(texts, typed[0].dtype, name)
+                self._set_var(name, texts, joined)
         elif join.mode == "concate_and_append":
             self._append("".join(m._ex.text[start:] for m in join.group.members))
             # The images the branches added stand in that text, in the same order.

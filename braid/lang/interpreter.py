@@ -112,7 +112,7 @@ class ProgramState:
             child = Executor(ex.backend, ex.defaults, session, ex.sessions, parent=ex)
             ex.children.append(child)
             members.append(ProgramState(child))
-        return ForkGroup(self, members, len(ex.text), dict(ex.variables), len(ex.images))
+        return ForkGroup(self, members, len(ex.text), len(ex.images))
 
     @contextmanager
     def copy(self) -> Iterator[ProgramState]:
@@ -140,10 +140,8 @@ class ProgramState:
         without its quotes, `bool` True or False); for any other variable, `get_var`.
         `ValueError` if the text does not parse as the type (e.g. cut off by max_tokens)."""
         var = self._ex.get_var(name)
-        typed = self._ex.values.get(name)
-        if typed is None or typed.text is not var:
-            return var
-        return typed.value()
+        typed = self._ex.values.get(name)  # the name's, if its last setter was a typed gen
+        return var if typed is None else typed.value()
 
     def set_var(self, name: str, value: Any) -> None:
         self._ex.sync()
@@ -251,13 +249,11 @@ class ForkGroup:
         parent: ProgramState,
         members: list[ProgramState],
         fork_text_len: int,
-        parent_vars: dict[str, Any],
         fork_images_len: int = 0,
     ) -> None:
         self.parent = parent
         self.members = members
         self.fork_text_len = fork_text_len
-        self.parent_vars = parent_vars
         self.fork_images_len = fork_images_len
 
     @property

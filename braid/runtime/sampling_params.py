@@ -452,8 +452,12 @@ def _structured(value: Any, name: str) -> dict[str, Any]:
             out[STRUCTURED_OUTPUT_KEYS[key]] = v
         elif key == "json_object":
             out["json_schema"] = {"type": "object"}
-        elif key in ("backend", "backend_was_auto", "disable_any_whitespace"):
+        elif key in ("backend", "backend_was_auto"):
             continue  # which of vLLM's engines compiles it: braid's --grammar-backend decides
+        elif key == "disable_any_whitespace":
+            # braid's JSON never has free whitespace: every backend writes json.dumps's
+            # separators (", ", ": "), as xgrammar does in vLLM with this flag set.
+            continue
         else:
             known = sorted([*STRUCTURED_OUTPUT_KEYS, "json_object"])
             raise ParamError(name, f"{name}.{key} is not supported (braid takes {known})")

@@ -484,6 +484,30 @@ def test_a_regex_the_grammar_backend_cannot_compile_is_a_value_error(smollm2, ba
     assert_kv_all_free_or_cached(smollm2)
 
 
+def test_a_join_gathers_a_branchs_value_that_equals_the_parents(backend):
+    """What a branch set is gathered even where it equals the parent's value from before the
+    fork: the same select choice, a one-character or an empty gen (CPython shares such
+    strings, and a check by identity took them for the parent's: None, or no list)."""
+
+    @sgl.function
+    def prog(s):
+        s += "Is the sky blue? Answer:"
+        s += sgl.select("ans", choices=[" yes"])
+        s += sgl.gen("d", max_tokens=1, regex="7") + sgl.gen("e", max_tokens=0)
+        forks = s.fork(2)
+        forks += "\nIs the sky blue? Answer:"
+        forks[0] += sgl.select("ans", choices=[" yes"])
+        forks[1] += sgl.select("ans", choices=[" maybe"])
+        forks += sgl.gen("d", max_tokens=1, regex="7")
+        forks[0] += sgl.gen("e", max_tokens=0)
+        forks.join()
+
+    state = prog.run(backend=backend)
+    assert state["ans"] == [" yes", " maybe"]
+    assert all(m is not None for m in state.get_meta_info("ans"))
+    assert state["d"] == ["7", "7"] and state["e"] == ["", None]
+
+
 def test_a_join_gathers_only_what_each_branch_set_and_an_ended_state_takes_nothing(backend):
     """Branches that set a typed name again with untyped gens gather texts (no stale typed
     entry from before the fork); a branch that did not set a name gathers None; a fork member

@@ -145,14 +145,23 @@ def test_bad_specs_are_value_errors_naming_the_field():
 
 
 def test_engine_generates_valid_json_through_the_processes(smollm2):
+    """The JSON validates and has no free whitespace: json.dumps's separators, the form
+    vLLM's `disable_any_whitespace` asks for (taken, and the same output)."""
     schema = SCHEMAS[0]
-    out = smollm2.generate(
-        ["Give me a person as JSON:"],
-        SamplingParams(temperature=0.0, max_tokens=60, json_schema=schema),
+    vllm_style = {"json": schema, "disable_any_whitespace": True}
+    outs = smollm2.generate(
+        ["Give me a person as JSON:"] * 2,
+        [
+            SamplingParams(temperature=0.0, max_tokens=60, json_schema=schema),
+            SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=vllm_style),
+        ],
         use_tqdm=False,
-    )[0].outputs[0]
+    )
+    out = outs[0].outputs[0]
     jsonschema.validate(json.loads(out.text), schema)
     assert out.finish_reason == "stop"
+    assert out.text == json.dumps(json.loads(out.text))
+    assert outs[1].outputs[0].text == out.text
 
 
 # ---- bitmasks ---------------------------------------------------------------------------------
