@@ -192,12 +192,12 @@ def validate_prompts(
         ids = p.prompt_tail(ids, state.tm.ready.context_length, with_images[i])
         state.tm.validate(ids, p, where=where if len(prompts) == 1 else f"{where}[{i}]")
         if fields[i] is not None:
-            check_room(state, len(ids), p.max_tokens, fields[i])
+            _check_room(state, len(ids), p.max_tokens, fields[i])
         out.append((text, ids))
     return out
 
 
-def check_room(state: ServerState, prompt_len: int, max_tokens: int | None, field: str) -> None:
+def _check_room(state: ServerState, prompt_len: int, max_tokens: int | None, field: str) -> None:
     """A `ParamError` naming `field` if `max_tokens` does not fit in the context after a
     prompt of `prompt_len` tokens."""
     context = state.tm.ready.context_length

@@ -70,9 +70,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest, text: str | Non
     if max_tokens == 0:
         raise APIError(400, f"{field}: must be >= 1", field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    names = {"logprobs": "top_logprobs"}
-    if req.max_completion_tokens is not None:
-        names["max_tokens"] = "max_completion_tokens"
+    names = {"logprobs": "top_logprobs", "max_tokens": field}
     params = req.sampling_params(
         state.defaults, max_tokens=max_tokens, logprobs=logprobs, names=names, open_ended=True
     )
