@@ -270,6 +270,55 @@ def test_an_object_requiring_a_key_outside_its_properties_is_left_open(compilers
         assert walk(c, "json_schema", schema, '{"a": 1}')[1] is False
 
 
+def test_objects_that_apply_to_one_instance_together_are_left_open(compilers):
+    """A schema's properties and its anyOf branches' (or a $ref beside them) describe one
+    object: closed one by one, each refused the other's keys and the schema was reported as
+    matching no output."""
+    kind = {"kind": {"type": "string", "maxLength": 5}}
+    branches = [
+        {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        {"properties": {"y": {"type": "boolean"}}, "required": ["y"]},
+    ]
+    extended = {"type": "object", "properties": kind, "required": ["kind"], "anyOf": branches}
+    based = {
+        "type": "object",
+        "properties": kind,
+        "required": ["kind"],
+        "$ref": "#/$defs/base",
+        "$defs": {"base": {"properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
+    keys = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
+    }
+    for schema in (extended, based, keys):
+        assert closed_objects(schema) == schema
+    llg = compilers["llguidance"]
+    for schema, good, bad in (
+        (extended, '{"kind": "a", "x": 1}', '{"kind": "a"}'),
+        (based, '{"kind": "a", "x": 1}', '{"kind": "a"}'),
+        (keys, '{"a": 1, "c": 2}', '{"a": 1}'),
+    ):
+        assert llg.compile("json_schema", schema).unsatisfiable is None
+        assert walk(llg, "json_schema", schema, good) == (True, True)
+        assert walk(llg, "json_schema", schema, bad)[1] is False
+    # Alternatives are still closed each: a union of two objects, and what lies inside them.
+    union = {
+        "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+        "$defs": {
+            "a": {"type": "object", "properties": {"a": {"properties": {"z": {}}}}},
+            "b": {"type": "object", "properties": kind, "anyOf": [{"required": ["kind"]}]},
+        },
+    }
+    closed = closed_objects(union)["$defs"]
+    assert closed["a"]["additionalProperties"] is False
+    assert closed["a"]["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["b"]
+    assert walk(llg, "json_schema", union, '{"a": {"z": 1, "w": 2}}')[0] is False
+
+
 # ---- how each backend compiles on the pool ---------------------------------------------------
 def _gone(pid: int) -> bool:
     try:

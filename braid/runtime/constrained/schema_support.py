@@ -173,12 +173,15 @@ def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists
     `properties` and says nothing about other properties, as outlines-core and xgrammar's
     strict mode compile every schema: keys outside the schema's are not generated. Every
-    instance of the result is an instance of `schema`. An object that requires a key outside
-    its `properties` is left open (closed, it would admit no instance), and a schema with an
-    `allOf` anywhere is left as it is (closing its branches one by one could exclude what their
-    merge allows)."""
+    instance of the result is an instance of `schema`. Left open: an object that requires a key
+    outside its `properties` (closed, it would admit no instance); objects that apply to one
+    instance together, a schema's own and those of its `anyOf` / `oneOf` branches, `$ref`
+    targets or `if` / `then` / `else` (closed one by one, each would refuse the keys the other
+    lists: `_together`); and a schema with an `allOf` anywhere is left as it is (closing its
+    branches one by one could exclude what their merge allows)."""
     if _mentions(schema, "allOf"):
         return schema
+    kept_open = _together(schema)
 
     def close(node: Any) -> Any:
         if isinstance(node, list):
@@ -191,6 +194,7 @@ def closed_objects(schema: Any) -> Any:
         required = node.get("required") if isinstance(node.get("required"), list) else []
         if (
             isinstance(listed, dict)
+            and id(node) not in kept_open
             and not any(k in node for k in opened)
             and all(k in listed for k in required)
         ):
@@ -198,6 +202,55 @@ def closed_objects(schema: Any) -> Any:
         return out
 
     return close(schema)
+
+
+# Keywords that say which keys an object may or must have.
+_OBJECT_WORDS = frozenset(
+    {"properties", "required", "patternProperties", "additionalProperties", "propertyNames",
+     "dependentRequired", "dependencies", "minProperties", "maxProperties",
+     "unevaluatedProperties"}
+)  # fmt: skip
+# Where a subschema applies to the schema's own instance.
+_SAME_INSTANCE_ONE = ("if", "then", "else")
+_SAME_INSTANCE_LIST = ("anyOf", "oneOf")
+
+
+def _together(root: Any) -> set[int]:
+    """The ids of the object schemas in `root` that `closed_objects` must leave open: each
+    that constrains keys while another reached from it through `anyOf` / `oneOf` branches,
+    `$ref`s or `if` / `then` / `else` (which apply to the same instance) does too."""
+    kept: set[int] = set()
+    for _, node in _subschemas(root):
+        if not isinstance(node, dict):
+            continue
+        if not _OBJECT_WORDS & node.keys():
+            continue
+        others = [n for n in _same_instance(root, node) if _OBJECT_WORDS & n.keys()]
+        if others:
+            kept.add(id(node))
+            kept.update(id(n) for n in others)
+    return kept
+
+
+def _same_instance(root: Any, node: dict) -> list[dict]:
+    """The schemas other than `node` that apply to `node`'s instance with it: its branches,
+    conditions and local `$ref` targets, and theirs, once each."""
+    found: dict[int, dict] = {}
+    stack = [node]
+    while stack:
+        here = stack.pop()
+        subs = [here.get(k) for k in _SAME_INSTANCE_ONE]
+        for key in _SAME_INSTANCE_LIST:
+            if isinstance(here.get(key), list):
+                subs.extend(here[key])
+        ref = here.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            subs.append(_resolve(root, ref))
+        for sub in subs:
+            if isinstance(sub, dict) and id(sub) not in found and sub is not node:
+                found[id(sub)] = sub
+                stack.append(sub)
+    return list(found.values())
 
 
 def _mentions(node: Any, key: str) -> bool:
