@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from braid.runtime.errors import ParamError
+from braid.runtime.multimodal.media import only_a_path
 
 if TYPE_CHECKING:
     from braid.runtime.multimodal.frontend import MediaFrontend
@@ -124,7 +125,7 @@ def _caller_file(source: Any) -> Any:
                 return Path(source)
         except (OSError, ValueError):  # too long, or a NUL: not a file name
             return source
-        if Path(source).suffix.lower() in IMAGE_SUFFIXES:  # base64 has no dot
+        if only_a_path(source) or Path(source).suffix.lower() in IMAGE_SUFFIXES:
             raise ValueError(f"image file {source!r} does not exist")
     return source
 

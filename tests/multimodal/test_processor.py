@@ -285,3 +285,63 @@ def test_process_from_four_threads_matches_serial(qwen: ImageProcessor) -> None:
     for a, b in zip(serial, threaded):
         assert a.hash == b.hash and a.grid_thw == b.grid_thw and a.num_tokens == b.num_tokens
         assert torch.equal(a.pixel_values, b.pixel_values)
+
+
+# -- the front end: downloads beside the image threads -------------------------------------------
+
+
+def test_slow_image_urls_hold_up_no_other_image(qwen_dir: Path) -> None:
+    """Downloads are awaited on the loop, not in the image threads: with more slow URLs in
+    flight than there are threads, an inline image is still processed at once, and each slow
+    one fails at its own deadline naming its URL."""
+    import asyncio
+    import base64
+    import io
+    import socket
+    import time
+
+    from transformers import PreTrainedTokenizerFast
+
+    from braid.runtime.config import EngineConfig
+    from braid.runtime.errors import ParamError
+    from braid.runtime.multimodal import frontend
+
+    # A server that accepts connections and never answers.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    silent_port = silent.getsockname()[1]
+    url = f"http://127.0.0.1:{silent_port}/cat.png?key=secret"
+    buf = io.BytesIO()
+    _image(40, 30).save(buf, format="PNG")
+    inline = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    config = EngineConfig(model=str(qwen_dir), media_fetch_timeout_s=3.0)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(qwen_dir))
+    media = frontend.MediaFrontend(config, qwen_dir, ModelConfig.from_dir(qwen_dir), tok)
+    ids = tok.encode(f"look: {QWEN_PLACEHOLDER}")
+
+    async def run() -> tuple[float, list]:
+        slow = [
+            asyncio.ensure_future(media.prepare(ids, [url], f"prompt {i}"))
+            for i in range(2 * frontend.WORKERS)
+        ]
+        await asyncio.sleep(0.3)  # every slow download is under way
+        start = time.monotonic()
+        expanded, images = await media.prepare(ids, [inline], "prompt x")
+        took = time.monotonic() - start
+        assert len(images) == 1 and len(expanded) > len(ids)
+        return took, await asyncio.gather(*slow, return_exceptions=True)
+
+    try:
+        took, failures = asyncio.run(run())
+    finally:
+        media.shutdown()
+        silent.close()
+    assert took < 1.5  # before: queued behind the downloads in the image threads, 3 s and more
+    for i, e in enumerate(failures):
+        assert isinstance(e, ParamError)  # the URL without its query string
+        assert str(e) == (
+            f"prompt {i}: image 0: http://127.0.0.1:{silent_port}/cat.png: "
+            "could not fetch the URL: timed out after 3 s"
+        )

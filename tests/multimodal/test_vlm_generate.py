@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 import braid
 from braid.runtime.models.config import ModelConfig
@@ -249,12 +250,16 @@ def test_bad_images_are_refused_and_the_engine_keeps_serving(qwen_llm):
     ph = qwen_llm.media.placeholder
     png = io.BytesIO()
     tiny_image(32, 32, 0).save(png, format="PNG")
+    with Image.open(io.BytesIO(png.getvalue())) as closed:
+        pass  # closed before its pixels were read
     cases = [
         (b"not an image at all", ph, "not an image"),
         (png.getvalue()[:60], ph, "truncated"),
         ("data:image/png;base64,@@@", ph, "base64"),
         ("/etc/passwd", ph, "not an image"),  # the offline caller's files are read
         ("/no/such/image.png", ph, "does not exist"),
+        ("/no/such_dir/image", ph, "image file '/no/such_dir/image' does not exist"),
+        (closed, ph, "the PIL image was closed before it was loaded"),
     ]
     for source, text, words in cases:
         with pytest.raises(ValueError, match=f"(?i){words}"):

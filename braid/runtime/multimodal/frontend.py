@@ -1,9 +1,10 @@
 """The front end's side of images: a prompt's image sources become the processed images a
 `GenerateReq` carries.
 
-Loading (a fetch, a file, base64), decoding, the checks against the limits and the model's
-image processor all run in worker threads, never on the asyncio loop; the prompt's image
-placeholders are then expanded to each image's number of tokens. One per `LLM` or server.
+An image URL is downloaded on the asyncio loop (`media.fetch`: a slow server holds no thread);
+loading (a file, base64, the download), decoding, the checks against the limits and the model's
+image processor run in worker threads, never on the loop; the prompt's image placeholders are
+then expanded to each image's number of tokens. One per `LLM` or server.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from braid.runtime.errors import ParamError
 from braid.runtime.image_data import to_wire
 from braid.runtime.ipc.to_scheduler import ImageInput
 from braid.runtime.models.config import ModelConfig
-from braid.runtime.multimodal.media import MediaLimits, load_image
+from braid.runtime.multimodal.media import MediaLimits, describe_source, fetch, is_url, load_image
 from braid.runtime.multimodal.processor import ImageProcessor
 
 # Image threads: decoding and resizing release the GIL (Pillow, numpy), so a machine with
@@ -101,15 +102,25 @@ class MediaFrontend:
                 f"({self.processor.placeholder!r}) but no images were given",
             )
 
-    def _load(self, source: Any, where: str, i: int) -> ImageInput:
+    async def _prepare_one(self, source: Any, where: str, i: int) -> ImageInput:
+        label = None
+        if is_url(source):
+            try:
+                source, label = await fetch(source, self.limits), describe_source(source)
+            except ValueError as e:
+                raise ParamError(where, f"{where}: image {i}: {e}") from None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._load, source, where, i, label)
+
+    def _load(self, source: Any, where: str, i: int, label: str | None) -> ImageInput:
         """Image `i` of the prompt at `where` loaded, processed and put in its message form
-        (offset set later)."""
+        (offset set later); `label` names a downloaded image's URL in errors."""
         try:
             if hasattr(source, "getpixel"):  # a PIL image
                 with self._pil_lock:
                     loaded = load_image(source, self.limits)
             else:
-                loaded = load_image(source, self.limits)
+                loaded = load_image(source, self.limits, label)
             image = self.processor.process(loaded)
         except ValueError as e:
             raise ParamError(where, f"{where}: image {i}: {e}") from None
@@ -129,12 +140,8 @@ class MediaFrontend:
         self.check_count(len(sources), where)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="braid-media")
-        loop = asyncio.get_running_loop()
         images = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, self._load, s, where, i)
-                for i, s in enumerate(sources)
-            )
+            *(self._prepare_one(s, where, i) for i, s in enumerate(sources))
         )
         try:
             ids, offsets = processor.expand(input_ids, images)  # reads each one's num_tokens

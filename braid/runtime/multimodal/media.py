@@ -14,6 +14,7 @@ decoding.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -21,7 +22,6 @@ import os
 import re
 import stat
 import struct
-import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +77,14 @@ class MediaLimits:
             object.__setattr__(self, "allowed_local_media_path", root)
 
 
-def load_image(source: str | bytes | Image.Image, limits: MediaLimits) -> Image.Image:
+def load_image(
+    source: str | bytes | Image.Image, limits: MediaLimits, label: str | None = None
+) -> Image.Image:
     """The image `source` stands for, fully decoded (truncation is found here, not later) and
     in RGB mode, transparency composited onto white as transformers' `convert_to_rgb` does.
     Animated GIF/WEBP/PNG give their first frame. A given `PIL.Image` is copied, never
-    modified. Raises `ValueError` naming the problem and the source (`describe_source`)."""
+    modified. Raises `ValueError` naming the problem and the source (`label`, or
+    `describe_source`: a URL's downloaded bytes are loaded with the URL's description)."""
     try:
         if isinstance(source, Image.Image):
             return _to_rgb(source, limits)
@@ -112,7 +115,7 @@ def load_image(source: str | bytes | Image.Image, limits: MediaLimits) -> Image.
                 "; if this is a file path: local file paths are refused, the server has no "
                 "allowed_local_media_path"
             )
-        raise ValueError(f"{describe_source(source)}: {e}{hint}") from e
+        raise ValueError(f"{label or describe_source(source)}: {e}{hint}") from e
 
 
 def describe_source(source: object) -> str:
@@ -150,7 +153,7 @@ def _read_string(s: str, limits: MediaLimits) -> bytes:
     if head.startswith("data:"):
         return _read_data_url(s, limits)
     if head.startswith(("http://", "https://")):
-        return _fetch(s, limits)
+        return asyncio.run(_fetch(s, limits))  # the front end awaits `fetch` instead
     if head.startswith("file:"):
         return _read_local(_file_url_path(s), limits)
     scheme = _SCHEME.match(head)
@@ -207,18 +210,31 @@ def _decode_base64(text: str, limits: MediaLimits) -> bytes:
     return data
 
 
-def _fetch(url: str, limits: MediaLimits) -> bytes:
+def is_url(source: object) -> bool:
+    """Whether `source` is an http(s) URL, which `fetch` downloads."""
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
+
+
+async def fetch(url: str, limits: MediaLimits) -> bytes:
+    """The body `url` answers with, within the size limit and `fetch_timeout_s` for the whole
+    download; a `ValueError` naming the URL and what went wrong. Awaited on the caller's event
+    loop (the front end's): a slow server holds no thread, so it delays no other image."""
+    try:
+        return await _fetch(url, limits)
+    except ValueError as e:
+        raise ValueError(f"{describe_source(url)}: {e}") from e
+
+
+async def _fetch(url: str, limits: MediaLimits) -> bytes:
     import httpx  # only servers that take image URLs need it
 
     timeout = limits.fetch_timeout_s
-    # httpx's timeout bounds each network operation; this bounds the whole download, so a
-    # server that drips bytes cannot hold a worker for longer.
-    deadline = time.monotonic() + timeout
     # Identity encoding: the limit then counts what is sent, with no gzip bomb to expand.
     headers = {"Accept-Encoding": "identity", "User-Agent": "braid"}
-    try:
-        with httpx.Client(timeout=timeout, follow_redirects=True, headers=headers) as client:
-            with client.stream("GET", url) as response:
+
+    async def download() -> bytes:
+        async with httpx.AsyncClient(timeout=timeout, follow_redirects=True, headers=headers) as c:
+            async with c.stream("GET", url) as response:
                 if not response.is_success:
                     raise ValueError(
                         f"could not fetch the URL: HTTP {response.status_code} "
@@ -228,16 +244,19 @@ def _fetch(url: str, limits: MediaLimits) -> bytes:
                 if declared.isdigit():
                     _check_size(int(declared), limits)
                 body = bytearray()
-                for chunk in response.iter_bytes():
+                async for chunk in response.aiter_bytes():
                     body += chunk
                     _check_size(len(body), limits)
-                    if time.monotonic() > deadline:
-                        raise httpx.ReadTimeout("download deadline passed")
-    except httpx.TimeoutException as e:
+                return bytes(body)
+
+    try:
+        # httpx's timeout bounds each network operation; this bounds the whole download, so a
+        # server that drips bytes is not waited on for longer.
+        return await asyncio.wait_for(download(), timeout)
+    except (asyncio.TimeoutError, httpx.TimeoutException) as e:
         raise ValueError(f"could not fetch the URL: timed out after {timeout:g} s") from e
     except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise ValueError(f"could not fetch the URL: {type(e).__name__}: {e}") from e
-    return bytes(body)
 
 
 def _file_url_path(url: str) -> str:
@@ -247,6 +266,12 @@ def _file_url_path(url: str) -> str:
     if not parts.path:
         raise ValueError("file URL has no path")
     return urllib.parse.unquote(parts.path)
+
+
+def only_a_path(s: str) -> bool:
+    """Whether `s` can only be meant as a file path: it looks like one and is not base64 text
+    (a path such as /srv/img_1 mixes the two alphabets)."""
+    return _looks_like_path(s) and not _is_base64_text(s)
 
 
 def _looks_like_path(s: str) -> bool:
@@ -335,6 +360,10 @@ def _to_rgb(image: Image.Image, limits: MediaLimits) -> Image.Image:
         raise ValueError(f"too many pixels: {e}") from e
     except _PIL_ERRORS as e:
         raise ValueError(f"truncated or corrupt image data: {e}") from e
+    except AssertionError as e:  # Pillow asserts that its file is open
+        raise ValueError(
+            "cannot read the image: the PIL image was closed before it was loaded"
+        ) from e
 
 
 def _composite_rgb(image: Image.Image) -> Image.Image:
