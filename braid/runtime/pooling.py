@@ -126,13 +126,18 @@ class PoolingParams:
 
 def prompt_keep(k: Any, context_length: int) -> int | None:
     """How many of a prompt's last tokens an embedding keeps for `truncate_prompt_tokens` `k`
-    (None: all; -1: the context length); a `ParamError` for another value."""
+    (None: all; -1: the context length); a `ParamError` for another value, or one past the
+    context length (as vLLM's)."""
     if k is None:
         return None
     if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
         raise ParamError.at(
             "truncate_prompt_tokens",
             f"must be an integer >= 1, -1 (the most the context takes) or null, got {k!r}",
+        )
+    if k > context_length:
+        raise ParamError.at(
+            "truncate_prompt_tokens", f"{k} is greater than the context length ({context_length})"
         )
     return context_length if k == -1 else k
 

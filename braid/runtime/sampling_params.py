@@ -267,8 +267,14 @@ class SamplingParams:
 
     def prompt_keep(self, context_length: int) -> int | None:
         """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (None: all);
-        -1 keeps what leaves room for `max_tokens` (at least one) in the context."""
+        -1 keeps what leaves room for `max_tokens` (at least one) in the context. A
+        `ParamError` for a value past the context length (as vLLM's)."""
         k = self.truncate_prompt_tokens
+        if k is not None and k > context_length:
+            raise ParamError.at(
+                "truncate_prompt_tokens",
+                f"{k} is greater than the context length ({context_length})",
+            )
         if k != -1:
             return k
         return max(1, context_length - max(1, self.max_tokens or 1))

@@ -74,6 +74,12 @@ _assert_all_kv_free = assert_kv_all_free_or_cached
         (["hello"], SamplingParams(allowed_token_ids=[28120], bad_words=["hello"]), "ban every"),
         # Past the context, cut to its last 100 tokens: accepted.
         ([[1] * 9000], SamplingParams(truncate_prompt_tokens=100, max_tokens=2), None),
+        # A cut longer than the context (as vLLM's, refused).
+        (
+            ["hello"],
+            SamplingParams(truncate_prompt_tokens=8193),
+            r"truncate_prompt_tokens: 8193 is greater than the context length \(8192\)",
+        ),
         (["a", "b"], [SamplingParams()], "sampling_params"),
         ([3.5], None, "prompt 0"),
         ([[1, 2.0, 3]], None, "token ids must be integers"),

@@ -204,6 +204,7 @@ def test_generation_alongside_embeddings_is_unchanged(server):
         ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"input": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"input": "hi", "truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"),
+        ({"input": "hi", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, body, param):

@@ -129,6 +129,7 @@ BAD = [
     (C, {"prompt": "x", "allowed_token_ids": [10**8]}, 400, "outside the vocabulary"),
     (C, {"prompt": "x", "bad_words": [""]}, 400, "bad_words"),
     (C, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (C, {"prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "is greater than the context"),
     (C, {"prompt": "x", "truncate_prompt_tokens": 1, "echo": True}, 400, "echo: not with"),
     (G, {"text": "x", "sampling_params": {"bad_words_token_ids": [[1]]}}, 400, "unknown field"),
     ("/tokenize", {"prompt": "x", "messages": MSG}, 400, "exactly one of prompt and messages"),
