@@ -75,6 +75,10 @@ class ForwardBatch:
     decode_tail: int = 0
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+    # The rows an LM head picks its path by (`LMHead.forward`), when not its input's: a verify
+    # step's requests, so that each row's logits are computed as a decode step of the same
+    # requests computes them (speculation's output is then decoding's).
+    head_rows: int | None = None
     # What a tensor-parallel plan sends (`distributed/plan.py`) without reading the device:
     # the host values the builder made the tensors from (`host`, by field name), and for a
     # decode fed by the previous decode's samples still on the device, which of their rows it

@@ -163,8 +163,8 @@ def _multiply_as_in_file(model, blocks_dir) -> None:
             key = "model.embed_tokens.weight" if head.tied else "lm_head.weight"
             weight = weight_of(key)
 
-            def logits(h: torch.Tensor) -> torch.Tensor:
-                if h.shape[0] <= head.QUANTIZED_MAX_ROWS:
+            def logits(h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+                if (h.shape[0] if rows is None else rows) <= head.QUANTIZED_MAX_ROWS:
                     return head.refine(h, bf16_kernel_linear(h, weight, None))
                 return head._linear(h, head.weight, None)
 

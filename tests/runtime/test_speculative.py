@@ -248,6 +248,44 @@ def test_smollm2_greedy_with_ngram_drafts_equals_transformers(smollm2_dir, smoll
     assert s.decode_steps < len(want) - 10
 
 
+def test_the_embedded_model_kept_quantized_gives_the_same_tokens_with_ngram_drafts():
+    """The default model (its GGUF blocks kept, the LM head on the file's Q8_0 blocks for steps
+    of up to 8 requests): a verify step of 4 requests holds more than 8 rows, and its head took
+    the float path where decoding took the quantized one, so greedy under a schema, seeded
+    samples and logprobs changed with speculation on."""
+    from braid.runtime.models.source import resolve_model
+    from braid.runtime.tokenizer.tokenizer import load_tokenizer
+
+    path = resolve_model(None)
+    tok = load_tokenizer(path)
+    texts = [
+        "Count: 1. 2. 3. 4. 5. 6. 7. 8. 9.",
+        "def f(x):\n    return x\n\ndef g(x):\n    return x\n\ndef h(x):",
+        "the quick brown fox jumps over the lazy dog, the quick brown fox",
+        "a, b, c, d, e, f, g, h, i, j, k,",
+    ]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    kinds = [
+        dict(temperature=0.0, json_schema=schema),
+        dict(temperature=1.0, top_k=20, seed=7),
+        dict(temperature=0.0, logprobs=2),
+        dict(temperature=0.8, seed=3, logprobs=1),
+    ]
+    reqs = [
+        GenerateReq(f"r{i}", tok.encode(t), SamplingParams(max_tokens=24, ignore_eos=True, **kw), i)
+        for i, (t, kw) in enumerate(zip(texts, kinds))
+    ]
+    cfg = dict(kv_tokens=2048)
+    want = _run(local_scheduler(path, **cfg), reqs)
+    sched = local_scheduler(path, speculative_algorithm="NGRAM", **cfg)
+    got = _run(sched, reqs)
+    s = sched.stats  # steps of 4 requests and their drafts: up to 4 x 5 rows
+    assert s.spec_draft_tokens >= 40 and s.spec_accepted_tokens >= 1, s.as_dict()
+    for r in reqs:
+        assert got[r.rid]["ids"] == want[r.rid]["ids"], r.rid
+        assert got[r.rid]["lp"] == want[r.rid]["lp"], r.rid
+
+
 # ---- grammars: drafts pass through the mask ------------------------------------------------
 KEYED = r'\{"name": "[a-z]{3,8}", "n": [0-9]{1,3}, "ok": (true|false)\}'
 

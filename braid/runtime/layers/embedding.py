@@ -37,7 +37,9 @@ class LMHead(nn.Module):
     top two tokens of real prompts (the demo's chat answer began "L'Étoile" where the float
     model says "The capital of France is Paris."), so each row's logits near its largest are
     computed again from the float weight (`refine`): greedy and the likeliest tokens sampling
-    chooses between are ranked as the float head ranks them, for a few dot products a row."""
+    chooses between are ranked as the float head ranks them, for a few dot products a row. A
+    speculative verify step chooses the path by its requests, not its rows (one per draft
+    token), so speculation's logits are decoding's."""
 
     # torch's CPU int4 kernel (which a Q8_0 head runs as two 4-bit halves) costs about 1 ms a
     # row at SmolLM2's head (49152 x 576) on two cores, against 4-11 ms for the float32 matmul
@@ -87,8 +89,9 @@ class LMHead(nn.Module):
             self.register_parameter(f"quantized_{name}", param)
         self.method = method
 
-    def _quantized(self, h: torch.Tensor) -> bool:
-        return self.method is not None and h.shape[0] <= self.QUANTIZED_MAX_ROWS
+    def _quantized(self, h: torch.Tensor, rows: int | None) -> bool:
+        rows = h.shape[0] if rows is None else rows
+        return self.method is not None and rows <= self.QUANTIZED_MAX_ROWS
 
     def refine(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The quantized `logits` [M, vocab] of `h` [M, hidden] as float32, with each row's
@@ -104,13 +107,16 @@ class LMHead(nn.Module):
         logits[rows, cols] = (weights * h.float().index_select(0, rows)).sum(-1)
         return logits
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self._quantized(h):
+    def forward(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The logits of `h`; `rows` (default: h's) chooses between the quantized and the float
+        path, so a verify step's rows of up to `QUANTIZED_MAX_ROWS` requests are computed as
+        those requests' decode step computes them (`ForwardBatch.head_rows`)."""
+        if self._quantized(h, rows):
             return self.refine(h, self.method.apply(h, None))
         return self._linear(h, self.weight, None)
 
-    def reference(self, h: torch.Tensor) -> torch.Tensor:
+    def reference(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """What `forward` computes, with a quantized head's torch reference (tests)."""
-        if self._quantized(h):
+        if self._quantized(h, rows):
             return self.refine(h, self.method.reference(h, None))
         return self._linear(h, self.weight, None)

@@ -184,8 +184,8 @@ class ParallelLMHead(LMHead):
     def _load(self, param: nn.Parameter, loaded, shard: str | None) -> None:
         load_vocab_block(param, loaded, self.vocab_size, self.vocab_start)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(h)
+    def forward(self, h: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        logits = super().forward(h, rows)
         if self.group is None:
             return logits
         return self.group.all_gather_last(logits)[..., : self.vocab_size]

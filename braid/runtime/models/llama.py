@@ -230,4 +230,4 @@ class LlamaForCausalLM(nn.Module):
         h = self.model(batch, attn)
         if batch.capture_hidden:
             batch.hidden_states = h
-        return self.lm_head(h[batch.logits_indices]).float()
+        return self.lm_head(h[batch.logits_indices], batch.head_rows).float()

@@ -173,7 +173,7 @@ class LlavaBase(nn.Module):
         [T, hidden]: the batch's embeddings with image rows filled in (None: text only, the
         embeddings of `batch.input_ids`)."""
         h = self.language_model(batch, attn, input_embeds)
-        return self.lm_head(h[batch.logits_indices]).float()
+        return self.lm_head(h[batch.logits_indices], batch.head_rows).float()
 
 
 @MODELS.register

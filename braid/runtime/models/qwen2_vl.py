@@ -447,7 +447,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         if mrope is not None:
             cos_sin = self.model.rotary.lookup_mrope(mrope, self.mrope_column_axes)
         h = self.model(batch, attn, input_embeds=input_embeds, cos_sin=cos_sin, deepstack=deepstack)
-        return self.lm_head(h[batch.logits_indices]).float()
+        return self.lm_head(h[batch.logits_indices], batch.head_rows).float()
 
     @staticmethod
     def mrope_positions(

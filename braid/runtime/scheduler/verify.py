@@ -127,6 +127,7 @@ def build_verify(
     if all(d.is_chain for d in drafts):
         tokens = [[r.output_ids[-1], *d.tokens] for r, d in zip(reqs, drafts)]
         batch = row_batch(reqs, tokens, allocator, table, device, [r.rope_delta for r in reqs])
+        batch.head_rows = len(reqs)
         ends = [r.kv_len + 1 + len(d) for r, d in zip(reqs, drafts)]
         none: list[list[int]] = [[] for _ in reqs]
         return VerifyPlan(batch=batch, ends=ends, tree_slots=none, tree_pages=none, **common)
@@ -186,6 +187,7 @@ def _tree_plan(reqs, drafts, allocator, table, device, common) -> VerifyPlan:
         logits_indices=torch.arange(k, device=device),
         tree_prefix=prefix_t,
         tree_tail=tail,
+        head_rows=len(reqs),
     )
     return VerifyPlan(
         batch=batch, ends=ends, tree_slots=tree_slots, tree_pages=tree_pages, **common
