@@ -238,6 +238,12 @@ class EngineConfig:
     session_ttl_s: float = setting(
         600.0, "seconds a session pin lasts after its last request", aliases=("--session-ttl",)
     )
+    watchdog_timeout: float = setting(
+        300.0,
+        "seconds the scheduler may go without reporting, or stay in one step, before the "
+        "runtime is failed: every request in flight ends with an error and braid serve exits "
+        "(for its supervisor to restart it), as SGLang's --watchdog-timeout",
+    )
     limit_mm_per_prompt: int = setting(8, "images one prompt may hold (vision-language models)")
     max_image_pixels: int = setting(
         32 * 2**20, "pixels (width x height) one image may have; checked before it is decoded"
@@ -348,6 +354,9 @@ class EngineConfig:
         t = self.media_fetch_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"media_fetch_timeout_s must be a positive number, got {t!r}")
+        t = self.watchdog_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"watchdog_timeout must be a positive number, got {t!r}")
         if not self.session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
         t = self.grammar_compile_timeout_s

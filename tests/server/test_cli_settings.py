@@ -55,3 +55,34 @@ def test_braid_log_level_sets_serves_level_unless_the_flag_is_given(tmp_path):
 
     assert "is not a file" not in run()  # an error line, below critical
     assert "is not a file" in run("--log-level", "error")
+
+
+BAD_VALUES = [
+    (["--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout must be a positive number"),
+    (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a positive number"),
+    (["--health-timeout", "inf"], "--health-timeout must be a positive number"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be positive, got 0"),
+    (["--api-key", ""], "--api-key is empty (an unset variable?)"),
+    (["--max-total-tokens", "0"], "--kv-tokens (--max-total-tokens) must be a positive"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout must be a positive number, got 0"),
+]
+
+
+def test_bad_values_end_the_start_naming_the_flag_before_the_model_loads():
+    """Each was taken before (a server whose /health failed for ever, every POST a 413, auth
+    off for an unset variable) or refused after the model loaded, naming a field."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "braid", "serve", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for flags, _ in BAD_VALUES
+    ]
+    for run, (flags, message) in zip(runs, BAD_VALUES):
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 2, (flags, err)
+        assert message in err, (flags, err)
+        assert "KV cache" not in err and "Traceback" not in err, (flags, err)

@@ -566,6 +566,51 @@ def test_killed_scheduler_takes_the_server_down_with_a_message(tmp_path):
     assert not _alive(pids["detokenizer"])
 
 
+def test_a_hung_scheduler_fails_its_requests_and_the_server_at_the_watchdog_timeout(tmp_path):
+    """A scheduler that stops answering (SIGSTOP: a hang) left its requests waiting for ever
+    while /health said 503. Past --watchdog-timeout they end with an error naming it and the
+    server exits 1 for its supervisor, leaving no process behind. Started on --port 0: the
+    ready line names the port the system chose."""
+    import subprocess
+    import sys
+
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "braid", "serve", "--port", "0", "--watchdog-timeout", "3"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.time() + 180
+        while not (ready := re.search(r"ready at http://127\.0\.0\.1:(\d+)", log_path.read_text())):
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{int(ready.group(1))}"
+        assert int(ready.group(1)) != 0 and httpx.get(url + "/health").status_code == 200
+        pids = httpx.get(url + "/get_server_info").json()["pids"]
+        os.kill(pids["scheduler"], signal.SIGSTOP)
+        t0 = time.time()
+        r = httpx.post(
+            url + "/generate",
+            json={"text": "Hi", "sampling_params": {"max_new_tokens": 8}},
+            timeout=60,
+        )
+        waited = time.time() - t0
+        assert 2 < waited < 20, waited
+        reason = r.json()["meta_info"]["finish_reason"]  # a started request ends as aborted
+        assert reason["type"] == "abort" and "watchdog timeout (3 s)" in reason["message"]
+        proc.wait(30)
+        assert proc.returncode == 1, log_path.read_text()
+        assert "the scheduler has not reported for" in log_path.read_text()
+        time.sleep(0.5)
+        assert not any(_alive(pids[n]) for n in ("scheduler", "detokenizer"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
 LP = TokenLogprob(5, -0.5, 1, [(5, -0.5), (7, -1.5)])
 MESSAGES = [
     GenerateReq("r1", [1, 2, 3], SamplingParams(stop=["x"], logit_bias={4: 1.0}, seed=3), 99),

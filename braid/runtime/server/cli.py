@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -164,6 +165,17 @@ class ServerSettings:
             raise ValueError("max_samples_per_request must be at least 1")
         if self.response_store_size < 1:
             raise ValueError("response_store_size must be at least 1")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        for name in _SECONDS:
+            t = getattr(self, name)
+            if not 0 < t < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {t:g}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(
+                "api_key is empty (an unset variable?): give the key, or leave the flag out "
+                "to serve without one"
+            )
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size must be a positive integer, got {self.dp_size!r}")
 
@@ -174,6 +186,11 @@ class ServerSettings:
     @property
     def hosts(self) -> tuple[str, ...]:
         return tuple(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
+
+
+_SECONDS = (
+    "header_timeout", "body_timeout", "keep_alive_timeout", "health_timeout", "heartbeat_timeout"
+)  # fmt: skip
 
 
 def _flag_type(hint: Any) -> type:
@@ -288,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def as_flags(message: str) -> str:
+    """A settings error as the command line spells it: each field it names (`kv_tokens`) as
+    its flag (`--kv-tokens`), the other names of that flag beside it."""
+    named = {f.name: f for cls in (EngineConfig, ServerSettings) for f in fields(cls)}
+    words = sorted((n for n in named if "_" in n), key=len, reverse=True)  # plain words stay
+
+    def flag(m: re.Match[str]) -> str:
+        f = named[m.group(0)]
+        other = f.metadata["aliases"]
+        return "--" + f.name.replace("_", "-") + (f" ({', '.join(other)})" if other else "")
+
+    return re.sub(r"(?<![\w-])(" + "|".join(words) + r")(?![\w-])", flag, message)
+
+
 def _api_key(settings: ServerSettings | argparse.Namespace) -> str | None:
     """The key from --api-key, else --api-key-file, else $BRAID_API_KEY (ValueError if the
     file cannot be read or is empty)."""
@@ -364,7 +395,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         config = settings_from_args(EngineConfig, args)
         settings = settings_from_args(ServerSettings, args)
     except ValueError as e:
-        logger.error("braid serve: %s", e)
+        logger.error("braid serve: %s", as_flags(str(e)))
         return 2
     if settings.dp_size > 1:
         from braid.runtime.server.data_parallel import serve_data_parallel
@@ -389,7 +420,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             )
             follower.config.check_engine(config)
         except ValueError as e:
-            logger.error("braid serve: %s", e)
+            logger.error("braid serve: %s", as_flags(str(e)))
             return 2
         return serve_followers(config, follower.path, level)
     try:
@@ -404,7 +435,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         chat_template = settings.chat_template and read_chat_template(settings.chat_template)
         listener = bind_listener(settings.host, settings.port)  # before the model loads
     except (ValueError, ServerStartError) as e:
-        logger.error("braid serve: %s", e)
+        logger.error("braid serve: %s", as_flags(str(e)))
         return 2
 
     def on_failure(message: str) -> None:
@@ -445,7 +476,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         media = MediaFrontend(config, assets.path, assets.config, assets.tokenizer)
         (alongside if overlap else phases)["tokenizer"] = time.perf_counter() - mark
     except ValueError as e:
-        logger.error("braid serve: %s", e)
+        logger.error("braid serve: %s", as_flags(str(e)))
         asyncio.run(tm.shutdown())
         return 2
     model_path, tokenizer = assets.path, assets.tokenizer
@@ -516,7 +547,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         logger.info(
             "braid serve: ready at http://%s:%d (model %s, %s %s, context %d, KV %d tokens) %s",
             settings.host,
-            settings.port,
+            listener.getsockname()[1],  # the port the system chose for --port 0
             name,
             r.device,
             r.dtype,
@@ -539,7 +570,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             log_requests=settings.log_requests,
         )
     except Exception as e:  # start-up failures (model, port) end with one clear line
-        logger.error("braid serve: %s", e)
+        logger.error("braid serve: %s", as_flags(str(e)))
         asyncio.run(tm.shutdown())  # the runtime started before the server (nothing if done)
         return 1
     if tm.failure:

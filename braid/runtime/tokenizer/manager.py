@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -178,7 +179,7 @@ class TokenizerManager:
             dead = self._dead_process()
             if dead:
                 await self.shutdown()
-                raise RuntimeDied(f"the {dead} process died during start-up")
+                raise RuntimeDied(f"{dead} during start-up")
             if loop.time() > deadline:
                 await self.shutdown()
                 raise RuntimeDied(f"the model did not load within {timeout:.0f} s")
@@ -192,17 +193,34 @@ class TokenizerManager:
         return self.ready
 
     def _dead_process(self) -> str | None:
+        """The message "the NAME process died (HOW)" for the first runtime process that has
+        ended, or None."""
         for name, p in self.procs.items():
             if not p.is_alive():
-                return f"{name} (exit code {p.exitcode})"
+                code = p.exitcode
+                how = f"exit code {code}"
+                if code is not None and code < 0:
+                    with contextlib.suppress(ValueError):
+                        how = f"killed by {signal.Signals(-code).name}"
+                return f"the {name} process died ({how})"
         return None
 
     async def _watchdog(self) -> None:
+        """Fails the runtime when a process dies, or when the scheduler has not reported or
+        has stayed in one step for `watchdog_timeout` (stopped, or hung: its requests would
+        otherwise wait for ever)."""
+        limit = self.config.watchdog_timeout
         while not self._closing:
             await asyncio.sleep(0.5)
+            if self._closing or self._stopping:
+                continue
             dead = self._dead_process()
-            if dead and not self._closing and not self._stopping:
-                self._fail(f"the {dead} process died")
+            if dead:
+                self._fail(dead)
+                return
+            hung = self._problem(limit, limit) if self.ready is not None else None
+            if hung and not self.failure:
+                self._fail(f"{hung}, over the watchdog timeout ({limit:g} s)")
                 return
 
     def _fail(self, message: str) -> None:
