@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from braid.runtime.config_fields import check_choices, setting
+from braid.runtime.config_fields import check_choices, check_positive, setting
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is needed: the server's front
     import torch  # end starts the runtime's processes without paying for its import first
@@ -240,9 +240,8 @@ class EngineConfig:
     )
     watchdog_timeout: float = setting(
         300.0,
-        "seconds the scheduler may go without reporting, or stay in one step, before the "
-        "runtime is failed: every request in flight ends with an error and braid serve exits "
-        "(for its supervisor to restart it), as SGLang's --watchdog-timeout",
+        "seconds the scheduler may go silent or stay in one step before the runtime is failed "
+        "(its requests end with an error; braid serve exits), as SGLang's --watchdog-timeout",
     )
     limit_mm_per_prompt: int = setting(8, "images one prompt may hold (vision-language models)")
     max_image_pixels: int = setting(
@@ -328,10 +327,8 @@ class EngineConfig:
                 "which keeps more mantissa in the same byte, or 'auto'"
             )
         check_choices(self)
-        for name in ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        limits = ("kv_tokens", "max_running_requests", "max_prefill_tokens", "context_length")
+        check_positive(self, *limits, integer=True, optional=True)
         cps = self.chunked_prefill_size
         if cps is not None and (not isinstance(cps, int) or (cps < 1 and cps != -1)):
             raise ValueError(f"chunked_prefill_size must be a positive integer or -1, got {cps!r}")
@@ -344,27 +341,15 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.max_session_pins, int) or self.max_session_pins < 1:
             raise ValueError(f"max_session_pins must be >= 1, got {self.max_session_pins!r}")
-        for name in ("limit_mm_per_prompt", "max_image_pixels", "max_image_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive(
+            self, "limit_mm_per_prompt", "max_image_pixels", "max_image_bytes", integer=True
+        )
         v = self.encoder_cache_mb
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"encoder_cache_mb must be an integer >= 0, got {v!r}")
-        t = self.media_fetch_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ValueError(f"media_fetch_timeout_s must be a positive number, got {t!r}")
-        t = self.watchdog_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ValueError(f"watchdog_timeout must be a positive number, got {t!r}")
-        if not self.session_ttl_s > 0:
-            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
-        t = self.grammar_compile_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ValueError(f"grammar_compile_timeout_s must be a positive number, got {t!r}")
-        bs = self.cuda_graph_max_bs
-        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
-            raise ValueError(f"cuda_graph_max_bs must be a positive integer, got {bs!r}")
+        seconds = ("media_fetch_timeout_s", "watchdog_timeout", "session_ttl_s")
+        check_positive(self, *seconds, "grammar_compile_timeout_s")
+        check_positive(self, "cuda_graph_max_bs", integer=True, optional=True)
         for name in (
             "cuda_graph_capture_all_at_start",
             "disable_cuda_graph",
@@ -388,10 +373,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None, true or false, got {v!r}")
 
     def _check_parallel(self) -> None:
-        for name in ("tp_size", "nnodes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive(self, "tp_size", "nnodes", integer=True)
         r = self.node_rank
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {r!r}")
@@ -469,10 +451,7 @@ class EngineConfig:
             "speculative_ngram_min_match_window_size",
             "speculative_ngram_max_match_window_size",
         )
-        for name in ints:
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive(self, *ints, integer=True, optional=True)
         lo = self.speculative_ngram_min_match_window_size
         hi = self.speculative_ngram_max_match_window_size
         if lo > hi:
@@ -487,8 +466,20 @@ class EngineConfig:
                 f"speculative_algorithm {algo} needs speculative_draft_model_path "
                 "(--speculative-draft-model-path)"
             )
-        if algo is None and self.speculative_draft_model_path:
-            raise ValueError("speculative_draft_model_path is set but speculative_algorithm is not")
+        if algo is None:
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [
+                n
+                for n in ("speculative_draft_model_path", *ints)
+                if getattr(self, n) != defaults[n]
+            ]
+            if given:  # as vLLM refuses a speculative_config without a method or a model
+                raise ValueError(f"{given[0]} is set but speculative_algorithm is not")
+        if algo == "NGRAM" and self.speculative_draft_model_path:
+            raise ValueError(
+                "speculative_draft_model_path does not go with speculative_algorithm NGRAM "
+                "(its drafts come from the text so far)"
+            )
 
     @property
     def speculative_steps(self) -> int:

@@ -1,7 +1,7 @@
 """How a settings field is declared (`setting`) and what its declaration gives: its choices
-(`choices_of`, `check_choices`) and the Python spelling of its flags (`python_name`). Used by
-`EngineConfig` (braid/runtime/config.py), the server's settings and `braid serve`'s flag
-generation (braid/runtime/server/cli.py)."""
+(`choices_of`, `check_choices`) and the Python spelling of its flags (`python_name`); the check
+of positive values (`check_positive`). Used by `EngineConfig` (braid/runtime/config.py), the
+server's settings and `braid serve`'s flag generation (braid/runtime/server/cli.py)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,22 @@ def check_choices(settings: Any) -> None:
         if allowed is not None and not (v is None and f.default is None) and v not in allowed:
             none = "None or " if f.default is None else ""
             raise ValueError(f"{f.name} must be {none}one of {allowed}, got {v!r}")
+
+
+def check_positive(
+    settings: Any, *names: str, integer: bool = False, optional: bool = False
+) -> None:
+    """`ValueError` for the first of the fields `names` that is not a positive number (an
+    integer with `integer`; None passes with `optional`)."""
+    kinds = (int,) if integer else (int, float)
+    for name in names:
+        v = getattr(settings, name)
+        if optional and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, kinds) or not v > 0:
+            what = "integer" if integer else "number"
+            none = " or None" if optional else ""
+            raise ValueError(f"{name} must be a positive {what}{none}, got {v!r}")
 
 
 def python_name(flag: str) -> str:

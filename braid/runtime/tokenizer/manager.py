@@ -58,6 +58,7 @@ from braid.runtime.ipc.to_tokenizer import (
 )
 from braid.runtime.sampling_params import SamplingParams, fold_seed
 from braid.runtime.tokenizer.pending import Pending
+from braid.runtime.tokenizer.request_checks import check_prompt_ids
 from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,7 @@ class TokenizerManager:
         return self.ready
 
     def _dead_process(self) -> str | None:
-        """The message "the NAME process died (HOW)" for the first runtime process that has
-        ended, or None."""
+        """ "the NAME process died (HOW)" for the first runtime process that ended, or None."""
         for name, p in self.procs.items():
             if not p.is_alive():
                 code = p.exitcode
@@ -206,9 +206,8 @@ class TokenizerManager:
         return None
 
     async def _watchdog(self) -> None:
-        """Fails the runtime when a process dies, or when the scheduler has not reported or
-        has stayed in one step for `watchdog_timeout` (stopped, or hung: its requests would
-        otherwise wait for ever)."""
+        """Fails the runtime when a process dies, or the scheduler is silent or in one step for
+        `watchdog_timeout` (stopped or hung: its requests would wait for ever)."""
         limit = self.config.watchdog_timeout
         while not self._closing:
             await asyncio.sleep(0.5)
@@ -375,24 +374,7 @@ class TokenizerManager:
         refuse this request (`embed`: an embedding request, which may fill the whole context),
         or naming the sampling field at fault."""
         r = self.ready
-        if not input_ids:
-            raise ParamError.at(where, "the prompt is empty")
-        if embed and len(input_ids) > r.context_length:
-            raise ParamError.at(
-                where,
-                f"{len(input_ids)} tokens is longer than the context length ({r.context_length})",
-            )
-        if not embed and len(input_ids) >= r.context_length:
-            raise ParamError.at(
-                where,
-                f"{len(input_ids)} tokens is longer than the context length allows "
-                f"({r.context_length} tokens in all, at least one of them generated)",
-            )
-        bad = [t for t in input_ids if not 0 <= t < r.vocab_size]
-        if bad:
-            raise ParamError.at(
-                where, f"token id {bad[0]} is outside the vocabulary ({r.vocab_size})"
-            )
+        check_prompt_ids(input_ids, r.context_length, r.vocab_size, where, embed)
         resolved = self.resolve(params)
         resolved.check_token_ids(r.vocab_size)
         resolved.check_something_to_sample(self.eos_token_ids)
