@@ -50,6 +50,8 @@ def speculative_settings(spec: Any) -> dict[str, Any]:
             f"speculative_config: unknown key {unknown[0]!r} (have "
             f"{sorted(_SPECULATIVE_CONFIG_KEYS)})"
         )
+    if spec and spec.get("method") is None and spec.get("model") is None:  # as vLLM's
+        raise ValueError("speculative_config needs a method or a model (a draft model's path)")
     out = {_SPECULATIVE_CONFIG_KEYS[k]: v for k, v in spec.items()}
     if "speculative_algorithm" not in out and "speculative_draft_model_path" in out:
         out["speculative_algorithm"] = "DRAFT"

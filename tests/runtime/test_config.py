@@ -282,7 +282,16 @@ def test_an_empty_command_line_gives_the_declared_defaults():
 # Flags that are valid only beside another one, and that other one.
 COMPANIONS = {
     "speculative_draft_model_path": ["--speculative-algorithm", "DRAFT"],
-    "speculative_ngram_min_match_window_size": ["--speculative-ngram-max-match-window-size", "8"],
+    "speculative_ngram_min_match_window_size": [
+        "--speculative-ngram-max-match-window-size",
+        "8",
+        "--speculative-algorithm",
+        "NGRAM",
+    ],
+    "speculative_ngram_max_match_window_size": ["--speculative-algorithm", "NGRAM"],
+    "speculative_num_steps": ["--speculative-algorithm", "NGRAM"],
+    "speculative_eagle_topk": ["--speculative-algorithm", "NGRAM"],
+    "speculative_num_draft_tokens": ["--speculative-algorithm", "NGRAM"],
     "nnodes": ["--tp-size", "14", "--dist-init-addr", "127.0.0.1:1234"],
     "node_rank": ["--nnodes", "8", "--tp-size", "8", "--dist-init-addr", "127.0.0.1:1234"],
 }
@@ -373,6 +382,18 @@ def test_vllms_speculative_config_stands_for_the_speculative_flags():
         "speculative_draft_model_path": "d",
         "speculative_algorithm": "DRAFT",
     }
+    # What would turn nothing on is refused, as vLLM refuses it (it was taken, speculation off).
+    for spec in ({"num_speculative_tokens": 4}, {"method": None, "prompt_lookup_max": 4}):
+        with pytest.raises(ValueError, match="speculative_config needs a method or a model"):
+            resolve_overrides({"speculative_config": spec})
+    for kw, first in (
+        (dict(speculative_num_steps=4), "speculative_num_steps"),
+        (dict(speculative_ngram_max_match_window_size=6), "speculative_ngram_max_match_window"),
+    ):
+        with pytest.raises(ValueError, match=f"{first}.* is set but speculative_algorithm is not"):
+            EngineConfig(**kw)
+    with pytest.raises(ValueError, match="speculative_draft_model_path does not go with .*NGRAM"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_draft_model_path="d")
 
 
 def test_a_model_directorys_bad_json_is_named(tmp_path):
