@@ -149,11 +149,17 @@ def test_the_embedded_model_decodes_natively_and_its_float_form_does_not(embedde
     assert NativeCpuDecode.for_model(model.model) is None
 
 
+NEAR_TIE = 0.05
+
+
 @pytest.mark.parametrize("rows, shuffled", [([2], False), ([0, 2, 3], True)])
 def test_native_decode_gives_the_python_layers_tokens(embedded, rows, shuffled):
-    """The real model on text, 16 decode steps: the same greedy token every step, logits and
-    stored K/V rows equal up to rounding; one sequence on one run of slots, and three with
-    shuffled slots and different lengths."""
+    """The real model on text, 16 decode steps: the same greedy token every step (or, where
+    the Python path's top two logits are within `NEAR_TIE`, one of those two: the paths round
+    the int4 kernel's bfloat16 inputs at different points, about 0.02 on logits of 21, and an
+    Intel Xeon's kernels tied "def fibonacci(n):"'s 13th token at 0.019), logits and stored
+    K/V rows equal up to rounding; one sequence on one run of slots, and three with shuffled
+    slots and different lengths."""
     cfg, model = embedded
     tok = load_tokenizer(resolve_model(None))
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
@@ -161,7 +167,10 @@ def test_native_decode_gives_the_python_layers_tokens(embedded, rows, shuffled):
     seqs = bench.prefill([tok.encode(t) for t in texts[: len(rows)]])
     for _ in range(16):
         (want, want_kv), (got, got_kv) = bench.compare(bench.decode_batch(seqs))
-        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for w, g in zip(want.float(), got.argmax(-1).tolist()):
+            top = w.topk(2)
+            tie = top.values[0] - top.values[1] < NEAR_TIE
+            assert g == top.indices[0] or (tie and g == top.indices[1]), (g, top)
         _close(got, want, 0.02)
         for g, w in zip(got_kv, want_kv):
             _close(g, w, 0.02)
