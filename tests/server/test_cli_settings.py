@@ -86,3 +86,28 @@ def test_bad_values_end_the_start_naming_the_flag_before_the_model_loads():
         assert run.returncode == 2, (flags, err)
         assert message in err, (flags, err)
         assert "KV cache" not in err and "Traceback" not in err, (flags, err)
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130():
+    """It was a 30-line KeyboardInterrupt traceback, often from inside transformers' import."""
+    import signal
+    import time
+
+    import psutil
+
+    run = subprocess.Popen(
+        [sys.executable, "-m", "braid", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (children := psutil.Process(run.pid).children(recursive=True)):
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.05)  # until the runtime's processes start (the model loads after)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err and "interrupted during start-up" in err, err
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive  # none left behind

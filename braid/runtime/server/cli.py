@@ -590,7 +590,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
-        sys.exit(serve(args, argv))
+        try:
+            code = serve(args, argv)
+        except KeyboardInterrupt:  # Ctrl-C before the server runs (which handles its own)
+            print("braid serve: interrupted during start-up", file=sys.stderr)
+            code = 130
+        sys.exit(code)
 
 
 if __name__ == "__main__":
