@@ -462,10 +462,7 @@ class EngineConfig:
         algo = self.speculative_algorithm
         needs_path = algo in ("DRAFT", "MEDUSA", "EAGLE", "EAGLE3")
         if needs_path and not self.speculative_draft_model_path:
-            raise ValueError(
-                f"speculative_algorithm {algo} needs speculative_draft_model_path "
-                "(--speculative-draft-model-path)"
-            )
+            raise ValueError(f"speculative_algorithm {algo} needs speculative_draft_model_path")
         if algo is None:
             defaults = {f.name: f.default for f in fields(self)}
             given = [

@@ -396,7 +396,9 @@ def test_the_target_as_its_own_draft_keeps_every_draft(tiny, plain):
     draws with the request's seed at the target's positions), the same tokens and logprobs,
     and the draft model's KV all given back."""
     reqs, want = plain
-    sched = _draft_scheduler(tiny, tiny, **CFG)
+    # A step count too (vLLM's num_speculative_tokens): the draft model's own settings must
+    # not carry it, or they are refused as speculation settings without an algorithm.
+    sched = _draft_scheduler(tiny, tiny, speculative_num_steps=3, **CFG)
     got = _run(sched, reqs)
     for rid, w in want.items():
         assert (got[rid]["ids"], got[rid]["lp"], got[rid]["finish"]) == (

@@ -74,11 +74,15 @@ class DraftModelProposer(Proposer):
         capacity = target.kv_pool.allocator.capacity_tokens
         # Every request's draft KV is at most its target KV plus its drafts.
         tokens = capacity + target.max_running_requests * (steps + 2 * config.page_size)
+        unspeculative = {
+            f.name: f.default
+            for f in dataclasses.fields(config)
+            if f.name.startswith("speculative_")
+        }  # the draft model runs plain decoding (a step count alone would be refused)
         settings = dataclasses.replace(
             config,
+            **unspeculative,
             model=str(path),
-            speculative_algorithm=None,
-            speculative_draft_model_path=None,
             kv_tokens=tokens,
             mem_fraction_static=None,
             max_running_requests=target.max_running_requests,
