@@ -304,7 +304,16 @@ def test_objects_that_apply_to_one_instance_together_are_left_open(compilers):
         assert llg.compile("json_schema", schema).unsatisfiable is None
         assert walk(llg, "json_schema", schema, good) == (True, True)
         assert walk(llg, "json_schema", schema, bad)[1] is False
-    # Alternatives are still closed each: a union of two objects, and what lies inside them.
+    # Closed where no schema applied with it requires a key it does not list: "at least one
+    # of a and b", and alternatives each (a union of two objects, and what lies inside them).
+    one_of_two = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
+    assert closed_objects(one_of_two)["additionalProperties"] is False
+    assert walk(llg, "json_schema", one_of_two, '{"b": 2}') == (True, True)
+    assert walk(llg, "json_schema", one_of_two, '{"b": 2, "c": 3}')[0] is False
     union = {
         "anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
         "$defs": {
@@ -315,7 +324,7 @@ def test_objects_that_apply_to_one_instance_together_are_left_open(compilers):
     closed = closed_objects(union)["$defs"]
     assert closed["a"]["additionalProperties"] is False
     assert closed["a"]["properties"]["a"]["additionalProperties"] is False
-    assert "additionalProperties" not in closed["b"]
+    assert closed["b"]["additionalProperties"] is False  # the key it requires, it lists
     assert walk(llg, "json_schema", union, '{"a": {"z": 1, "w": 2}}')[0] is False
 
 

@@ -174,11 +174,11 @@ def closed_objects(schema: Any) -> Any:
     `properties` and says nothing about other properties, as outlines-core and xgrammar's
     strict mode compile every schema: keys outside the schema's are not generated. Every
     instance of the result is an instance of `schema`. Left open: an object that requires a key
-    outside its `properties` (closed, it would admit no instance); objects that apply to one
-    instance together, a schema's own and those of its `anyOf` / `oneOf` branches, `$ref`
-    targets or `if` / `then` / `else` (closed one by one, each would refuse the keys the other
-    lists: `_together`); and a schema with an `allOf` anywhere is left as it is (closing its
-    branches one by one could exclude what their merge allows)."""
+    outside its `properties` (closed, it would admit no instance), or whose `properties` lack a
+    key that a schema applying to the same instance with it (its `anyOf` / `oneOf` branches,
+    `$ref` targets, `if` / `then` / `else`, or theirs) requires (`_together`); and a schema
+    with an `allOf` anywhere is left as it is (closing its branches one by one could exclude
+    what their merge allows)."""
     if _mentions(schema, "allOf"):
         return schema
     kept_open = _together(schema)
@@ -204,32 +204,28 @@ def closed_objects(schema: Any) -> Any:
     return close(schema)
 
 
-# Keywords that say which keys an object may or must have.
-_OBJECT_WORDS = frozenset(
-    {"properties", "required", "patternProperties", "additionalProperties", "propertyNames",
-     "dependentRequired", "dependencies", "minProperties", "maxProperties",
-     "unevaluatedProperties"}
-)  # fmt: skip
-# Where a subschema applies to the schema's own instance.
-_SAME_INSTANCE_ONE = ("if", "then", "else")
-_SAME_INSTANCE_LIST = ("anyOf", "oneOf")
-
-
 def _together(root: Any) -> set[int]:
-    """The ids of the object schemas in `root` that `closed_objects` must leave open: each
-    that constrains keys while another reached from it through `anyOf` / `oneOf` branches,
-    `$ref`s or `if` / `then` / `else` (which apply to the same instance) does too."""
+    """The ids of the object schemas in `root` that `closed_objects` must leave open: one
+    whose `properties` lack a key that another schema applying to the same instance requires
+    (reached from it, or it from that one, through `anyOf` / `oneOf` branches, `$ref`s or
+    `if` / `then` / `else`). Closed, it would refuse that key, and the two together match no
+    output; keys another schema merely lists are only narrowed away, which is allowed."""
     kept: set[int] = set()
     for _, node in _subschemas(root):
         if not isinstance(node, dict):
             continue
-        if not _OBJECT_WORDS & node.keys():
-            continue
-        others = [n for n in _same_instance(root, node) if _OBJECT_WORDS & n.keys()]
-        if others:
-            kept.add(id(node))
-            kept.update(id(n) for n in others)
+        for other in _same_instance(root, node):
+            for a, b in ((node, other), (other, node)):
+                listed = a.get("properties")
+                required = b.get("required") if isinstance(b.get("required"), list) else []
+                if isinstance(listed, dict) and any(k not in listed for k in required):
+                    kept.add(id(a))
     return kept
+
+
+# Where a subschema applies to the schema's own instance.
+_SAME_INSTANCE_ONE = ("if", "then", "else")
+_SAME_INSTANCE_LIST = ("anyOf", "oneOf")
 
 
 def _same_instance(root: Any, node: dict) -> list[dict]:
