@@ -125,7 +125,8 @@ def _caller_file(source: Any) -> Any:
                 return Path(source)
         except (OSError, ValueError):  # too long, or a NUL: not a file name
             return source
-        if only_a_path(source) or Path(source).suffix.lower() in IMAGE_SUFFIXES:
+        absolute = os.path.isabs(source)  # a relative one may name a file under an allowed dir
+        if (absolute and only_a_path(source)) or Path(source).suffix.lower() in IMAGE_SUFFIXES:
             raise ValueError(f"image file {source!r} does not exist")
     return source
 

@@ -100,6 +100,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A pytest-xdist worker ignores SIGINT, and a child would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not (children := psutil.Process(run.pid).children(recursive=True)):

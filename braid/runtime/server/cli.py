@@ -188,9 +188,8 @@ class ServerSettings:
         return tuple(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
 
 
-_SECONDS = (
-    "header_timeout", "body_timeout", "keep_alive_timeout", "health_timeout", "heartbeat_timeout"
-)  # fmt: skip
+_SECONDS = ("header_timeout", "body_timeout", "keep_alive_timeout", "health_timeout",
+            "heartbeat_timeout")  # fmt: skip
 
 
 def _flag_type(hint: Any) -> type:
@@ -306,8 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def as_flags(message: str) -> str:
-    """A settings error as the command line spells it: each field it names (`kv_tokens`) as
-    its flag (`--kv-tokens`), the other names of that flag beside it."""
+    """A settings error as the command line spells it: `kv_tokens` as `--kv-tokens (--max-...)`."""
     named = {f.name: f for cls in (EngineConfig, ServerSettings) for f in fields(cls)}
     words = sorted((n for n in named if "_" in n), key=len, reverse=True)  # plain words stay
 
