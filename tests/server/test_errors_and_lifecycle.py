@@ -527,6 +527,9 @@ def test_oversized_body_is_refused_then_sigterm_exits_0(tmp_path):
         ok = httpx.post(s.url + C, json={"prompt": "x", "max_tokens": 2}, headers=h)
         assert ok.status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+        metrics = httpx.get(s.url + "/metrics")  # nor /metrics (Prometheus scrapes it), as vLLM
+        assert metrics.status_code == 200 and "braid_" in metrics.text
+        assert httpx.get(s.url + "/get_server_info").status_code == 401
         pids = httpx.get(s.url + "/get_server_info", headers=h).json()["pids"]
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(15)

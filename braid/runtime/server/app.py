@@ -91,7 +91,8 @@ def create_app(state: ServerState, on_ready: Callable[[], None] | None = None) -
         bind_host=state.bind_host,
         allowed_origins=state.allowed_origins,
         allowed_hosts=state.allowed_hosts,
-        public_paths=frozenset({"/health", *serving_playground.PUBLIC_PATHS}),
+        # /metrics open, as vLLM's key guards only /v1: Prometheus scrapes without the key.
+        public_paths=frozenset({"/health", "/metrics", *serving_playground.PUBLIC_PATHS}),
     )
     app.add_middleware(Guard, cfg=guard)
     if state.allowed_origins:

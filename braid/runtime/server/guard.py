@@ -6,8 +6,8 @@ and must not buffer streamed responses). In order, it refuses:
 - a cross-origin browser request (an `Origin` that is not the server's own and not in
   `--allowed-origins`), and, on a loopback server, a `Host` that is not loopback (DNS
   rebinding): a server on 127.0.0.1 is reachable from every web page its user opens;
-- a request without the API key, when one is set (`public_paths` are open: `/health`, the
-  playground page and its assets);
+- a request without the API key, when one is set (`public_paths` are open: `/health`,
+  `/metrics`, the playground page and its assets);
 - a body larger than `--max-request-bytes`, counted as it arrives, so a chunked body with no
   Content-Length stops at the limit too (413).
 It then hands the route the buffered body, and turns any exception that escapes a route into
