@@ -152,7 +152,7 @@ def _read_string(s: str, limits: MediaLimits) -> bytes:
     head = s[:16].lower()
     if head.startswith("data:"):
         return _read_data_url(s, limits)
-    if head.startswith(("http://", "https://")):
+    if is_url(s):
         return asyncio.run(_fetch(s, limits))  # the front end awaits `fetch` instead
     if head.startswith("file:"):
         return _read_local(_file_url_path(s), limits)
