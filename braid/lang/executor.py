@@ -119,6 +119,8 @@ class Executor:
         self.text = parent.text if parent else ""
         self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
         self.open_role = parent.open_role if parent else None
+        # The first text (or image) written outside any role (`Prompt.loose_text`).
+        self.loose_text: str | None = parent.loose_text if parent else None
         self.role_start = parent.role_start if parent else 0
         # The prompt's images in order, one per image placeholder in `text`; a fork copies the
         # list, so its requests carry the same images as the prefix it shares.
@@ -135,6 +137,11 @@ class Executor:
         self.error: ProgramError | None = None
         self.ended = False
         self._end_queued = False
+        # A streamed run's body runs in a thread of its own (`body_thread`, set when it starts):
+        # a read from any other thread waits for the body to end, since it may yet queue what
+        # the read asks for. A fork inherits both from the state it was made from.
+        self.streamed = parent.streamed if parent else False
+        self.body_thread: int | None = parent.body_thread if parent else None
         # The stream log: (variable or None, text piece or None for "variable done", meta).
         self.chunks: list[tuple[str | None, str | None, dict[str, Any]]] = []
         self.children: list[Executor] = []
@@ -166,6 +173,7 @@ class Executor:
                 return
             self._end_queued = True
             self._pending += 1
+            self._cond.notify_all()
         self._queue.put((_END, "", []))
 
     def _work(self) -> None:
@@ -208,11 +216,19 @@ class Executor:
             err = ProgramError(f"{where}: {type(e).__name__}: {e}")
         err.__cause__ = e
         with self._cond:
-            self.error = err
+            if self.error is None:  # the first error stopped the state; later ones follow it
+                self.error = err
             self._cond.notify_all()
+
+    def wait_for_body(self) -> None:
+        """From outside a streamed run's body, wait until the body has ended (or failed)."""
+        if self.streamed and threading.get_ident() != self.body_thread:
+            with self._cond:
+                self._cond.wait_for(lambda: self._end_queued or self.error is not None)
 
     def sync(self) -> None:
         """Wait until everything queued has run; raise the state's error, if any."""
+        self.wait_for_body()
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0 or self.ended)
         if self.error is not None:
@@ -232,6 +248,7 @@ class Executor:
         def ready() -> bool:
             return settled() or self.error is not None or self._pending == 0 or self.ended
 
+        self.wait_for_body()
         with self._cond:
             self._cond.wait_for(ready)
             if settled():
@@ -277,6 +294,7 @@ class Executor:
             self.session,
             position,
             self.sessions.program if self.sessions is not None else None,
+            self.loose_text,
         )
 
     def _run(self, node: Any) -> None:
@@ -288,6 +306,8 @@ class Executor:
 
     def _run_leaf(self, node: Expr) -> None:
         if isinstance(node, Text):
+            if self.open_role is None and self.loose_text is None and node.value.strip():
+                self.loose_text = node.value
             self._append(node.value)
         elif isinstance(node, RoleBegin):
             self._role_begin(node.role)
@@ -309,6 +329,8 @@ class Executor:
         elif isinstance(node, Image):
             placeholder = self.backend.image_placeholder  # ValueError: the model takes text only
             self.images.append(node.source)
+            if self.open_role is None and self.loose_text is None:
+                self.loose_text = "an image"
             self._append(placeholder)
         else:
             raise ValueError(f"cannot run {type(node).__name__} in a program")

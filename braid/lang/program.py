@@ -186,6 +186,7 @@ class Program:
         precache = global_config.enable_precache_with_tracing
         state, body = self._start(b, defaults, args, prog_kwargs, precache)
         if stream:
+            state._ex.streamed = True  # reads from the caller wait for the body's end
             ctx = contextvars.copy_context()
             threading.Thread(
                 target=ctx.run, args=(self._body_keeping_error, state, body), daemon=True
@@ -203,6 +204,7 @@ class Program:
 
     @staticmethod
     def _body_keeping_error(state: ProgramState, body: Callable[[], None]) -> None:
+        state._ex.body_thread = threading.get_ident()
         try:
             body()
         except Exception as e:

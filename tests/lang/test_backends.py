@@ -5,6 +5,9 @@ identical."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import httpx
 import pytest
 
@@ -129,3 +132,98 @@ def test_a_runs_seed_gives_each_gen_its_own_and_a_gens_seed_is_kept(smollm2):
     alone = sampled_program.run(backend=engine)  # the stream moved on in between
     assert alone["answer"]
     assert sampled_branches.run(own_seed=7, backend=engine)["answer"] == own
+
+
+def test_openai_backend_refuses_text_a_chat_would_drop(served):
+    """A chat sends only the role messages: text written outside any role before or between
+    them is refused, naming it, instead of being left out of the request."""
+
+    @sgl.function
+    def secret_first(s):
+        s += "The password is zebra42.\n"
+        s += sgl.user("What is the password?")
+        with s.assistant():
+            s += sgl.gen("answer", max_tokens=4, temperature=0)
+
+    @sgl.function
+    def between_roles(s):
+        s += sgl.user("Hi.")
+        s += sgl.assistant("Hello.")
+        s += "  \n"  # whitespace between the messages is not content
+        s += sgl.user("Name a colour.")
+        s += "Answer in one word."
+        with s.assistant():
+            s += sgl.gen("answer", max_tokens=4, temperature=0)
+
+    backend = sgl.OpenAI(model_name(served.url), base_url=served.url + "/v1")
+    with pytest.raises(sgl.ProgramError, match="wrote 'The password is zebra42.\\\\n' outside"):
+        secret_first.run(backend=backend)
+    with pytest.raises(sgl.ProgramError, match="wrote 'Answer in one word.' outside any role"):
+        between_roles.run(backend=backend)
+    # The same programs run as written on a backend that sends the whole text.
+    assert between_roles.run(backend=sgl.RuntimeEndpoint(served.url))["answer"]
+
+
+def test_openai_backend_meta_info_reads_what_the_server_reports(served):
+    """The stop string that matched, the tokens a cut-off gen reached and the cached prompt
+    tokens come from the response, as RuntimeEndpoint's meta info has them."""
+
+    @sgl.function
+    def counting(s, stop):
+        s += "Count: 1, 2, 3, 4, 5,"
+        s += sgl.gen("n", max_tokens=6, stop=stop, temperature=0)
+
+    backends = [
+        sgl.RuntimeEndpoint(served.url),
+        sgl.OpenAI(model_name(served.url), base_url=served.url + "/v1"),
+    ]
+    for b in backends:
+        cut = counting.run(stop=None, backend=b).get_meta_info("n")
+        assert cut["finish_reason"] == {"type": "length", "length": 6}, cut
+        assert cut["cached_tokens"] > 0, cut  # the prompt was computed by the run before
+        stopped = counting.run(stop=[" 7"], backend=b).get_meta_info("n")
+        assert stopped["finish_reason"] == {"type": "stop", "matched": " 7"}, stopped
+
+
+@pytest.mark.parametrize("kind", ["endpoint", "openai"])
+def test_a_server_stopping_mid_gen_fails_the_program_with_its_reason(tmp_path, kind):
+    """A generation the server ends (here by shutting down) fails the program with the
+    server's reason and the program line, on both remote backends; once the server is gone, a
+    gen fails naming it, and the program's end that fails after it does not replace that
+    error."""
+    from tests.server.conftest import start_server
+
+    server = start_server(tmp_path)
+    try:
+        url = server.url
+        backend = (
+            sgl.RuntimeEndpoint(url)
+            if kind == "endpoint"
+            else sgl.OpenAI(model_name(url), base_url=url + "/v1")
+        )
+
+        @sgl.function
+        def long(s):
+            s += "Count: 1, 2,"
+            s += sgl.gen("a", max_tokens=4000, ignore_eos=True, temperature=0)
+
+        state = long.run(stream=True, backend=backend)
+        deadline = time.monotonic() + 60
+        while not httpx.get(f"{url}/get_server_info").json()["stats"]["running_requests"]:
+            assert time.monotonic() < deadline, "the gen never started"
+            time.sleep(0.1)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(sgl.ProgramError) as info:
+            state["a"]
+        message = str(info.value)
+        assert "generation failed: the server is shutting down" in message, message
+        assert "in long" in message, message  # the gen's program line
+        assert server.proc.wait(timeout=60) == 0
+        # With the server gone the gen fails, and so does the program's end after it: the
+        # error is still the gen's.
+        with pytest.raises(sgl.ProgramError) as info:
+            long.run(backend=backend)
+        message = str(info.value)
+        assert f"cannot reach {url}" in message and "in long" in message, message
+    finally:
+        server.stop()

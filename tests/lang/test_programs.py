@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -238,6 +239,32 @@ def test_streaming_text_iter_reassembles_the_text(backend):
     assert "".join(p for p, _ in items) == st["answer"]
     counts = [m["completion_tokens"] for _, m in items]
     assert counts == sorted(counts) and counts[-1] >= 1
+
+
+@sgl.function
+def thinks_between_gens(s):
+    s += "Q: 1 + 1 =\nA:"
+    s += sgl.gen("first", max_tokens=3, stop="\n", temperature=0)
+    first = s["first"]  # the program waits for its own gen, then does Python work
+    time.sleep(0.5)
+    s += "\nQ: " + first.strip() + " + 1 =\nA:"
+    s += sgl.gen("second", max_tokens=3, stop="\n", temperature=0)
+
+
+def test_reads_of_a_streamed_run_wait_for_what_its_body_will_queue(backend):
+    """Reading a streamed run's state from the caller waits for the program body, which runs
+    in its own thread and may not have queued the gen that sets the name yet (it was a
+    'not set by this program' error while the body was still working)."""
+    whole = thinks_between_gens.run(backend=backend)
+    state = thinks_between_gens.run(stream=True, backend=backend)
+    assert state["second"] == whole["second"]
+    state = thinks_between_gens.run(stream=True, backend=backend)
+    assert state.text() == whole.text()
+    state = thinks_between_gens.run(stream=True, backend=backend)
+    assert "second" in state and state.error() is None
+    state = thinks_between_gens.run(stream=True, backend=backend)
+    with pytest.raises(UnknownVariable, match="'third' is not set"):
+        state["third"]
 
 
 def test_run_batch_equals_single_runs_in_order(smollm2, backend):

@@ -97,6 +97,8 @@ class RuntimeEndpoint(Backend):
             if 400 <= e.code < 500:
                 raise ValueError(f"{self.base_url}{path}: {detail or f'HTTP {e.code}'}") from None
             raise RuntimeError(f"{self.base_url}{path}: HTTP {e.code}: {detail}") from None
+        except urllib.error.URLError as e:  # refused, unknown host: the server is not there
+            raise ConnectionError(f"cannot reach {self.base_url}{path}: {e.reason}") from None
 
     def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None):
         with self._open(method, path, body, timeout) as resp:
@@ -113,6 +115,8 @@ class RuntimeEndpoint(Backend):
         params = runtime_sampling(sampling)
         for name in ("logprobs", "prompt_logprobs", "logprob_start_len"):
             params.pop(name, None)  # /generate takes them as top-level fields
+        if "seed" in params:  # SGLang's name, which SGLang's router (--dp-size) passes on
+            params["sampling_seed"] = params.pop("seed")
         if constraint is not None:
             params[constraint[0]] = constraint[1]
         body: dict[str, Any] = {
@@ -266,8 +270,8 @@ class RuntimeEndpoint(Backend):
 
     def flush_cache(self) -> bool:
         try:
-            with self._open("POST", "/flush_cache"):
-                return True
+            with self._open("POST", "/flush_cache") as resp:
+                return resp.status == 200  # a router's 206: some workers did not flush
         except ValueError:  # 400: requests are running
             return False
 

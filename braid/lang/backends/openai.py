@@ -187,6 +187,12 @@ class OpenAI(Backend):
         if kw["max_tokens"] == 0:
             stream = []  # nothing to generate (OpenAI refuses max_tokens=0): no call
         elif chat:
+            if prompt.loose_text is not None:
+                raise ValueError(
+                    "OpenAI backend: a chat sends only its role messages, and this program wrote "
+                    f"{_shown(prompt.loose_text)} outside any role; put it in a role "
+                    "(`s += system(...)`) or write the program without roles"
+                )
             messages = chat_messages(prompt.messages, prompt.images)
             if prompt.open_role != "assistant" or prompt.open_content:
                 raise ValueError(
@@ -233,13 +239,19 @@ class OpenAI(Backend):
                 usage = chunk.usage
             for choice in chunk.choices:
                 i = choice.index
+                failed = getattr(choice, "error", None)  # braid's server says why a stream ended
+                if failed:
+                    why = failed.get("message") if isinstance(failed, dict) else failed
+                    raise RuntimeError(f"generation failed: {why}")
                 piece = (choice.delta.content if chat else choice.text) or ""
                 texts[i] += piece
                 if sampling.return_logprob and choice.logprobs is not None:
                     self._absorb_logprobs(metas[i], choice.logprobs, chat, top)
                 if choice.finish_reason:
                     metas[i]["finish_reason"] = finish_reason_info(
-                        choice.finish_reason, None, len(metas[i].get("output_token_logprobs", []))
+                        choice.finish_reason,
+                        getattr(choice, "stop_reason", None),  # vLLM's: the stop that matched
+                        len(metas[i].get("output_token_logprobs", [])),
                     )
                 if piece and i == 0 and on_delta is not None:
                     on_delta(piece, dict(metas[0]))
@@ -250,6 +262,12 @@ class OpenAI(Backend):
             if usage is not None:
                 meta["prompt_tokens"] = usage.prompt_tokens
                 meta["completion_tokens"] = usage.completion_tokens // n
+                details = usage.prompt_tokens_details
+                meta["cached_tokens"] = (details and details.cached_tokens) or 0
+            finish = meta["finish_reason"]
+            if finish["type"] == "length" and not finish["length"]:
+                # The tokens it was cut off at (counted above only from logprobs).
+                finish["length"] = meta["completion_tokens"]
         if wants_input:
             entries = self._echo_entries(prompt.text, max(0, sampling.logprob_start_len), top)
             for meta in metas:
@@ -356,3 +374,10 @@ class OpenAI(Backend):
         if not entries:
             raise ValueError(f"select: choice {choice!r} added no scored tokens")
         return entries
+
+
+def _shown(text: str) -> str:
+    """`text` for an error message: quoted and cut to 40 characters (an image as it is)."""
+    if text == "an image":
+        return text
+    return repr(text if len(text) <= 40 else text[:37] + "...")
