@@ -392,44 +392,30 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         config = settings_from_args(EngineConfig, args)
         settings = settings_from_args(ServerSettings, args)
-    except ValueError as e:
-        logger.error("braid serve: %s", as_flags(str(e)))
-        return 2
-    if settings.dp_size > 1:
-        from braid.runtime.server.data_parallel import serve_data_parallel
-
-        if config.nnodes > 1:
-            logger.error("braid serve: --dp-size with --nnodes > 1 is not supported")
-            return 2
-        argv = list(sys.argv[1:] if argv is None else argv)
-        return serve_data_parallel(
-            argv, settings, settings.dp_size, settings.router_policy, config.tp_size
-        )
-    if config.node_rank > 0:
-        # Another machine of a multi-node tensor-parallel group: its ranks only, no server.
-        from braid.runtime.executor.tp_worker import serve_followers
-        from braid.runtime.launch import use_braid_triton_cache
-
-        use_braid_triton_cache()
-
-        try:
-            follower = ModelAssets.load(
-                config.model, revision=config.revision, gguf_file=config.gguf_file
-            )
-            follower.config.check_engine(config)
-        except ValueError as e:
-            logger.error("braid serve: %s", as_flags(str(e)))
-            return 2
-        return serve_followers(config, follower.path, level)
-    try:
+        api_key = _api_key(settings)
         assets = ModelAssets.load(  # small JSON files; the tokenizer loads below
             config.model,
             with_tokenizer=False,
             revision=config.revision,
             gguf_file=config.gguf_file,
         )
-        assets.config.check_engine(config)
-        api_key = _api_key(settings)
+        assets.config.check_engine(config)  # before any process starts
+    except ValueError as e:
+        logger.error("braid serve: %s", as_flags(str(e)))
+        return 2
+    if settings.dp_size > 1:
+        from braid.runtime.server.data_parallel import serve_data_parallel
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return serve_data_parallel(argv, settings, config, api_key)
+    if config.node_rank > 0:
+        # Another machine of a multi-node tensor-parallel group: its ranks only, no server.
+        from braid.runtime.executor.tp_worker import serve_followers
+        from braid.runtime.launch import use_braid_triton_cache
+
+        use_braid_triton_cache()
+        return serve_followers(config, assets.path, level)
+    try:
         chat_template = settings.chat_template and read_chat_template(settings.chat_template)
         listener = bind_listener(settings.host, settings.port)  # before the model loads
     except (ValueError, ServerStartError) as e:

@@ -37,7 +37,16 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
 # Flags the supervisor handles itself (each with its value), not passed on to the workers.
+# (Their abbreviations, which argparse takes too, are not removed: the flags the supervisor
+# appends to a worker's command line come last and override them.)
 _OWN_FLAGS = {"--dp-size", "--port", "--host", "--router-policy"}
+# The router: SGLang's `launch_router`, given the API key from the environment, where a
+# command line (which any user of the machine can read) never shows it.
+_ROUTER_MAIN = (
+    "import os, sys; from sglang_router.launch_router import main; "
+    "key = os.environ.pop('BRAID_ROUTER_API_KEY', ''); "
+    "sys.argv += ['--api-key', key] if key else []; main()"
+)
 
 
 def _die_with_parent() -> None:
@@ -82,6 +91,7 @@ class DataParallelServer:
         policy: str,
         log_dir: Path,
         tp_size: int = 1,
+        api_key: str | None = None,
     ) -> None:
         if dp_size < 2:
             raise ValueError(f"dp_size must be at least 2 for a router, got {dp_size}")
@@ -92,6 +102,10 @@ class DataParallelServer:
         self.host, self.port, self.policy = host, port, policy
         self.log_dir = log_dir
         self.tp_size = tp_size  # devices (and processes) per worker
+        # The workers take the key from their own flags; the router and the supervisor's calls
+        # to it send it.
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.workers: list[_Child] = []
         self.router: _Child | None = None
         self._stop = threading.Event()
@@ -125,7 +139,7 @@ class DataParallelServer:
             else:
                 env["OMP_NUM_THREADS"] = str(threads)
             argv = [sys.executable, "-m", "braid", *self.argv]
-            argv += ["--host", "127.0.0.1", "--port", str(port)]
+            argv += ["--host", "127.0.0.1", "--port", str(port), "--dp-size", "1"]
             url = f"http://127.0.0.1:{port}"
             self.workers.append(self._spawn(f"worker-{i}", argv, env, url))
             logger.info("braid serve: data-parallel worker %d starting at %s", i, url)
@@ -138,7 +152,9 @@ class DataParallelServer:
                 "--dp-size needs SGLang's router: pip install 'braid[router]' "
                 "(the sglang-router package)"
             ) from None
-        argv = [sys.executable, "-m", "sglang_router.launch_router"]
+        if self.port == 0:  # --port 0: a free port, named in the ready line
+            self.port = free_port()
+        argv = [sys.executable, "-c", _ROUTER_MAIN]
         argv += ["--host", self.host, "--port", str(self.port), "--policy", self.policy]
         argv += ["--worker-urls", *(w.url for w in self.workers)]
         argv += ["--health-check-interval-secs", "2", "--log-level", "warn"]
@@ -147,15 +163,18 @@ class DataParallelServer:
         metrics_port = free_port()
         argv += ["--prometheus-host", self.host, "--prometheus-port", str(metrics_port)]
         url = f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
-        self.router = self._spawn("router", argv, dict(os.environ), url)
+        env = dict(os.environ, BRAID_ROUTER_API_KEY=self.api_key or "")
+        self.router = self._spawn("router", argv, env, url)
         self._wait_ready(self.router, "/health")
         logger.info(
             "braid serve: the router's metrics at http://%s:%d/metrics", self.host, metrics_port
         )
         logger.warning(
             "braid serve: the router forwards chat and /generate bodies without the fields it "
-            "does not know (cache_salt, bad_words, allowed_token_ids, truncate_prompt_tokens, "
-            "documents; chat's priority); /v1/completions keeps them (docs/parallelism.md)"
+            "does not know (chat: guided_choice, structured_outputs, json_schema, bad_words, "
+            "...; /generate: seed, stop_regex, choice, lark, logit_bias, ...), and refuses "
+            "token-id prompts on /v1/completions, which otherwise keeps every field; the whole "
+            "list is in docs/parallelism.md"
         )
 
     def _wait_ready(self, child: _Child, path: str) -> None:
@@ -202,10 +221,12 @@ class DataParallelServer:
         """Take a dead worker out of the router at once (its health checks would take a few
         seconds, and requests routed there meanwhile would fail)."""
         try:
-            listed = httpx.get(self.router.url + "/workers", timeout=5.0).json()["workers"]
-            for w in listed:
+            listed = httpx.get(self.router.url + "/workers", headers=self.headers, timeout=5.0)
+            for w in listed.json()["workers"]:
                 if w.get("url") == worker.url:
-                    r = httpx.delete(f"{self.router.url}/workers/{w['id']}", timeout=5.0)
+                    r = httpx.delete(
+                        f"{self.router.url}/workers/{w['id']}", headers=self.headers, timeout=5.0
+                    )
                     r.raise_for_status()
             # (Not listed: the router's health checks took it out first.)
             logger.info("braid serve: %s is out of the router's rotation", worker.name)
@@ -237,16 +258,19 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def serve_data_parallel(
-    argv: Sequence[str], settings, dp_size: int, policy: str, tp_size: int = 1
-) -> int:
-    """Run `braid serve --dp-size N` (see the module docstring; with `tp_size` > 1 each
-    worker is a tensor-parallel group of that many devices); the process's exit code."""
+def serve_data_parallel(argv: Sequence[str], settings, config, api_key: str | None) -> int:
+    """Run `braid serve --dp-size N` for the server `settings` and engine `config` (see the
+    module docstring; with `config.tp_size` > 1 each worker is a tensor-parallel group of that
+    many devices); the process's exit code."""
     import tempfile
 
+    if config.nnodes > 1:
+        logger.error("braid serve: --dp-size with --nnodes > 1 is not supported")
+        return 2
+    dp_size, policy = settings.dp_size, settings.router_policy
     log_dir = Path(tempfile.mkdtemp(prefix="braid-dp-"))
     server = DataParallelServer(
-        argv, dp_size, settings.host, settings.port, policy, log_dir, tp_size
+        argv, dp_size, settings.host, settings.port, policy, log_dir, config.tp_size, api_key
     )
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
