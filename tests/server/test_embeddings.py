@@ -192,7 +192,7 @@ def test_generation_alongside_embeddings_is_unchanged(server):
         ({"input": ""}, "input"),
         ({"input": []}, "input"),
         ({"input": [[]]}, "input"),
-        ({"input": ["ok", ""]}, "input"),
+        ({"input": ["ok", ""]}, "input[1]"),
         ({"input": [[1, 2, 600]]}, "input"),
         ({"input": 5}, "input"),
         ({"input": [1] * 600}, "input"),

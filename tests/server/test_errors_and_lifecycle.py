@@ -267,6 +267,8 @@ BAD = [
         "sampling_params[1].max_tokens: 9000 is too large",
     ),
     (C, {"prompt": "x", "n": 2, "max_tokens": 9000, "use_beam_search": True}, 400, "too large"),
+    # logprobs 0 asks for the chosen tokens' logprobs, which beams do not give (0 == False).
+    (C, {"prompt": "x", "n": 2, "use_beam_search": True, "logprobs": 0}, 400, "logprobs: not"),
     (CH, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens: must be"),
     (
         C,

@@ -87,6 +87,7 @@ def test_text_input_and_instructions_give_the_chat_completion(client):
     # Cut off by max_output_tokens: incomplete, as OpenAI reports it.
     assert c.choices[0].finish_reason == "length"
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in r.output] == ["incomplete"]  # the item cut off, as streamed
     assert (r.instructions, r.max_output_tokens, r.model) == ("Be brief.", 6, "smollm2-135m")
 
 
@@ -365,12 +366,16 @@ def test_stored_responses_get_and_delete(client, server, store_path):
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         ({"input": ""}, "input"),
         ({"input": 5}, "input"),
-        # The template reads no reasoning_effort (it would change nothing).
-        ({"reasoning": {"effort": "high"}}, "reasoning_effort"),
+        # The template reads no reasoning effort (it would change nothing).
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": 5, "schema": {"type": "object"}}}},
+            "text.format.name",
+        ),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -395,6 +400,42 @@ def test_bad_input_is_a_400_naming_the_field(server, extra, param):
     r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_bad_tool_choice_is_described_in_the_responses_shape(server):
+    body = {"model": "m", "input": "hi", "tools": TOOLS, "tool_choice": "sometimes"}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "{'type': 'function', 'name': ...}" in message, message
+
+
+def test_an_aborted_stream_fails_and_is_not_stored(server, client):
+    """A response aborted mid-stream (`/abort_request`) ends with `response.failed` (code
+    "cancelled"), not as completed, and is not stored for `previous_response_id` to carry on."""
+    body = {"model": "m", "input": "Count to a thousand.", "max_output_tokens": 400}
+    events, deltas = [], 0
+    with httpx.stream(
+        "POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=120
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if event["type"] == "response.output_text.delta":
+                deltas += 1
+                if deltas == 3:
+                    rid = events[0]["response"]["id"]
+                    abort = httpx.post(f"{server.url}/abort_request", json={"rid": rid})
+                    assert abort.status_code == 200, abort.text
+    last = events[-1]
+    assert last["type"] == "response.failed", [e["type"] for e in events[-4:]]
+    response = last["response"]
+    assert response["status"] == "failed" and response["error"]["code"] == "cancelled"
+    assert response["usage"]["output_tokens"] < 400
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)
 
 
 def test_cache_salt_keeps_tenants_apart(client):

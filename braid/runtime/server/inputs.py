@@ -123,9 +123,8 @@ def tokenize_prompts(
     """(text or None, token ids) of each prompt in `prompt`: a text, a list of token ids, or a
     list of either; texts tokenized with the tokenizer's special tokens (BOS) unless
     `add_special_tokens` is false (vLLM's field)."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    one = isinstance(prompt, str) or bool(prompt) and all(isinstance(t, int) for t in prompt)
+    if one:
         prompt = [prompt]
     if not prompt:
         raise APIError(400, f"{where}: must not be empty", where)
@@ -137,13 +136,14 @@ def tokenize_prompts(
             where,
         )
     out = []
-    for p in prompt:
+    for i, p in enumerate(prompt):
+        at = where if one else f"{where}[{i}]"
         if isinstance(p, str):
             if not p:
-                raise APIError(400, f"{where}: must not be empty", where)
+                raise APIError(400, f"{at}: must not be empty", at)
             if state.tokenizer is None:
-                raise APIError(400, f"{where}: this model has no tokenizer; send token ids", where)
-            out.append((p, encode_prompt(state, p, where, add_special_tokens)))
+                raise APIError(400, f"{at}: this model has no tokenizer; send token ids", at)
+            out.append((p, encode_prompt(state, p, at, add_special_tokens)))
         else:
             out.append((None, list(p)))
     return out

@@ -278,7 +278,9 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
     if not isinstance(schema, Mapping):
         _refuse("text.format.schema", "required, a JSON schema object")
     spec: dict[str, Any] = {"schema": schema}
-    if isinstance(fmt.get("name"), str):
+    if fmt.get("name") is not None:
+        if not isinstance(fmt["name"], str):
+            _refuse("text.format.name", "must be a string")
         spec["name"] = fmt["name"]
     return {"type": "json_schema", "json_schema": spec}
 

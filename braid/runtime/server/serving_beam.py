@@ -86,7 +86,10 @@ def beam_params(
         )
     for name in _NOT_WITH_BEAMS:
         value = getattr(req, name, None)
-        if value in (None, False, [], {}) or value == _INERT_VALUES.get(name):
+        # `is False`: a 0 (`logprobs: 0`) asks for something, though 0 == False in Python.
+        if value is None or value is False or value in ([], {}):
+            continue
+        if value == _INERT_VALUES.get(name):
             continue
         raise APIError(400, f"{name}: not with use_beam_search", name)
     if req.constraint_fields():

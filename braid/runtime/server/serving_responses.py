@@ -153,6 +153,9 @@ _RENAMED = (
     (re.compile(r"^response_format\b"), "text.format"),
     (re.compile(r"^messages\b"), "input"),
     (re.compile(r"^json_schema\b"), "text.format.schema"),
+    (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
+    # chat's shape of a named tool choice, in a message, as the Responses body writes it
+    (re.compile(r"'function': \{'name': \.\.\.\}"), "'name': ..."),
 )
 
 
@@ -196,7 +199,7 @@ class ResponseRun:
     def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The response object with `output` so far; `status` other than in_progress adds
         the usage and how it ended."""
-        body, c = self.body, self.choice
+        body = self.body
         done = status != "in_progress"
         tools = [{"strict": None, "parameters": None, **t} for t in (body.tools or [])]
         r: dict[str, Any] = {
@@ -205,7 +208,7 @@ class ResponseRun:
             "created_at": self.created_at,
             "status": status,
             "completed_at": time.time() if done else None,
-            "error": {"code": "server_error", "message": c.error} if status == "failed" else None,
+            "error": self.error() if status == "failed" else None,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
@@ -252,9 +255,15 @@ class ResponseRun:
 
     def status(self) -> str:
         c = self.choice
-        if c.error:
+        if c.error or finish_of(c) == "abort":  # aborted (/abort_request): it did not complete
             return "failed"
         return "incomplete" if finish_of(c) == "length" else "completed"
+
+    def error(self) -> dict[str, str]:
+        """A failed response's `error`."""
+        if self.choice.error:
+            return {"code": "server_error", "message": self.choice.error}
+        return {"code": "cancelled", "message": "the request was aborted before it completed"}
 
     def save(self, response: dict[str, Any]) -> None:
         """Store `response` and its conversation (blocking), if storing."""
@@ -321,7 +330,10 @@ class ResponseRun:
         for call in message.get("tool_calls") or []:
             fn = call["function"]
             output.append(_call_item(_item_id("fc"), call["id"], fn["name"], fn["arguments"]))
-        response = self.response(self.status(), output)
+        status = self.status()
+        if status == "incomplete" and output:  # the item cut off, as the stream marks it
+            output[-1]["status"] = "incomplete"
+        response = self.response(status, output)
         await asyncio.to_thread(self.save, response)
         return json_response(json_bytes(response))
 
