@@ -138,8 +138,8 @@ class Executor:
         self.ended = False
         self._end_queued = False
         # A streamed run's body runs in a thread of its own (`body_thread`, set when it starts):
-        # a read from any other thread waits for the body to end, since it may yet queue what
-        # the read asks for. A fork inherits both from the state it was made from.
+        # a read from any other thread of a name nothing queued sets waits for the body to end,
+        # since the body may yet queue it. A fork inherits both from the state it was made from.
         self.streamed = parent.streamed if parent else False
         self.body_thread: int | None = parent.body_thread if parent else None
         # The stream log: (variable or None, text piece or None for "variable done", meta).
@@ -220,15 +220,13 @@ class Executor:
                 self.error = err
             self._cond.notify_all()
 
-    def wait_for_body(self) -> None:
-        """From outside a streamed run's body, wait until the body has ended (or failed)."""
-        if self.streamed and threading.get_ident() != self.body_thread:
-            with self._cond:
-                self._cond.wait_for(lambda: self._end_queued or self.error is not None)
+    def _body_may_queue(self) -> bool:
+        """Whether a streamed run's body, still running in another thread than this one, may
+        yet queue nodes on this state (call holding `_cond`)."""
+        return self.streamed and not self._end_queued and threading.get_ident() != self.body_thread
 
     def sync(self) -> None:
         """Wait until everything queued has run; raise the state's error, if any."""
-        self.wait_for_body()
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0 or self.ended)
         if self.error is not None:
@@ -246,9 +244,10 @@ class Executor:
             return name in self.variables and not self._writes[name] and not self._joins
 
         def ready() -> bool:
-            return settled() or self.error is not None or self._pending == 0 or self.ended
+            if settled() or self.error is not None or self.ended:
+                return True
+            return self._pending == 0 and not self._body_may_queue()
 
-        self.wait_for_body()
         with self._cond:
             self._cond.wait_for(ready)
             if settled():

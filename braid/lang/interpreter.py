@@ -178,7 +178,6 @@ class ProgramState:
 
     def error(self) -> ProgramError | None:
         """The error that stopped the program, or None (waits for what is queued)."""
-        self._ex.wait_for_body()
         with self._ex._cond:
             self._ex._cond.wait_for(lambda: self._ex._pending == 0 or self._ex.ended)
         return self._ex.error

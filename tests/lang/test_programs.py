@@ -5,6 +5,7 @@ transformers by the runtime tests) or with transformers directly."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import time
@@ -252,19 +253,40 @@ def thinks_between_gens(s):
 
 
 def test_reads_of_a_streamed_run_wait_for_what_its_body_will_queue(backend):
-    """Reading a streamed run's state from the caller waits for the program body, which runs
+    """Reading a streamed run's variable from the caller waits for the program body, which runs
     in its own thread and may not have queued the gen that sets the name yet (it was a
-    'not set by this program' error while the body was still working)."""
+    'not set by this program' error while the body was still working). A name the program
+    never sets is still an error, once the body has ended."""
     whole = thinks_between_gens.run(backend=backend)
     state = thinks_between_gens.run(stream=True, backend=backend)
     assert state["second"] == whole["second"]
-    state = thinks_between_gens.run(stream=True, backend=backend)
-    assert state.text() == whole.text()
-    state = thinks_between_gens.run(stream=True, backend=backend)
-    assert "second" in state and state.error() is None
+    assert state.error() is None and state.text() == whole.text()
     state = thinks_between_gens.run(stream=True, backend=backend)
     with pytest.raises(UnknownVariable, match="'third' is not set"):
         state["third"]
+
+
+@sgl.function
+def forks_and_threads(s):
+    s += "Q: Name two colours.\nA:"
+    forks = s.fork(2)
+    forks += sgl.gen("colour", max_tokens=3, stop="\n", temperature=0)
+    forks.join()
+    with s.copy() as c:
+        c += sgl.gen("more", max_tokens=2, temperature=0)
+    # The program reads its own state from a thread of its own, and waits for it.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        s["seen"] = pool.submit(lambda: s["colour"]).result(timeout=60)
+
+
+def test_a_streamed_run_joins_its_forks_and_its_threads_read_its_state(backend):
+    """Only the caller's reads wait for a streamed body: a join (run by the state's own worker)
+    and a thread the body waits for read as in a run that is not streamed."""
+    whole = forks_and_threads.run(backend=backend)
+    state = forks_and_threads.run(stream=True, backend=backend)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        text = pool.submit(lambda: "".join(state.text_iter())).result(timeout=120)
+    assert text == whole.text() and state["seen"] == whole["colour"] == whole["seen"]
 
 
 def test_run_batch_equals_single_runs_in_order(smollm2, backend):
