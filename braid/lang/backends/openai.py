@@ -262,8 +262,7 @@ class OpenAI(Backend):
             if usage is not None:
                 meta["prompt_tokens"] = usage.prompt_tokens
                 meta["completion_tokens"] = usage.completion_tokens // n
-                details = usage.prompt_tokens_details
-                meta["cached_tokens"] = (details and details.cached_tokens) or 0
+                meta["cached_tokens"] = _cached_tokens(usage)
             finish = meta["finish_reason"]
             if finish["type"] == "length" and not finish["length"]:
                 # The tokens it was cut off at (counted above only from logprobs).
@@ -381,3 +380,12 @@ def _shown(text: str) -> str:
     if text == "an image":
         return text
     return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _cached_tokens(usage: Any) -> int:
+    """`usage.prompt_tokens_details.cached_tokens`, 0 where the server or an older `openai`
+    client has no such field (older clients keep it as a plain dict, if at all)."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if isinstance(details, dict):
+        return details.get("cached_tokens") or 0
+    return getattr(details, "cached_tokens", None) or 0

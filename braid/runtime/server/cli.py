@@ -392,7 +392,7 @@ def serve(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         config = settings_from_args(EngineConfig, args)
         settings = settings_from_args(ServerSettings, args)
-        api_key = _api_key(settings)
+        api_key = _api_key(settings) if config.node_rank == 0 else None  # others serve no HTTP
         assets = ModelAssets.load(  # small JSON files; the tokenizer loads below
             config.model,
             with_tokenizer=False,
