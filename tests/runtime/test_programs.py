@@ -25,6 +25,7 @@ from braid.runtime.scheduler.programs import (
     ProgramTable,
 )
 from braid.runtime.scheduler.request import Req, ReqStatus
+from braid.runtime.scheduler.scheduler import ACTIVE
 from braid.runtime.scheduler.sessions import SessionPins
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.speculative.base import Proposer
@@ -423,6 +424,34 @@ def test_closing_a_root_session_releases_its_forks_pins(tiny_model_dirs):
     assert s.close_session("trip")
     assert s.control("stats")["pinned_sessions"] == 1  # "tripod" only
     assert [i.id for i in s.program_infos()] == ["tripod"]
+    s.check_invariants()
+
+
+def test_a_session_closed_while_its_request_runs_pins_nothing_when_it_ends(tiny_model_dirs):
+    """Closing a session (or its root) while one of its requests runs leaves no pin behind
+    when that request ends; a fork's close does not reach its siblings, and a later request
+    of the same session pins again."""
+    s = local_scheduler(tiny_model_dirs["llama"], kv_tokens=512, schedule_policy="program")
+    sp = braid.SamplingParams(max_tokens=6, **GREEDY)
+    rng = random.Random(9)
+
+    def send(rid: str, session: str) -> None:
+        prompt = [rng.randrange(1, 500) for _ in range(24)]
+        s.handle(GenerateReq(rid, prompt, sp, 0, session_id=session))
+
+    for session in ("solo", "root.0", "root.1", "pair.0", "pair.1"):
+        send(f"r-{session}", session)
+    s.step()  # admitted and running
+    assert s.requests.count(*ACTIVE) == 5
+    assert not s.close_session("solo")  # nothing was pinned yet
+    assert not s.close_session("root")
+    assert not s.close_session("pair.0")
+    run_to_end(s)
+    stats = s.control("stats")
+    assert stats["pinned_sessions"] == 1 and list(s.kv.sessions._pins) == ["pair.1"], stats
+    send("r-solo-again", "solo")
+    run_to_end(s)
+    assert list(s.kv.sessions._pins) == ["pair.1", "solo"]
     s.check_invariants()
 
 

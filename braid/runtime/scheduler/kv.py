@@ -136,7 +136,8 @@ class KVManager:
         duplicates = self.cache.insert(req.cache_tokens(full * self.page_size), offered)
         own = set(req.pages[req.shared_pages :])
         self.allocator.free([p for p in duplicates if p in own] + req.pages[full:])
-        if req.session_id is not None and req.finish_reason in ("stop", "length"):
+        pins = req.session_id is not None and not req.session_closed
+        if pins and req.finish_reason in ("stop", "length"):
             if self.pin_pays is None or self.pin_pays(req):
                 ttl = self.pin_ttl(req) if self.pin_ttl is not None else None
                 tokens = req.cache_tokens(full * self.page_size)

@@ -88,6 +88,7 @@ class Req:
     program_id: str | None = None  # the program run it belongs to (see `programs.py`)
     program_position: int | None = None  # the call's position in its program run
     session_ttl_s: float | None = None  # the client's TTL for its session pin (else adaptive)
+    session_closed: bool = False  # its session was closed while it ran: it pins nothing
     waiting_since: float = 0.0  # when it last entered the waiting queue (the table's clock)
     # Leading tokens its program has had computed before (the longest prefix its prompt shares
     # with a sequence the program remembers, then this request's own KV): computing them

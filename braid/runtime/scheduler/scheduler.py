@@ -477,7 +477,13 @@ class Scheduler:
     def close_session(self, session: str) -> bool:
         """Release `session`'s pin; whether a pin was released. Its program forgets the
         session; closing a program's root session ends the program and releases its forks'
-        pins too (a client that closes only the root leaves none behind)."""
+        pins too (a client that closes only the root leaves none behind). A request of the
+        session (or, for a root, of its forks) still running will not pin when it ends."""
+        for req in self.requests:
+            sid = req.session_id
+            root = "." not in session
+            if sid is not None and (sid == session or root and sid.startswith(session + ".")):
+                req.session_closed = True
         self.programs.close_session(session)
         forks = 0
         if "." not in session:
