@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -708,7 +709,8 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
 
 
 def test_a_refused_priority_is_not_counted_as_a_request(server):
-    """A priority under lpm is a 400 before the request is counted (or its images made)."""
+    """A priority under lpm is a 400 before the request is counted (or its images made), and
+    so is a rid in flight."""
 
     def received() -> float:
         text = httpx.get(f"{server.url}/metrics").text
@@ -725,3 +727,17 @@ def test_a_refused_priority_is_not_counted_as_a_request(server):
     assert received() == before
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 200 and received() == before + 1
+    # A rid already in flight is refused when submitted: not counted either.
+    busy = {"text": "Count:", "rid": "busy-rid"}
+    busy["sampling_params"] = {"max_new_tokens": 2000, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, f"{server.url}/generate", json=busy, timeout=120)
+        deadline = time.monotonic() + 30
+        while not httpx.get(f"{server.url}/get_server_info").json()["stats"]["running_requests"]:
+            assert time.monotonic() < deadline, "the first request never ran"
+            time.sleep(0.05)
+        again = httpx.post(f"{server.url}/generate", json=busy)
+        assert again.status_code == 400 and "already in use" in again.text, again.text
+        assert received() == before + 2  # the first only
+        httpx.post(f"{server.url}/abort_request", json={"rid": "busy-rid"})
+        assert first.result().status_code == 200

@@ -30,10 +30,9 @@ from braid.runtime.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 
-def count_request(state: ServerState, prompt_tokens: int, priority: int) -> None:
-    """Count an accepted request in /metrics: its `priority` checked first (`check_priority`:
-    a 400 naming it), so a refused request is not counted."""
-    check_priority(priority, state.tm.config.schedule_policy)
+def count_request(state: ServerState, prompt_tokens: int) -> None:
+    """Count a request in /metrics once it is submitted (`submit_all` refuses a bad priority
+    or a rid in use first: a refused request is not counted)."""
     state.metrics.requests += 1
     state.metrics.prompt_tokens += prompt_tokens
 
@@ -57,7 +56,8 @@ def submit_all(
     constraint waits for (`GenerateReq`'s `grammar_after`, `grammar_open`): all of them or (on
     an error) none, in one message to the scheduler. `group`: the id the client holds for them
     all (`/abort_request` takes it). `priority`: under the priority schedule policy, lower
-    first (checked by `count_request` before)."""
+    first (`check_priority`: a 400 naming it, before anything is submitted)."""
+    check_priority(priority, state.tm.config.schedule_policy)
     with state.tm.together() as rids:
         for i, (rid, ids) in enumerate(jobs):
             rids += state.tm.submit(

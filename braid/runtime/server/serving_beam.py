@@ -19,6 +19,7 @@ from braid.runtime.errors import ParamError
 from braid.runtime.ipc.to_tokenizer import StrOut
 from braid.runtime.outputs import PositionLogprobs, logprob_dict
 from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.scheduler.policies import check_priority
 from braid.runtime.server.guard import APIError
 from braid.runtime.server.openai_types import (
     AssistantMessage,
@@ -122,7 +123,8 @@ async def beam_response(
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
-    count_request(state, sum(len(ids) for _, ids in prompts), req.priority)
+    check_priority(req.priority, state.tm.config.schedule_policy)  # before it is counted
+    count_request(state, sum(len(ids) for _, ids in prompts))
     search = BeamSearch(
         [ids for _, ids in prompts], beam, state.tm.eos_token_ids, state.tm.ready.context_length
     )

@@ -140,7 +140,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         # sampled once.
         rids = each.rids(single)
         t0 = time.perf_counter()
-        count_request(state, sum(len(ids) for _, ids in prompts), req.priority)
         session_id, session_ttl, position, continued = session
         streams = submit_all(
             state,
@@ -155,6 +154,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             group=req.rid if isinstance(req.rid, str) else None,
             priority=req.priority,
         )
+        count_request(state, sum(len(ids) for _, ids in prompts))
         prompt_of = [i for i in range(len(prompts)) for _ in range(params[i].n)]
         sample_rids = [
             f"{rids[p]}/{k}" if params[p].n > 1 else rids[p]

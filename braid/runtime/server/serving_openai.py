@@ -115,7 +115,6 @@ class OpenAIResponse(abc.ABC):
         self.rid = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.t0 = time.perf_counter()
-        count_request(state, sum(len(ids) for _, ids in self.prompts), self.req.priority)
         streams = submit_all(
             state,
             [(f"{self.rid}-{i}", ids) for i, (_, ids) in enumerate(self.prompts)],
@@ -126,6 +125,7 @@ class OpenAIResponse(abc.ABC):
             group=self.rid,
             priority=self.req.priority,
         )
+        count_request(state, sum(len(ids) for _, ids in self.prompts))
         self.prompt_choice = [i * params.n for i in range(len(self.prompts))]
         self.choices = [Choice() for _ in streams]
         if not self.req.stream:

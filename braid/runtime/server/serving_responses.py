@@ -291,7 +291,6 @@ class ResponseRun:
     # ---- answering ----------------------------------------------------------------------------
     async def respond(self, request: Request) -> Response:
         chat, state = self.chat, self.state
-        count_request(state, len(chat.prompts[0][1]), self.body.priority)
         self.t0 = time.perf_counter()
         streams = submit_all(
             state,
@@ -303,6 +302,7 @@ class ResponseRun:
             group=self.id,
             priority=self.body.priority,
         )
+        count_request(state, len(chat.prompts[0][1]))
         if not self.body.stream:
             return await self._whole(request, streams)
         outs = await unless_gone(request, first_output(streams))
