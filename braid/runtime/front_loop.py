@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
+SHUT_DOWN = "this LLM has been shut down"
+
 
 class FrontLoop:
     def __init__(self) -> None:
+        self.stopped = False
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="braid-tokenizer-manager", daemon=True
@@ -25,7 +29,11 @@ class FrontLoop:
     def call(self, coro: Coroutine) -> Any:
         """Run `coro` on the loop and wait for it. Interrupted here (Ctrl-C in the caller's
         thread), it is cancelled there, and its cleanup (which aborts the requests it
-        started) has run when the interrupt goes on."""
+        started) has run when the interrupt goes on. After `stop` (or when `stop` cancels it
+        while it runs), a `RuntimeError`."""
+        if self.stopped:
+            coro.close()
+            raise RuntimeError(SHUT_DOWN)
         box: dict[str, Any] = {}
 
         async def call():
@@ -47,6 +55,10 @@ class FrontLoop:
         fut = self.submit(call())
         try:
             return fut.result()
+        except concurrent.futures.CancelledError:
+            if self.stopped:
+                raise RuntimeError(SHUT_DOWN) from None
+            raise
         except BaseException:
             if not fut.done():
                 done = threading.Event()
@@ -55,6 +67,20 @@ class FrontLoop:
             raise
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (a call another thread waits on then raises,
+        its cleanup done), then stop the loop."""
+        self.stopped = True
+
+        async def cancel_the_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.loop.is_running() and threading.current_thread() is not self._thread:
+            done = asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop)
+            with contextlib.suppress(Exception):
+                done.result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
 

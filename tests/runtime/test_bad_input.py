@@ -402,3 +402,38 @@ def test_a_script_that_never_shuts_down_exits_quietly(tiny_model_dirs):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_an_llm_shut_down_refuses_every_call_and_ends_one_in_flight(tiny_model_dirs):
+    """`shutdown()` while another thread's generate runs ends that generate with an error
+    (it waited for ever), and every call after it is the same error (stats, flush_cache,
+    check_invariants and programs waited for ever on the stopped loop)."""
+    import threading
+    import time
+
+    import braid
+
+    llm = braid.LLM(tiny_model_dirs["llama"], kv_tokens=256, show_progress=False)
+    outcome: dict[str, BaseException] = {}
+    sp = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    def generate() -> None:
+        try:
+            llm.generate([[1, 2, 3]] * 64 * 4, sp, use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 - what it raised is the point
+            outcome["error"] = e
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not llm.stats()["running_requests"]:
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.05)
+    llm.shutdown()
+    thread.join(30)
+    assert not thread.is_alive(), "the generate in flight never returned"
+    assert isinstance(outcome.get("error"), RuntimeError), outcome
+    assert "has been shut down" in str(outcome["error"])
+    for call in (llm.stats, llm.flush_cache, llm.check_invariants, llm.programs):
+        with pytest.raises(RuntimeError, match="has been shut down"):
+            call()
