@@ -936,6 +936,36 @@ def test_opened_sessions_continue_their_requests_as_sglangs_do(server):
     wait_idle(url)
 
 
+def test_an_opened_sessions_ended_request_is_not_a_later_request_with_its_rid(server):
+    """A rid names a session's request only until it ends: a request elsewhere that takes the
+    same rid later neither blocks continuing the session's request nor is aborted by a
+    `replace` in the session (both happened: the session asked whether the rid was in
+    flight anywhere)."""
+    url = server.url
+    wait_idle(url)
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    sid = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": 4096}).json()
+
+    def generate(ids: list[int], **body) -> dict:
+        r = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": sp, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    a, b = [504, 3457, 314, 4195, 30], [1073, 28, 2215]
+    generate(a, rid="c0", session_params={"id": sid})  # ended
+    other = {"input_ids": b, "rid": "c0", "stream": True}
+    other["sampling_params"] = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/generate", json=other, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(x for x in lines if x.startswith("data:"))  # it is running
+        generate(b, rid="c1", session_params={"id": sid, "rid": "c0"})
+        generate(b, rid="c2", session_params={"id": sid, "replace": True})
+        last = [x for x in lines if x.startswith("data:") and x != "data: [DONE]"][-1]
+    assert '"finish_reason":{"type":"length"' in last.replace(" ", ""), last[-300:]
+    assert httpx.post(f"{url}/close_session", json={"session_id": sid}).json()["success"]
+    wait_idle(url)
+
+
 @pytest.mark.parametrize("penalty", [-1000.0, 1000.0, 1e308])
 def test_beam_search_ranks_beams_under_any_finite_length_penalty(client, server, penalty):
     """A length penalty that takes `length ** penalty` past the float range (1000 at a length

@@ -48,6 +48,11 @@ class _Node:
     output: array | None = None  # its output's token ids once it has ended
     children: list[str] = field(default_factory=list)
 
+    def finished(self) -> bool:
+        """Whether its output says it ended (a request whose client left may have ended
+        without its output saying so)."""
+        return self.choice is None or self.choice.finish_reason is not None
+
     def sequence(self, drop_output: bool, ended: bool) -> list[int]:
         if ended and self.choice is not None:  # keep the ids only, not the whole output
             self.output, self.choice = array("i", self.choice.token_ids), None
@@ -116,6 +121,12 @@ class SessionTrees:
         (without `replace`), a rid already used in the session."""
         with self._lock:
             nodes = self._sessions.get(params.id)
+
+            def in_flight(r: str) -> bool:
+                # By the request's own output first: a rid names this session's request only
+                # until it ends (a later request elsewhere may take the same rid).
+                return not nodes[r].finished() and running(r)
+
             if nodes is None:  # closed since the caller looked
                 raise APIError(400, f"session {params.id!r} is not open", "session_params.id")
             if rid in nodes:
@@ -131,7 +142,7 @@ class SessionTrees:
                         "give session_params.rid",
                         "session_params.rid",
                     )
-                ends = list(nodes) if params.replace else []
+                ends = [r for r in nodes if in_flight(r)] if params.replace else []
                 return Continuation(params.id, rid, list(ids), None, bool(params.replace), ends)
             node = nodes.get(parent)
             if node is None:
@@ -140,7 +151,7 @@ class SessionTrees:
                     f"session_params.rid: no request {parent!r} in session {params.id!r}",
                     "session_params.rid",
                 )
-            ended = not running(parent)
+            ended = not in_flight(parent)
             if not ended and not params.replace:
                 raise APIError(
                     400,
@@ -154,7 +165,7 @@ class SessionTrees:
             own = ids[1:] if bos is not None and ids[:1] == [bos] else ids
             ends = [parent] if params.replace and not ended else []
             if params.replace:
-                ends += _descendants(nodes, parent)
+                ends += [r for r in _descendants(nodes, parent) if in_flight(r)]
             return Continuation(params.id, rid, base + own, parent, bool(params.replace), ends)
 
     def add(self, c: Continuation, choice: Choice) -> list[str]:
