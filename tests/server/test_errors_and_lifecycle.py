@@ -255,6 +255,8 @@ BAD = [
         'tool_choice: "auto" (the default with tools) needs a tool-call parser',
     ),
     (G, {"text": "x", "sampling_params": {"regex": "(a)\\1"}}, 400, "regex"),
+    # The part of a session id before its first "." names its program: not empty.
+    (G, {"text": "x", "session_id": ".a"}, 400, "session_id '.a' begins with '.'"),
     # More new tokens than the context leaves room for: refused, as vLLM's server and SGLang
     # do (a client's max_tokens is not cut short silently with finish_reason "length").
     (C, {"prompt": "x", "max_tokens": 9000}, 400, "max_tokens: 9000 is too large: the context"),

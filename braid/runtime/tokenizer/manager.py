@@ -58,7 +58,7 @@ from braid.runtime.ipc.to_tokenizer import (
 )
 from braid.runtime.sampling_params import SamplingParams, fold_seed
 from braid.runtime.tokenizer.pending import Pending
-from braid.runtime.tokenizer.request_checks import check_prompt_ids
+from braid.runtime.tokenizer.request_checks import check_names, check_prompt_ids
 from braid.runtime.tokenizer.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
@@ -436,14 +436,7 @@ class TokenizerManager:
                     "session_ttl_s",
                     f"session_ttl_s must be a positive number, got {session_ttl_s!r}",
                 )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ParamError(
-                "cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r}"
-            )
-        if program_id is not None and (not isinstance(program_id, str) or not program_id):
-            raise ParamError(
-                "program_id", f"program_id must be a non-empty string, got {program_id!r}"
-            )
+        check_names(session_id=session_id, cache_salt=cache_salt, program_id=program_id)
         if program_position is not None:
             if session_id is None and program_id is None:
                 raise ParamError(

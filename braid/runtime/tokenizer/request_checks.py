@@ -27,3 +27,19 @@ def check_prompt_ids(
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
         raise ParamError.at(where, f"token id {bad[0]} is outside the vocabulary ({vocab_size})")
+
+
+def check_names(**names: str | None) -> None:
+    """A `ParamError` naming the field for a name given that is not a non-empty string, or a
+    `session_id` that begins with "." (the part before its first "." names its program,
+    which `/end_program` and `/close_session` must be able to name)."""
+    for field, value in names.items():
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ParamError(field, f"{field} must be a non-empty string, got {value!r}")
+    session = names.get("session_id")
+    if session is not None and session.startswith("."):
+        raise ParamError(
+            "session_id",
+            f"session_id {session!r} begins with '.': the part before its first '.' names "
+            "its program, so it must not be empty",
+        )
