@@ -119,7 +119,8 @@ class Executor:
         self.text = parent.text if parent else ""
         self.messages: list[dict[str, Any]] = [dict(m) for m in parent.messages] if parent else []
         self.open_role = parent.open_role if parent else None
-        # The first text (or image) written outside any role (`Prompt.loose_text`).
+        # The first text (or image) written outside any role, as a message shows it
+        # (`Prompt.loose_text`).
         self.loose_text: str | None = parent.loose_text if parent else None
         self.role_start = parent.role_start if parent else 0
         # The prompt's images in order, one per image placeholder in `text`; a fork copies the
@@ -306,7 +307,8 @@ class Executor:
     def _run_leaf(self, node: Expr) -> None:
         if isinstance(node, Text):
             if self.open_role is None and self.loose_text is None and node.value.strip():
-                self.loose_text = node.value
+                text = node.value
+                self.loose_text = repr(text if len(text) <= 40 else text[:37] + "...")
             self._append(node.value)
         elif isinstance(node, RoleBegin):
             self._role_begin(node.role)

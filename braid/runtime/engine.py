@@ -26,7 +26,7 @@ from braid.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_s
 from braid.runtime.config import EngineConfig
 from braid.runtime.config_keywords import resolve_overrides
 from braid.runtime.errors import ParamError
-from braid.runtime.front_loop import FrontLoop, release
+from braid.runtime.front_loop import SHUT_DOWN, FrontLoop, release
 from braid.runtime.ipc.to_detokenizer import SpecUsage
 from braid.runtime.ipc.to_scheduler import EmbedSpec, ImageInput
 from braid.runtime.launch import spawn_runtime
@@ -216,7 +216,7 @@ class LLM:
         """Schedule `coro` on the engine's front-end loop (where `self.tm` lives), from any
         thread; the language's Engine backend drives requests this way."""
         if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+            raise RuntimeError(SHUT_DOWN)
         return self._front.submit(coro)
 
     def get_tokenizer(self):
@@ -352,7 +352,7 @@ class LLM:
             self.media.check_no_placeholders(item.ids, f"prompt {i}")
             self.tm.validate(item.ids, params, where=f"prompt {i}", embed=True)
         if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+            raise RuntimeError(SHUT_DOWN)
         ids = [item.ids for item in items]
         rids = [f"emb-{next(self._ids)}" for _ in ids]
         vectors = self._call(self._embed_async(rids, items, params, spec, use_tqdm))
@@ -499,7 +499,7 @@ class LLM:
     ) -> list[RequestOutput]:
         ranks = priorities(priority, len(items), self.config.schedule_policy)
         if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+            raise RuntimeError(SHUT_DOWN)
         if self.model_config.architecture in BASE_MODEL_ARCHS:
             raise ValueError(
                 f"model: {self.model_config.architecture} has no LM head; it serves embeddings "

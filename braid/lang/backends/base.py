@@ -34,9 +34,9 @@ class Prompt:
     session or the program for the runtime's per-program accounting. `program` names the
     program run (with or without a session); backends that can send it send it with each
     request, so the runtime schedules by program (`--schedule-policy program` or
-    `program-srpt`) even where nothing is pinned. `loose_text` is the first text (or image)
-    the program wrote outside any role, which a backend that sends only the messages of a
-    chat must refuse rather than drop."""
+    `program-srpt`) even where nothing is pinned. `loose_text` names the first text (quoted, cut
+    to 40 characters) or image the program wrote outside any role, which a backend that sends
+    only the messages of a chat must refuse rather than drop."""
 
     text: str
     messages: list[dict[str, Any]] = field(default_factory=list)

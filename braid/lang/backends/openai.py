@@ -190,7 +190,7 @@ class OpenAI(Backend):
             if prompt.loose_text is not None:
                 raise ValueError(
                     "OpenAI backend: a chat sends only its role messages, and this program wrote "
-                    f"{_shown(prompt.loose_text)} outside any role; put it in a role "
+                    f"{prompt.loose_text} outside any role; put it in a role "
                     "(`s += system(...)`) or write the program without roles"
                 )
             messages = chat_messages(prompt.messages, prompt.images)
@@ -373,13 +373,6 @@ class OpenAI(Backend):
         if not entries:
             raise ValueError(f"select: choice {choice!r} added no scored tokens")
         return entries
-
-
-def _shown(text: str) -> str:
-    """`text` for an error message: quoted and cut to 40 characters (an image as it is)."""
-    if text == "an image":
-        return text
-    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def _cached_tokens(usage: Any) -> int:

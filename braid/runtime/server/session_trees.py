@@ -121,14 +121,14 @@ class SessionTrees:
         (without `replace`), a rid already used in the session."""
         with self._lock:
             nodes = self._sessions.get(params.id)
+            if nodes is None:  # closed since the caller looked
+                raise APIError(400, f"session {params.id!r} is not open", "session_params.id")
 
             def in_flight(r: str) -> bool:
                 # By the request's own output first: a rid names this session's request only
                 # until it ends (a later request elsewhere may take the same rid).
                 return not nodes[r].finished() and running(r)
 
-            if nodes is None:  # closed since the caller looked
-                raise APIError(400, f"session {params.id!r} is not open", "session_params.id")
             if rid in nodes:
                 raise APIError(
                     400, f"rid {rid!r} is already a request of session {params.id!r}", "rid"
